@@ -1,0 +1,561 @@
+"""Small, method-agnostic helpers shared by train_flow_matching.py and train_ddpm.py.
+
+Nothing here knows about an objective or a sampler: config loading, the embedded demo data, dataset opening
+and the latent/text cache, the conditioning module, EMA, the LR function, the resolution time shift, image
+grids and checkpoint files. Each trainer reads top to bottom on its own and calls these the same way.
+"""
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+from PIL import Image, ImageDraw
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+# ----------------------------------------------------------------------------------------------------------
+# Config: defaults (a nested dict in each trainer) <- --config file.json <- --dotted.key=value
+
+
+class Config(dict):
+    """A dict whose keys also read as attributes (cfg.train.lr), so it still dumps to JSON as is."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(f"config has no key '{key}'") from None
+
+
+def _merge(base, override, where, prefix=""):
+    out = Config({k: Config(v) if isinstance(v, dict) else v for k, v in base.items()})
+    for key, value in override.items():
+        name = prefix + key
+        if key not in base:
+            close = [k for k in base if k.startswith(key[:3])]
+            raise ValueError(f"unknown config key '{name}' ({where}); known keys here: {sorted(base)}"
+                             + (f", did you mean {close}?" if close else ""))
+        default = base[key]
+        if isinstance(default, dict):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key '{name}' ({where}) must be a section (dict), got {value!r}")
+            out[key] = _merge(default, value, where, name + ".")
+            continue
+        ok = (default is None or (value is None and type(default) is str)  # a str setting can be switched off
+              or (type(default) is bool and type(value) is bool)
+              or (type(default) is int and type(value) is int)
+              or (type(default) is float and type(value) in (int, float))
+              or (type(default) in (str, list) and type(value) is type(default)))
+        if not ok:
+            raise ValueError(f"config key '{name}' ({where}) must be {type(default).__name__}, "
+                             f"got {type(value).__name__} {value!r}")
+        out[key] = float(value) if type(default) is float else value
+    return out
+
+
+def load_config(defaults, argv=None):
+    """Resolve the config: the trainer's DEFAULTS, then `--config file.json`, then `--a.b=value` overrides.
+
+    Unknown keys and wrong types raise ValueError naming the key. Values parse as JSON when they can
+    (`--train.lr=3e-4`, `--val.prompts='["a red circle"]'`) and as plain strings otherwise.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = _merge(defaults, {}, "defaults")
+    overrides = []
+    while argv:
+        arg = argv.pop(0)
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r}: use --config FILE or --key=value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if not argv:
+                raise ValueError(f"argument --{key} needs a value")
+            value = argv.pop(0)
+        if key == "config":
+            if not Path(value).is_file():
+                raise FileNotFoundError(f"config file not found: {value}")
+            cfg = _merge(cfg, json.loads(Path(value).read_text()), f"from {value}")
+        else:
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+            for part in reversed(key.split(".")):
+                value = {part: value}
+            overrides.append((value, arg))
+    for value, arg in overrides:
+        cfg = _merge(cfg, value, f"from {arg}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Embedded demo data: coloured shapes, generated deterministically, offline, in about a second.
+
+DEMO_COLORS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230)}
+DEMO_SHAPES = ["circle", "square", "triangle"]
+DEMO_CLASSES = [f"{c} {s}" for c in DEMO_COLORS for s in DEMO_SHAPES]  # label = index in this list
+
+
+def draw_shape(label, size, rng, resolution=32):
+    """One demo image: class `label`'s shape and colour, side `size` pixels, at a random place."""
+    color, shape = DEMO_CLASSES[label].split()
+    bg = tuple(int(v) for v in rng.integers(200, 245, 3))
+    img = Image.new("RGB", (resolution, resolution), bg)
+    x, y = (int(v) for v in rng.integers(1, resolution - size, 2))
+    box, fill = [x, y, x + size, y + size], DEMO_COLORS[color]
+    draw = ImageDraw.Draw(img)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(x + size / 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+    return img
+
+
+def make_demo_dataset(num_samples, seed, resolution=32):
+    """A `datasets.Dataset` with image, label and caption columns ("a small red circle")."""
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    rows = {"image": [], "label": [], "caption": []}
+    for i in range(num_samples):
+        label = i % len(DEMO_CLASSES)
+        size = int(rng.integers(resolution // 4, resolution // 2 + 4))
+        rows["image"].append(draw_shape(label, size, rng, resolution))
+        rows["label"].append(label)
+        rows["caption"].append(f"a {'small' if size < resolution * 0.35 else 'large'} {DEMO_CLASSES[label]}")
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64"),
+                                  "caption": datasets.Value("string")})
+    return datasets.Dataset.from_dict(rows, features=features)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Datasets: embedded demo, hub id, local imagefolder (metadata.jsonl) or parquet files.
+
+
+def open_dataset(data, split):
+    """Split `split` of the source named by `data.source`, with images left undecoded (bytes or path), so
+    that a broken file is our error to report rather than a crash inside `datasets`."""
+    import datasets
+
+    source = data.source
+    if source == "embedded":
+        ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution)
+    elif source.endswith(".parquet") or (Path(source).is_dir() and any(Path(source).glob("**/*.parquet"))):
+        files = source if source.endswith(".parquet") else str(Path(source) / "**/*.parquet")
+        ds = datasets.load_dataset("parquet", data_files={split: files}, split=split)
+    elif Path(source).is_dir():
+        ds = datasets.load_dataset("imagefolder", data_dir=source, split=split)
+    else:
+        ds = datasets.load_dataset(source, split=split)
+    for key in ("image_column", "label_column", "caption_column"):
+        if data[key] is not None and data[key] not in ds.column_names:
+            raise ValueError(f"data.{key}='{data[key]}' is not a column of {source} (split '{split}'); "
+                             f"its columns are {ds.column_names}")
+    return ds.cast_column(data.image_column, datasets.Image(decode=False))
+
+
+def open_splits(data):
+    """(train, held-out) datasets: `data.val_split` if the source has one, else `data.val_holdout` rows
+    drawn at random (seed 0) from the training split and removed from it."""
+    train = open_dataset(data, data.split)
+    if data.val_split is not None:
+        val = open_dataset(data, data.val_split)
+    else:
+        perm = np.random.default_rng(0).permutation(len(train))
+        val, train = train.select(sorted(perm[:data.val_holdout])), train.select(sorted(perm[data.val_holdout:]))
+    if data.max_samples is not None:
+        train = train.select(range(min(data.max_samples, len(train))))
+    return train, val
+
+
+def load_image(value):
+    """Decode an undecoded `datasets.Image` value to RGB; any mode (L, P, RGBA, CMYK, I;16) is converted."""
+    import io
+
+    img = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"])
+    img.load()
+    if img.mode in ("RGBA", "LA", "P"):  # composite transparency on white rather than on black
+        img = img.convert("RGBA")
+        white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(white, img)
+    return img.convert("RGB")
+
+
+def preprocess(img, resolution, crop):
+    """Resize the short side to `resolution` and crop a square; returns pixels in [-1, 1] and the metadata
+    (original size, crop top-left) that the conditioning needs to be true to the data."""
+    w, h = img.size
+    scale = resolution / min(w, h)
+    nw, nh = max(resolution, round(w * scale)), max(resolution, round(h * scale))
+    img = img.resize((nw, nh), Image.BICUBIC, reducing_gap=3.0)
+    if crop == "center":
+        top, left = (nh - resolution) // 2, (nw - resolution) // 2
+    elif crop == "random":
+        top, left = random.randint(0, nh - resolution), random.randint(0, nw - resolution)
+    else:
+        raise ValueError(f"data.crop must be 'center' or 'random', got {crop!r}")
+    img = img.crop((left, top, left + resolution, top + resolution))
+    x = torch.from_numpy(np.asarray(img, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1
+    return x, {"orig_hw": torch.tensor([h, w]), "crop_tl": torch.tensor([top, left])}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Frozen encoders: a diffusers AutoencoderKL (None: pixel space) and a transformers text encoder (None: class
+# labels), by hub id or local path.
+
+
+def load_encoders(enc, device):
+    vae = tokenizer = text_encoder = None
+    if enc.vae:
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.from_pretrained(enc.vae).to(device).eval().requires_grad_(False)
+    if enc.text_encoder:
+        from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+        kind = AutoConfig.from_pretrained(enc.text_encoder).model_type
+        model_cls = {"clip": CLIPTextModel, "clip_text_model": CLIPTextModel, "t5": T5EncoderModel}.get(kind, AutoModel)
+        tokenizer = AutoTokenizer.from_pretrained(enc.text_encoder)
+        text_encoder = model_cls.from_pretrained(enc.text_encoder).to(device).eval().requires_grad_(False)
+    return vae, tokenizer, text_encoder
+
+
+@torch.no_grad()
+def encode_text(tokenizer, encoder, captions, max_tokens):
+    """Token features for the context stream and a pooled vector (CLIP's pooler, else the masked mean)."""
+    tok = tokenizer(captions, padding="max_length", max_length=max_tokens, truncation=True, return_tensors="pt")
+    tok = tok.to(encoder.device)
+    out = encoder(input_ids=tok.input_ids, attention_mask=tok.attention_mask)
+    mask = tok.attention_mask.float()
+    pooled = getattr(out, "pooler_output", None)
+    if pooled is None:
+        pooled = (out.last_hidden_state * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    return {"text_tokens": out.last_hidden_state, "text_mask": mask, "text_pooled": pooled}
+
+
+def make_encode(vae, tokenizer, text_encoder, max_tokens):
+    """The cache's "process" step: pixels in [-1, 1] -> latents (z - shift) * scale with the VAE's own
+    factors, stored as posterior mean and std; captions -> text features."""
+
+    @torch.no_grad()
+    def encode(pixels, captions):
+        if vae is None:
+            out = {"x": pixels}
+        else:
+            posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+            scale, shift = vae.config.scaling_factor, vae.config.shift_factor or 0.0
+            out = {"x": (posterior.mean - shift) * scale, "x_std": posterior.std * scale}
+        if text_encoder is not None:
+            out.update(encode_text(tokenizer, text_encoder, captions, max_tokens))
+        return out
+
+    return encode
+
+
+@torch.no_grad()
+def decode(vae, x):
+    """Model space -> pixels in [-1, 1] (inverse of make_encode's scaling)."""
+    if vae is None:
+        return x
+    return vae.decode(x.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)).sample
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cache: "cache check -> hit: load / miss: process -> cache results" (training_pipeline.txt).
+# Each shard k holds dataset rows [k * S, (k + 1) * S) and is written by rank k % world_size, atomically;
+# an interrupted extraction resumes at the first missing shard. The folder is named by a hash of everything
+# that changes the content, so a changed key is a miss, never a silent reuse.
+
+
+def cache_key(cfg, part, num_rows):
+    data, enc = cfg.data, cfg.encoders
+    key = {"source": data.source, "part": part, "split": data.split, "val_split": data.val_split,
+           "val_holdout": data.val_holdout, "rows": num_rows, "resolution": data.resolution, "crop": data.crop,
+           "columns": [data.image_column, data.label_column, data.caption_column], "vae": enc.vae,
+           "text_encoder": enc.text_encoder, "max_tokens": enc.max_tokens if enc.text_encoder else None,
+           "dtype": data.cache_dtype, "format": 1}
+    if data.source == "embedded":
+        key["demo"] = [data.demo_samples, data.demo_resolution]
+    return key
+
+
+def build_cache(ds, part, encode, accelerator, cfg):
+    """Cache split `part` ("train" or "val") of `ds`: return its folder, encoding what is missing first.
+    `encode(pixels, captions)` maps a batch to a dict of tensors (see make_encode)."""
+    data = cfg.data
+    key = cache_key(cfg, part, len(ds))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", data.source).strip("-")[-40:]
+    folder = Path(data.cache_dir) / f"{slug}-{part}-{digest}"
+    manifest = folder / "manifest.json"
+    if manifest.exists():
+        accelerator.print(f"cache hit ({part}): {folder}")
+        return folder
+    accelerator.print(f"cache miss ({part}): encoding {len(ds)} samples into {folder}")
+    folder.mkdir(parents=True, exist_ok=True)
+    size, rank, world = data.shard_size, accelerator.process_index, accelerator.num_processes
+    mine = [k for k in range(math.ceil(len(ds) / size)) if k % world == rank]
+    for k in tqdm(mine, desc=f"cache {part} (rank {rank})", disable=not accelerator.is_local_main_process):
+        path = folder / f"shard_{k:05d}.safetensors"
+        if path.exists():
+            continue  # finished before an interruption
+        rows = ds[k * size:(k + 1) * size]
+        pixels, metas = zip(*(preprocess(load_image(v), data.resolution, data.crop) for v in rows[data.image_column]))
+        captions = rows[data.caption_column] if data.caption_column else None
+        tensors = {}
+        for j in range(0, len(pixels), data.encode_batch_size):
+            out = encode(torch.stack(pixels[j:j + data.encode_batch_size]),
+                         captions[j:j + data.encode_batch_size] if captions else None)
+            for name, value in out.items():
+                tensors.setdefault(name, []).append(value.to("cpu", getattr(torch, data.cache_dtype)))
+        tensors = {name: torch.cat(parts) for name, parts in tensors.items()}
+        tensors.update({name: torch.stack([m[name] for m in metas]) for name in metas[0]})
+        if data.label_column:
+            tensors["label"] = torch.tensor(rows[data.label_column], dtype=torch.long)
+        tmp = path.with_suffix(".tmp")
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata={"rows": str(len(pixels))})
+        os.replace(tmp, path)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shards = sorted(p.name for p in folder.glob("shard_*.safetensors"))
+        manifest.with_suffix(".tmp").write_text(json.dumps({"key": key, "shards": shards}, indent=1))
+        os.replace(manifest.with_suffix(".tmp"), manifest)
+    accelerator.wait_for_everyone()
+    return folder
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """Rows of a finished cache, read lazily from memory-mapped shards (ImageNet latents do not fit in RAM
+    once per GPU). Returns float32 tensors; a latent cache holds the posterior mean and std, and a sample
+    x0 = mean + std * n is drawn at train time, so each epoch sees a fresh draw."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        manifest = json.loads((self.folder / "manifest.json").read_text())
+        self.shards, self.starts = manifest["shards"], [0]
+        for name in self.shards:
+            with safe_open(str(self.folder / name), "pt") as f:
+                self.starts.append(self.starts[-1] + int(f.metadata()["rows"]))
+                self.keys = list(f.keys())
+        self.handles = {}
+
+    def __len__(self):
+        return self.starts[-1]
+
+    def __getitem__(self, i):
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        if k not in self.handles:  # opened per worker process, lazily: handles do not pickle
+            self.handles[k] = safe_open(str(self.folder / self.shards[k]), "pt")
+        f, j = self.handles[k], i - self.starts[k]
+        return {name: f.get_slice(name)[j].float() if name != "label" else f.get_slice(name)[j]
+                for name in self.keys}
+
+    def __getstate__(self):
+        return {**self.__dict__, "handles": {}}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Conditioning: class tokens or text tokens go to the MMDiT's context stream (attention); the pooled
+# vector goes to its adaptive-norm input.
+
+
+class Conditioner(nn.Module):
+    """Maps a batch's conditions to (context tokens, pooled vector) for SD3Transformer2DModel.
+
+    Class label c in [0, num_classes) -> `class_tokens` learned tokens; label == num_classes is the null
+    class of classifier-free guidance. Text: the cached encoder features pass through unchanged, and a
+    dropped caption is replaced by the encoding of the empty prompt (as in SD and SD3), kept as a buffer so
+    the exported model samples without the text encoder's help for the null condition.
+    """
+
+    def __init__(self, num_classes, class_tokens, context_dim, pooled_dim, text_tokens=0):
+        super().__init__()
+        self.num_classes, self.class_tokens, self.pooled_dim = num_classes, class_tokens, pooled_dim
+        if num_classes:
+            self.class_embed = nn.Embedding((num_classes + 1) * class_tokens, context_dim)
+            nn.init.normal_(self.class_embed.weight, std=0.02)
+        if text_tokens:
+            self.register_buffer("null_tokens", torch.zeros(text_tokens, context_dim))
+            self.register_buffer("null_pooled", torch.zeros(pooled_dim))
+
+    def forward(self, cond):
+        drop = cond["drop"]
+        if "text_tokens" in cond:
+            tokens = torch.where(drop[:, None, None], self.null_tokens.to(cond["text_tokens"]), cond["text_tokens"])
+            pooled = torch.where(drop[:, None], self.null_pooled.to(cond["text_pooled"]), cond["text_pooled"])
+            return tokens, pooled
+        label = torch.where(drop, self.num_classes, cond["label"])
+        ids = label[:, None] * self.class_tokens + torch.arange(self.class_tokens, device=label.device)
+        return self.class_embed(ids), self.class_embed.weight.new_zeros(len(label), self.pooled_dim)
+
+
+class Denoiser(nn.Module):
+    """The trained module: MMDiT plus conditioner, so DDP, EMA, checkpoints and export see one thing.
+    `timestep` is what diffusers' MMDiT expects: a float in [0, 1000]."""
+
+    def __init__(self, transformer, conditioner):
+        super().__init__()
+        self.transformer, self.conditioner = transformer, conditioner
+
+    def forward(self, x, timestep, cond):
+        context, pooled = self.conditioner(cond)
+        return self.transformer(hidden_states=x, encoder_hidden_states=context, pooled_projections=pooled,
+                                timestep=timestep).sample
+
+
+def build_denoiser(model, channels, size, num_classes, text_dims=None):
+    """SD3Transformer2DModel (MMDiT, Esser et al. 2024) of the configured size. `text_dims` = (tokens, token
+    dim, pooled dim) of the text encoder; None for class conditioning, whose tokens live in the model width."""
+    from diffusers import SD3Transformer2DModel
+
+    width = model.num_attention_heads * model.attention_head_dim
+    tokens, context_dim, pooled_dim = text_dims or (0, width, width)
+    transformer = SD3Transformer2DModel(
+        sample_size=size, patch_size=model.patch_size, in_channels=channels, out_channels=channels,
+        num_layers=model.num_layers, attention_head_dim=model.attention_head_dim,
+        num_attention_heads=model.num_attention_heads, joint_attention_dim=context_dim,
+        caption_projection_dim=width, pooled_projection_dim=pooled_dim, pos_embed_max_size=size // model.patch_size,
+        qk_norm=model.qk_norm)
+    return Denoiser(transformer, Conditioner(num_classes, model.class_tokens, context_dim, pooled_dim, tokens))
+
+
+def load_exported(folder):
+    """The EMA model that a run exported: transformer via `from_pretrained`, conditioner from safetensors."""
+    from diffusers import SD3Transformer2DModel
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg = Config(json.loads((folder / "config.json").read_text()))
+    transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer")
+    state = load_file(str(folder / "conditioner.safetensors"))
+    tc = transformer.config
+    tokens = state["null_tokens"].shape[0] if "null_tokens" in state else 0
+    conditioner = Conditioner(cfg["data"]["num_classes"] if cfg["data"]["label_column"] else 0,
+                              cfg["model"]["class_tokens"], tc.joint_attention_dim, tc.pooled_projection_dim, tokens)
+    conditioner.load_state_dict(state)
+    return Denoiser(transformer, conditioner).eval(), cfg
+
+
+def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs):
+    """Micro-batches forever, starting at micro-batch `start`. Epoch e visits a permutation seeded by
+    seed + e, split across ranks; so the data position is a pure function of the micro-batch count and a
+    resumed run continues exactly where it stopped, with nothing seen twice or skipped."""
+    per_epoch = len(dataset) // world // batch_size
+    if per_epoch == 0:
+        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than train.batch_size ({batch_size})"
+                         f" x {world} processes")
+    epoch, offset = divmod(start, per_epoch)
+    while True:
+        perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch))
+        mine = perm[rank::world][:per_epoch * batch_size].tolist()
+        yield from torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=mine[offset * batch_size:],
+                                               drop_last=True, **loader_kwargs)
+        epoch, offset = epoch + 1, 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training helpers: condition dropout, EMA, LR, time shift.
+
+
+def drop_conditions(batch_size, rate, device, generator=None):
+    """Bernoulli(rate) mask of samples whose condition is replaced by the null one (CFG training,
+    Ho & Salimans 2022). Applied when the cache is read, never baked into it."""
+    return torch.rand(batch_size, device=device, generator=generator) < rate
+
+
+@torch.no_grad()
+def ema_update(ema, model, decay, num_updates):
+    """ema <- d * ema + (1 - d) * model with the warm-up d = min(decay, (1 + n) / (10 + n)), so a short run
+    samples from what it learned rather than from a blend with the random initialisation."""
+    d = min(decay, (1 + num_updates) / (10 + num_updates))
+    ema_p = list(ema.parameters())
+    torch._foreach_lerp_(ema_p, [p.detach().float() for p in model.parameters()], 1 - d)
+
+
+def lr_at(step, base_lr, warmup_steps):
+    """Linear warm-up to base_lr, then constant (the paper trains at a constant 1e-4). A pure function of
+    the optimizer step, so resuming needs no scheduler state."""
+    return base_lr * min(1.0, (step + 1) / max(1, warmup_steps))
+
+
+def time_shift(t, shift):
+    """Resolution time shift t' = a t / (1 + (a - 1) t) (SD3, Esser et al. 2024, eq. 23): a > 1 moves
+    the same t toward noise, as more pixels need more noise to destroy the same signal. a = 1: identity."""
+    return shift * t / (1 + (shift - 1) * t)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Images and checkpoints.
+
+
+def save_image_grid(images, path, nrow):
+    """images in [-1, 1], (N, 3, H, W) -> one PNG grid; returns the PIL image."""
+    from torchvision.utils import make_grid
+
+    grid = make_grid(images.float().clamp(-1, 1).add(1).mul(127.5).round().byte().cpu(), nrow=nrow, padding=2)
+    img = Image.fromarray(grid.permute(1, 2, 0).numpy())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+    return img
+
+
+def rng_state():
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as lists, so torch.load(weights_only) reads it
+    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def find_checkpoint(run_dir, resume):
+    """`resume` is 'latest' (newest finished checkpoint of this run, or None) or a checkpoint folder."""
+    if resume != "latest":
+        if not (Path(resume) / "state.pt").exists():
+            raise FileNotFoundError(f"resume: no checkpoint at {resume} (expected {resume}/state.pt)")
+        return Path(resume)
+    done = sorted((Path(run_dir) / "checkpoints").glob("step_*/state.pt"))
+    return done[-1].parent if done else None
+
+
+def save_checkpoint(accelerator, run_dir, step, tensors, state, keep):
+    """Write checkpoints/step_N atomically: into a temporary folder, renamed when complete; keep the last
+    `keep`. Every rank calls this (each saves its own RNG state); the main process writes the rest."""
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    torch.save(rng_state(), tmp / f"rng_{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        for name, sd in tensors.items():
+            save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(tmp / f"{name}.safetensors"))
+        torch.save(state, tmp / "state.pt")  # written last: its presence marks a finished checkpoint
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(root.glob("step_*"))[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final

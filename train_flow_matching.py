@@ -1,0 +1,412 @@
+"""Flow-matching training of an MMDiT (SD3Transformer2DModel), in one file you can read top to bottom.
+
+    python train_flow_matching.py                                        # embedded demo, CPU, offline
+    accelerate launch train_flow_matching.py --config configs/cc12m.json # paper-scale recipe
+    python train_flow_matching.py --config my.json --train.lr=3e-4 --resume latest
+
+Conventions (tests/test_flow_matching.py checks each):
+  * t in [0, 1]; t = 0 is data, t = 1 is noise. x_t = (1 - t) x0 + t eps: the straight (optimal-transport)
+    conditional path of rectified flow (Liu et al. 2022) and flow matching (Lipman et al. 2023).
+  * The model predicts the velocity v = dx_t/dt = eps - x0. Sampling integrates dx/dt = v from t = 1 to 0.
+    This is diffusers' FlowMatchEulerDiscreteScheduler and SD3's convention (Esser et al. 2024).
+  * The MMDiT sees time as timestep = 1000 t, the float range diffusers' SD3 transformer expects.
+  * Pixels are in [-1, 1]; latents are (z - shift) * scale with the VAE's own factors.
+
+Pipeline: config -> accelerator and seeds -> data (open, cache check, hit/miss, batches) -> model, EMA,
+optimizer -> resume -> loop (forward, loss, accumulation, optimizer step, metrics) -> validation (samples,
+loss on a fixed time grid) -> checkpoints -> export.
+"""
+import copy
+import json
+import math
+import os
+import resource
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+import common
+
+# ----------------------------------------------------------------------------------------------------------
+# Config. Every default is here; a recipe (configs/*.json) names only what it changes.
+
+DEFAULTS = {
+    "run_dir": "runs/flow_matching_demo",
+    "seed": 0,
+    "resume": None,                  # "latest" (this run_dir's newest checkpoint) or a checkpoint folder
+    "data": {
+        "source": "embedded",        # "embedded" (generated demo), a hub id, an imagefolder or parquet path
+        "split": "train",
+        "val_split": None,           # a held-out split of the source; None: hold out val_holdout train rows
+        "val_holdout": 256,
+        "image_column": "image",
+        "label_column": "label",     # None for text-only data
+        "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
+        "num_classes": 9,
+        "resolution": 32,
+        "crop": "center",            # "center" or "random" (random is drawn once, when the cache is built)
+        "max_samples": None,         # use only the first N training rows
+        "demo_samples": 4864,        # size and side of the embedded demo set
+        "demo_resolution": 32,
+        "cache_dir": "cache",
+        "cache_dtype": "float16",
+        "shard_size": 1024,
+        "encode_batch_size": 64,
+        "num_workers": 0,
+        "prefetch_factor": 2,
+    },
+    "encoders": {
+        "vae": None,                 # AutoencoderKL hub id or path (e.g. "stabilityai/sd-vae-ft-ema"); None: pixels
+        "text_encoder": None,        # transformers text encoder id or path (CLIP or T5); None: class labels
+        "max_tokens": 77,
+    },
+    "model": {                       # SD3Transformer2DModel; width = heads x head_dim
+        "patch_size": 4,
+        "num_layers": 4,
+        "num_attention_heads": 4,
+        "attention_head_dim": 32,
+        "class_tokens": 1,           # context tokens per class label
+        "qk_norm": None,             # "rms_norm" for large models
+    },
+    "objective": {
+        "time_sampling": "logit_normal",  # or "uniform"
+        "logit_mean": 0.0,           # t = sigmoid(m + s n), n ~ N(0, 1) (SD3's rf/lognorm(0.00, 1.00))
+        "logit_std": 1.0,
+        "time_shift": 1.0,           # a in t' = a t / (1 + (a - 1) t)
+        "shift_base_resolution": None,  # if set, a = data.resolution / this (overrides time_shift)
+        "ot_coupling": False,        # minibatch OT pairing of noise and data (Tong et al. 2023)
+        "loss_bins": 5,              # loss is also logged per time bin [k/K, (k+1)/K)
+    },
+    "train": {
+        "max_steps": 600,            # optimizer steps
+        "batch_size": 64,            # per device and micro-batch; global = batch x processes x grad_accum
+        "grad_accum": 1,
+        "lr": 1e-3,                  # the paper: 1e-4 at batch 2048; the tiny demo model likes more
+        "betas": [0.9, 0.999],
+        "weight_decay": 0.0,
+        "warmup_steps": 50,
+        "grad_clip": 1.0,
+        "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32)
+        "ema_decay": 0.999,
+        "label_dropout": 0.1,        # condition dropout for classifier-free guidance
+        "gradient_checkpointing": False,
+        "compile": False,
+    },
+    "val": {
+        "every": 200,                # and at the last step
+        "num_samples": 36,           # grid size: classes in order, or the first held-out captions
+        "sampler": "euler",          # "euler" or "heun"
+        "steps": 32,
+        "guidance_scale": 3.0,
+        "loss_samples": 256,         # held-out samples for the validation loss, at t = (k + 0.5) / loss_bins
+    },
+    "log": {"every": 10, "wandb": "auto", "project": "minimal-diffusion"},  # wandb: auto|online|offline|off
+    "ckpt": {"every": 500, "keep": 3},
+}
+
+# ----------------------------------------------------------------------------------------------------------
+# The objective: straight path, velocity target, logit-normal time, resolution shift, optional OT coupling.
+
+
+def sample_time(n, obj, shift, device):
+    """t ~ logit-normal(m, s) (SD3, Esser et al. 2024, sec. 3.1: more weight on middle times, where the
+    velocity is hardest to predict) or uniform, then shifted toward noise for larger images."""
+    if obj.time_sampling == "logit_normal":
+        t = torch.sigmoid(obj.logit_mean + obj.logit_std * torch.randn(n, device=device))
+    elif obj.time_sampling == "uniform":
+        t = torch.rand(n, device=device)
+    else:
+        raise ValueError(f"objective.time_sampling must be 'logit_normal' or 'uniform', got {obj.time_sampling!r}")
+    return common.time_shift(t, shift)
+
+
+def ot_pair(x0, noise, labels=None):
+    """Minibatch OT coupling (Tong et al. 2023; Pooladian et al. 2023): re-pair the batch's noise with its
+    data by an exact assignment on squared distance, which straightens the paths the model must learn.
+    It re-pairs within each class when labels are given: across classes it would tie a class to the noise
+    regions nearest its images, which is meant for unconditional or within-class pairing only."""
+    from scipy.optimize import linear_sum_assignment
+
+    noise = noise.clone()
+    groups = [torch.arange(len(x0))] if labels is None else [torch.nonzero(labels == c).flatten()
+                                                              for c in labels.unique()]
+    for idx in groups:
+        cost = torch.cdist(x0[idx].flatten(1).float(), noise[idx].flatten(1).float()).pow(2)
+        rows, cols = linear_sum_assignment(cost.cpu().numpy())
+        noise[idx[rows]] = noise[idx[cols]]
+    return noise
+
+
+def flow_matching_loss(model, x0, cond, t, noise):
+    """Per-sample MSE between the predicted and true velocity on the straight path (CFM, Lipman et al.
+    2023, eq. 22-23 with sigma_min = 0):  x_t = (1 - t) x0 + t eps,  target v = eps - x0."""
+    t_ = t.view(-1, *([1] * (x0.dim() - 1)))
+    x_t = (1 - t_) * x0 + t_ * noise
+    v = model(x_t, t * 1000, cond)
+    return (v.float() - (noise - x0).float()).pow(2).mean(dim=tuple(range(1, x0.dim())))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The sampler: Euler or Heun on dx/dt = v from t = 1 to t = 0, with classifier-free guidance.
+
+
+@torch.no_grad()
+def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, method="euler"):
+    """The grid is t_i = shift(1 - i / steps), the same shift as training (it equals diffusers'
+    FlowMatchEulerDiscreteScheduler with `sigmas=linspace(1, 0, steps + 1)[:-1]` and `shift`). Guidance
+    (Ho & Salimans 2022): v = v(x, null) + w (v(x, c) - v(x, null)); w = 1 is the plain conditional model."""
+    ts = common.time_shift(torch.linspace(1, 0, steps + 1, device=noise.device), shift)
+    n = len(noise)
+
+    def velocity(x, t):
+        if guidance_scale == 1.0:
+            return model(x, (t * 1000).expand(n), cond).float()
+        both = {k: torch.cat([v, v]) for k, v in cond.items() if k != "drop"}
+        both["drop"] = torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]).to(x.device)
+        v_c, v_u = model(torch.cat([x, x]), (t * 1000).expand(2 * n), both).float().chunk(2)
+        return v_u + guidance_scale * (v_c - v_u)
+
+    x = noise.float()
+    for t, t_next in zip(ts[:-1], ts[1:]):
+        v = velocity(x, t)
+        if method == "heun" and t_next > 0:  # Heun's 2nd order: average the slopes at both ends
+            v = (v + velocity(x + (t_next - t) * v, t_next)) / 2
+        elif method not in ("euler", "heun"):
+            raise ValueError(f"val.sampler must be 'euler' or 'heun', got {method!r}")
+        x = x + (t_next - t) * v
+    return x
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    cfg = common.load_config(DEFAULTS, argv)
+    data, obj, tr = cfg.data, cfg.objective, cfg.train
+    run_dir = Path(cfg.run_dir)
+
+    # ---- Accelerator and seeds ----------------------------------------------------------------------------
+    accelerator = Accelerator(mixed_precision=tr.mixed_precision)
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    set_seed(cfg.seed + rank)  # different noise and times on each rank
+    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls and convolutions on Ampere and newer
+    torch.backends.cudnn.allow_tf32 = True
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    if bool(data.caption_column) != bool(cfg.encoders.text_encoder):
+        raise ValueError("data.caption_column and encoders.text_encoder go together: set both or neither")
+    shift = data.resolution / obj.shift_base_resolution if obj.shift_base_resolution else obj.time_shift
+
+    # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
+    vae, tokenizer, text_encoder = common.load_encoders(cfg.encoders, device)
+    encode = common.make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
+    train_ds, val_ds = common.open_splits(data)
+    train_set = common.CachedDataset(common.build_cache(train_ds, "train", encode, accelerator, cfg))
+    val_set = common.CachedDataset(common.build_cache(val_ds, "val", encode, accelerator, cfg))
+    null_text = None
+    if text_encoder is not None:  # the null condition for guidance: the empty prompt, encoded once
+        null_text = common.encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
+        text_encoder.cpu()  # encoders leave the GPU once the cache is built
+    if vae is not None:
+        vae.cpu()
+    loader_kwargs = dict(num_workers=data.num_workers, pin_memory=device.type == "cuda")
+    if data.num_workers > 0:
+        loader_kwargs["prefetch_factor"] = data.prefetch_factor
+
+    # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
+    x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
+    text_dims = None if null_text is None else tuple(null_text["text_tokens"].shape[1:]) + (
+        null_text["text_pooled"].shape[-1],)
+    model = common.build_denoiser(cfg.model, x_shape[0], x_shape[-1],
+                                  data.num_classes if data.label_column and not text_dims else 0, text_dims)
+    if null_text is not None:
+        model.conditioner.null_tokens.copy_(null_text["text_tokens"][0])
+        model.conditioner.null_pooled.copy_(null_text["text_pooled"][0])
+    if tr.gradient_checkpointing:
+        model.transformer.enable_gradient_checkpointing()
+    ema = copy.deepcopy(model).requires_grad_(False).float()  # fp32 EMA, also on the GPU
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas),
+                                  weight_decay=tr.weight_decay)  # weight_decay 0 = Adam, as in the paper
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ema.to(device)
+    forward = torch.compile(model) if tr.compile else model
+    raw_model = accelerator.unwrap_model(model)
+    accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
+                      f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
+                      f"{tr.batch_size * world * tr.grad_accum}; time shift a = {shift:g}")
+
+    # ---- Resume: same run, continues step, data position, optimizer, EMA and RNG ------------------------------
+    step = 0
+    ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
+    if ckpt is not None:
+        from safetensors.torch import load_file
+
+        raw_model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+        ema.load_state_dict(load_file(str(ckpt / "ema.safetensors")))
+        state = torch.load(ckpt / "state.pt", weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+        common.set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=True))
+        accelerator.print(f"resumed from {ckpt} at step {step}")
+
+    # ---- Logging ------------------------------------------------------------------------------------------
+    wandb_run = None
+    if accelerator.is_main_process and cfg.log.wandb != "off":
+        import wandb
+
+        mode = cfg.log.wandb if cfg.log.wandb != "auto" else ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        wandb_run = wandb.init(project=cfg.log.project, dir=str(run_dir), config=cfg, mode=mode,
+                               name=run_dir.name, resume="allow")
+
+    def log(metrics):
+        if accelerator.is_main_process:
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            if wandb_run is not None:
+                wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
+    n_val = min(cfg.val.num_samples, len(val_set))
+    val_rows = [val_set[i] for i in range(n_val)]
+    val_cond = {"drop": torch.zeros(n_val, dtype=torch.bool, device=device)}
+    if text_dims:
+        val_cond.update({k: torch.stack([r[k] for r in val_rows]).to(device) for k in ("text_tokens", "text_pooled")})
+    elif "label" in val_rows[0]:
+        val_cond["label"] = torch.arange(n_val, device=device) % data.num_classes
+    val_noise = torch.randn((n_val, *x_shape), generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+
+    @torch.no_grad()
+    def validate(step):
+        ema.eval()
+        x = sample(ema, val_noise, val_cond, cfg.val.steps, shift, cfg.val.guidance_scale, cfg.val.sampler)
+        if vae is not None:
+            vae.to(device)
+        images = common.decode(vae, x)
+        if vae is not None:
+            vae.cpu()
+        path = run_dir / "samples" / f"step_{step:08d}.png"
+        grid = common.save_image_grid(images, path, nrow=math.ceil(math.sqrt(n_val)))
+        # Validation loss: every held-out sample at every t_k = (k + 0.5) / K, with fixed noise.
+        gen, k_bins = torch.Generator().manual_seed(cfg.seed + 1), obj.loss_bins
+        losses = torch.zeros(k_bins)
+        n_loss = min(cfg.val.loss_samples, len(val_set))
+        for i in range(0, n_loss, tr.batch_size):
+            rows = [val_set[j] for j in range(i, min(i + tr.batch_size, n_loss))]
+            batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+            x0 = batch["x"] + batch["x_std"] * torch.randn(batch["x"].shape, generator=gen) if "x_std" in batch else batch["x"]
+            noise = torch.randn(x0.shape, generator=gen)
+            cond = {k: v.to(device) for k, v in batch.items() if k in ("label", "text_tokens", "text_pooled")}
+            cond["drop"] = torch.zeros(len(x0), dtype=torch.bool, device=device)
+            for k in range(k_bins):
+                t = torch.full((len(x0),), (k + 0.5) / k_bins, device=device)
+                with accelerator.autocast():
+                    losses[k] += flow_matching_loss(ema, x0.to(device), cond, t, noise.to(device)).sum().cpu()
+        losses /= n_loss
+        metrics = {"step": step, "val_loss": losses.mean().item(),
+                   **{f"val_loss_t{k}": losses[k].item() for k in range(k_bins)}}
+        log(metrics)
+        if wandb_run is not None:
+            import wandb
+
+            wandb_run.log({"samples": wandb.Image(grid)}, step=step)
+        accelerator.print(f"step {step}: val_loss {metrics['val_loss']:.4f}, samples in {path}")
+
+    def checkpoint(step):
+        state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg))}
+        tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
+        common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
+
+    # ---- Training loop --------------------------------------------------------------------------------------
+    batches = common.iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
+                                     loader_kwargs)
+    k_bins = obj.loss_bins
+    stats = torch.zeros(3 + 2 * k_bins, device=device)  # loss sum, count, grad norm sum, per-bin sums, counts
+    smoothed, data_wait, t_last = None, 0.0, time.perf_counter()
+    progress = tqdm(total=tr.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
+    model.train()
+    while step < tr.max_steps:
+        lr = common.lr_at(step, tr.lr, tr.warmup_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for micro in range(tr.grad_accum):
+            t0 = time.perf_counter()
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            data_wait += time.perf_counter() - t0
+            x0 = batch["x"] + batch["x_std"] * torch.randn_like(batch["x"]) if "x_std" in batch else batch["x"]
+            cond = {k: v for k, v in batch.items() if k in ("label", "text_tokens", "text_pooled")}
+            cond["drop"] = common.drop_conditions(len(x0), tr.label_dropout, device)
+            noise = torch.randn_like(x0)
+            if obj.ot_coupling:
+                noise = ot_pair(x0, noise, batch.get("label"))
+            t = sample_time(len(x0), obj, shift, device)
+            # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
+            with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
+                loss = flow_matching_loss(forward, x0, cond, t, noise)
+                accelerator.backward(loss.mean() / tr.grad_accum)
+            bins = (t * k_bins).long().clamp(max=k_bins - 1)
+            stats[0] += loss.detach().sum()
+            stats[1] += len(loss)
+            stats[3:3 + k_bins].index_add_(0, bins, loss.detach())
+            stats[3 + k_bins:].index_add_(0, bins, torch.ones_like(loss))
+        # Everything below happens once per real optimizer step, never per micro-batch.
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip)
+        stats[2] += grad_norm.detach().float()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        common.ema_update(ema, raw_model, tr.ema_decay, step)
+        step += 1
+        progress.update(1)
+
+        if step % cfg.log.every == 0 or step == tr.max_steps:
+            totals = accelerator.reduce(stats, "sum")  # the only sync: losses stay on the device between logs
+            n_steps = step % cfg.log.every or cfg.log.every
+            elapsed = time.perf_counter() - t_last
+            loss_avg = (totals[0] / totals[1]).item()
+            smoothed = loss_avg if smoothed is None else 0.9 * smoothed + 0.1 * loss_avg
+            peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
+                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            metrics = {"step": step, "loss": loss_avg, "loss_smoothed": smoothed, "lr": lr,
+                       "grad_norm": (totals[2] / world / n_steps).item(),
+                       "images_per_s": n_steps * tr.batch_size * tr.grad_accum * world / elapsed,
+                       "data_wait_share": data_wait / elapsed, "peak_memory_gb": peak / 2**30}
+            counts = totals[3 + k_bins:].clamp(min=1)
+            metrics.update({f"loss_t{k}": (totals[3 + k] / counts[k]).item() for k in range(k_bins)})
+            metrics["images_per_s_per_device"] = metrics["images_per_s"] / world
+            log(metrics)
+            progress.set_postfix(loss=f"{smoothed:.4f}", lr=f"{lr:.1e}")
+            stats.zero_()
+            data_wait, t_last = 0.0, time.perf_counter()
+        if step % cfg.val.every == 0 or step == tr.max_steps:
+            if accelerator.is_main_process:
+                validate(step)
+            accelerator.wait_for_everyone()
+            t_last = time.perf_counter()  # validation time is not training throughput
+        if step % cfg.ckpt.every == 0 or step == tr.max_steps:
+            checkpoint(step)
+            t_last = time.perf_counter()
+    progress.close()
+
+    # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
+    if accelerator.is_main_process:
+        export = run_dir / "export"
+        ema.transformer.save_pretrained(export / "transformer", safe_serialization=True)
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in ema.conditioner.state_dict().items()},
+                  str(export / "conditioner.safetensors"))
+        (export / "config.json").write_text(json.dumps(cfg, indent=2))
+        accelerator.print(f"exported EMA model to {export}")
+    if wandb_run is not None:
+        wandb_run.finish()
+    accelerator.end_training()
+    return run_dir
+
+
+if __name__ == "__main__":
+    main()
