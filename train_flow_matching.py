@@ -182,6 +182,21 @@ def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, method="eul
     return x
 
 
+def shift_of(cfg):
+    """The time shift a of a run: data.resolution / objective.shift_base_resolution if that is set (a = 2
+    for 512 px against a 256 px base), else objective.time_shift."""
+    obj = cfg["objective"]
+    return cfg["data"]["resolution"] / obj["shift_base_resolution"] if obj["shift_base_resolution"] else obj["time_shift"]
+
+
+def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None):
+    """Sample as the run `cfg` is configured (its time shift and val sampler), with optional overrides.
+    The one entry point that validation, eval_fid.py and the benchmarks call."""
+    val = cfg["val"]
+    return sample(model, noise, cond, steps or val["steps"], shift_of(cfg),
+                  val["guidance_scale"] if guidance_scale is None else guidance_scale, sampler or val["sampler"])
+
+
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -201,7 +216,7 @@ def main(argv=None):
         (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     if bool(data.caption_column) != bool(cfg.encoders.text_encoder):
         raise ValueError("data.caption_column and encoders.text_encoder go together: set both or neither")
-    shift = data.resolution / obj.shift_base_resolution if obj.shift_base_resolution else obj.time_shift
+    shift = shift_of(cfg)
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
     vae, tokenizer, text_encoder = common.load_encoders(cfg.encoders, device)
@@ -284,7 +299,7 @@ def main(argv=None):
     @torch.no_grad()
     def validate(step):
         ema.eval()
-        x = sample(ema, val_noise, val_cond, cfg.val.steps, shift, cfg.val.guidance_scale, cfg.val.sampler)
+        x = generate(ema, val_noise, val_cond, cfg)
         if vae is not None:
             vae.to(device)
         images = common.decode(vae, x)
