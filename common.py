@@ -459,8 +459,11 @@ def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs
     while True:
         perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch))
         mine = perm[rank::world][:per_epoch * batch_size].tolist()
+        # Its own generator: a DataLoader otherwise draws its worker seed from the global RNG, which would
+        # make the training noise depend on when the loader was created (and break exact resume).
         yield from torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=mine[offset * batch_size:],
-                                               drop_last=True, **loader_kwargs)
+                                               drop_last=True, generator=torch.Generator().manual_seed(seed + epoch),
+                                               **loader_kwargs)
         epoch, offset = epoch + 1, 0
 
 

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny run arguments and tiny frozen encoders, built offline and saved with save_pretrained
+so that the trainers load them through the same code path as hub ids."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEMO_WORDS = ["a", "small", "large", "red", "green", "blue", "circle", "square", "triangle"]
+
+
+def tiny_run_args(tmp_path, name="run", steps=4):
+    """A few-second training run on a small slice of the embedded data."""
+    return ["--run_dir", str(tmp_path / name), "--data.cache_dir", str(tmp_path / "cache"),
+            "--data.demo_samples=320", "--data.val_holdout=64", f"--train.max_steps={steps}",
+            "--train.batch_size=16", "--train.warmup_steps=2", "--val.steps=2", "--val.num_samples=4",
+            "--val.loss_samples=16", "--log.wandb=off", "--log.every=2", "--val.every=1000", "--ckpt.every=1000"]
+
+
+@pytest.fixture(scope="session")
+def tiny_vae(tmp_path_factory):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=8, sample_size=32, scaling_factor=0.5, shift_factor=0.1)
+    path = tmp_path_factory.mktemp("vae")
+    vae.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_encoder(tmp_path_factory):
+    """A 2-layer CLIP text encoder with a word-level tokenizer trained on the demo captions' vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[BOS]", "[EOS]"] + DEMO_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[("[BOS]", 2), ("[EOS]", 3)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                        bos_token="[BOS]", eos_token="[EOS]")
+    torch.manual_seed(0)
+    config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, max_position_embeddings=16, pad_token_id=0, bos_token_id=2,
+                            eos_token_id=3, projection_dim=32)
+    path = tmp_path_factory.mktemp("text_encoder")
+    CLIPTextModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,141 @@
+"""Config loading, the embedded data, preprocessing and the cache."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+from PIL import Image
+
+import common
+import train_flow_matching as fm
+
+
+def test_config_layers_and_dotted_overrides(tmp_path):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"train": {"lr": 1e-4, "batch_size": 8}, "data": {"caption_column": None}}))
+    cfg = common.load_config(fm.DEFAULTS, ["--config", str(recipe), "--train.lr=3e-4", "--model.num_layers", "2",
+                                           "--run_dir=/x/y", "--train.betas=[0.9, 0.95]"])
+    assert cfg.train.lr == 3e-4 and cfg.train.batch_size == 8 and cfg.model.num_layers == 2
+    assert cfg.run_dir == "/x/y" and cfg.train.betas == [0.9, 0.95] and cfg.data.caption_column is None
+    assert cfg.train.warmup_steps == fm.DEFAULTS["train"]["warmup_steps"]  # untouched defaults stay
+    assert isinstance(cfg.train.lr, float)
+    assert fm.DEFAULTS["train"]["lr"] == 1e-3  # the defaults themselves are never mutated
+    json.dumps(cfg)  # the resolved config is plain JSON
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--train.lrr=1"], "unknown config key 'train.lrr'"),
+    (["--trian.lr=1"], "unknown config key 'trian'"),
+    (["--train.batch_size=8.5"], "'train.batch_size' .* must be int"),
+    (["--train.compile=1"], "'train.compile' .* must be bool"),
+    (["--train.lr=fast"], "'train.lr' .* must be float"),
+    (["--train=3"], "'train' .* must be a section"),
+    (["--model.num_layers=null"], "'model.num_layers' .* must be int"),
+    (["stray"], "unexpected argument"),
+])
+def test_config_errors_name_the_key(argv, message):
+    with pytest.raises(ValueError, match=message):
+        common.load_config(fm.DEFAULTS, argv)
+
+
+def test_config_errors_in_a_file_name_the_file(tmp_path):
+    recipe = tmp_path / "bad.json"
+    recipe.write_text(json.dumps({"data": {"resolutoin": 64}}))
+    with pytest.raises(ValueError, match=r"unknown config key 'data.resolutoin' \(from .*bad.json\)"):
+        common.load_config(fm.DEFAULTS, ["--config", str(recipe)])
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        common.load_config(fm.DEFAULTS, ["--config", str(tmp_path / "missing.json")])
+
+
+def test_demo_data_is_deterministic_and_labelled():
+    a, b = common.make_demo_dataset(18, seed=0), common.make_demo_dataset(18, seed=0)
+    assert a["label"] == b["label"] == [i % 9 for i in range(18)]
+    assert (np.asarray(a[5]["image"]) == np.asarray(b[5]["image"])).all()
+    assert a[4]["caption"].endswith("green square")  # label 4 = DEMO_CLASSES[4]
+    # The shape is drawn in its class colour: the most common non-background colour is the class colour.
+    img = torch.from_numpy(np.asarray(a[3]["image"]).reshape(-1, 3).astype(np.int64))
+    assert (img == torch.tensor(common.DEMO_COLORS["green"])).all(1).sum() > 20
+
+
+def test_preprocess_any_mode_and_crop_metadata():
+    rgba = Image.new("RGBA", (60, 40), (255, 0, 0, 0))  # fully transparent: composited on white
+    x, meta = common.preprocess(common.load_image({"bytes": _png(rgba)}), 20, "center")
+    assert x.shape == (3, 20, 20) and torch.allclose(x, torch.ones_like(x))
+    assert meta["orig_hw"].tolist() == [40, 60] and meta["crop_tl"].tolist() == [0, 5]
+    for mode in ("L", "P", "CMYK", "I;16"):
+        x, _ = common.preprocess(common.load_image({"bytes": _png(Image.new(mode, (30, 30)), mode)}), 16, "center")
+        assert x.shape == (3, 16, 16) and x.min() >= -1 and x.max() <= 1
+    with pytest.raises(ValueError, match="data.crop"):
+        common.preprocess(rgba, 20, "middle")
+
+
+def _png(img, mode=None):
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="TIFF" if mode in ("CMYK", "I;16") else "PNG")
+    return buf.getvalue()
+
+
+def test_cache_hit_miss_invalidation_and_resume(tmp_path):
+    cfg = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
+                                           "--data.val_holdout=10", "--data.shard_size=32"])
+    accelerator = Accelerator(cpu=True)
+    train, val = common.open_splits(cfg.data)
+    assert len(train) == 90 and len(val) == 10
+    calls = []
+
+    def encode(pixels, captions):
+        calls.append(len(pixels))
+        return {"x": pixels}
+
+    folder = common.build_cache(train, "train", encode, accelerator, cfg)
+    assert sum(calls) == 90 and len(list(folder.glob("shard_*.safetensors"))) == 3
+    ds = common.CachedDataset(folder)
+    row = ds[40]
+    assert len(ds) == 90 and row["x"].shape == (3, 32, 32) and row["label"].item() == train[40]["label"]
+    x, _ = common.preprocess(common.load_image(train[40]["image"]), 32, "center")
+    torch.testing.assert_close(row["x"], x, atol=4e-3, rtol=0)  # float16 storage
+    # Hit: nothing is encoded again.
+    calls.clear()
+    assert common.build_cache(train, "train", encode, accelerator, cfg) == folder and not calls
+    # A changed key (resolution) is a miss in a new folder, never a silent reuse.
+    cfg16 = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
+                                             "--data.val_holdout=10", "--data.shard_size=32", "--data.resolution=16"])
+    folder16 = common.build_cache(train, "train", encode, accelerator, cfg16)
+    assert folder16 != folder and sum(calls) == 90 and common.CachedDataset(folder16)[0]["x"].shape == (3, 16, 16)
+    # An interrupted extraction (no manifest, one shard missing) re-encodes only the missing shard.
+    (folder / "manifest.json").unlink()
+    (folder / "shard_00001.safetensors").unlink()
+    calls.clear()
+    common.build_cache(train, "train", encode, accelerator, cfg)
+    assert sum(calls) == 32 and len(common.CachedDataset(folder)) == 90
+
+
+def test_iterate_batches_resumes_at_any_micro_batch():
+    ds = list(range(50))
+    full = common.iterate_batches(ds, 0, 4, seed=3, rank=0, world=1, loader_kwargs={})
+    seq = [next(full).tolist() for _ in range(30)]  # 12 batches per epoch: crosses two epoch boundaries
+    assert sorted(sum(seq[:12], [])) == sorted(set(sum(seq[:12], [])))  # no repeats within an epoch
+    assert seq[:12] != seq[12:24]  # a new permutation each epoch
+    resumed = common.iterate_batches(ds, 17, 4, seed=3, rank=0, world=1, loader_kwargs={})
+    assert [next(resumed).tolist() for _ in range(13)] == seq[17:]
+    # Two ranks see disjoint halves of each epoch.
+    r0 = common.iterate_batches(ds, 0, 4, seed=3, rank=0, world=2, loader_kwargs={})
+    r1 = common.iterate_batches(ds, 0, 4, seed=3, rank=1, world=2, loader_kwargs={})
+    a, b = sum([next(r0).tolist() for _ in range(6)], []), sum([next(r1).tolist() for _ in range(6)], [])
+    assert not set(a) & set(b) and len(a) == len(b) == 24
+    with pytest.raises(ValueError, match="fewer than train.batch_size"):
+        next(common.iterate_batches(ds, 0, 64, 0, 0, 1, {}))
+
+
+def test_ema_warmup_and_lr():
+    model, ema = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        ema.weight.zero_(), ema.bias.zero_(), model.weight.fill_(1.0), model.bias.fill_(1.0)
+    common.ema_update(ema, model, 0.999, num_updates=0)  # d = min(0.999, 1/10) = 0.1
+    torch.testing.assert_close(ema.weight, torch.full((2, 2), 0.9))
+    common.ema_update(ema, model, 0.5, num_updates=1000)  # d = 0.5
+    torch.testing.assert_close(ema.weight, torch.full((2, 2), 0.95))
+    assert [common.lr_at(s, 1e-4, 4) for s in (0, 1, 3, 100)] == [2.5e-5, 5e-5, 1e-4, 1e-4]

@@ -1,0 +1,267 @@
+"""eval_fid.py: FID math, reference cache, process-count invariance, report, offline errors, CLIP score.
+
+Offline: a tiny fixed random conv net stands in for Inception (eval_fid takes the feature extractor as a
+parameter), and a tiny CLIP is built and saved locally, then loaded through the same path as a hub id.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import eval_fid  # noqa: E402
+import train_flow_matching  # noqa: E402
+
+TINY_TRAIN = ["--data.demo_samples=320", "--data.val_holdout=64", "--train.max_steps=2", "--train.batch_size=16",
+              "--val.steps=2", "--val.num_samples=4", "--val.loss_samples=16", "--log.wandb=off"]
+GEN = ["--steps", "2", "--batch_size", "4"]
+
+
+class TinyFeatures:
+    """A fixed random conv net: uint8 (N, H, W, 3) -> (N, 16) features, deterministic, no download."""
+
+    name = "tiny-random-conv"
+
+    def __init__(self, dim=16):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2), torch.nn.ReLU(),
+                                           torch.nn.Conv2d(8, dim, 3, stride=2), torch.nn.AdaptiveAvgPool2d(1),
+                                           torch.nn.Flatten()).eval()
+        self.calls = 0
+
+    @torch.no_grad()
+    def __call__(self, images):
+        self.calls += 1
+        x = torch.from_numpy(np.asarray(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
+        return self.net(x).double().numpy()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny class-conditional flow-matching run, trained in-process (2 steps), with its export."""
+    tmp = tmp_path_factory.mktemp("fm")
+    train_flow_matching.main(["--run_dir", str(tmp / "run"), "--data.cache_dir", str(tmp / "cache"), *TINY_TRAIN])
+    return tmp / "run"
+
+
+def pngs(folder):
+    return {p.name: np.asarray(Image.open(p)) for p in sorted(Path(folder).glob("*.png"))}
+
+
+# ---- FID math ----------------------------------------------------------------------------------------------
+
+
+def test_fid_of_gaussians_matches_closed_form():
+    rng = np.random.default_rng(0)
+    d, n = 4, 20000
+    mu1, mu2 = np.zeros(d), np.array([1.0, -0.5, 0.0, 2.0])
+    var1, var2 = np.array([1.0, 2.0, 0.5, 1.0]), np.array([4.0, 1.0, 0.5, 0.25])
+    feats = mu1 + np.sqrt(var1) * rng.standard_normal((n, d))
+    ref_feats = mu2 + np.sqrt(var2) * rng.standard_normal((n, d))
+    ref = {"mu": ref_feats.mean(0), "sigma": np.cov(ref_feats, rowvar=False), "feats": ref_feats}
+    fid = eval_fid.fid_kid(feats, ref, "clean", n)["fid_clean_20k"]
+    # Independently, from the same sample estimates: ||mu1 - mu2||^2 + Tr(S1 + S2 - 2 sqrtm(S1 S2)).
+    s1 = np.cov(feats, rowvar=False)
+    expected = (np.sum((feats.mean(0) - ref["mu"]) ** 2)
+                + np.trace(s1 + ref["sigma"] - 2 * scipy.linalg.sqrtm(s1 @ ref["sigma"]).real))
+    assert fid == pytest.approx(expected, rel=1e-6)
+    # And the population value of the diagonal case: sum (mu1 - mu2)^2 + sum (sqrt(v1) - sqrt(v2))^2.
+    analytic = np.sum((mu1 - mu2) ** 2) + np.sum((np.sqrt(var1) - np.sqrt(var2)) ** 2)
+    assert fid == pytest.approx(analytic, rel=0.03)
+
+
+def test_size_tags():
+    assert [eval_fid.size_tag(n) for n in (50000, 1000, 999, 8, 1500)] == ["50k", "1k", "999", "8", "1500"]
+
+
+# ---- End to end: generation, reference, report -------------------------------------------------------------
+
+
+def test_fid_of_samples_against_themselves_is_zero_and_report_is_complete(run, tmp_path):
+    feature_fn = TinyFeatures()
+    out = tmp_path / "eval"
+    eval_fid.main(["--run", str(run), "--num_samples", "40", *GEN, "--out_dir", str(out), "--generate_only"])
+    assert len(pngs(out / "samples")) == 40
+    report = eval_fid.main(["--run", str(run), "--num_samples", "40", *GEN, "--out_dir", str(out),
+                            "--reference", str(out / "samples"), "--stats_cache", str(tmp_path / "stats"),
+                            "--adm_npz", str(tmp_path / "samples.npz")], feature_fn=feature_fn)
+    assert abs(report["metrics"]["fid_clean_40"]) < 1e-6
+    assert abs(report["metrics"]["kid_clean_40"]) < 1e-2
+    on_disk = json.loads((out / "report.json").read_text())
+    for field in ("metrics", "model", "num_samples", "sampler", "steps", "guidance_scale", "control_guidance_scale",
+                  "seeds", "conditioning", "reference", "mode", "feature_extractor", "versions", "command", "config"):
+        assert field in on_disk, field
+    assert on_disk["model"]["weights"] == "ema (export)" and on_disk["model"]["method"] == "train_flow_matching"
+    assert on_disk["num_samples"] == 40 and on_disk["steps"] == 2 and on_disk["sampler"] == "euler"
+    assert on_disk["guidance_scale"] == 3.0 and on_disk["seeds"]["seed"] == 0 and on_disk["mode"] == "clean"
+    assert on_disk["reference"]["kind"] == "folder" and len(on_disk["reference"]["stats_sha256"]) == 64
+    assert on_disk["feature_extractor"] == "tiny-random-conv"
+    assert {"torch", "diffusers", "transformers", "accelerate", "clean-fid"} <= set(on_disk["versions"])
+    arr = np.load(tmp_path / "samples.npz")["arr_0"]  # the ADM evaluator's format
+    assert arr.shape == (40, 32, 32, 3) and arr.dtype == np.uint8
+    assert np.array_equal(arr[7], pngs(out / "samples")["000007.png"])
+
+
+def test_checkpoint_raw_weights_against_dataset_reference(run, tmp_path):
+    report = eval_fid.main(["--run", str(run), "--checkpoint", "latest", "--weights", "raw", "--num_samples", "8",
+                            *GEN, "--out_dir", str(tmp_path / "e"), "--stats_cache", str(tmp_path / "stats"),
+                            "--guidance_scale", "1.5", "--sampler", "heun"], feature_fn=TinyFeatures())
+    assert report["model"]["weights"] == "raw" and report["model"]["step"] == 2
+    assert report["sampler"] == "heun" and report["guidance_scale"] == 1.5
+    assert report["reference"]["source"] == "embedded" and report["reference"]["split"] == "heldout"
+    assert report["reference"]["resolution"] == 32
+    assert np.isfinite(report["metrics"]["fid_clean_8"]) and "kid_clean_8" in report["metrics"]
+
+
+def test_reference_stats_are_cached_and_invalidated_by_preprocessing(run, tmp_path):
+    from accelerate import Accelerator
+
+    cfg = json.loads((run / "export" / "config.json").read_text())
+    args = eval_fid.parse_args(["--run", str(run)])
+    feature_fn, acc, cache = TinyFeatures(), Accelerator(), tmp_path / "stats"
+    key = eval_fid.reference_key(args, cfg, feature_fn.name)
+    first = eval_fid.reference_stats(key, cfg, feature_fn, acc, cache)
+    calls = feature_fn.calls
+    assert calls > 0 and first["feats"].shape == (64, 16)  # the 64 held-out rows
+    again = eval_fid.reference_stats(eval_fid.reference_key(args, cfg, feature_fn.name), cfg, feature_fn, acc, cache)
+    assert feature_fn.calls == calls and again["path"] == first["path"]  # a hit: nothing recomputed
+    args.reference_resolution = 16  # a preprocessing change is a miss, never a silent reuse
+    other = eval_fid.reference_stats(eval_fid.reference_key(args, cfg, feature_fn.name), cfg, feature_fn, acc, cache)
+    assert feature_fn.calls > calls and other["path"] != first["path"]
+    assert not np.allclose(other["mu"], first["mu"])
+    assert len(list(cache.glob("*.npz"))) == 2
+
+
+def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
+    args = ["--run", str(run), "--num_samples", "10", "--steps", "2", "--batch_size", "3",
+            "--features", "tests.test_eval_fid:TinyFeatures"]
+    one_report = eval_fid.main([*args, "--out_dir", str(tmp_path / "one"), "--stats_cache", str(tmp_path / "s1")])
+    # ACCELERATE_USE_CPU=1: without it, --multi_gpu on a machine with no GPU starts 2 independent world-size-1
+    # processes (accelerate 1.x); with it, Accelerator() joins them in one gloo group (DistributedType.MULTI_CPU).
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           str(ROOT / "eval_fid.py"), *args, "--out_dir", str(tmp_path / "two"),
+                           "--stats_cache", str(tmp_path / "s2")],  # reference features split over 2 ranks too
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two_report = json.loads((tmp_path / "two" / "report.json").read_text())
+    assert one_report["num_processes"] == 1 and two_report["num_processes"] == 2
+    one, two = pngs(tmp_path / "one" / "samples"), pngs(tmp_path / "two" / "samples")
+    assert len(one) == 10 and one.keys() == two.keys()
+    for name in one:
+        assert np.array_equal(one[name], two[name]), name
+    assert not np.array_equal(one["000000.png"], one["000001.png"])  # every sample has its own noise
+    assert two_report["reference"]["stats_sha256"] == one_report["reference"]["stats_sha256"]
+    assert two_report["metrics"] == pytest.approx(one_report["metrics"], rel=1e-9)
+
+
+def test_fid_during_training(run, tmp_path):
+    from accelerate import Accelerator
+
+    model, cfg = eval_fid.load_model(run)[:2]
+    metrics = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, None, feature_fn=TinyFeatures(),
+                                           stats_cache=str(tmp_path / "stats"), steps=2, batch_size=6)
+    assert set(metrics) == {"fid_clean_12", "kid_clean_12"} and np.isfinite(metrics["fid_clean_12"])
+
+
+# ---- Offline Inception ---------------------------------------------------------------------------------------
+
+
+def test_missing_inception_file_gives_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="inception-2015-12-05.pt") as err:
+        eval_fid.inception_features(weights=str(tmp_path / "nope.pt"))
+    assert eval_fid.INCEPTION_URL in str(err.value)
+
+    def offline(*a, **k):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(eval_fid, "DEFAULT_INCEPTION_DIR", str(tmp_path))
+    monkeypatch.setattr(eval_fid.urllib.request, "urlopen", offline)
+    with pytest.raises(FileNotFoundError, match="--inception_weights") as err:
+        eval_fid.inception_features()
+    assert eval_fid.INCEPTION_URL in str(err.value) and "unreachable" in str(err.value)
+    assert not list(tmp_path.iterdir())  # no half-written file left behind
+
+
+def test_local_inception_file_under_any_name_is_loaded_without_download(tmp_path, monkeypatch):
+    """clean-fid's InceptionV3W interface (base(x, return_features) and base.layers) on a tiny scripted net,
+    saved under another name: loaded from the given path, resized by clean-fid, never downloaded."""
+
+    class FakeInception(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 2048))
+
+        def forward(self, x, return_features: bool = False):
+            return self.layers(x / 255)
+
+    torch.jit.script(FakeInception()).save(str(tmp_path / "my_inception.pt"))
+    monkeypatch.setattr(eval_fid.urllib.request, "urlopen", None)  # any download attempt would fail loudly
+    images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    for mode in ("clean", "legacy_tensorflow"):
+        feature_fn = eval_fid.inception_features(mode, weights=str(tmp_path / "my_inception.pt"))
+        feats = feature_fn(images)
+        assert feats.shape == (3, 2048) and np.isfinite(feats).all()
+        assert feature_fn.name == f"inception-2015-12-05/{mode}" and feature_fn.path.endswith("my_inception.pt")
+
+
+# ---- Text-to-image: CLIP score through a tiny local CLIP ----------------------------------------------------
+
+
+def make_tiny_clip(folder):
+    """A CLIP small enough to train with, saved like a hub model: model, tokenizer, image processor."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, PreTrainedTokenizerFast
+
+    import common
+
+    words = sorted({w for c in common.DEMO_CLASSES for w in c.split()} | {"a", "small", "large"})
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                            model_max_length=16).save_pretrained(folder)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(folder)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = CLIPConfig(text_config=dict(vocab_size=len(vocab), max_position_embeddings=16, eos_token_id=2,
+                                         pad_token_id=0, **small),
+                        vision_config=dict(image_size=32, patch_size=8, **small), projection_dim=16)
+    torch.manual_seed(0)
+    CLIPModel(config).save_pretrained(folder)
+
+
+def test_clip_score_for_a_text_model(tmp_path):
+    clip = tmp_path / "clip"
+    make_tiny_clip(clip)
+    run = train_flow_matching.main(["--run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path / "cache"),
+                                    "--encoders.text_encoder", str(clip), "--encoders.max_tokens=16",
+                                    "--data.caption_column=caption", "--data.label_column=null",
+                                    "--model.num_layers=1", *TINY_TRAIN])
+    (tmp_path / "captions.txt").write_text("a red circle\na large blue square\n")
+    report = eval_fid.main(["--run", str(run), "--num_samples", "6", *GEN, "--prompts", str(tmp_path / "captions.txt"),
+                            "--clip_model", str(clip), "--out_dir", str(tmp_path / "e"),
+                            "--stats_cache", str(tmp_path / "stats")], feature_fn=TinyFeatures())
+    score = report["metrics"]["clip_score_6"]
+    assert 0 <= score <= 100 and report["conditioning"]["num_prompts"] == 2
+    # The documented scale, checked by hand for one image: 100 * max(cos, 0) of CLIP's normalised embeddings.
+    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+    model, img = CLIPModel.from_pretrained(clip).eval(), np.asarray(Image.open(tmp_path / "e" / "samples" / "000000.png"))
+    with torch.no_grad():
+        e_img = model.get_image_features(**AutoImageProcessor.from_pretrained(clip)(images=[img], return_tensors="pt"))
+        e_txt = model.get_text_features(**AutoTokenizer.from_pretrained(clip)(["a red circle"], return_tensors="pt"))
+    e_img, e_txt = [getattr(e, "pooler_output", e) for e in (e_img, e_txt)]
+    cos = torch.nn.functional.cosine_similarity(e_img, e_txt).item()
+    got = eval_fid.clip_scores(str(clip), img[None], ["a red circle"], "cpu")[0]
+    assert got == pytest.approx(100 * max(cos, 0), abs=1e-4)

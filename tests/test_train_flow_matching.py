@@ -1,0 +1,91 @@
+"""End to end: tiny runs of train_flow_matching.py write samples, metrics, checkpoints and a loadable export,
+resume where they stopped, train on latents and text, and run on two processes."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from diffusers import SD3Transformer2DModel
+from safetensors.torch import load_file
+
+import common
+import train_flow_matching as fm
+from conftest import ROOT, tiny_run_args
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_run_writes_everything_and_resumes_exactly(tmp_path):
+    args = tiny_run_args(tmp_path, "straight", steps=6) + ["--ckpt.every=3", "--val.every=3", "--log.every=1"]
+    run = fm.main(args)
+    assert json.loads((run / "config.json").read_text())["train"]["max_steps"] == 6
+    assert sorted(p.name for p in (run / "samples").glob("*.png")) == ["step_00000003.png", "step_00000006.png"]
+    metrics = read_metrics(run)
+    train_logs = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in train_logs] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "loss_smoothed", "lr", "grad_norm", "images_per_s", "data_wait_share", "peak_memory_gb",
+                "loss_t0", "loss_t4"):
+        assert all(torch.isfinite(torch.tensor(m[key])) for m in train_logs), key
+    assert [m["step"] for m in metrics if "val_loss" in m] == [3, 6]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
+    # The export loads with diffusers' own loader and reproduces the EMA weights.
+    transformer = SD3Transformer2DModel.from_pretrained(run / "export" / "transformer")
+    ema = load_file(str(run / "checkpoints" / "step_00000006" / "ema.safetensors"))
+    for name, value in transformer.state_dict().items():
+        torch.testing.assert_close(value, ema["transformer." + name])
+    model, cfg = common.load_exported(run / "export")
+    x = fm.generate(model, torch.randn(2, 3, 32, 32), {"label": torch.tensor([0, 1]),
+                                                      "drop": torch.zeros(2, dtype=torch.bool)}, cfg, steps=2)
+    assert x.shape == (2, 3, 32, 32) and torch.isfinite(x).all()
+
+    # Resume: a second run stops at step 3, then continues to 6 with --resume latest.
+    short = fm.main(tiny_run_args(tmp_path, "resumed", steps=3) + ["--ckpt.every=3", "--log.every=1"])
+    fm.main(tiny_run_args(tmp_path, "resumed", steps=6) + ["--ckpt.every=3", "--log.every=1", "--resume", "latest"])
+    resumed = [m for m in read_metrics(short) if "loss" in m]
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]  # continues the step count
+    # The continued run is the straight run: the same loss at every step and, bitwise, the same weights.
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in train_logs]
+    for name in ("model", "ema"):
+        a = load_file(str(run / "checkpoints" / "step_00000006" / f"{name}.safetensors"))
+        b = load_file(str(short / "checkpoints" / "step_00000006" / f"{name}.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_latent_space_text_to_image_run(tmp_path, tiny_vae, tiny_text_encoder):
+    args = tiny_run_args(tmp_path, "t2i", steps=2) + [
+        "--encoders.vae", tiny_vae, "--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8",
+        "--data.caption_column=caption", "--data.label_column=null", "--data.resolution=16"]
+    run = fm.main(args)
+    cache = common.CachedDataset(next((tmp_path / "cache").glob("embedded-train-*")))
+    row = cache[0]
+    assert row["x"].shape == (4, 8, 8) and row["x_std"].shape == (4, 8, 8) and (row["x_std"] > 0).all()
+    assert row["text_tokens"].shape == (8, 32) and row["text_pooled"].shape == (32,) and "label" not in row
+    assert (run / "samples" / "step_00000002.png").exists()
+    model, cfg = common.load_exported(run / "export")
+    torch.testing.assert_close(model.conditioner.null_tokens.abs().sum() > 0, torch.tensor(True))
+
+
+def test_caption_column_without_text_encoder_is_refused(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="caption_column and encoders.text_encoder"):
+        fm.main(tiny_run_args(tmp_path) + ["--data.caption_column=caption"])
+
+
+def test_two_processes(tmp_path):
+    args = tiny_run_args(tmp_path, "ddp", steps=2) + ["--train.grad_accum=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--cpu", str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "global batch 16 x 2 processes x 2 accumulation = 64" in out.stdout
+    metrics = read_metrics(tmp_path / "ddp")
+    assert [m["step"] for m in metrics if "loss" in m] == [2]
+    assert SD3Transformer2DModel.from_pretrained(tmp_path / "ddp" / "export" / "transformer") is not None
+    # Both ranks wrote their own cache shards and their own RNG state.
+    assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints" / "step_00000002").glob("rng_*")) == \
+        ["rng_0.pt", "rng_1.pt"]

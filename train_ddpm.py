@@ -1,0 +1,533 @@
+"""DDPM training of an MMDiT (SD3Transformer2DModel), in one file you can read top to bottom.
+
+    python train_ddpm.py                                          # embedded demo, CPU, offline
+    accelerate launch train_ddpm.py --config configs/imagenet.json # paper-scale recipe (with the DDPM objective)
+    python train_ddpm.py --config my.json --objective.prediction=x0 --resume latest
+
+Conventions (tests/test_ddpm.py checks each against diffusers' DDPMScheduler and DDIMScheduler):
+  * Discrete timesteps t = 0 .. T-1 (T = 1000); t = 0 is (almost) data, t = T-1 is (with zero terminal SNR
+    exactly) noise. alpha_bar_t = prod_{s<=t} (1 - beta_s) from the beta schedule, and the forward process is
+    x_t = sqrt(ab_t) x0 + sqrt(1 - ab_t) eps (Ho et al. 2020, eq. 4). SNR_t = ab_t / (1 - ab_t).
+  * The model predicts v = sqrt(ab) eps - sqrt(1 - ab) x0 (Salimans & Ho 2022; diffusers' "v_prediction"),
+    or eps ("epsilon"), or x0 ("sample"), as objective.prediction says.
+  * The MMDiT sees the integer timestep t as a float in [0, T-1]: diffusers' SD3 transformer expects [0, 1000].
+  * Pixels are in [-1, 1]; latents are (z - shift) * scale with the VAE's own factors.
+
+Pipeline: config -> accelerator and seeds -> data (open, cache check, hit/miss, batches) -> model, EMA,
+optimizer -> resume -> loop (forward, loss, accumulation, optimizer step, metrics) -> validation (samples,
+loss on a fixed timestep grid) -> checkpoints -> export.
+"""
+import copy
+import json
+import math
+import os
+import resource
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+import common
+
+# ----------------------------------------------------------------------------------------------------------
+# Config. Every default is here; a recipe (configs/*.json) names only what it changes.
+
+DEFAULTS = {
+    "run_dir": "runs/ddpm_demo",
+    "seed": 0,
+    "resume": None,                  # "latest" (this run_dir's newest checkpoint) or a checkpoint folder
+    "data": {
+        "source": "embedded",        # "embedded" (generated demo), a hub id, an imagefolder or parquet path
+        "split": "train",
+        "val_split": None,           # a held-out split of the source; None: hold out val_holdout train rows
+        "val_holdout": 256,
+        "image_column": "image",
+        "label_column": "label",     # None for text-only data
+        "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
+        "num_classes": 9,
+        "resolution": 32,
+        "crop": "center",            # "center" or "random" (random is drawn once, when the cache is built)
+        "max_samples": None,         # use only the first N training rows
+        "demo_samples": 4864,        # size and side of the embedded demo set
+        "demo_resolution": 32,
+        "cache_dir": "cache",
+        "cache_dtype": "float16",
+        "shard_size": 1024,
+        "encode_batch_size": 64,
+        "num_workers": 0,
+        "prefetch_factor": 2,
+    },
+    "encoders": {
+        "vae": None,                 # AutoencoderKL hub id or path (e.g. "stabilityai/sd-vae-ft-ema"); None: pixels
+        "text_encoder": None,        # transformers text encoder id or path (CLIP or T5); None: class labels
+        "max_tokens": 77,
+    },
+    "model": {                       # SD3Transformer2DModel; width = heads x head_dim
+        "patch_size": 4,
+        "num_layers": 4,
+        "num_attention_heads": 4,
+        "attention_head_dim": 32,
+        "class_tokens": 1,           # context tokens per class label
+        "qk_norm": None,             # "rms_norm" for large models
+    },
+    "objective": {
+        "num_timesteps": 1000,       # T
+        "beta_schedule": "quadratic",  # "quadratic" (SD's "scaled_linear"), "linear" or "cosine"
+        "beta_start": 0.00085,       # beta_0 and beta_{T-1} of the quadratic and linear schedules (the paper's)
+        "beta_end": 0.012,
+        "zero_terminal_snr": True,   # rescale so ab_{T-1} = 0 (Lin et al. 2024); needs prediction v or x0
+        "prediction": "v",           # "v", "eps" or "x0"
+        "min_snr_gamma": 5.0,        # Min-SNR-gamma loss weight (Hang et al. 2023); 0 = off (weight 1)
+        "loss_bins": 5,              # loss is also logged per timestep bin [kT/K, (k+1)T/K)
+    },
+    "train": {
+        "max_steps": 600,            # optimizer steps
+        "batch_size": 64,            # per device and micro-batch; global = batch x processes x grad_accum
+        "grad_accum": 1,
+        "lr": 1e-3,                  # the paper: 1e-4 at batch 2048; the tiny demo model likes more
+        "betas": [0.9, 0.999],
+        "weight_decay": 0.0,
+        "warmup_steps": 50,
+        "grad_clip": 1.0,
+        "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32)
+        "ema_decay": 0.999,
+        "label_dropout": 0.1,        # condition dropout for classifier-free guidance
+        "gradient_checkpointing": False,
+        "compile": False,
+    },
+    "val": {
+        "every": 200,                # and at the last step
+        "num_samples": 36,           # grid size: classes in order, or the first held-out captions
+        "sampler": "ddim",           # "ddim" (deterministic, eta = 0) or "ddpm" (ancestral)
+        "steps": 50,
+        "guidance_scale": 3.0,
+        "guidance_rescale": 0.7,     # phi of Lin et al. 2024, sec. 3.4; 0 = plain guidance
+        "loss_samples": 256,         # held-out samples for the validation loss, at t = (k + 0.5) T / loss_bins
+    },
+    "log": {"every": 10, "wandb": "auto", "project": "minimal-diffusion"},  # wandb: auto|online|offline|off
+    "ckpt": {"every": 500, "keep": 3},
+}
+
+# ----------------------------------------------------------------------------------------------------------
+# The objective: beta schedule, zero terminal SNR, forward process, v / eps / x0 target, Min-SNR weight.
+
+
+def make_schedule(num_timesteps=1000, beta_schedule="quadratic", beta_start=0.00085, beta_end=0.012,
+                  zero_terminal_snr=True):
+    """alpha_bar_t = prod_{s<=t} (1 - beta_s), t = 0 .. T-1, in float64. Betas:
+      quadratic: linspace(sqrt(b0), sqrt(b1), T)^2 (Rombach et al. 2022; SD's and diffusers' "scaled_linear")
+      linear:    linspace(b0, b1, T) (Ho et al. 2020, with b0 = 1e-4, b1 = 0.02 there)
+      cosine:    1 - f(t+1)/f(t), f(t) = cos((t/T + 0.008)/1.008 pi/2)^2, capped at 0.999 (Nichol & Dhariwal 2021)
+    Zero terminal SNR (Lin et al. 2024, Algorithm 1): sqrt(ab) <- (sqrt(ab) - sqrt(ab_T-1)) sqrt(ab_0) /
+    (sqrt(ab_0) - sqrt(ab_T-1)), so the last step is pure noise (as sampling assumes) and the first unchanged."""
+    T = num_timesteps
+    if beta_schedule == "quadratic":
+        betas = torch.linspace(beta_start ** 0.5, beta_end ** 0.5, T, dtype=torch.float64) ** 2
+    elif beta_schedule == "linear":
+        betas = torch.linspace(beta_start, beta_end, T, dtype=torch.float64)
+    elif beta_schedule == "cosine":
+        f = [math.cos((i / T + 0.008) / 1.008 * math.pi / 2) ** 2 for i in range(T + 1)]
+        betas = torch.tensor([min(1 - f[i + 1] / f[i], 0.999) for i in range(T)], dtype=torch.float64)
+    else:
+        raise ValueError(f"objective.beta_schedule must be 'quadratic', 'linear' or 'cosine', got {beta_schedule!r}")
+    alphas_cumprod = torch.cumprod(1 - betas, dim=0)
+    if zero_terminal_snr:
+        s = alphas_cumprod.sqrt()
+        alphas_cumprod = ((s - s[-1]) * s[0] / (s[0] - s[-1])) ** 2
+    return alphas_cumprod
+
+
+def check_objective(cfg):
+    """Refuse, at start-up, settings that cannot train or sample."""
+    obj = cfg["objective"]
+    if obj["prediction"] not in ("v", "eps", "x0"):
+        raise ValueError(f"objective.prediction must be 'v', 'eps' or 'x0', got {obj['prediction']!r}")
+    if obj["zero_terminal_snr"] and obj["prediction"] == "eps":
+        raise ValueError(
+            "objective.zero_terminal_snr=true cannot be combined with objective.prediction='eps': at the last "
+            "timestep alpha_bar = 0, so x_t is pure noise, eps is x_t itself, and x0 = (x_t - sqrt(1 - ab) eps) / "
+            "sqrt(ab) divides by zero (Lin et al. 2024, sec. 3.2). Set objective.prediction to 'v' or 'x0', or "
+            "objective.zero_terminal_snr=false.")
+    if cfg["val"]["sampler"] not in ("ddim", "ddpm"):
+        raise ValueError(f"val.sampler must be 'ddim' or 'ddpm', got {cfg['val']['sampler']!r}")
+
+
+def schedule_of(cfg):
+    """The run's alpha_bar, from its objective section (a plain dict works: eval_fid.py passes config.json)."""
+    obj = cfg["objective"]
+    return make_schedule(obj["num_timesteps"], obj["beta_schedule"], obj["beta_start"], obj["beta_end"],
+                         obj["zero_terminal_snr"])
+
+
+def _coefs(alphas_cumprod, t, like):
+    """sqrt(ab_t) and sqrt(1 - ab_t) shaped to broadcast against `like`; t is a LongTensor of timesteps."""
+    ab = alphas_cumprod.to(like.device)[t].view(-1, *([1] * (like.dim() - 1)))
+    return ab.sqrt().to(like.dtype), (1 - ab).sqrt().to(like.dtype)
+
+
+def add_noise(x0, noise, t, alphas_cumprod):
+    """The forward process q(x_t | x0) (Ho et al. 2020, eq. 4): x_t = sqrt(ab_t) x0 + sqrt(1 - ab_t) eps."""
+    a, s = _coefs(alphas_cumprod, t, x0)
+    return a * x0 + s * noise
+
+
+def target_of(x0, noise, t, alphas_cumprod, prediction):
+    """What the model learns to output: v = sqrt(ab) eps - sqrt(1 - ab) x0 (Salimans & Ho 2022, sec. 4),
+    eps (Ho et al. 2020) or x0."""
+    a, s = _coefs(alphas_cumprod, t, x0)
+    return {"v": a * noise - s * x0, "eps": noise, "x0": x0}[prediction]
+
+
+def min_snr_weight(snr, prediction, gamma):
+    """Min-SNR-gamma (Hang et al. 2023, eq. 10): weight the x0-space loss by min(SNR, gamma). Expressed on the
+    chosen target, since ||eps err||^2 = SNR ||x0 err||^2 and ||v err||^2 = (SNR + 1) ||x0 err||^2:
+      x0: min(SNR, g)    eps: min(SNR, g) / SNR = min(1, g / SNR)    v: min(SNR, g) / (SNR + 1).
+    Finite at every t: eps uses the min(1, g / SNR) form, which is 1 at SNR = 0 (not 0 / 0). gamma <= 0: 1."""
+    if gamma <= 0:
+        return torch.ones_like(snr)
+    if prediction == "x0":
+        return snr.clamp(max=gamma)
+    if prediction == "eps":
+        return (gamma / snr).clamp(max=1.0)  # gamma / 0 = inf -> 1
+    return snr.clamp(max=gamma) / (snr + 1)
+
+
+def ddpm_loss(model, x0, cond, t, noise, alphas_cumprod, prediction, min_snr_gamma):
+    """Per-sample weighted MSE on the target (Ho et al. 2020, eq. 14, with Min-SNR weights): the number that
+    is trained on, logged as loss and val_loss. t: LongTensor in [0, T-1]; the model sees it as a float."""
+    x_t = add_noise(x0, noise, t, alphas_cumprod)
+    out = model(x_t, t.float(), cond)
+    mse = (out.float() - target_of(x0, noise, t, alphas_cumprod, prediction).float()).pow(2)
+    ab = alphas_cumprod.to(x0.device)[t]
+    return mse.mean(dim=tuple(range(1, x0.dim()))) * min_snr_weight(ab / (1 - ab), prediction, min_snr_gamma).float()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The samplers: DDIM (eta = 0) or ancestral DDPM on a trailing timestep grid, with guidance and its rescale.
+
+
+def timestep_grid(num_timesteps, steps):
+    """Trailing spacing (Lin et al. 2024, sec. 3.3, Table 2): t_i = round(T - i T / steps) - 1, i = 0 .. steps-1,
+    so sampling starts at t = T-1, where zero terminal SNR makes x_T pure noise. This is diffusers'
+    timestep_spacing="trailing", computed exactly (its float arange differs at a few counts, e.g. 48 and 61)."""
+    if not 1 <= steps <= num_timesteps:
+        raise ValueError(f"val.steps must be in [1, {num_timesteps}], got {steps}")
+    return [round(num_timesteps * (steps - i) / steps) - 1 for i in range(steps)]
+
+
+def predict_x0_eps(out, x, ab, prediction):
+    """The model output as (x0, eps) estimates, from x_t = sqrt(ab) x0 + sqrt(1 - ab) eps and the target's
+    definition; `ab` is alpha_bar at the current timestep, a float."""
+    a, s = ab ** 0.5, (1 - ab) ** 0.5
+    if prediction == "v":  # x0 = sqrt(ab) x_t - sqrt(1 - ab) v,  eps = sqrt(ab) v + sqrt(1 - ab) x_t
+        return a * x - s * out, a * out + s * x
+    if prediction == "eps":
+        return (x - s * out) / a, out
+    return out, (x - a * out) / s
+
+
+def ddim_step(x0, eps, ab_prev):
+    """DDIM, eta = 0 (Song et al. 2021, eq. 12): x_prev = sqrt(ab_prev) x0 + sqrt(1 - ab_prev) eps."""
+    return ab_prev ** 0.5 * x0 + (1 - ab_prev) ** 0.5 * eps
+
+
+def ddpm_step(x0, x, ab, ab_prev, noise):
+    """Ancestral step: a draw from the posterior q(x_prev | x_t, x0) (Ho et al. 2020, eq. 6-7) across the
+    jump t -> prev, with alpha = ab / ab_prev, beta = 1 - alpha:
+      mean = sqrt(ab_prev) beta / (1 - ab) x0 + sqrt(alpha) (1 - ab_prev) / (1 - ab) x_t
+      var  = (1 - ab_prev) / (1 - ab) beta   (diffusers' "fixed_small"; 0 on the last step, ab_prev = 1)."""
+    alpha = ab / ab_prev
+    beta = 1 - alpha
+    mean = ab_prev ** 0.5 * beta / (1 - ab) * x0 + alpha ** 0.5 * (1 - ab_prev) / (1 - ab) * x
+    return mean + ((1 - ab_prev) / (1 - ab) * beta) ** 0.5 * noise
+
+
+def guide(out_c, out_u, guidance_scale, guidance_rescale):
+    """Classifier-free guidance (Ho & Salimans 2022) out = out_u + w (out_c - out_u), then its rescale (Lin et
+    al. 2024, sec. 3.4, eq. 15-16; diffusers' rescale_noise_cfg): out <- phi out std(out_c) / std(out) +
+    (1 - phi) out, per sample, which undoes the over-exposure that large w causes with zero terminal SNR."""
+    out = out_u + guidance_scale * (out_c - out_u)
+    if guidance_rescale > 0:
+        dims = list(range(1, out.dim()))
+        rescaled = out * (out_c.std(dim=dims, keepdim=True) / out.std(dim=dims, keepdim=True))
+        out = guidance_rescale * rescaled + (1 - guidance_rescale) * out
+    return out
+
+
+@torch.no_grad()
+def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_scale=1.0, guidance_rescale=0.0,
+           method="ddim", generator=None):
+    """From x = noise at t = T-1 down the trailing grid to x0. Guidance w = 1 is the plain conditional model.
+    The ancestral sampler draws its fresh noise from `generator` (None: the global RNG)."""
+    ts, n = timestep_grid(len(alphas_cumprod), steps), len(noise)
+    if method not in ("ddim", "ddpm"):
+        raise ValueError(f"val.sampler must be 'ddim' or 'ddpm', got {method!r}")
+
+    def model_out(x, t):
+        tt = torch.full((n,), float(t), device=x.device)
+        if guidance_scale == 1.0:
+            return model(x, tt, cond).float()
+        both = {k: torch.cat([v, v]) for k, v in cond.items() if k != "drop"}
+        both["drop"] = torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]).to(x.device)
+        out_c, out_u = model(torch.cat([x, x]), torch.cat([tt, tt]), both).float().chunk(2)
+        return guide(out_c, out_u, guidance_scale, guidance_rescale)
+
+    x = noise.float()
+    for i, t in enumerate(ts):
+        ab = alphas_cumprod[t].item()
+        ab_prev = alphas_cumprod[ts[i + 1]].item() if i + 1 < len(ts) else 1.0  # past the grid: data, ab = 1
+        x0, eps = predict_x0_eps(model_out(x, t), x, ab, prediction)
+        if method == "ddim":
+            x = ddim_step(x0, eps, ab_prev)
+        else:
+            z = torch.randn(x.shape, generator=generator, device=x.device) if i + 1 < len(ts) else torch.zeros_like(x)
+            x = ddpm_step(x0, x, ab, ab_prev, z)
+    return x
+
+
+def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None):
+    """Sample as the run `cfg` is configured (its schedule, prediction, val sampler, guidance and rescale),
+    with optional overrides. The one entry point that validation, eval_fid.py and the benchmarks call."""
+    check_objective(cfg)
+    val = cfg["val"]
+    return sample(model, noise, cond, schedule_of(cfg), steps or val["steps"], cfg["objective"]["prediction"],
+                  val["guidance_scale"] if guidance_scale is None else guidance_scale, val["guidance_rescale"],
+                  sampler or val["sampler"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    cfg = common.load_config(DEFAULTS, argv)
+    data, obj, tr = cfg.data, cfg.objective, cfg.train
+    run_dir = Path(cfg.run_dir)
+    check_objective(cfg)  # before anything slow: e.g. zero terminal SNR with eps prediction is an error
+
+    # ---- Accelerator and seeds ----------------------------------------------------------------------------
+    accelerator = Accelerator(mixed_precision=tr.mixed_precision)
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    set_seed(cfg.seed + rank)  # different noise and times on each rank
+    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls and convolutions on Ampere and newer
+    torch.backends.cudnn.allow_tf32 = True
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    if bool(data.caption_column) != bool(cfg.encoders.text_encoder):
+        raise ValueError("data.caption_column and encoders.text_encoder go together: set both or neither")
+    alphas_cumprod = schedule_of(cfg).to(device)
+    T = obj.num_timesteps
+
+    # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
+    vae, tokenizer, text_encoder = common.load_encoders(cfg.encoders, device)
+    encode = common.make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
+    train_ds, val_ds = common.open_splits(data)
+    train_set = common.CachedDataset(common.build_cache(train_ds, "train", encode, accelerator, cfg))
+    val_set = common.CachedDataset(common.build_cache(val_ds, "val", encode, accelerator, cfg))
+    null_text = None
+    if text_encoder is not None:  # the null condition for guidance: the empty prompt, encoded once
+        null_text = common.encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
+        text_encoder.cpu()  # encoders leave the GPU once the cache is built
+    if vae is not None:
+        vae.cpu()
+    loader_kwargs = dict(num_workers=data.num_workers, pin_memory=device.type == "cuda")
+    if data.num_workers > 0:
+        loader_kwargs["prefetch_factor"] = data.prefetch_factor
+
+    # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
+    x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
+    text_dims = None if null_text is None else tuple(null_text["text_tokens"].shape[1:]) + (
+        null_text["text_pooled"].shape[-1],)
+    model = common.build_denoiser(cfg.model, x_shape[0], x_shape[-1],
+                                  data.num_classes if data.label_column and not text_dims else 0, text_dims)
+    if null_text is not None:
+        model.conditioner.null_tokens.copy_(null_text["text_tokens"][0])
+        model.conditioner.null_pooled.copy_(null_text["text_pooled"][0])
+    if tr.gradient_checkpointing:
+        model.transformer.enable_gradient_checkpointing()
+    ema = copy.deepcopy(model).requires_grad_(False).float()  # fp32 EMA, also on the GPU
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas),
+                                  weight_decay=tr.weight_decay)  # weight_decay 0 = Adam, as in the paper
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ema.to(device)
+    forward = torch.compile(model) if tr.compile else model
+    raw_model = accelerator.unwrap_model(model)
+    accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
+                      f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
+                      f"{tr.batch_size * world * tr.grad_accum}; {obj.beta_schedule} betas, zero terminal SNR "
+                      f"{obj.zero_terminal_snr}, {obj.prediction} prediction, min-SNR gamma {obj.min_snr_gamma:g}")
+
+    # ---- Resume: same run, continues step, data position, optimizer, EMA and RNG ------------------------------
+    step = 0
+    ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
+    if ckpt is not None:
+        from safetensors.torch import load_file
+
+        raw_model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+        ema.load_state_dict(load_file(str(ckpt / "ema.safetensors")))
+        state = torch.load(ckpt / "state.pt", weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+        common.set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=True))
+        accelerator.print(f"resumed from {ckpt} at step {step}")
+
+    # ---- Logging ------------------------------------------------------------------------------------------
+    wandb_run = None
+    if accelerator.is_main_process and cfg.log.wandb != "off":
+        import wandb
+
+        mode = cfg.log.wandb if cfg.log.wandb != "auto" else ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        wandb_run = wandb.init(project=cfg.log.project, dir=str(run_dir), config=cfg, mode=mode,
+                               name=run_dir.name, resume="allow")
+
+    def log(metrics):
+        if accelerator.is_main_process:
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            if wandb_run is not None:
+                wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid -----
+    n_val = min(cfg.val.num_samples, len(val_set))
+    val_rows = [val_set[i] for i in range(n_val)]
+    val_cond = {"drop": torch.zeros(n_val, dtype=torch.bool, device=device)}
+    if text_dims:
+        val_cond.update({k: torch.stack([r[k] for r in val_rows]).to(device) for k in ("text_tokens", "text_pooled")})
+    elif "label" in val_rows[0]:
+        val_cond["label"] = torch.arange(n_val, device=device) % data.num_classes
+    val_noise = torch.randn((n_val, *x_shape), generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+
+    @torch.no_grad()
+    def validate(step):
+        ema.eval()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(cfg.seed)  # the ancestral sampler's noise: fixed, and the training RNG untouched
+            x = generate(ema, val_noise, val_cond, cfg)
+        if vae is not None:
+            vae.to(device)
+        images = common.decode(vae, x)
+        if vae is not None:
+            vae.cpu()
+        path = run_dir / "samples" / f"step_{step:08d}.png"
+        grid = common.save_image_grid(images, path, nrow=math.ceil(math.sqrt(n_val)))
+        # Validation loss: every held-out sample at every t_k = floor((k + 0.5) T / K), with fixed noise.
+        gen, k_bins = torch.Generator().manual_seed(cfg.seed + 1), obj.loss_bins
+        losses = torch.zeros(k_bins)
+        n_loss = min(cfg.val.loss_samples, len(val_set))
+        for i in range(0, n_loss, tr.batch_size):
+            rows = [val_set[j] for j in range(i, min(i + tr.batch_size, n_loss))]
+            batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+            x0 = batch["x"] + batch["x_std"] * torch.randn(batch["x"].shape, generator=gen) if "x_std" in batch else batch["x"]
+            noise = torch.randn(x0.shape, generator=gen)
+            cond = {k: v.to(device) for k, v in batch.items() if k in ("label", "text_tokens", "text_pooled")}
+            cond["drop"] = torch.zeros(len(x0), dtype=torch.bool, device=device)
+            for k in range(k_bins):
+                t = torch.full((len(x0),), int((k + 0.5) * T / k_bins), device=device)
+                with accelerator.autocast():
+                    losses[k] += ddpm_loss(ema, x0.to(device), cond, t, noise.to(device), alphas_cumprod,
+                                           obj.prediction, obj.min_snr_gamma).sum().cpu()
+        losses /= n_loss
+        metrics = {"step": step, "val_loss": losses.mean().item(),
+                   **{f"val_loss_t{k}": losses[k].item() for k in range(k_bins)}}
+        log(metrics)
+        if wandb_run is not None:
+            import wandb
+
+            wandb_run.log({"samples": wandb.Image(grid)}, step=step)
+        accelerator.print(f"step {step}: val_loss {metrics['val_loss']:.4f}, samples in {path}")
+
+    def checkpoint(step):
+        state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg))}
+        tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
+        common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
+
+    # ---- Training loop --------------------------------------------------------------------------------------
+    batches = common.iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
+                                     loader_kwargs)
+    k_bins = obj.loss_bins
+    stats = torch.zeros(3 + 2 * k_bins, device=device)  # loss sum, count, grad norm sum, per-bin sums, counts
+    smoothed, data_wait, t_last = None, 0.0, time.perf_counter()
+    progress = tqdm(total=tr.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
+    model.train()
+    while step < tr.max_steps:
+        lr = common.lr_at(step, tr.lr, tr.warmup_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for micro in range(tr.grad_accum):
+            t0 = time.perf_counter()
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            data_wait += time.perf_counter() - t0
+            x0 = batch["x"] + batch["x_std"] * torch.randn_like(batch["x"]) if "x_std" in batch else batch["x"]
+            cond = {k: v for k, v in batch.items() if k in ("label", "text_tokens", "text_pooled")}
+            cond["drop"] = common.drop_conditions(len(x0), tr.label_dropout, device)
+            noise = torch.randn_like(x0)
+            t = torch.randint(0, T, (len(x0),), device=device)  # uniform over the T timesteps (Ho et al. 2020)
+            # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
+            with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
+                loss = ddpm_loss(forward, x0, cond, t, noise, alphas_cumprod, obj.prediction, obj.min_snr_gamma)
+                accelerator.backward(loss.mean() / tr.grad_accum)
+            bins = t * k_bins // T
+            stats[0] += loss.detach().sum()
+            stats[1] += len(loss)
+            stats[3:3 + k_bins].index_add_(0, bins, loss.detach())
+            stats[3 + k_bins:].index_add_(0, bins, torch.ones_like(loss))
+        # Everything below happens once per real optimizer step, never per micro-batch.
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip)
+        stats[2] += grad_norm.detach().float()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        common.ema_update(ema, raw_model, tr.ema_decay, step)
+        step += 1
+        progress.update(1)
+
+        if step % cfg.log.every == 0 or step == tr.max_steps:
+            totals = accelerator.reduce(stats, "sum")  # the only sync: losses stay on the device between logs
+            n_steps = step % cfg.log.every or cfg.log.every
+            elapsed = time.perf_counter() - t_last
+            loss_avg = (totals[0] / totals[1]).item()
+            smoothed = loss_avg if smoothed is None else 0.9 * smoothed + 0.1 * loss_avg
+            peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
+                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            metrics = {"step": step, "loss": loss_avg, "loss_smoothed": smoothed, "lr": lr,
+                       "grad_norm": (totals[2] / world / n_steps).item(),
+                       "images_per_s": n_steps * tr.batch_size * tr.grad_accum * world / elapsed,
+                       "data_wait_share": data_wait / elapsed, "peak_memory_gb": peak / 2**30}
+            counts = totals[3 + k_bins:].clamp(min=1)
+            metrics.update({f"loss_t{k}": (totals[3 + k] / counts[k]).item() for k in range(k_bins)})
+            metrics["images_per_s_per_device"] = metrics["images_per_s"] / world
+            log(metrics)
+            progress.set_postfix(loss=f"{smoothed:.4f}", lr=f"{lr:.1e}")
+            stats.zero_()
+            data_wait, t_last = 0.0, time.perf_counter()
+        if step % cfg.val.every == 0 or step == tr.max_steps:
+            if accelerator.is_main_process:
+                validate(step)
+            accelerator.wait_for_everyone()
+            t_last = time.perf_counter()  # validation time is not training throughput
+        if step % cfg.ckpt.every == 0 or step == tr.max_steps:
+            checkpoint(step)
+            t_last = time.perf_counter()
+    progress.close()
+
+    # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
+    if accelerator.is_main_process:
+        export = run_dir / "export"
+        ema.transformer.save_pretrained(export / "transformer", safe_serialization=True)
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in ema.conditioner.state_dict().items()},
+                  str(export / "conditioner.safetensors"))
+        (export / "config.json").write_text(json.dumps(cfg, indent=2))
+        accelerator.print(f"exported EMA model to {export}")
+    if wandb_run is not None:
+        wandb_run.finish()
+    accelerator.end_training()
+    return run_dir
+
+
+if __name__ == "__main__":
+    main()
