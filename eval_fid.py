@@ -1,23 +1,24 @@
 """Sample a trained run at scale and score it: FID and KID (clean-fid), CLIP score, in one file.
 
-    python eval_fid.py --run runs/flow_matching_demo --num_samples 1000              # demo, CPU, offline*
+    python eval_fid.py --run runs/flow_matching_demo --num_samples 1000 --inception_weights inception-2015-12-05.pt
     accelerate launch eval_fid.py --run runs/in1k_256 --reference imagenet-1k --reference_split validation
-    python eval_fid.py --run runs/cc12m_256 --prompts heldout --clip_model openai/clip-vit-large-patch14
+    accelerate launch eval_fid.py --run runs/cc12m_256 --prompts heldout --clip_model openai/clip-vit-large-patch14
 
-  (* offline once the Inception file is local: --inception_weights PATH, see inception_path below.)
+Pipeline: arguments -> model (the exported EMA model, or a checkpoint's EMA or raw weights, with the run's
+resolved config) -> generation (sample i always has the same seed, so the images do not depend on the process
+count; lossless PNGs) -> reference statistics (computed once, cached in our own .npz keyed on the source and
+its preprocessing) -> metrics (FID/KID with clean-fid's math and resizing, CLIP score) -> report (JSON + table).
+`fid_during_training` is the same path at small N, in memory, for the trainers' validation.
 
-Pipeline: arguments -> model (exported EMA, or a checkpoint's EMA or raw weights, with the run's resolved
-config) -> generation (sample i always uses the same seed, so the images do not depend on the process count;
-lossless PNGs) -> reference statistics (computed once, cached in our own .npz keyed on source and
-preprocessing) -> metrics (FID/KID with clean-fid's math and resizing, CLIP score) -> report (JSON + table).
-`fid_during_training` is the same path with small N, in memory, for the trainers' validation.
-
-Conventions: generated pixels in [-1, 1] become uint8 by round((x + 1) * 127.5) as in common.save_image_grid;
-every feature extractor maps uint8 images (N, H, W, 3) to features (N, D); tests pass a tiny fixed conv net.
+Conventions: generated pixels in [-1, 1] become uint8 by round((x + 1) * 127.5), as in common.save_image_grid.
+A feature extractor is any feature_fn(list of uint8 (H, W, 3) images) -> (N, D) array; the default is
+clean-fid's Inception, the tests pass a tiny fixed conv net. Every multi-rank step is a collective: all ranks
+call it. For several nodes, --out_dir and --stats_cache must be on a shared file system.
 """
 import argparse
 import contextlib
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -39,39 +40,37 @@ from tqdm.auto import tqdm
 import common
 
 # ----------------------------------------------------------------------------------------------------------
-# Arguments. Every default is here. Reported numbers use --num_samples 50000 (the ADM / DiT protocol).
+# Arguments. Every default is here; None means "as the run was configured". Reported numbers: 50k samples.
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    a = p.add_argument
+    a = (p := argparse.ArgumentParser(description=__doc__.split("\n")[0])).add_argument
     a("--run", required=True, help="run folder (uses run/export) or an export folder")
     a("--checkpoint", default=None, help="score a checkpoint folder (or 'latest') instead of the export")
     a("--weights", default="ema", choices=["ema", "raw"], help="checkpoint weights; the export is always EMA")
-    a("--out_dir", default=None, help="default: <run>/eval/<settings>")
+    a("--out_dir", default=None, help="default: <run>/eval/<weights>-<sampler><steps>-g<guidance>-seed<seed>")
     a("--num_samples", type=int, default=50_000)
     a("--batch_size", type=int, default=64, help="per process; stochastic samplers depend on it, noise does not")
     a("--seed", type=int, default=0)
     a("--sampler", default=None, help="default: the run's val.sampler")
     a("--steps", type=int, default=None, help="default: the run's val.steps")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
-    a("--control_guidance_scale", type=float, default=None, help="reserved: control guidance (not yet in the trainers)")
+    a("--control_guidance_scale", type=float, default=None, help="reserved for control guidance (not yet sampled)")
     a("--prompts", default=None, help="text models: a captions file (one per line) or 'heldout' (default)")
-    a("--reference", default=None, help="image folder, dataset (hub id, local path, 'embedded'), or "
-      "cleanfid:NAME:RES:SPLIT for clean-fid's precomputed statistics; default: the run's data source")
-    a("--reference_split", default="heldout", help="'heldout': the split the trainer validated on")
+    a("--reference", default=None, help="image folder, dataset (hub id, local path, 'embedded') or "
+      "cleanfid:NAME:RES:SPLIT (clean-fid's precomputed statistics); default: the run's data.source")
+    a("--reference_split", default="heldout", help="'heldout': the rows the trainer validated on")
     a("--reference_resolution", type=int, default=None, help="default: the run's data.resolution")
     a("--reference_crop", default="center")
     a("--reference_image_column", default=None, help="default: the run's data.image_column")
     a("--reference_num", type=int, default=None, help="use only the first N reference images")
     a("--stats_cache", default="cache/fid_stats", help="folder of cached reference statistics (.npz)")
     a("--mode", default="clean", choices=["clean", "legacy_tensorflow"], help="clean-fid's resizing mode")
-    a("--inception_weights", default=None, help="local inception-2015-12-05.pt (offline clusters)")
-    a("--features", default="inception", help="'inception' (clean-fid's) or module:factory, a callable returning "
-      "feature_fn(uint8 images (N, H, W, 3)) -> (N, D) features (e.g. DINOv2 for FD_DINOv2; tests: a tiny net)")
+    a("--inception_weights", default=None, help="a local inception-2015-12-05.pt (offline clusters)")
+    a("--features", default="inception", help="'inception' or module:factory, a callable returning a feature_fn")
     a("--clip_model", default="openai/clip-vit-large-patch14", help="hub id or local path; 'none' to skip")
-    a("--adm_npz", default=None, help="also write samples as uint8 NHWC 'arr_0' for the ADM evaluator")
-    a("--generate_only", action="store_true", help="write the PNGs and stop (score later on any machine)")
+    a("--adm_npz", default=None, help="also write the samples as uint8 NHWC 'arr_0' for ADM's evaluator")
+    a("--generate_only", action="store_true", help="write the PNGs and stop (score later, anywhere)")
     a("--mixed_precision", default="no", choices=["no", "fp16", "bf16"])
     a("--report", default=None, help="default: <out_dir>/report.json")
     return p.parse_args(argv)
@@ -82,21 +81,18 @@ INCEPTION_FILE = "inception-2015-12-05.pt"
 DEFAULT_INCEPTION_DIR = "./" if platform.system() == "Windows" else "/tmp"  # where clean-fid itself looks
 
 # ----------------------------------------------------------------------------------------------------------
-# Model: the exported EMA model, or a checkpoint's EMA or raw weights, and the run's own generate().
+# Model: the exported EMA model, or a checkpoint's EMA or raw weights, and the run's own sampler.
 
 
 def method_of(cfg):
-    """The trainer module whose sampler made this run: DDPM configs have objective.prediction, flow
-    matching ones objective.time_sampling. Both expose generate(model, noise, cond, cfg, steps, guidance_scale,
-    sampler)."""
-    import importlib
-
+    """The trainer whose generate(model, noise, cond, cfg, steps, guidance_scale, sampler) samples this run:
+    DDPM configs have objective.prediction, flow-matching ones objective.time_sampling."""
     return importlib.import_module("train_ddpm" if "prediction" in cfg["objective"] else "train_flow_matching")
 
 
 def load_model(run, checkpoint=None, weights="ema"):
-    """(model, cfg, description). The shapes of a checkpoint's model come from its tensors, so no data or
-    encoder is needed to rebuild it: channels from the patch projection, size from the positional grid."""
+    """(model, cfg, description). A checkpoint's shapes come from its tensors (channels from the patch
+    projection, side from the positional grid), so rebuilding it needs neither data nor encoders."""
     from safetensors.torch import load_file
 
     run = Path(run)
@@ -122,13 +118,13 @@ def load_model(run, checkpoint=None, weights="ema"):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Generation. Work is cut into fixed batches of sample indices [b * B, (b + 1) * B), dealt to ranks round
-# robin; sample i's noise comes from its own seed, and a stochastic sampler's RNG is seeded per batch, so
-# the PNGs are the same with 1 or 64 processes (same device type, same batch size).
+# Generation. Work is cut into fixed batches of sample indices [b B, (b + 1) B), dealt to ranks round robin.
+# Sample i's noise has its own seed and a stochastic sampler's RNG is seeded per batch, so the PNGs are the
+# same with 1 or 64 processes (on the same kind of device, with the same batch size).
 
 
 def seed_for(*path):
-    """A 63-bit seed per (base seed, stream, index), from numpy's SeedSequence, so streams never overlap."""
+    """A 63-bit seed per (base seed, stream, index) from numpy's SeedSequence: streams never overlap."""
     return int(np.random.SeedSequence(list(path)).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
@@ -142,45 +138,49 @@ def to_uint8(x):
     return x.float().clamp(-1, 1).add(1).mul(127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
 
 
+def heldout(data):
+    """The rows the trainer validated on: data.val_split when set (opened alone, so no CC12M-sized train
+    split is read), else common.open_splits' seeded hold-out of the training split."""
+    return common.open_dataset(data, data.val_split) if data.val_split else common.open_splits(data)[1]
+
+
 def load_prompts(prompts, cfg):
     """Captions for a text model: a file (one caption per line) or 'heldout' (the held-out rows' captions)."""
     if prompts in (None, "heldout"):
-        _, val = common.open_splits(common.Config({k: v for k, v in cfg["data"].items()}))
-        return list(val[cfg["data"]["caption_column"]])
-    lines = [line.strip() for line in Path(prompts).read_text().splitlines()]
-    return [line for line in lines if line]
+        return list(heldout(common.Config(cfg["data"]))[cfg["data"]["caption_column"]])
+    return [line.strip() for line in Path(prompts).read_text().splitlines() if line.strip()]
 
 
 def make_condition(cfg, model, prompts, device):
-    """cond(indices) -> the condition dict of those samples: class i % num_classes (balanced over
-    classes), or prompt i % len(prompts), encoded with the run's own text encoder."""
-    num_classes = model.conditioner.num_classes
+    """cond(indices) -> the conditions of those samples: class i % num_classes (balanced over classes), or
+    prompt i % len(prompts) encoded by the run's own text encoder."""
+    no_drop = lambda idx: torch.zeros(len(idx), dtype=torch.bool, device=device)  # noqa: E731
     if prompts is None:
-        return lambda idx: {"label": torch.tensor(idx, device=device) % num_classes,
-                            "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
+        num_classes = model.conditioner.num_classes
+        return lambda idx: {"label": torch.tensor(idx, device=device) % num_classes, "drop": no_drop(idx)}
     _, tokenizer, text_encoder = common.load_encoders(common.Config({**cfg["encoders"], "vae": None}), device)
 
     def cond(idx):
         out = common.encode_text(tokenizer, text_encoder, [prompts[i % len(prompts)] for i in idx],
                                  cfg["encoders"]["max_tokens"])
-        return {"text_tokens": out["text_tokens"], "text_pooled": out["text_pooled"],
-                "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
+        return {"text_tokens": out["text_tokens"], "text_pooled": out["text_pooled"], "drop": no_drop(idx)}
     return cond
 
 
 @torch.no_grad()
-def sample_batch(model, cfg, generate, vae, cond, idx, seed, steps, guidance_scale, sampler, device,
+def sample_batch(model, cfg, cond, idx, seed, steps=None, guidance_scale=None, sampler=None, vae=None,
                  control_guidance_scale=None):
-    """uint8 images of samples `idx`. The control guidance scale has its place here; the trainers'
-    generate() does not take one yet, so any value is refused rather than silently ignored."""
+    """uint8 images of samples `idx`; the caller's RNG state is left as it was. The control guidance scale
+    has its place here; no trainer's generate() takes one yet, so a value is refused, not ignored."""
     if control_guidance_scale is not None:
         raise NotImplementedError("control_guidance_scale: the trainers' generate() has no control guidance yet")
-    tc = model.transformer.config
-    shape = (tc.in_channels, tc.sample_size, tc.sample_size)
-    noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(seed_for(seed, 0, i)))
-                         for i in idx]).to(device)
-    torch.manual_seed(seed_for(seed, 1, idx[0]))  # for ancestral samplers' fresh noise, fixed per batch
-    x = generate(model, noise, cond(idx), cfg, steps=steps, guidance_scale=guidance_scale, sampler=sampler)
+    tc, device = model.transformer.config, next(model.parameters()).device
+    noise = torch.stack([torch.randn((tc.in_channels, tc.sample_size, tc.sample_size),
+                                     generator=torch.Generator().manual_seed(seed_for(seed, 0, i))) for i in idx])
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed_for(seed, 1, idx[0]))  # ancestral samplers' fresh noise, fixed per batch
+        x = method_of(cfg).generate(model, noise.to(device), cond(idx), cfg, steps=steps,
+                                    guidance_scale=guidance_scale, sampler=sampler)
     return to_uint8(common.decode(vae, x))
 
 
@@ -188,9 +188,14 @@ def png_path(folder, i):
     return Path(folder) / f"{i:06d}.png"
 
 
+def read_png(folder, i):
+    return np.asarray(Image.open(png_path(folder, i)).convert("RGB"))
+
+
 # ----------------------------------------------------------------------------------------------------------
-# Features. clean-fid's Inception (the TF-ported torchscript network of StyleGAN2-ADA) and resizer; the
-# file is looked for before anything is downloaded, so an offline node fails at once with instructions.
+# Features: clean-fid's Inception (the TF-ported TorchScript network of StyleGAN2-ADA) and its resizer. The
+# file is looked for before anything is downloaded, and a download is bounded, so an offline node fails at
+# once with instructions instead of hanging.
 
 
 def inception_path(weights=None, timeout=20):
@@ -201,95 +206,92 @@ def inception_path(weights=None, timeout=20):
         return Path(weights)
     path = Path(DEFAULT_INCEPTION_DIR) / INCEPTION_FILE
     if not path.is_file():
-        try:  # a bounded download into clean-fid's own location, atomically (never a half file)
+        try:  # into clean-fid's own location, atomically: never a half-written file
             with urllib.request.urlopen(INCEPTION_URL, timeout=timeout) as r:
-                tmp = path.with_suffix(".part")
-                tmp.write_bytes(r.read())
-                os.replace(tmp, path)
+                path.with_suffix(".part").write_bytes(r.read())
+            os.replace(path.with_suffix(".part"), path)
         except OSError as e:
             raise FileNotFoundError(
-                f"the Inception FID network is not available and could not be downloaded ({e}). On a machine "
-                f"with network run\n    wget {INCEPTION_URL}\nthen copy the file to this machine and pass "
+                f"the Inception FID network is not here and could not be downloaded ({e}). On a machine with "
+                f"network run\n    wget {INCEPTION_URL}\nthen copy the file to this machine and pass "
                 f"--inception_weights /path/to/{INCEPTION_FILE} (or put it at {path}).") from None
     return path
 
 
 def inception_features(mode="clean", weights=None, device="cpu", accelerator=None):
-    """feature_fn(uint8 (N, H, W, 3)) -> float64 (N, 2048): clean-fid's resizer (PIL bicubic on float
-    channels to 299 for 'clean'; the network's own TF-style resize for 'legacy_tensorflow') and its network."""
+    """feature_fn for FID: clean-fid's resizer (mode 'clean': PIL bicubic on float channels to 299 x 299;
+    'legacy_tensorflow': the network's own TF-style resize) and its network -> float64 (N, 2048)."""
     from cleanfid.inception_torchscript import InceptionV3W
     from cleanfid.resize import build_resizer
 
     with accelerator.main_process_first() if accelerator else contextlib.nullcontext():  # one download
         path = inception_path(weights)
     with tempfile.TemporaryDirectory() as tmp:  # InceptionV3W loads <folder>/inception-2015-12-05.pt
-        folder = path.parent
+        folder = path.parent if path.name == INCEPTION_FILE else Path(tmp)
         if path.name != INCEPTION_FILE:
-            folder = Path(tmp)
             (folder / INCEPTION_FILE).symlink_to(path.resolve())
         net = InceptionV3W(str(folder), download=False, resize_inside=mode == "legacy_tensorflow").to(device)
     resize = build_resizer(mode)
 
     @torch.no_grad()
     def feature_fn(images):
+        if len({img.shape for img in images}) > 1:  # legacy_tensorflow resizes inside: one size per batch
+            return np.concatenate([feature_fn([img]) for img in images])
         x = np.stack([np.asarray(resize(img), dtype=np.float32) for img in images])
         return net(torch.from_numpy(x).permute(0, 3, 1, 2).to(device)).double().cpu().numpy()
-    feature_fn.name, feature_fn.path = f"inception-2015-12-05/{mode}", str(path)
+    with open(path, "rb") as f:
+        feature_fn.name, feature_fn.path = f"inception-2015-12-05/{mode}", str(path)
+        feature_fn.sha256 = hashlib.file_digest(f, "sha256").hexdigest()  # for the report
     return feature_fn
 
 
 def gathered(pairs):
-    """[(index, feature row)] from every rank -> features in index order, on every rank."""
-    pairs = sorted(gather_object(pairs), key=lambda p: p[0])
-    return np.stack([f for _, f in pairs])
+    """[(index, row)] from every rank -> rows in index order, on every rank (a collective)."""
+    return np.stack([row for _, row in sorted(gather_object(pairs), key=lambda p: p[0])])
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Reference statistics: mu, sigma (FID) and the features themselves (KID), computed once and cached in
+# Reference statistics: mu and sigma (FID) and the features (KID), computed once and cached in
 # <stats_cache>/<source>-<hash>.npz. The hash covers the source and all preprocessing: a change is a miss.
 
 
 def reference_key(args, cfg, feature_name):
-    data = cfg["data"]
-    source = args.reference or data["source"]
-    key = {"source": source, "feature": feature_name, "format": 1}
+    data, source = cfg["data"], args.reference or cfg["data"]["source"]
+    key = {"source": source, "feature": feature_name, "num": args.reference_num, "format": 1}
     if is_image_folder(source):
-        files = _image_files(source)
-        key["files"] = hashlib.sha256("\n".join(f"{f.name}:{f.stat().st_size}" for f in files).encode()).hexdigest()
-        key["kind"] = "folder"
-    else:
-        key.update(kind="dataset", split=args.reference_split, crop=args.reference_crop,
-                   resolution=args.reference_resolution or data["resolution"],
-                   image_column=args.reference_image_column or data["image_column"])
-        if args.reference_split == "heldout":  # what common.open_splits holds out
-            key["heldout"] = [data["split"], data["val_split"], data["val_holdout"]]
-        if source == "embedded":
-            key["demo"] = [data["demo_samples"], data["demo_resolution"]]
-    key["num"] = args.reference_num
+        listing = "\n".join(f"{f.relative_to(source)}:{f.stat().st_size}" for f in image_files(source))
+        return {**key, "kind": "folder", "files": hashlib.sha256(listing.encode()).hexdigest()}
+    key.update(kind="dataset", split=args.reference_split, crop=args.reference_crop,
+               resolution=args.reference_resolution or data["resolution"],
+               image_column=args.reference_image_column or data["image_column"])
+    if args.reference_split == "heldout":
+        key["heldout"] = [data["split"], data["val_split"], data["val_holdout"]]
+    if source == "embedded":
+        key["demo"] = [data["demo_samples"], data["demo_resolution"]]
     return key
 
 
 def is_image_folder(source):
-    """A plain folder of images (scored as the files are); a folder with metadata.jsonl or parquet files is
-    a dataset, preprocessed as in training."""
+    """A plain folder of images, scored as the files are (clean-fid's convention); a folder with
+    metadata.jsonl or parquet files is a dataset, preprocessed as in training."""
     p = Path(source)
     return p.is_dir() and not any(p.glob("**/*.parquet")) and not any(p.glob("**/metadata.jsonl"))
 
 
-def _image_files(folder):
+def image_files(folder):
     exts = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"}
     return sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in exts)
 
 
 def reference_images(key, cfg):
-    """A list of loaders, one per reference image, each returning uint8 (H, W, 3): a folder's files as
-    they are (clean-fid's folder convention), or dataset rows preprocessed exactly as the trainer does."""
+    """One loader per reference image, each returning uint8 (H, W, 3): a folder's files as they are, or
+    dataset rows through common.load_image and common.preprocess, exactly as the trainer's cache sees them."""
     if key["kind"] == "folder":
-        items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in _image_files(key["source"])]
+        items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in image_files(key["source"])]
     else:
         data = common.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
                               "label_column": None, "caption_column": None, "max_samples": None})
-        ds = common.open_splits(data)[1] if key["split"] == "heldout" else common.open_dataset(data, key["split"])
+        ds = heldout(data) if key["split"] == "heldout" else common.open_dataset(data, key["split"])
 
         def load(i):
             x, _ = common.preprocess(common.load_image(ds[i][key["image_column"]]), key["resolution"], key["crop"])
@@ -299,78 +301,63 @@ def reference_images(key, cfg):
 
 
 def reference_stats(key, cfg, feature_fn, accelerator, cache_dir, batch_size=64):
-    """(stats dict with mu, sigma, feats, path, sha256). Ranks share the feature extraction."""
+    """{mu, sigma, feats, path, key_sha256, sha256}; on a miss the ranks share the feature extraction."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", key["source"]).strip("-")[-40:]
-    path = Path(cache_dir) / f"{slug}-{digest}.npz"
+    path = Path(cache_dir) / f"{re.sub(r'[^A-Za-z0-9]+', '-', key['source']).strip('-')[-40:]}-{digest}.npz"
+    accelerator.print(f"reference statistics: cache {'hit' if path.exists() else 'miss'}, {path}")
     if not path.exists():
-        accelerator.print(f"reference statistics: cache miss, computing {path}")
-        items, rank, world = reference_images(key, cfg), accelerator.process_index, accelerator.num_processes
-        pairs = []
-        for idx in tqdm(my_batches(len(items), batch_size, rank, world), desc="reference features",
-                        disable=not accelerator.is_local_main_process):
-            pairs += zip(idx, feature_fn(np.stack([items[i]() for i in idx])))
+        items, pairs = reference_images(key, cfg), []
+        for idx in tqdm(my_batches(len(items), batch_size, accelerator.process_index, accelerator.num_processes),
+                        desc="reference features", disable=not accelerator.is_local_main_process):
+            pairs += zip(idx, feature_fn([items[i]() for i in idx]))
         feats = gathered(pairs)
         if accelerator.is_main_process:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp.npz")
-            np.savez(tmp, mu=feats.mean(0), sigma=np.cov(feats, rowvar=False), feats=feats.astype(np.float32),
-                     key=json.dumps(key, sort_keys=True))
-            os.replace(tmp, path)
+            np.savez(path.with_suffix(".tmp.npz"), mu=feats.mean(0), sigma=np.cov(feats, rowvar=False),
+                     feats=feats.astype(np.float32), key=json.dumps(key, sort_keys=True))
+            os.replace(path.with_suffix(".tmp.npz"), path)
         accelerator.wait_for_everyone()
-    else:
-        accelerator.print(f"reference statistics: cache hit {path}")
-    with np.load(path) as f:
-        stats = {"mu": f["mu"], "sigma": f["sigma"], "feats": f["feats"]}
-    return {**stats, "path": str(path), "key_sha256": digest, "sha256": file_sha256(path)}
+    with np.load(path) as f, open(path, "rb") as raw:
+        return {"mu": f["mu"], "sigma": f["sigma"], "feats": f["feats"], "path": str(path), "key_sha256": digest,
+                "sha256": hashlib.file_digest(raw, "sha256").hexdigest()}
 
 
 def named_reference_stats(spec, mode, accelerator=None):
-    """clean-fid's precomputed statistics, `cleanfid:NAME:RES:SPLIT` (e.g. cleanfid:cifar10:32:train).
-    They are downloaded by clean-fid into its package folder, with a bounded wait."""
+    """clean-fid's precomputed statistics, cleanfid:NAME:RES:SPLIT (e.g. cleanfid:cifar10:32:train), which
+    clean-fid downloads into its package folder; its urlopen has no timeout, so we bound the wait."""
     import socket
 
     from cleanfid.features import get_reference_statistics
 
     _, name, res, split = spec.split(":")
-    old = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(30)  # clean-fid's urlopen has no timeout of its own
+    old, feats = socket.getdefaulttimeout(), None
+    socket.setdefaulttimeout(30)
     try:
         with accelerator.main_process_first() if accelerator else contextlib.nullcontext():  # one download
             mu, sigma = get_reference_statistics(name, int(res), mode=mode, split=split)
-            try:
+            with contextlib.suppress(OSError):  # not every named set has KID features
                 feats = get_reference_statistics(name, int(res), mode=mode, split=split, metric="KID")
-            except OSError:
-                feats = None  # not every named set has KID features
     finally:
         socket.setdefaulttimeout(old)
     return {"mu": mu, "sigma": sigma, "feats": feats, "path": spec, "key_sha256": None,
             "sha256": hashlib.sha256(mu.tobytes() + sigma.tobytes()).hexdigest()}
 
 
-def file_sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ----------------------------------------------------------------------------------------------------------
-# Metrics. FID: ||mu1 - mu2||^2 + Tr(S1 + S2 - 2 sqrt(S1 S2)) (Heusel et al. 2017); KID: unbiased MMD^2
-# with the cubic polynomial kernel (Binkowski et al. 2018); both computed by clean-fid (Parmar et al. 2022).
+# Metrics. FID = ||mu1 - mu2||^2 + Tr(S1 + S2 - 2 sqrt(S1 S2)) (Heusel et al. 2017); KID: unbiased MMD^2 with
+# the cubic polynomial kernel (Binkowski et al. 2018); both as clean-fid computes them (Parmar et al. 2022).
 
 
 def size_tag(n):
-    """50000 -> '50k', 1000 -> '1k', 500 -> '500', 1500 -> '1500' (only whole thousands get a 'k')."""
+    """50000 -> '50k', 1000 -> '1k', 999 -> '999', 1500 -> '1500' (only whole thousands get a 'k')."""
     return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
 
 
 def fid_kid(feats, ref, mode, n):
     from cleanfid.fid import frechet_distance, kernel_distance
 
-    out = {f"fid_{mode}_{size_tag(n)}": float(frechet_distance(feats.mean(0), np.cov(feats, rowvar=False),
-                                                                ref["mu"], ref["sigma"]))}
+    fid = frechet_distance(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
+    out = {f"fid_{mode}_{size_tag(n)}": float(fid)}
     if ref["feats"] is not None and min(len(feats), len(ref["feats"])) >= 2:
         np.random.seed(0)  # kernel_distance draws its subsets from numpy's global RNG
         out[f"kid_{mode}_{size_tag(n)}"] = float(kernel_distance(feats, ref["feats"]))
@@ -379,12 +366,11 @@ def fid_kid(feats, ref, mode, n):
 
 @torch.no_grad()
 def clip_scores(model_id, images, captions, device):
-    """CLIP score = 100 * max(cos(E_img, E_txt), 0) (Hessel et al. 2021, w = 100 as in torchmetrics), per
-    image, with CLIP's own preprocessing (its image processor resizes and normalizes; text truncated to
-    its context length). Averaged by the caller."""
+    """Per image, 100 * max(cos(E_img, E_txt), 0) (CLIPScore, Hessel et al. 2021, w = 100 as torchmetrics),
+    with CLIP's own preprocessing: its image processor, its tokenizer truncated to its context length."""
     from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
-    if not hasattr(clip_scores, "cache") or clip_scores.cache[0] != model_id:
+    if getattr(clip_scores, "cache", (None,))[0] != model_id:
         clip_scores.cache = (model_id, CLIPModel.from_pretrained(model_id).to(device).eval(),
                              AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id))
     _, clip, tokenizer, processor = clip_scores.cache
@@ -392,38 +378,37 @@ def clip_scores(model_id, images, captions, device):
     text = tokenizer(list(captions), padding=True, truncation=True, return_tensors="pt",
                      max_length=clip.config.text_config.max_position_embeddings).to(device)
     out = clip(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=pixels)
-    cos = (out.image_embeds * out.text_embeds).sum(-1)  # both are L2-normalised by CLIPModel
+    cos = (out.image_embeds * out.text_embeds).sum(-1)  # CLIPModel returns both L2-normalised
     return (100 * cos.clamp(min=0)).double().cpu().numpy()
 
 
 # ----------------------------------------------------------------------------------------------------------
-# In training: a small-N FID every M steps, in memory, no PNGs. Every rank must call it.
+# In training: a small-N FID every M steps, in memory (no PNGs), on all ranks.
 
 
-def fid_during_training(model, cfg, accelerator, num_samples, reference, *, vae=None, conditions=None,
+def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *, vae=None, conditions=None,
                         feature_fn=None, mode="clean", inception_weights=None, stats_cache="cache/fid_stats",
                         steps=None, guidance_scale=None, sampler=None, batch_size=64, seed=0):
-    """{'fid_clean_1k': .., 'kid_clean_1k': ..} for `model` (e.g. the EMA) sampled as `cfg` is configured.
+    """{'fid_clean_1k': .., 'kid_clean_1k': ..} of `model` (unwrapped, e.g. the EMA) sampled as `cfg` says.
 
-    reference: a cached statistics .npz (ours), or a source understood by --reference (folder, dataset,
-    'embedded', cleanfid:NAME:RES:SPLIT), or None for the run's own held-out split. conditions: None for
-    balanced class labels, else a dict of per-sample tensors (e.g. the held-out cache's text_tokens and
-    text_pooled) indexed by i % len. The same seeds as eval_fid.py, so numbers are comparable over steps."""
-    device, generate = accelerator.device, method_of(cfg).generate
+    reference: one of our statistics .npz files, a --reference source (folder, dataset, 'embedded',
+    cleanfid:NAME:RES:SPLIT), or None for the run's own held-out rows. vae: on the device, for latent runs.
+    conditions: None for balanced class labels, else per-sample tensors (e.g. the held-out cache's
+    text_tokens and text_pooled), sample i taking row i % len. Same seeds as eval_fid.py's CLI."""
+    device = accelerator.device
     feature_fn = feature_fn or inception_features(mode, inception_weights, device, accelerator)
     if conditions is None:
         cond = make_condition(cfg, model, None, device)
     else:
-        n_cond = len(next(iter(conditions.values())))
-        cond = lambda idx: {**{k: v[[i % n_cond for i in idx]].to(device) for k, v in conditions.items()},
+        rows = len(next(iter(conditions.values())))
+        cond = lambda idx: {**{k: v[[i % rows for i in idx]].to(device) for k, v in conditions.items()},  # noqa
                             "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
-    pairs = []
-    was_training = model.training
+    pairs, was_training = [], model.training
     model.eval()
     for idx in my_batches(num_samples, batch_size, accelerator.process_index, accelerator.num_processes):
         with accelerator.autocast():
-            images = sample_batch(model, cfg, generate, vae, cond, idx, seed, steps, guidance_scale, sampler, device)
-        pairs += zip(idx, feature_fn(images))
+            images = sample_batch(model, cfg, cond, idx, seed, steps, guidance_scale, sampler, vae)
+        pairs += zip(idx, feature_fn(list(images)))
     model.train(was_training)
     feats = gathered(pairs)
     if str(reference).endswith(".npz"):
@@ -432,10 +417,9 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference, *, vae=
     elif str(reference).startswith("cleanfid:"):
         ref = named_reference_stats(reference, mode, accelerator)
     else:
-        args = argparse.Namespace(reference=reference, reference_split="heldout", reference_resolution=None,
-                                  reference_crop="center", reference_image_column=None, reference_num=None)
-        key = reference_key(args, cfg, getattr(feature_fn, "name", "custom"))
-        ref = reference_stats(key, cfg, feature_fn, accelerator, stats_cache, batch_size)
+        args = parse_args(["--run", "-"] + (["--reference", reference] if reference else []))
+        ref = reference_stats(reference_key(args, cfg, getattr(feature_fn, "name", "custom")), cfg, feature_fn,
+                              accelerator, stats_cache, batch_size)
     return fid_kid(feats, ref, mode, num_samples)
 
 
@@ -443,63 +427,55 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference, *, vae=
 
 
 def main(argv=None, feature_fn=None):
-    """Returns the report dict (None with --generate_only). `feature_fn` replaces Inception (tests)."""
+    """Returns the report (None with --generate_only, and on ranks other than the main one)."""
     args = parse_args(argv)
     accelerator = Accelerator(mixed_precision=args.mixed_precision)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     t_start = time.time()
 
-    # ---- Model and settings (None: as the run was configured) ---------------------------------------------
+    # ---- Model and settings ---------------------------------------------------------------------------------
     model, cfg, model_desc = load_model(args.run, args.checkpoint, args.weights)
     model.to(device)
-    generate = method_of(cfg).generate
     steps, sampler = args.steps or cfg["val"]["steps"], args.sampler or cfg["val"]["sampler"]
     guidance = cfg["val"]["guidance_scale"] if args.guidance_scale is None else args.guidance_scale
-    is_text = bool(cfg["encoders"]["text_encoder"])
+    is_text, n_tag = bool(cfg["encoders"]["text_encoder"]), size_tag(args.num_samples)
     weights = f"{Path(args.checkpoint).name}-{args.weights}" if args.checkpoint else "export-ema"
-    tag = f"{weights}-{sampler}{steps}-g{guidance:g}-seed{args.seed}"
-    out_dir = Path(args.out_dir or Path(args.run) / "eval" / tag)
+    out_dir = Path(args.out_dir or Path(args.run) / "eval" / f"{weights}-{sampler}{steps}-g{guidance:g}-seed{args.seed}")
     samples_dir = out_dir / "samples"
-    if accelerator.is_main_process:
-        samples_dir.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
+    samples_dir.mkdir(parents=True, exist_ok=True)
 
-    # ---- Generation: my batches of indices; batches already on disk are skipped (resume) -------------------
+    # ---- Generation: this rank's batches; a batch already on disk is skipped (resume) ----------------------
     prompts = load_prompts(args.prompts, cfg) if is_text else None
     vae = common.load_encoders(common.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
     cond = make_condition(cfg, model, prompts, device)
     batches = my_batches(args.num_samples, args.batch_size, rank, world)
-    for idx in tqdm(batches, desc=f"generate (rank {rank})", disable=not accelerator.is_local_main_process):
+    for idx in tqdm(batches, desc="generate", disable=not accelerator.is_local_main_process):
         if all(png_path(samples_dir, i).exists() for i in idx):
             continue
         with accelerator.autocast():
-            images = sample_batch(model, cfg, generate, vae, cond, idx, args.seed, steps, guidance, sampler,
-                                  device, args.control_guidance_scale)
-        for i, img in zip(idx, images):  # PNG is lossless; written atomically, so a resumed run trusts it
-            tmp = png_path(samples_dir, i).with_suffix(".tmp")
-            Image.fromarray(img).save(tmp, format="PNG")
-            os.replace(tmp, png_path(samples_dir, i))
+            images = sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae,
+                                  args.control_guidance_scale)
+        for i, img in zip(idx, images):  # PNG: lossless; written atomically, so a resumed run can trust it
+            Image.fromarray(img).save(png_path(samples_dir, i).with_suffix(".tmp"), format="PNG")
+            os.replace(png_path(samples_dir, i).with_suffix(".tmp"), png_path(samples_dir, i))
     accelerator.wait_for_everyone()
     del model, vae
     if args.generate_only:
         accelerator.print(f"{args.num_samples} samples in {samples_dir}")
         return None
 
-    # ---- Features of the samples, and the reference statistics -------------------------------------------
+    # ---- Features of the samples (and CLIP scores), then the reference statistics --------------------------
     if feature_fn is None and args.features != "inception":
-        import importlib
-
         module, factory = args.features.split(":")
         feature_fn = getattr(importlib.import_module(module), factory)()
     feature_fn = feature_fn or inception_features(args.mode, args.inception_weights, device, accelerator)
-    feature_name = getattr(feature_fn, "name", "custom")
+    feature_name, use_clip = getattr(feature_fn, "name", "custom"), is_text and args.clip_model != "none"
     pairs, clip_pairs = [], []
     for idx in tqdm(batches, desc="features", disable=not accelerator.is_local_main_process):
-        images = np.stack([np.asarray(Image.open(png_path(samples_dir, i)).convert("RGB")) for i in idx])
+        images = [read_png(samples_dir, i) for i in idx]
         pairs += zip(idx, feature_fn(images))
-        if is_text and args.clip_model != "none":
+        if use_clip:
             clip_pairs += zip(idx, clip_scores(args.clip_model, images, [prompts[i % len(prompts)] for i in idx],
                                                device))
     feats = gathered(pairs)
@@ -509,50 +485,46 @@ def main(argv=None, feature_fn=None):
         key = reference_key(args, cfg, feature_name)
         ref = reference_stats(key, cfg, feature_fn, accelerator, args.stats_cache, args.batch_size)
 
-    # ---- Metrics and report -------------------------------------------------------------------------------
+    # ---- Metrics, ADM export, report ------------------------------------------------------------------------
     metrics = fid_kid(feats, ref, args.mode, args.num_samples)
-    if is_text and args.clip_model != "none":  # a collective: every rank gathers, even with no batches
-        metrics[f"clip_score_{size_tag(args.num_samples)}"] = float(gathered(clip_pairs).mean())
-    if args.adm_npz and accelerator.is_main_process:  # what ADM's evaluator.py reads (Dhariwal & Nichol 2021)
-        arr = np.stack([np.asarray(Image.open(png_path(samples_dir, i)).convert("RGB"))
-                        for i in range(args.num_samples)])
-        np.savez(args.adm_npz, arr_0=arr)
-    report = None
-    if accelerator.is_main_process:
-        import importlib.metadata as md
+    if use_clip:  # gathered on every rank, also one that had no batch
+        metrics[f"clip_score_{n_tag}"] = float(gathered(clip_pairs).mean())
+    if not accelerator.is_main_process:
+        accelerator.wait_for_everyone()
+        return None
+    if args.adm_npz:  # the sample batch that ADM's evaluator.py reads (Dhariwal & Nichol 2021)
+        np.savez(args.adm_npz, arr_0=np.stack([read_png(samples_dir, i) for i in range(args.num_samples)]))
+    import importlib.metadata as md
 
-        report = {
-            "metrics": metrics,
-            "model": {"run": str(args.run), **model_desc, "method": method_of(cfg).__name__},
-            "num_samples": args.num_samples, "sampler": sampler, "steps": steps, "guidance_scale": guidance,
-            "control_guidance_scale": args.control_guidance_scale,
-            "seeds": {"seed": args.seed, "batch_size": args.batch_size,
-                      "rule": "noise of sample i: torch.Generator seeded with seed_for(seed, 0, i); stochastic "
-                              "sampler RNG of the batch starting at i: torch.manual_seed(seed_for(seed, 1, i))"},
-            "conditioning": ({"prompts": args.prompts or "heldout", "num_prompts": len(prompts),
-                              "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest()}
-                             if is_text else {"labels": "i % num_classes", "num_classes": cfg["data"]["num_classes"]}),
-            "clip_model": args.clip_model if is_text else None,
-            "reference": {**key, "stats": ref["path"], "key_sha256": ref["key_sha256"], "stats_sha256": ref["sha256"]},
-            "mode": args.mode, "feature_extractor": feature_name,
-            "feature_weights": getattr(feature_fn, "path", None),
-            "feature_weights_sha256": file_sha256(feature_fn.path) if hasattr(feature_fn, "path") else None,
-            "samples_dir": str(samples_dir), "adm_npz": args.adm_npz, "num_processes": world,
-            "mixed_precision": args.mixed_precision, "config": cfg,
-            "versions": {"python": platform.python_version(), **{p: md.version(p) for p in (
-                "torch", "diffusers", "transformers", "accelerate", "clean-fid", "numpy", "scipy", "pillow")}},
-            "command": " ".join([Path(sys.argv[0]).name] + list(sys.argv[1:] if argv is None else argv)),
-            "seconds": round(time.time() - t_start, 1),
-        }
-        path = Path(args.report or out_dir / "report.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2, default=str))
-        rows = {**metrics, "model": f"{model_desc['source']} ({model_desc['weights']})", "N": args.num_samples,
-                "sampler": f"{sampler}, {steps} steps", "guidance": guidance, "reference": key["source"],
-                "mode": args.mode, "report": str(path)}
-        width = max(map(len, rows))
-        print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}"
-                        for k, v in rows.items()))
+    report = {
+        "metrics": metrics,
+        "model": {"run": str(args.run), **model_desc, "method": method_of(cfg).__name__},
+        "num_samples": args.num_samples, "sampler": sampler, "steps": steps, "guidance_scale": guidance,
+        "control_guidance_scale": args.control_guidance_scale,
+        "seeds": {"seed": args.seed, "batch_size": args.batch_size, "noise": "sample i: seed_for(seed, 0, i)",
+                  "sampler_rng": "batch starting at sample i: seed_for(seed, 1, i)"},
+        "conditioning": ({"prompts": args.prompts or "heldout", "num_prompts": len(prompts), "clip_model":
+                          args.clip_model, "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest()}
+                         if is_text else {"labels": "i % num_classes", "num_classes": cfg["data"]["num_classes"]}),
+        "reference": {**key, "stats": ref["path"], "key_sha256": ref["key_sha256"], "stats_sha256": ref["sha256"]},
+        "mode": args.mode, "feature_extractor": feature_name, "feature_weights": getattr(feature_fn, "path", None),
+        "feature_weights_sha256": getattr(feature_fn, "sha256", None),
+        "samples_dir": str(samples_dir), "adm_npz": args.adm_npz, "num_processes": world,
+        "mixed_precision": args.mixed_precision, "seconds": round(time.time() - t_start, 1),
+        "versions": {"python": platform.python_version(), **{p: md.version(p) for p in (
+            "torch", "diffusers", "transformers", "accelerate", "clean-fid", "numpy", "scipy", "pillow")}},
+        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
+        "config": cfg,
+    }
+    path = Path(args.report or out_dir / "report.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str))
+    table = {**metrics, "model": f"{model_desc['source']} ({model_desc['weights']})", "samples": args.num_samples,
+             "sampler": f"{sampler}, {steps} steps, guidance {guidance:g}", "reference": key["source"],
+             "mode": args.mode, "report": str(path)}
+    width = max(map(len, table))
+    print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}"
+                    for k, v in table.items()))
     accelerator.wait_for_everyone()
     return report
 

@@ -79,7 +79,7 @@ def test_two_processes(tmp_path):
     args = tiny_run_args(tmp_path, "ddp", steps=2) + ["--train.grad_accum=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--cpu", str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, env=env,
+                          str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "global batch 16 x 2 processes x 2 accumulation = 64" in out.stdout

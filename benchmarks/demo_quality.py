@@ -1,0 +1,92 @@
+"""How often do the demo's samples show what was asked for?
+
+Trains a small CNN on the embedded data (real images, their 9 colour x shape classes), then samples N images
+per class from a run's exported EMA model with fixed seeds and reports the share the classifier assigns to
+the requested class (and to the requested colour and shape separately), next to the run's training speed.
+
+    python train_flow_matching.py && python benchmarks/demo_quality.py runs/flow_matching_demo
+    python train_ddpm.py && python benchmarks/demo_quality.py runs/ddpm_demo
+"""
+import argparse
+import importlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+
+def demo_images(num_samples, seed, resolution=32):
+    """The embedded images as a tensor in [-1, 1] with their labels."""
+    import numpy as np
+
+    ds = common.make_demo_dataset(num_samples, seed, resolution)
+    x = torch.from_numpy(np.stack([np.asarray(img) for img in ds["image"]])).permute(0, 3, 1, 2).float() / 127.5 - 1
+    return x, torch.tensor(ds["label"])
+
+
+def train_classifier(steps=600, seed=0):
+    """A 3-layer CNN on the embedded data; returns it with its accuracy on freshly drawn images."""
+    torch.manual_seed(seed)
+    x, y = demo_images(4608, seed=100)
+    net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(64, len(common.DEMO_CLASSES)))
+    opt = torch.optim.Adam(net.parameters(), 2e-3)
+    for _ in tqdm(range(steps), desc="classifier"):
+        idx = torch.randint(len(x), (128,))
+        batch = x[idx] + 0.1 * torch.randn_like(x[idx])  # a little noise: samples are not perfectly clean
+        loss = nn.functional.cross_entropy(net(batch), y[idx])
+        opt.zero_grad(), loss.backward(), opt.step()
+    net.eval()
+    x_test, y_test = demo_images(900, seed=101)
+    with torch.no_grad():
+        acc = (net(x_test).argmax(1) == y_test).float().mean().item()
+    return net, acc
+
+
+@torch.no_grad()
+def score_run(run_dir, classifier, per_class=20, steps=None, guidance_scale=None, seed=0):
+    """Sample `per_class` images of each class from the run's export; the share classified as asked."""
+    model, cfg = common.load_exported(Path(run_dir) / "export")
+    trainer = importlib.import_module("train_ddpm" if "prediction" in cfg["objective"] else "train_flow_matching")
+    tc = model.transformer.config
+    labels = torch.arange(len(common.DEMO_CLASSES)).repeat_interleave(per_class)
+    noise = torch.randn((len(labels), tc.in_channels, tc.sample_size, tc.sample_size),
+                        generator=torch.Generator().manual_seed(seed))
+    preds = []
+    for i in tqdm(range(0, len(labels), 60), desc="sampling"):
+        cond = {"label": labels[i:i + 60], "drop": torch.zeros(len(labels[i:i + 60]), dtype=torch.bool)}
+        x = trainer.generate(model, noise[i:i + 60], cond, cfg, steps=steps, guidance_scale=guidance_scale)
+        preds.append(classifier(x.clamp(-1, 1)).argmax(1))
+    preds = torch.cat(preds)
+    colour, shape = lambda c: c // len(common.DEMO_SHAPES), lambda c: c % len(common.DEMO_SHAPES)
+    metrics_file = Path(run_dir) / "metrics.jsonl"
+    speeds = [m["images_per_s"] for m in map(json.loads, metrics_file.read_text().splitlines()) if "images_per_s" in m]
+    return {"class_accuracy": (preds == labels).float().mean().item(),
+            "colour_accuracy": (colour(preds) == colour(labels)).float().mean().item(),
+            "shape_accuracy": (shape(preds) == shape(labels)).float().mean().item(),
+            "train_images_per_s": statistics.median(speeds) if speeds else None, "samples": len(labels)}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run folders with an export/ (runs/flow_matching_demo, ...)")
+    parser.add_argument("--per_class", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: the run's val.steps)")
+    parser.add_argument("--guidance_scale", type=float, default=None)
+    args = parser.parse_args()
+    classifier, acc = train_classifier()
+    print(f"classifier accuracy on held-out real demo images: {acc:.3f}")
+    print(f"{'run':40s} {'class acc':>9s} {'colour':>7s} {'shape':>7s} {'train img/s':>11s}")
+    for run in args.runs:
+        r = score_run(run, classifier, args.per_class, args.steps, args.guidance_scale)
+        print(f"{run:40s} {r['class_accuracy']:9.3f} {r['colour_accuracy']:7.3f} {r['shape_accuracy']:7.3f} "
+              f"{r['train_images_per_s'] or float('nan'):11.1f}")

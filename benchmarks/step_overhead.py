@@ -1,0 +1,61 @@
+"""What does the trainer's bookkeeping cost? Ratio of train_flow_matching.py's images/s to a bare
+forward-backward-optimizer loop on the same model and batch size, measured in one process, one run.
+
+    python benchmarks/step_overhead.py [--steps 60] [--batch_size 64] [extra --key=value trainer overrides]
+
+The bare loop is measured before and after the trainer and averaged, since these machines are shared.
+The trainer's speed is the median of its logged intervals after the first (warm-up), from metrics.jsonl.
+"""
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+import train_flow_matching as fm  # noqa: E402
+
+
+def bare_loop(cfg, steps):
+    torch.manual_seed(0)
+    model = common.build_denoiser(cfg.model, 3, cfg.data.resolution, cfg.data.num_classes)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    b = cfg.train.batch_size
+    x0, noise = torch.randn(b, 3, cfg.data.resolution, cfg.data.resolution), torch.randn(b, 3, cfg.data.resolution, cfg.data.resolution)
+    cond = {"label": torch.randint(0, cfg.data.num_classes, (b,)), "drop": torch.zeros(b, dtype=torch.bool)}
+    for i in range(steps + 3):
+        if i == 3:
+            start = time.perf_counter()
+        t = torch.rand(b)
+        loss = fm.flow_matching_loss(model, x0, cond, t, noise).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return steps * b / (time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch_size", type=int, default=64)
+    args, extra = parser.parse_known_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [f"--run_dir={tmp}/run", f"--data.cache_dir={tmp}/cache", f"--train.max_steps={args.steps}",
+                     f"--train.batch_size={args.batch_size}", "--log.every=10", "--log.wandb=off",
+                     "--val.every=1000000", "--ckpt.every=1000000", "--val.steps=1", "--val.num_samples=1",
+                     "--val.loss_samples=1", *extra]
+        cfg = common.load_config(fm.DEFAULTS, overrides)
+        bare_before = bare_loop(cfg, args.steps)
+        fm.main(overrides)
+        bare_after = bare_loop(cfg, args.steps)
+        logs = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        trainer = statistics.median(m["images_per_s"] for m in logs if "images_per_s" in m and m["step"] > 10)
+        wait = statistics.median(m["data_wait_share"] for m in logs if "images_per_s" in m and m["step"] > 10)
+    bare = (bare_before + bare_after) / 2
+    print(f"bare loop: {bare_before:.1f} / {bare_after:.1f} images/s (before / after); trainer: {trainer:.1f} "
+          f"images/s (data wait {wait:.1%}); ratio trainer / bare = {trainer / bare:.3f}")
