@@ -192,22 +192,32 @@ def load_image(value):
     return img.convert("RGB")
 
 
-def preprocess(img, resolution, crop):
-    """Resize the short side to `resolution` and crop a square; returns pixels in [-1, 1] and the metadata
-    (original size, crop top-left) that the conditioning needs to be true to the data."""
+def preprocess(img, resolution, data, rng=random):
+    """Crop a square box by the crop policy `data.crop`, resize it to `resolution`, flip it if drawn.
+
+    center: the largest centred square; random: the largest square at a random place; random_resized: a
+    random square of side U(data.min_crop_scale, 1) x the short side, at a random place. Returns pixels in
+    [-1, 1] and the control metadata that describes exactly what was done, so the conditioning is true to the
+    data: orig_hw (h, w), crop_box (top, left, height, width) in original pixels, flip (0 or 1).
+    """
     w, h = img.size
-    scale = resolution / min(w, h)
-    nw, nh = max(resolution, round(w * scale)), max(resolution, round(h * scale))
-    img = img.resize((nw, nh), Image.BICUBIC, reducing_gap=3.0)
-    if crop == "center":
-        top, left = (nh - resolution) // 2, (nw - resolution) // 2
-    elif crop == "random":
-        top, left = random.randint(0, nh - resolution), random.randint(0, nw - resolution)
+    side = min(w, h)
+    if data.crop == "random_resized":
+        side = max(1, round(side * rng.uniform(data.min_crop_scale, 1.0)))
+    if data.crop == "center":
+        top, left = (h - side) // 2, (w - side) // 2
+    elif data.crop in ("random", "random_resized"):
+        top, left = rng.randint(0, h - side), rng.randint(0, w - side)
     else:
-        raise ValueError(f"data.crop must be 'center' or 'random', got {crop!r}")
-    img = img.crop((left, top, left + resolution, top + resolution))
-    x = torch.from_numpy(np.asarray(img, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1
-    return x, {"orig_hw": torch.tensor([h, w]), "crop_tl": torch.tensor([top, left])}
+        raise ValueError(f"data.crop must be 'center', 'random' or 'random_resized', got {data.crop!r}")
+    img = img.resize((resolution, resolution), Image.BICUBIC, box=(left, top, left + side, top + side),
+                     reducing_gap=None if side < 3 * resolution else 3.0)
+    flip = data.random_flip and rng.random() < 0.5
+    if flip:
+        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    x = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1
+    return x, {"orig_hw": torch.tensor([h, w]), "crop_box": torch.tensor([top, left, side, side]),
+               "flip": torch.tensor([int(flip)])}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -281,10 +291,11 @@ def decode(vae, x):
 def cache_key(cfg, part, num_rows):
     data, enc = cfg.data, cfg.encoders
     key = {"source": data.source, "part": part, "split": data.split, "val_split": data.val_split,
-           "val_holdout": data.val_holdout, "rows": num_rows, "resolution": data.resolution, "crop": data.crop,
+           "val_holdout": data.val_holdout, "rows": num_rows, "resolution": data.resolution,
+           "crop": [data.crop, data.min_crop_scale, data.random_flip],
            "columns": [data.image_column, data.label_column, data.caption_column], "vae": enc.vae,
            "text_encoder": enc.text_encoder, "max_tokens": enc.max_tokens if enc.text_encoder else None,
-           "dtype": data.cache_dtype, "format": 1}
+           "dtype": data.cache_dtype, "format": 2}
     if data.source == "embedded":
         key["demo"] = [data.demo_samples, data.demo_resolution]
     return key
@@ -311,7 +322,8 @@ def build_cache(ds, part, encode, accelerator, cfg):
         if path.exists():
             continue  # finished before an interruption
         rows = ds[k * size:(k + 1) * size]
-        pixels, metas = zip(*(preprocess(load_image(v), data.resolution, data.crop) for v in rows[data.image_column]))
+        rng = random.Random(k)  # crops and flips depend on the shard, not on the rank or the world size
+        pixels, metas = zip(*(preprocess(load_image(v), data.resolution, data, rng) for v in rows[data.image_column]))
         captions = rows[data.caption_column] if data.caption_column else None
         tensors = {}
         for j in range(0, len(pixels), data.encode_batch_size):
@@ -370,64 +382,170 @@ class CachedDataset(torch.utils.data.Dataset):
 # vector goes to its adaptive-norm input.
 
 
-class Conditioner(nn.Module):
-    """Maps a batch's conditions to (context tokens, pooled vector) for SD3Transformer2DModel.
+CONTROL_FIELDS = {"size": "orig_hw", "crop": "crop_box", "flip": "flip"}  # control -> cached metadata
+COND_FIELDS = ("label", "text_tokens", "text_mask", "text_pooled", "orig_hw", "crop_box", "flip")
+CONTROL_SCALARS = {"size": 2, "crop": 4, "flip": 1}
 
-    Class label c in [0, num_classes) -> `class_tokens` learned tokens; label == num_classes is the null
-    class of classifier-free guidance. Text: the cached encoder features pass through unchanged, and a
-    dropped caption is replaced by the encoding of the empty prompt (as in SD and SD3), kept as a buffer so
-    the exported model samples without the text encoder's help for the null condition.
+
+def sinusoidal(values, dim=64):
+    """Each scalar -> `dim` sin/cos features at geometric frequencies (as SDXL embeds its size and crop
+    conditions); (B, n) -> (B, n * dim)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=values.device) / half)
+    args = values.float()[..., None] * freqs
+    return torch.cat([args.cos(), args.sin()], dim=-1).flatten(1)
+
+
+def control_weight(noise_level, power):
+    """w(t) = cos(pi t / 2)^p: 0 at pure noise (t = 1), 1 at clean data (t = 0), monotone in between, so
+    low-level controls (size, crop, flip) act only late in denoising, once the layout that semantics decide
+    is in place (Berrada et al. 2024, our reading: a noise-dependent schedule on the control embedding)."""
+    return torch.cos(math.pi / 2 * noise_level.float().clamp(0, 1)).clamp(min=0) ** power
+
+
+def replicate_padding(tokens, mask, noise_std):
+    """Noisy replicate padding (Berrada et al. 2024): padded positions j >= n take a copy of real token
+    j mod n plus N(0, noise_std^2) noise, instead of the encoder's pad embeddings, so attention over the
+    padding carries the prompt rather than an uninformative constant. Real tokens are left untouched."""
+    n = mask.sum(1).long().clamp(min=1)
+    source = torch.arange(tokens.shape[1], device=tokens.device)[None] % n[:, None]
+    copies = tokens.gather(1, source[..., None].expand_as(tokens))
+    copies = copies + noise_std * torch.randn_like(copies)
+    return torch.where(mask[..., None].bool(), tokens, copies)
+
+
+class Conditioner(nn.Module):
+    """Maps a batch's conditions to (context tokens, pooled vector, adaptive-norm addition) for the MMDiT.
+
+    Semantics (mode "disentangled", the paper's): a class label c becomes `class_tokens` learned tokens in
+    the context stream, i.e. it acts through attention; label == num_classes is the null class of guidance.
+    Text: the cached encoder features, a dropped caption replaced by the empty prompt's encoding (as SD3).
+    Controls (size, crop, flip): sinusoidal features and a small MLP each, added to the adaptive-norm vector
+    with the weight w(t) of `control_weight` (per-control power). Mode "adanorm" is the DiT/SDXL baseline the
+    paper improves on: class embedding and controls summed into the adaptive-norm vector, with w = 1.
     """
 
-    def __init__(self, num_classes, class_tokens, context_dim, pooled_dim, text_tokens=0):
+    def __init__(self, num_classes, class_tokens, context_dim, pooled_dim, width, text_tokens=0,
+                 controls=None, mode="disentangled", padding_noise=None):
         super().__init__()
+        if mode not in ("disentangled", "adanorm"):
+            raise ValueError(f"conditioning.mode must be 'disentangled' or 'adanorm', got {mode!r}")
         self.num_classes, self.class_tokens, self.pooled_dim = num_classes, class_tokens, pooled_dim
-        if num_classes:
+        self.mode, self.padding_noise, self.controls = mode, padding_noise, dict(controls or {})
+        if num_classes and mode == "disentangled":
             self.class_embed = nn.Embedding((num_classes + 1) * class_tokens, context_dim)
             nn.init.normal_(self.class_embed.weight, std=0.02)
+        elif num_classes:  # baseline: class in the adaptive norm; the context stream holds one constant token
+            self.class_vector = nn.Embedding(num_classes + 1, width)
+            self.null_context = nn.Parameter(torch.randn(1, class_tokens, context_dim) * 0.02)
         if text_tokens:
             self.register_buffer("null_tokens", torch.zeros(text_tokens, context_dim))
+            self.register_buffer("null_mask", torch.zeros(text_tokens))
             self.register_buffer("null_pooled", torch.zeros(pooled_dim))
+        self.control_mlp = nn.ModuleDict()
+        for name in self.controls:
+            mlp = nn.Sequential(nn.Linear(64 * CONTROL_SCALARS[name], width), nn.SiLU(), nn.Linear(width, width))
+            nn.init.zeros_(mlp[2].weight), nn.init.zeros_(mlp[2].bias)  # controls start as a no-op
+            self.control_mlp[name] = mlp
 
-    def forward(self, cond):
-        drop = cond["drop"]
+    def forward(self, cond, noise_level):
+        drop, adanorm = cond["drop"], 0
         if "text_tokens" in cond:
             tokens = torch.where(drop[:, None, None], self.null_tokens.to(cond["text_tokens"]), cond["text_tokens"])
             pooled = torch.where(drop[:, None], self.null_pooled.to(cond["text_pooled"]), cond["text_pooled"])
-            return tokens, pooled
-        label = torch.where(drop, self.num_classes, cond["label"])
-        ids = label[:, None] * self.class_tokens + torch.arange(self.class_tokens, device=label.device)
-        return self.class_embed(ids), self.class_embed.weight.new_zeros(len(label), self.pooled_dim)
+            if self.padding_noise is not None:
+                mask = torch.where(drop[:, None], self.null_mask.to(cond["text_mask"]), cond["text_mask"])
+                tokens = replicate_padding(tokens, mask, self.padding_noise)
+            context = tokens
+        else:
+            label = torch.where(drop, self.num_classes, cond["label"])
+            pooled = torch.zeros(len(label), self.pooled_dim, device=label.device)
+            if self.mode == "disentangled":
+                ids = label[:, None] * self.class_tokens + torch.arange(self.class_tokens, device=label.device)
+                context = self.class_embed(ids)
+            else:
+                context, adanorm = self.null_context.expand(len(label), -1, -1), self.class_vector(label)
+        keep = ~cond["drop_controls"] if "drop_controls" in cond else torch.ones_like(drop)
+        for name, power in self.controls.items():
+            w = control_weight(noise_level, power) if self.mode == "disentangled" else torch.ones_like(noise_level)
+            emb = self.control_mlp[name](sinusoidal(cond[CONTROL_FIELDS[name]].view(len(drop), -1)))
+            adanorm = adanorm + emb * (w.float() * keep)[:, None]
+        return context, pooled, adanorm
 
 
 class Denoiser(nn.Module):
     """The trained module: MMDiT plus conditioner, so DDP, EMA, checkpoints and export see one thing.
-    `timestep` is what diffusers' MMDiT expects: a float in [0, 1000]."""
+
+    `timestep` is what diffusers' MMDiT expects, a float in [0, 1000]; `noise_level` in [0, 1] (1 = pure
+    noise) drives the control schedule and defaults to timestep / 1000. The conditioner's adaptive-norm
+    addition is added to the output of the transformer's time/pooled embedding (the vector every block's
+    AdaLayerNorm reads) by a forward hook, so the transformer stays a stock diffusers model.
+    """
 
     def __init__(self, transformer, conditioner):
         super().__init__()
         self.transformer, self.conditioner = transformer, conditioner
+        self._adanorm = None
+        transformer.time_text_embed.register_forward_hook(self._add_to_adanorm)
 
-    def forward(self, x, timestep, cond):
-        context, pooled = self.conditioner(cond)
-        return self.transformer(hidden_states=x, encoder_hidden_states=context, pooled_projections=pooled,
-                                timestep=timestep).sample
+    def _add_to_adanorm(self, module, args, output):
+        return output if self._adanorm is None or isinstance(self._adanorm, int) else output + self._adanorm.to(output.dtype)
+
+    def forward(self, x, timestep, cond, noise_level=None):
+        noise_level = timestep / 1000 if noise_level is None else noise_level
+        context, pooled, self._adanorm = self.conditioner(cond, noise_level)
+        try:
+            return self.transformer(hidden_states=x, encoder_hidden_states=context, pooled_projections=pooled,
+                                    timestep=timestep).sample
+        finally:
+            self._adanorm = None
 
 
-def build_denoiser(model, channels, size, num_classes, text_dims=None):
-    """SD3Transformer2DModel (MMDiT, Esser et al. 2024) of the configured size. `text_dims` = (tokens, token
-    dim, pooled dim) of the text encoder; None for class conditioning, whose tokens live in the model width."""
+def guided(model, x, timestep, cond, semantic_scale=1.0, control_scale=0.0, noise_level=None):
+    """Guidance on both condition kinds (Ho & Salimans 2022, extended as in Brooks et al. 2023):
+        out = m(null, k) + s (m(c, k) - m(null, k)) + s_k (m(c, k) - m(c, null_k))
+    where c is the semantic condition, k the controls, s = semantic_scale, s_k = control_scale. With s_k = 0
+    it is standard classifier-free guidance; s = 1, s_k = 0 is the plain conditional model (one pass)."""
+    branches = [(False, False)] + [(True, False)] * (semantic_scale != 1) + [(False, True)] * (control_scale != 0)
+    if len(branches) == 1:
+        return model(x, timestep, cond, noise_level).float()
+    n, k = len(x), len(branches)
+    batch = {key: torch.cat([v] * k) for key, v in cond.items() if key not in ("drop", "drop_controls")}
+    batch["drop"] = torch.cat([cond["drop"] | d for d, _ in branches])
+    batch["drop_controls"] = torch.cat([torch.full((n,), dc, device=x.device) for _, dc in branches])
+    repeat = (lambda v: None if v is None else torch.cat([v.expand(n)] * k))
+    out = model(torch.cat([x] * k), repeat(timestep), batch, repeat(noise_level)).float().chunk(k)
+    result = out[0] if semantic_scale == 1 else out[1] + semantic_scale * (out[0] - out[1])
+    return result + control_scale * (out[0] - out[-1]) if control_scale != 0 else result
+
+
+def make_conditioner(cfg, width, context_dim, pooled_dim, text_tokens=0):
+    c = cfg["conditioning"]
+    unknown = set(c["controls"]) - set(CONTROL_FIELDS)
+    if unknown:
+        raise ValueError(f"conditioning.controls: unknown {sorted(unknown)}; choose from {sorted(CONTROL_FIELDS)}")
+    num_classes = cfg["data"]["num_classes"] if cfg["data"]["label_column"] and not text_tokens else 0
+    return Conditioner(num_classes, cfg["model"]["class_tokens"], context_dim, pooled_dim, width, text_tokens,
+                       {name: c["control_power"][name] for name in c["controls"]}, c["mode"],
+                       c["padding_noise"] if c["replicate_padding"] else None)
+
+
+def build_denoiser(cfg, channels, size, text_dims=None):
+    """SD3Transformer2DModel (MMDiT, Esser et al. 2024) of the configured size and its conditioner.
+    `text_dims` = (tokens, token dim, pooled dim) of the text encoder; None for class conditioning, whose
+    tokens live in the model width."""
     from diffusers import SD3Transformer2DModel
 
-    width = model.num_attention_heads * model.attention_head_dim
+    model = cfg["model"]
+    width = model["num_attention_heads"] * model["attention_head_dim"]
     tokens, context_dim, pooled_dim = text_dims or (0, width, width)
     transformer = SD3Transformer2DModel(
-        sample_size=size, patch_size=model.patch_size, in_channels=channels, out_channels=channels,
-        num_layers=model.num_layers, attention_head_dim=model.attention_head_dim,
-        num_attention_heads=model.num_attention_heads, joint_attention_dim=context_dim,
-        caption_projection_dim=width, pooled_projection_dim=pooled_dim, pos_embed_max_size=size // model.patch_size,
-        qk_norm=model.qk_norm)
-    return Denoiser(transformer, Conditioner(num_classes, model.class_tokens, context_dim, pooled_dim, tokens))
+        sample_size=size, patch_size=model["patch_size"], in_channels=channels, out_channels=channels,
+        num_layers=model["num_layers"], attention_head_dim=model["attention_head_dim"],
+        num_attention_heads=model["num_attention_heads"], joint_attention_dim=context_dim,
+        caption_projection_dim=width, pooled_projection_dim=pooled_dim,
+        pos_embed_max_size=size // model["patch_size"], qk_norm=model["qk_norm"])
+    return Denoiser(transformer, make_conditioner(cfg, width, context_dim, pooled_dim, tokens))
 
 
 def load_exported(folder):
@@ -440,9 +558,8 @@ def load_exported(folder):
     transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer")
     state = load_file(str(folder / "conditioner.safetensors"))
     tc = transformer.config
-    tokens = state["null_tokens"].shape[0] if "null_tokens" in state else 0
-    conditioner = Conditioner(cfg["data"]["num_classes"] if cfg["data"]["label_column"] else 0,
-                              cfg["model"]["class_tokens"], tc.joint_attention_dim, tc.pooled_projection_dim, tokens)
+    conditioner = make_conditioner(cfg, tc.num_attention_heads * tc.attention_head_dim, tc.joint_attention_dim,
+                                   tc.pooled_projection_dim, len(state.get("null_tokens", ())))
     conditioner.load_state_dict(state)
     return Denoiser(transformer, conditioner).eval(), cfg
 

@@ -57,8 +57,8 @@ def parse_args(argv=None):
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="reserved for control guidance (not yet sampled)")
     a("--prompts", default=None, help="text models: a captions file (one per line) or 'heldout' (default)")
-    a("--reference", default=None, help="image folder, dataset (hub id, local path, 'embedded') or "
-      "cleanfid:NAME:RES:SPLIT (clean-fid's precomputed statistics); default: the run's data.source")
+    a("--reference", default=None, help="image folder, dataset (hub id, local path, 'embedded'), one of our "
+      "statistics .npz files, or cleanfid:NAME:RES:SPLIT (clean-fid's precomputed ones); default: data.source")
     a("--reference_split", default="heldout", help="'heldout': the rows the trainer validated on")
     a("--reference_resolution", type=int, default=None, help="default: the run's data.resolution")
     a("--reference_crop", default="center")
@@ -72,7 +72,6 @@ def parse_args(argv=None):
     a("--adm_npz", default=None, help="also write the samples as uint8 NHWC 'arr_0' for ADM's evaluator")
     a("--generate_only", action="store_true", help="write the PNGs and stop (score later, anywhere)")
     a("--mixed_precision", default="no", choices=["no", "fp16", "bf16"])
-    a("--report", default=None, help="default: <out_dir>/report.json")
     return p.parse_args(argv)
 
 
@@ -258,8 +257,8 @@ def gathered(pairs):
 def reference_key(args, cfg, feature_name):
     data, source = cfg["data"], args.reference or cfg["data"]["source"]
     key = {"source": source, "feature": feature_name, "num": args.reference_num, "format": 1}
-    if is_image_folder(source):
-        listing = "\n".join(f"{f.relative_to(source)}:{f.stat().st_size}" for f in image_files(source))
+    if files := image_files(source):
+        listing = "\n".join(f"{f.relative_to(source)}:{f.stat().st_size}" for f in files)
         return {**key, "kind": "folder", "files": hashlib.sha256(listing.encode()).hexdigest()}
     key.update(kind="dataset", split=args.reference_split, crop=args.reference_crop,
                resolution=args.reference_resolution or data["resolution"],
@@ -271,16 +270,13 @@ def reference_key(args, cfg, feature_name):
     return key
 
 
-def is_image_folder(source):
-    """A plain folder of images, scored as the files are (clean-fid's convention); a folder with
-    metadata.jsonl or parquet files is a dataset, preprocessed as in training."""
+def image_files(source):
+    """The images of a plain folder, scored as they are (clean-fid's convention); [] for anything else (a
+    folder with metadata.jsonl or parquet files is a dataset, preprocessed as in training)."""
     p = Path(source)
-    return p.is_dir() and not any(p.glob("**/*.parquet")) and not any(p.glob("**/metadata.jsonl"))
-
-
-def image_files(folder):
-    exts = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"}
-    return sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in exts)
+    if not p.is_dir() or any(p.glob("**/*.parquet")) or any(p.glob("**/metadata.jsonl")):
+        return []
+    return sorted(f for f in p.rglob("*") if f.suffix.lower() in {".png", ".jpg", ".jpeg", ".webp", ".bmp"})
 
 
 def reference_images(key, cfg):
@@ -341,6 +337,20 @@ def named_reference_stats(spec, mode, accelerator=None):
         socket.setdefaulttimeout(old)
     return {"mu": mu, "sigma": sigma, "feats": feats, "path": spec, "key_sha256": None,
             "sha256": hashlib.sha256(mu.tobytes() + sigma.tobytes()).hexdigest()}
+
+
+def reference_for(args, cfg, feature_fn, accelerator):
+    """(key, statistics) of --reference: one of our .npz files as is, clean-fid's named statistics, or a
+    folder or dataset through the cache."""
+    if str(args.reference).endswith(".npz"):
+        with np.load(args.reference) as f, open(args.reference, "rb") as raw:
+            return {"source": args.reference}, {"mu": f["mu"], "sigma": f["sigma"], "feats": f.get("feats"),
+                                                "path": args.reference, "key_sha256": None,
+                                                "sha256": hashlib.file_digest(raw, "sha256").hexdigest()}
+    if str(args.reference).startswith("cleanfid:"):
+        return {"source": args.reference}, named_reference_stats(args.reference, args.mode, accelerator)
+    key = reference_key(args, cfg, getattr(feature_fn, "name", "custom"))
+    return key, reference_stats(key, cfg, feature_fn, accelerator, args.stats_cache, args.batch_size)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -410,17 +420,9 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
             images = sample_batch(model, cfg, cond, idx, seed, steps, guidance_scale, sampler, vae)
         pairs += zip(idx, feature_fn(list(images)))
     model.train(was_training)
-    feats = gathered(pairs)
-    if str(reference).endswith(".npz"):
-        with np.load(reference) as f:
-            ref = {"mu": f["mu"], "sigma": f["sigma"], "feats": f["feats"] if "feats" in f else None}
-    elif str(reference).startswith("cleanfid:"):
-        ref = named_reference_stats(reference, mode, accelerator)
-    else:
-        args = parse_args(["--run", "-"] + (["--reference", reference] if reference else []))
-        ref = reference_stats(reference_key(args, cfg, getattr(feature_fn, "name", "custom")), cfg, feature_fn,
-                              accelerator, stats_cache, batch_size)
-    return fid_kid(feats, ref, mode, num_samples)
+    args = parse_args(["--run", "-", "--mode", mode, "--stats_cache", stats_cache, "--batch_size", str(batch_size),
+                       *(["--reference", str(reference)] if reference else [])])
+    return fid_kid(gathered(pairs), reference_for(args, cfg, feature_fn, accelerator)[1], mode, num_samples)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -441,12 +443,28 @@ def main(argv=None, feature_fn=None):
     guidance = cfg["val"]["guidance_scale"] if args.guidance_scale is None else args.guidance_scale
     is_text, n_tag = bool(cfg["encoders"]["text_encoder"]), size_tag(args.num_samples)
     weights = f"{Path(args.checkpoint).name}-{args.weights}" if args.checkpoint else "export-ema"
-    out_dir = Path(args.out_dir or Path(args.run) / "eval" / f"{weights}-{sampler}{steps}-g{guidance:g}-seed{args.seed}")
+    tag = f"{weights}-{sampler}{steps}-g{guidance:g}-seed{args.seed}"
+    out_dir = Path(args.out_dir or Path(args.run) / "eval" / tag)
     samples_dir = out_dir / "samples"
     samples_dir.mkdir(parents=True, exist_ok=True)
+    prompts = load_prompts(args.prompts, cfg) if is_text else None
+    settings = {  # everything that decides the images; recorded with them and in the report
+        "model": {"run": str(args.run), **model_desc, "method": method_of(cfg).__name__},
+        "sampler": sampler, "steps": steps, "guidance_scale": guidance, "control_guidance_scale":
+        args.control_guidance_scale, "mixed_precision": args.mixed_precision,
+        "seeds": {"seed": args.seed, "batch_size": args.batch_size, "noise": "sample i: seed_for(seed, 0, i)",
+                  "sampler_rng": "batch starting at sample i: seed_for(seed, 1, i)"},
+        "conditioning": ({"prompts": args.prompts or "heldout", "num_prompts": len(prompts),
+                          "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest()}
+                         if is_text else {"labels": "i % num_classes", "num_classes": cfg["data"]["num_classes"]})}
+    record = out_dir / "generation.json"  # PNGs made with other settings are never silently reused
+    if record.exists() and json.loads(record.read_text()) != json.loads(json.dumps(settings)):
+        raise ValueError(f"{out_dir} holds samples made with other settings ({record}); use another --out_dir")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        record.write_text(json.dumps(settings, indent=1))
 
     # ---- Generation: this rank's batches; a batch already on disk is skipped (resume) ----------------------
-    prompts = load_prompts(args.prompts, cfg) if is_text else None
     vae = common.load_encoders(common.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
     cond = make_condition(cfg, model, prompts, device)
     batches = my_batches(args.num_samples, args.batch_size, rank, world)
@@ -479,11 +497,7 @@ def main(argv=None, feature_fn=None):
             clip_pairs += zip(idx, clip_scores(args.clip_model, images, [prompts[i % len(prompts)] for i in idx],
                                                device))
     feats = gathered(pairs)
-    if args.reference and args.reference.startswith("cleanfid:"):
-        key, ref = {"source": args.reference}, named_reference_stats(args.reference, args.mode, accelerator)
-    else:
-        key = reference_key(args, cfg, feature_name)
-        ref = reference_stats(key, cfg, feature_fn, accelerator, args.stats_cache, args.batch_size)
+    key, ref = reference_for(args, cfg, feature_fn, accelerator)
 
     # ---- Metrics, ADM export, report ------------------------------------------------------------------------
     metrics = fid_kid(feats, ref, args.mode, args.num_samples)
@@ -497,34 +511,21 @@ def main(argv=None, feature_fn=None):
     import importlib.metadata as md
 
     report = {
-        "metrics": metrics,
-        "model": {"run": str(args.run), **model_desc, "method": method_of(cfg).__name__},
-        "num_samples": args.num_samples, "sampler": sampler, "steps": steps, "guidance_scale": guidance,
-        "control_guidance_scale": args.control_guidance_scale,
-        "seeds": {"seed": args.seed, "batch_size": args.batch_size, "noise": "sample i: seed_for(seed, 0, i)",
-                  "sampler_rng": "batch starting at sample i: seed_for(seed, 1, i)"},
-        "conditioning": ({"prompts": args.prompts or "heldout", "num_prompts": len(prompts), "clip_model":
-                          args.clip_model, "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest()}
-                         if is_text else {"labels": "i % num_classes", "num_classes": cfg["data"]["num_classes"]}),
+        "metrics": metrics, "num_samples": args.num_samples, **settings,
+        "clip_model": args.clip_model if use_clip else None,
         "reference": {**key, "stats": ref["path"], "key_sha256": ref["key_sha256"], "stats_sha256": ref["sha256"]},
         "mode": args.mode, "feature_extractor": feature_name, "feature_weights": getattr(feature_fn, "path", None),
-        "feature_weights_sha256": getattr(feature_fn, "sha256", None),
-        "samples_dir": str(samples_dir), "adm_npz": args.adm_npz, "num_processes": world,
-        "mixed_precision": args.mixed_precision, "seconds": round(time.time() - t_start, 1),
+        "feature_weights_sha256": getattr(feature_fn, "sha256", None), "samples_dir": str(samples_dir),
+        "adm_npz": args.adm_npz, "num_processes": world, "seconds": round(time.time() - t_start, 1),
         "versions": {"python": platform.python_version(), **{p: md.version(p) for p in (
             "torch", "diffusers", "transformers", "accelerate", "clean-fid", "numpy", "scipy", "pillow")}},
         "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
         "config": cfg,
     }
-    path = Path(args.report or out_dir / "report.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str))
-    table = {**metrics, "model": f"{model_desc['source']} ({model_desc['weights']})", "samples": args.num_samples,
-             "sampler": f"{sampler}, {steps} steps, guidance {guidance:g}", "reference": key["source"],
-             "mode": args.mode, "report": str(path)}
-    width = max(map(len, table))
-    print("\n".join(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}"
-                    for k, v in table.items()))
+    (path := out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    table = {**{k: f"{v:.4f}" for k, v in metrics.items()}, "model": f"{model_desc['source']} ({weights})",
+             "sampler": f"{sampler}, {steps} steps, guidance {guidance:g}", "reference": key["source"], "report": path}
+    print("\n".join(f"{k:<22} {v}" for k, v in table.items()))
     accelerator.wait_for_everyone()
     return report
 

@@ -49,7 +49,9 @@ DEFAULTS = {
         "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
         "num_classes": 9,
         "resolution": 32,
-        "crop": "center",            # "center" or "random" (random is drawn once, when the cache is built)
+        "crop": "center",            # "center", "random" or "random_resized"; drawn once, when the cache is built
+        "min_crop_scale": 0.5,       # random_resized: crop side >= this x the short side
+        "random_flip": False,        # horizontal flip with probability 1/2 (recorded as the flip control)
         "max_samples": None,         # use only the first N training rows
         "demo_samples": 4864,        # size and side of the embedded demo set
         "demo_resolution": 32,
@@ -73,6 +75,17 @@ DEFAULTS = {
         "class_tokens": 1,           # context tokens per class label
         "qk_norm": None,             # "rms_norm" for large models
     },
+    "conditioning": {                # semantic (class / text) vs control (size, crop, flip) conditioning
+        "mode": "disentangled",      # semantics through attention, controls through the adaptive norm with
+                                     # weight w(t) (the paper's); "adanorm": both summed into the adaptive
+                                     # norm (the DiT / SDXL baseline)
+        "controls": [],              # any of "size", "crop", "flip"
+        "control_power": {"size": 1.0, "crop": 1.0, "flip": 1.0},  # w(t) = cos(pi t / 2)^p, per control
+        "semantic_dropout": 0.1,     # dropped independently, for guidance on each
+        "control_dropout": 0.1,
+        "replicate_padding": True,   # text: noisy replicate padding instead of pad embeddings
+        "padding_noise": 0.02,       # its noise std, relative to unit-scale token features
+    },
     "objective": {
         "time_sampling": "logit_normal",  # or "uniform"
         "logit_mean": 0.0,           # t = sigmoid(m + s n), n ~ N(0, 1) (SD3's rf/lognorm(0.00, 1.00))
@@ -93,7 +106,6 @@ DEFAULTS = {
         "grad_clip": 1.0,
         "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32)
         "ema_decay": 0.999,
-        "label_dropout": 0.1,        # condition dropout for classifier-free guidance
         "gradient_checkpointing": False,
         "compile": False,
     },
@@ -102,7 +114,8 @@ DEFAULTS = {
         "num_samples": 36,           # grid size: classes in order, or the first held-out captions
         "sampler": "euler",          # "euler" or "heun"
         "steps": 32,
-        "guidance_scale": 3.0,
+        "guidance_scale": 3.0,       # semantic guidance scale (1: none)
+        "control_guidance_scale": 0.0,  # control guidance scale (0: none; standard CFG)
         "loss_samples": 256,         # held-out samples for the validation loss, at t = (k + 0.5) / loss_bins
     },
     "log": {"every": 10, "wandb": "auto", "project": "minimal-diffusion"},  # wandb: auto|online|offline|off
@@ -156,28 +169,23 @@ def flow_matching_loss(model, x0, cond, t, noise):
 
 
 @torch.no_grad()
-def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, method="euler"):
+def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, control_guidance_scale=0.0, method="euler"):
     """The grid is t_i = shift(1 - i / steps), the same shift as training (it equals diffusers'
-    FlowMatchEulerDiscreteScheduler with `sigmas=linspace(1, 0, steps + 1)[:-1]` and `shift`). Guidance
-    (Ho & Salimans 2022): v = v(x, null) + w (v(x, c) - v(x, null)); w = 1 is the plain conditional model."""
+    FlowMatchEulerDiscreteScheduler with `sigmas=linspace(1, 0, steps + 1)[:-1]` and `shift`). Guidance on
+    the semantic and the control condition (common.guided): with control_guidance_scale = 0 it is
+    classifier-free guidance, v = v(x, null) + w (v(x, c) - v(x, null)) (Ho & Salimans 2022)."""
+    if method not in ("euler", "heun"):
+        raise ValueError(f"val.sampler must be 'euler' or 'heun', got {method!r}")
     ts = common.time_shift(torch.linspace(1, 0, steps + 1, device=noise.device), shift)
-    n = len(noise)
 
     def velocity(x, t):
-        if guidance_scale == 1.0:
-            return model(x, (t * 1000).expand(n), cond).float()
-        both = {k: torch.cat([v, v]) for k, v in cond.items() if k != "drop"}
-        both["drop"] = torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]).to(x.device)
-        v_c, v_u = model(torch.cat([x, x]), (t * 1000).expand(2 * n), both).float().chunk(2)
-        return v_u + guidance_scale * (v_c - v_u)
+        return common.guided(model, x, (t * 1000).expand(len(x)), cond, guidance_scale, control_guidance_scale)
 
     x = noise.float()
     for t, t_next in zip(ts[:-1], ts[1:]):
         v = velocity(x, t)
         if method == "heun" and t_next > 0:  # Heun's 2nd order: average the slopes at both ends
             v = (v + velocity(x + (t_next - t) * v, t_next)) / 2
-        elif method not in ("euler", "heun"):
-            raise ValueError(f"val.sampler must be 'euler' or 'heun', got {method!r}")
         x = x + (t_next - t) * v
     return x
 
@@ -189,12 +197,14 @@ def shift_of(cfg):
     return cfg["data"]["resolution"] / obj["shift_base_resolution"] if obj["shift_base_resolution"] else obj["time_shift"]
 
 
-def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None):
-    """Sample as the run `cfg` is configured (its time shift and val sampler), with optional overrides.
-    The one entry point that validation, eval_fid.py and the benchmarks call."""
+def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None, control_guidance_scale=None):
+    """Sample as the run `cfg` is configured (its time shift, val sampler and guidance), with optional
+    overrides. The one entry point that validation, eval_fid.py and the benchmarks call."""
     val = cfg["val"]
     return sample(model, noise, cond, steps or val["steps"], shift_of(cfg),
-                  val["guidance_scale"] if guidance_scale is None else guidance_scale, sampler or val["sampler"])
+                  val["guidance_scale"] if guidance_scale is None else guidance_scale,
+                  val["control_guidance_scale"] if control_guidance_scale is None else control_guidance_scale,
+                  sampler or val["sampler"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -206,8 +216,12 @@ def main(argv=None):
     run_dir = Path(cfg.run_dir)
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
-    accelerator = Accelerator(mixed_precision=tr.mixed_precision)
+    # cpu=True without CUDA: `accelerate launch --multi_gpu` then runs CPU processes over gloo, instead of
+    # each process silently training alone.
+    accelerator = Accelerator(mixed_precision=tr.mixed_precision, cpu=not torch.cuda.is_available())
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    if world != int(os.environ.get("WORLD_SIZE", world)):
+        raise RuntimeError(f"launched {os.environ['WORLD_SIZE']} processes but accelerate formed a group of {world}")
     set_seed(cfg.seed + rank)  # different noise and times on each rank
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls and convolutions on Ampere and newer
     torch.backends.cudnn.allow_tf32 = True
@@ -238,11 +252,10 @@ def main(argv=None):
     x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
     text_dims = None if null_text is None else tuple(null_text["text_tokens"].shape[1:]) + (
         null_text["text_pooled"].shape[-1],)
-    model = common.build_denoiser(cfg.model, x_shape[0], x_shape[-1],
-                                  data.num_classes if data.label_column and not text_dims else 0, text_dims)
+    model = common.build_denoiser(cfg, x_shape[0], x_shape[-1], text_dims)
     if null_text is not None:
-        model.conditioner.null_tokens.copy_(null_text["text_tokens"][0])
-        model.conditioner.null_pooled.copy_(null_text["text_pooled"][0])
+        for name in ("tokens", "mask", "pooled"):
+            getattr(model.conditioner, f"null_{name}").copy_(null_text[f"text_{name}"][0])
     if tr.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
     ema = copy.deepcopy(model).requires_grad_(False).float()  # fp32 EMA, also on the GPU
@@ -289,10 +302,9 @@ def main(argv=None):
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
     n_val = min(cfg.val.num_samples, len(val_set))
     val_rows = [val_set[i] for i in range(n_val)]
-    val_cond = {"drop": torch.zeros(n_val, dtype=torch.bool, device=device)}
-    if text_dims:
-        val_cond.update({k: torch.stack([r[k] for r in val_rows]).to(device) for k in ("text_tokens", "text_pooled")})
-    elif "label" in val_rows[0]:
+    val_cond = {k: torch.stack([r[k] for r in val_rows]).to(device) for k in val_rows[0] if k in common.COND_FIELDS}
+    val_cond["drop"] = torch.zeros(n_val, dtype=torch.bool, device=device)
+    if "label" in val_cond:
         val_cond["label"] = torch.arange(n_val, device=device) % data.num_classes
     val_noise = torch.randn((n_val, *x_shape), generator=torch.Generator().manual_seed(cfg.seed)).to(device)
 
@@ -316,7 +328,7 @@ def main(argv=None):
             batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
             x0 = batch["x"] + batch["x_std"] * torch.randn(batch["x"].shape, generator=gen) if "x_std" in batch else batch["x"]
             noise = torch.randn(x0.shape, generator=gen)
-            cond = {k: v.to(device) for k, v in batch.items() if k in ("label", "text_tokens", "text_pooled")}
+            cond = {k: v.to(device) for k, v in batch.items() if k in common.COND_FIELDS}
             cond["drop"] = torch.zeros(len(x0), dtype=torch.bool, device=device)
             for k in range(k_bins):
                 t = torch.full((len(x0),), (k + 0.5) / k_bins, device=device)
@@ -354,8 +366,10 @@ def main(argv=None):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             data_wait += time.perf_counter() - t0
             x0 = batch["x"] + batch["x_std"] * torch.randn_like(batch["x"]) if "x_std" in batch else batch["x"]
-            cond = {k: v for k, v in batch.items() if k in ("label", "text_tokens", "text_pooled")}
-            cond["drop"] = common.drop_conditions(len(x0), tr.label_dropout, device)
+            cond = {k: v for k, v in batch.items() if k in common.COND_FIELDS}
+            # Semantic and control conditions are dropped independently, for guidance on each.
+            cond["drop"] = common.drop_conditions(len(x0), cfg.conditioning.semantic_dropout, device)
+            cond["drop_controls"] = common.drop_conditions(len(x0), cfg.conditioning.control_dropout, device)
             noise = torch.randn_like(x0)
             if obj.ot_coupling:
                 noise = ot_pair(x0, noise, batch.get("label"))

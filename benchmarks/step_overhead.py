@@ -23,7 +23,7 @@ import train_flow_matching as fm  # noqa: E402
 
 def bare_loop(cfg, steps):
     torch.manual_seed(0)
-    model = common.build_denoiser(cfg.model, 3, cfg.data.resolution, cfg.data.num_classes)
+    model = common.build_denoiser(cfg, 3, cfg.data.resolution)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     b = cfg.train.batch_size
     x0, noise = torch.randn(b, 3, cfg.data.resolution, cfg.data.resolution), torch.randn(b, 3, cfg.data.resolution, cfg.data.resolution)

@@ -11,6 +11,9 @@ import common
 import train_flow_matching as fm
 
 
+CENTER = common.Config(crop="center", min_crop_scale=0.5, random_flip=False)
+
+
 def test_config_layers_and_dotted_overrides(tmp_path):
     recipe = tmp_path / "recipe.json"
     recipe.write_text(json.dumps({"train": {"lr": 1e-4, "batch_size": 8}, "data": {"caption_column": None}}))
@@ -60,14 +63,15 @@ def test_demo_data_is_deterministic_and_labelled():
 
 def test_preprocess_any_mode_and_crop_metadata():
     rgba = Image.new("RGBA", (60, 40), (255, 0, 0, 0))  # fully transparent: composited on white
-    x, meta = common.preprocess(common.load_image({"bytes": _png(rgba)}), 20, "center")
+    x, meta = common.preprocess(common.load_image({"bytes": _png(rgba)}), 20, CENTER)
     assert x.shape == (3, 20, 20) and torch.allclose(x, torch.ones_like(x))
-    assert meta["orig_hw"].tolist() == [40, 60] and meta["crop_tl"].tolist() == [0, 5]
+    assert meta["orig_hw"].tolist() == [40, 60] and meta["crop_box"].tolist() == [0, 10, 40, 40]
+    assert meta["flip"].tolist() == [0]
     for mode in ("L", "P", "CMYK", "I;16"):
-        x, _ = common.preprocess(common.load_image({"bytes": _png(Image.new(mode, (30, 30)), mode)}), 16, "center")
+        x, _ = common.preprocess(common.load_image({"bytes": _png(Image.new(mode, (30, 30)), mode)}), 16, CENTER)
         assert x.shape == (3, 16, 16) and x.min() >= -1 and x.max() <= 1
     with pytest.raises(ValueError, match="data.crop"):
-        common.preprocess(rgba, 20, "middle")
+        common.preprocess(rgba, 20, common.Config(CENTER, crop="middle"))
 
 
 def _png(img, mode=None):
@@ -95,7 +99,7 @@ def test_cache_hit_miss_invalidation_and_resume(tmp_path):
     ds = common.CachedDataset(folder)
     row = ds[40]
     assert len(ds) == 90 and row["x"].shape == (3, 32, 32) and row["label"].item() == train[40]["label"]
-    x, _ = common.preprocess(common.load_image(train[40]["image"]), 32, "center")
+    x, _ = common.preprocess(common.load_image(train[40]["image"]), 32, CENTER)
     torch.testing.assert_close(row["x"], x, atol=4e-3, rtol=0)  # float16 storage
     # Hit: nothing is encoded again.
     calls.clear()

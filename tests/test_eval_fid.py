@@ -173,6 +173,11 @@ def test_fid_during_training(run, tmp_path):
     metrics = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, None, feature_fn=TinyFeatures(),
                                            stats_cache=str(tmp_path / "stats"), steps=2, batch_size=6)
     assert set(metrics) == {"fid_clean_12", "kid_clean_12"} and np.isfinite(metrics["fid_clean_12"])
+    stats_file = next((tmp_path / "stats").glob("*.npz"))  # our cached statistics also serve as a reference
+    again = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, str(stats_file), feature_fn=TinyFeatures(),
+                                         steps=2, batch_size=4)
+    assert again == pytest.approx(metrics, rel=1e-9)  # and the batch size does not change the images
+    assert not model.training
 
 
 # ---- Offline Inception ---------------------------------------------------------------------------------------

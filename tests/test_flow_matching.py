@@ -19,7 +19,7 @@ class Recorder(torch.nn.Module):
         super().__init__()
         self.out, self.calls = out, []
 
-    def forward(self, x, timestep, cond):
+    def forward(self, x, timestep, cond, noise_level=None):
         self.calls.append((x.clone(), timestep.clone()))
         return self.out
 
@@ -86,7 +86,7 @@ def test_euler_sampler_matches_diffusers_step_by_step(shift):
     torch.manual_seed(0)
     w = torch.randn(3, 3) * 0.3
 
-    def velocity_field(x, timestep, cond):  # any smooth, time-dependent field
+    def velocity_field(x, timestep, cond, noise_level=None):  # any smooth, time-dependent field
         return torch.einsum("ij,bjhw->bihw", w, x) + timestep.view(-1, 1, 1, 1) / 1000
 
     noise = torch.randn(2, 3, 4, 4)
@@ -104,7 +104,7 @@ def test_exact_velocity_lands_on_the_data_point(method, steps):
     # For data concentrated at c, the true velocity is v(x, t) = (x - c) / t; both samplers are exact on it.
     c = torch.tensor([0.5, -0.25, 1.0]).view(1, 3, 1, 1)
 
-    def velocity_field(x, timestep, cond):
+    def velocity_field(x, timestep, cond, noise_level=None):
         return (x - c) / (timestep.view(-1, 1, 1, 1) / 1000)
 
     x = fm.sample(velocity_field, torch.randn(4, 3, 2, 2), {"drop": torch.zeros(4, dtype=torch.bool)}, steps,
@@ -114,7 +114,7 @@ def test_exact_velocity_lands_on_the_data_point(method, steps):
 
 def test_heun_is_second_order():
     # dx/dt = x from t = 1 to 0: x(0) = x(1) / e. Halving the step cuts Heun's error ~4x, Euler's ~2x.
-    def velocity_field(x, timestep, cond):
+    def velocity_field(x, timestep, cond, noise_level=None):
         return x
 
     cond = {"drop": torch.zeros(1, dtype=torch.bool)}
@@ -127,7 +127,7 @@ def test_heun_is_second_order():
 
 
 def test_classifier_free_guidance_combines_conditional_and_null():
-    def velocity_field(x, timestep, cond):  # conditional rows move by +1, null rows by -1
+    def velocity_field(x, timestep, cond, noise_level=None):  # conditional rows move by +1, null rows by -1
         return torch.where(cond["drop"].view(-1, 1, 1, 1), -1.0, 1.0).expand_as(x)
 
     cond = {"drop": torch.zeros(2, dtype=torch.bool), "label": torch.tensor([0, 1])}

@@ -1,0 +1,112 @@
+"""The paper's conditioning mechanisms: control schedule, independent dropout, guidance on both, noisy
+replicate padding, true control metadata, and the disentangled vs adaptive-norm baseline."""
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import common
+import train_flow_matching as fm
+
+
+def tiny_model(mode="disentangled", controls=("size", "crop", "flip")):
+    cfg = common.load_config(fm.DEFAULTS, [f"--conditioning.mode={mode}", "--model.num_layers=1",
+                                           f"--conditioning.controls={list(controls)}".replace("'", '"')])
+    torch.manual_seed(0)
+    model = common.build_denoiser(cfg, 3, 8).eval()
+    for mlp in model.conditioner.control_mlp.values():  # trained controls: make their effect visible
+        torch.nn.init.normal_(mlp[2].weight, std=0.5)
+    return model
+
+
+def batch(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"label": torch.randint(0, 9, (n,), generator=g), "orig_hw": torch.randint(100, 500, (n, 2), generator=g),
+            "crop_box": torch.randint(0, 100, (n, 4), generator=g), "flip": torch.randint(0, 2, (n, 1), generator=g),
+            "drop": torch.zeros(n, dtype=torch.bool)}
+
+
+def test_control_weight_schedule():
+    t = torch.linspace(0, 1, 101)
+    for p in (0.5, 1.0, 3.0):
+        w = common.control_weight(t, p)
+        assert w[0] == 1 and w[-1] == pytest.approx(0, abs=1e-7) and (w.diff() <= 0).all()
+    torch.testing.assert_close(common.control_weight(t, 2.0), torch.cos(torch.pi * t / 2) ** 2)
+
+
+def test_semantic_and_control_dropout_are_independent():
+    torch.manual_seed(0)
+    n = 200_000
+    sem, ctl = common.drop_conditions(n, 0.1, "cpu"), common.drop_conditions(n, 0.3, "cpu")
+    assert sem.float().mean().item() == pytest.approx(0.1, abs=0.003)
+    assert ctl.float().mean().item() == pytest.approx(0.3, abs=0.003)
+    assert (sem & ctl).float().mean().item() == pytest.approx(0.03, abs=0.002)  # P(both) = P(a) P(b)
+
+
+def test_controls_act_late_in_disentangled_mode_and_everywhere_in_the_baseline():
+    x = torch.randn(3, 3, 8, 8)
+    other = dict(batch(), orig_hw=torch.full((3, 2), 1000), crop_box=torch.zeros(3, 4, dtype=torch.long))
+    for mode, effect_at_noise in (("disentangled", False), ("adanorm", True)):
+        model = tiny_model(mode)
+        with torch.no_grad():
+            at = {t: (model(x, torch.full((3,), t), batch()), model(x, torch.full((3,), t), other)) for t in (1000.0, 0.0)}
+        assert not torch.allclose(*at[0.0])  # at clean data, changing the controls changes the output
+        assert torch.allclose(*at[1000.0]) != effect_at_noise  # at pure noise, only the baseline reacts
+
+
+def test_control_guidance_zero_is_standard_cfg_and_both_scales_combine():
+    model, x, t = tiny_model(), torch.randn(3, 3, 8, 8), torch.full((3,), 400.0)
+    cond = batch()
+    with torch.no_grad():
+        m = lambda drop, drop_controls: model(x, t, {**cond, "drop": torch.full((3,), drop),
+                                                     "drop_controls": torch.full((3,), drop_controls)})
+        c, null, c_no_controls = m(False, False), m(True, False), m(False, True)
+        torch.testing.assert_close(common.guided(model, x, t, cond, 4.0, 0.0), null + 4.0 * (c - null))
+        torch.testing.assert_close(common.guided(model, x, t, cond, 1.0, 0.0), c)
+        torch.testing.assert_close(common.guided(model, x, t, cond, 3.0, 2.0),
+                                   null + 3.0 * (c - null) + 2.0 * (c - c_no_controls), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(c, c_no_controls)
+
+
+def test_noisy_replicate_padding():
+    torch.manual_seed(0)
+    tokens = torch.randn(3, 7, 5)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0, 0]]).float()
+    exact = common.replicate_padding(tokens, mask, 0.0)
+    noisy = common.replicate_padding(tokens, mask, 0.1)
+    real = mask.bool()
+    torch.testing.assert_close(noisy[real], tokens[real])  # real tokens untouched
+    for j in range(3, 7):  # row 0: 3 real tokens; padded position j is a copy of token j mod 3
+        torch.testing.assert_close(exact[0, j], tokens[0, j % 3])
+    torch.testing.assert_close(exact[2, 1:], tokens[2, :1].expand(6, 5))
+    pad_noise = (noisy - exact)[~real]
+    assert (pad_noise.abs() > 0).all(1).all()  # every padded position is filled, with fresh noise
+    assert pad_noise.std().item() == pytest.approx(0.1, rel=0.25)
+    assert not torch.isclose(noisy[~real], tokens[~real]).all(1).any()  # no pad embedding survives
+
+
+@pytest.mark.parametrize("crop,flip", [("center", False), ("random", True), ("random_resized", True)])
+def test_control_metadata_matches_the_crop_applied(crop, flip):
+    w, h = 240, 160  # red channel = x coordinate, green = y coordinate
+    xs, ys = np.meshgrid(np.arange(w), np.arange(h))
+    img = Image.fromarray(np.stack([xs, ys, np.zeros_like(xs)], -1).astype(np.uint8))
+    data = common.Config(crop=crop, min_crop_scale=0.3, random_flip=flip)
+    rng = __import__("random").Random(3)
+    for _ in range(10):
+        x, meta = common.preprocess(img, 32, data, rng)
+        top, left, height, width = meta["crop_box"].tolist()
+        assert meta["orig_hw"].tolist() == [h, w] and height == width
+        assert 0 <= top <= h - height and 0 <= left <= w - width
+        pixels = (x + 1) * 127.5
+        red, green = pixels[0, 16].numpy(), pixels[1, :, 16].numpy()
+        if meta["flip"].item():
+            red = red[::-1]
+        # The sampled coordinates span the recorded box (up to one output pixel of resampling).
+        step = width / 32
+        assert red[0] == pytest.approx(left + step / 2, abs=step + 1) and red[-1] == pytest.approx(left + width - step / 2, abs=step + 1)
+        assert green[0] == pytest.approx(top + step / 2, abs=step + 1) and green[-1] == pytest.approx(top + height - step / 2, abs=step + 1)
+        assert (np.diff(pixels[0, 16].numpy()) < 0).all() == bool(meta["flip"].item())
+        if crop == "center":
+            assert meta["crop_box"].tolist() == [0, 40, 160, 160]
