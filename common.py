@@ -62,15 +62,17 @@ def _merge(base, override, where, prefix=""):
     return out
 
 
-def load_config(defaults, argv=None):
+def load_config(defaults, argv=None, method="run"):
     """Resolve the config: the trainer's DEFAULTS, then `--config file.json`, then `--a.b=value` overrides.
 
     Unknown keys and wrong types raise ValueError naming the key. Values parse as JSON when they can
-    (`--train.lr=3e-4`, `--val.prompts='["a red circle"]'`) and as plain strings otherwise.
+    (`--train.lr=3e-4`, `--data.label_column=null`) and as plain strings otherwise. A run_dir left unset
+    becomes runs/{method}_{config file name} (runs/flow_matching_demo without a config), so one recipe can
+    be run by both trainers side by side.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = _merge(defaults, {}, "defaults")
-    overrides = []
+    overrides, name = [], "demo"
     while argv:
         arg = argv.pop(0)
         if not arg.startswith("--"):
@@ -83,7 +85,7 @@ def load_config(defaults, argv=None):
         if key == "config":
             if not Path(value).is_file():
                 raise FileNotFoundError(f"config file not found: {value}")
-            cfg = _merge(cfg, json.loads(Path(value).read_text()), f"from {value}")
+            cfg, name = _merge(cfg, json.loads(Path(value).read_text()), f"from {value}"), Path(value).stem
         else:
             try:
                 value = json.loads(value)
@@ -94,6 +96,8 @@ def load_config(defaults, argv=None):
             overrides.append((value, arg))
     for value, arg in overrides:
         cfg = _merge(cfg, value, f"from {arg}")
+    if "run_dir" in cfg and cfg.run_dir is None:
+        cfg.run_dir = f"runs/{method}_{name}"
     return cfg
 
 
@@ -405,12 +409,14 @@ def control_weight(noise_level, power):
 
 def replicate_padding(tokens, mask, noise_std):
     """Noisy replicate padding (Berrada et al. 2024): padded positions j >= n take a copy of real token
-    j mod n plus N(0, noise_std^2) noise, instead of the encoder's pad embeddings, so attention over the
-    padding carries the prompt rather than an uninformative constant. Real tokens are left untouched."""
+    j mod n plus Gaussian noise, instead of the encoder's pad embeddings, so attention over the padding
+    carries the prompt rather than an uninformative constant. The noise std is noise_std x the RMS of the
+    sample's real tokens, so one setting suits CLIP and T5 features alike. Real tokens are left untouched."""
     n = mask.sum(1).long().clamp(min=1)
     source = torch.arange(tokens.shape[1], device=tokens.device)[None] % n[:, None]
     copies = tokens.gather(1, source[..., None].expand_as(tokens))
-    copies = copies + noise_std * torch.randn_like(copies)
+    rms = ((tokens.float().pow(2) * mask[..., None]).sum((1, 2)) / (n * tokens.shape[2])).sqrt()
+    copies = copies + noise_std * rms[:, None, None].to(tokens.dtype) * torch.randn_like(copies)
     return torch.where(mask[..., None].bool(), tokens, copies)
 
 

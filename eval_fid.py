@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import hashlib
 import importlib
+import io
 import json
 import math
 import os
@@ -55,7 +56,9 @@ def parse_args(argv=None):
     a("--sampler", default=None, help="default: the run's val.sampler")
     a("--steps", type=int, default=None, help="default: the run's val.steps")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
-    a("--control_guidance_scale", type=float, default=None, help="reserved for control guidance (not yet sampled)")
+    a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
+    a("--controls", default="heldout", choices=["heldout", "square"], help="runs with size/crop/flip controls: "
+      "'heldout': row i %% n's original size, centre crop, no flip; 'square': an uncropped R x R original")
     a("--prompts", default=None, help="text models: a captions file (one per line) or 'heldout' (default)")
     a("--reference", default=None, help="image folder, dataset (hub id, local path, 'embedded'), one of our "
       "statistics .npz files, or cleanfid:NAME:RES:SPLIT (clean-fid's precomputed ones); default: data.source")
@@ -110,8 +113,7 @@ def load_model(run, checkpoint=None, weights="ema"):
     text_dims = None
     if "conditioner.null_tokens" in tensors:
         text_dims = (*tensors["conditioner.null_tokens"].shape, tensors["conditioner.null_pooled"].shape[0])
-    num_classes = cfg["data"]["num_classes"] if cfg["data"]["label_column"] and not text_dims else 0
-    model = common.build_denoiser(common.Config(cfg["model"]), channels, size, num_classes, text_dims)
+    model = common.build_denoiser(cfg, channels, size, text_dims)
     model.load_state_dict(tensors)
     return model.eval(), cfg, {"source": str(ckpt), "weights": weights, "step": state["step"]}
 
@@ -150,36 +152,55 @@ def load_prompts(prompts, cfg):
     return [line.strip() for line in Path(prompts).read_text().splitlines() if line.strip()]
 
 
-def make_condition(cfg, model, prompts, device):
+def make_controls(cfg, policy):
+    """controls(i) -> the size/crop/flip metadata of sample i, for runs trained with controls (else None),
+    made by common.preprocess itself (centre crop, no flip) from an original size: held-out row i % n's
+    ('heldout': the distribution the reference comes from; only the image header is read) or R x R."""
+    if not cfg["conditioning"]["controls"]:
+        return None
+    data = common.Config({**cfg["data"], "crop": "center", "random_flip": False})
+    rows = heldout(data) if policy == "heldout" else None
+
+    def controls(i):
+        value = rows[i % len(rows)][data.image_column] if rows is not None else None
+        size = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]).size if value \
+            else (data.resolution, data.resolution)
+        return common.preprocess(Image.new("RGB", size), 8, data)[1]
+    return controls
+
+
+def make_condition(cfg, model, prompts, device, controls=None):
     """cond(indices) -> the conditions of those samples: class i % num_classes (balanced over classes), or
-    prompt i % len(prompts) encoded by the run's own text encoder."""
-    no_drop = lambda idx: torch.zeros(len(idx), dtype=torch.bool, device=device)  # noqa: E731
-    if prompts is None:
-        num_classes = model.conditioner.num_classes
-        return lambda idx: {"label": torch.tensor(idx, device=device) % num_classes, "drop": no_drop(idx)}
-    _, tokenizer, text_encoder = common.load_encoders(common.Config({**cfg["encoders"], "vae": None}), device)
+    prompt i % len(prompts) encoded by the run's own text encoder; plus controls(i) when the run has them."""
+    text = None
+    if prompts is not None:
+        text = common.load_encoders(common.Config({**cfg["encoders"], "vae": None}), device)[1:]
 
     def cond(idx):
-        out = common.encode_text(tokenizer, text_encoder, [prompts[i % len(prompts)] for i in idx],
-                                 cfg["encoders"]["max_tokens"])
-        return {"text_tokens": out["text_tokens"], "text_pooled": out["text_pooled"], "drop": no_drop(idx)}
+        out = {"drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
+        if text is None:
+            out["label"] = torch.tensor(idx, device=device) % model.conditioner.num_classes
+        else:
+            captions = [prompts[i % len(prompts)] for i in idx]
+            out.update(common.encode_text(*text, captions, cfg["encoders"]["max_tokens"]))
+        if controls is not None:
+            meta = [controls(i) for i in idx]
+            out.update({k: torch.stack([m[k] for m in meta]).to(device) for k in meta[0]})
+        return out
     return cond
 
 
 @torch.no_grad()
 def sample_batch(model, cfg, cond, idx, seed, steps=None, guidance_scale=None, sampler=None, vae=None,
                  control_guidance_scale=None):
-    """uint8 images of samples `idx`; the caller's RNG state is left as it was. The control guidance scale
-    has its place here; no trainer's generate() takes one yet, so a value is refused, not ignored."""
-    if control_guidance_scale is not None:
-        raise NotImplementedError("control_guidance_scale: the trainers' generate() has no control guidance yet")
+    """uint8 images of samples `idx`; the caller's RNG state is left as it was."""
     tc, device = model.transformer.config, next(model.parameters()).device
     noise = torch.stack([torch.randn((tc.in_channels, tc.sample_size, tc.sample_size),
                                      generator=torch.Generator().manual_seed(seed_for(seed, 0, i))) for i in idx])
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed_for(seed, 1, idx[0]))  # ancestral samplers' fresh noise, fixed per batch
-        x = method_of(cfg).generate(model, noise.to(device), cond(idx), cfg, steps=steps,
-                                    guidance_scale=guidance_scale, sampler=sampler)
+        x = method_of(cfg).generate(model, noise.to(device), cond(idx), cfg, steps=steps, sampler=sampler,
+                                    guidance_scale=guidance_scale, control_guidance_scale=control_guidance_scale)
     return to_uint8(common.decode(vae, x))
 
 
@@ -286,11 +307,12 @@ def reference_images(key, cfg):
         items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in image_files(key["source"])]
     else:
         data = common.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
-                              "label_column": None, "caption_column": None, "max_samples": None})
+                              "label_column": None, "caption_column": None, "max_samples": None,
+                              "crop": key["crop"], "random_flip": False})
         ds = heldout(data) if key["split"] == "heldout" else common.open_dataset(data, key["split"])
 
         def load(i):
-            x, _ = common.preprocess(common.load_image(ds[i][key["image_column"]]), key["resolution"], key["crop"])
+            x, _ = common.preprocess(common.load_image(ds[i][key["image_column"]]), key["resolution"], data)
             return to_uint8(x[None])[0]
         items = [lambda i=i: load(i) for i in range(len(ds))]
     return items[:key["num"]] if key["num"] else items
@@ -398,17 +420,19 @@ def clip_scores(model_id, images, captions, device):
 
 def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *, vae=None, conditions=None,
                         feature_fn=None, mode="clean", inception_weights=None, stats_cache="cache/fid_stats",
-                        steps=None, guidance_scale=None, sampler=None, batch_size=64, seed=0):
+                        steps=None, guidance_scale=None, control_guidance_scale=None, sampler=None, batch_size=64,
+                        seed=0):
     """{'fid_clean_1k': .., 'kid_clean_1k': ..} of `model` (unwrapped, e.g. the EMA) sampled as `cfg` says.
 
     reference: one of our statistics .npz files, a --reference source (folder, dataset, 'embedded',
     cleanfid:NAME:RES:SPLIT), or None for the run's own held-out rows. vae: on the device, for latent runs.
-    conditions: None for balanced class labels, else per-sample tensors (e.g. the held-out cache's
-    text_tokens and text_pooled), sample i taking row i % len. Same seeds as eval_fid.py's CLI."""
+    conditions: None for balanced class labels (and held-out controls), else a dict of per-sample tensors
+    named as in common.COND_FIELDS (e.g. the held-out cache's rows), sample i taking row i % len; text runs
+    must pass it. Same seeds as eval_fid.py's CLI, so the numbers of successive calls are comparable."""
     device = accelerator.device
     feature_fn = feature_fn or inception_features(mode, inception_weights, device, accelerator)
     if conditions is None:
-        cond = make_condition(cfg, model, None, device)
+        cond = make_condition(cfg, model, None, device, make_controls(cfg, "heldout"))
     else:
         rows = len(next(iter(conditions.values())))
         cond = lambda idx: {**{k: v[[i % rows for i in idx]].to(device) for k, v in conditions.items()},  # noqa
@@ -417,7 +441,8 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
     model.eval()
     for idx in my_batches(num_samples, batch_size, accelerator.process_index, accelerator.num_processes):
         with accelerator.autocast():
-            images = sample_batch(model, cfg, cond, idx, seed, steps, guidance_scale, sampler, vae)
+            images = sample_batch(model, cfg, cond, idx, seed, steps, guidance_scale, sampler, vae,
+                                  control_guidance_scale)
         pairs += zip(idx, feature_fn(list(images)))
     model.train(was_training)
     args = parse_args(["--run", "-", "--mode", mode, "--stats_cache", stats_cache, "--batch_size", str(batch_size),
@@ -431,7 +456,8 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
 def main(argv=None, feature_fn=None):
     """Returns the report (None with --generate_only, and on ranks other than the main one)."""
     args = parse_args(argv)
-    accelerator = Accelerator(mixed_precision=args.mixed_precision)
+    # cpu=True without CUDA, as in the trainers: `accelerate launch --multi_gpu` then runs CPU processes over gloo.
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     t_start = time.time()
@@ -441,6 +467,8 @@ def main(argv=None, feature_fn=None):
     model.to(device)
     steps, sampler = args.steps or cfg["val"]["steps"], args.sampler or cfg["val"]["sampler"]
     guidance = cfg["val"]["guidance_scale"] if args.guidance_scale is None else args.guidance_scale
+    control_guidance = (cfg["val"].get("control_guidance_scale", 0.0) if args.control_guidance_scale is None
+                        else args.control_guidance_scale)
     is_text, n_tag = bool(cfg["encoders"]["text_encoder"]), size_tag(args.num_samples)
     weights = f"{Path(args.checkpoint).name}-{args.weights}" if args.checkpoint else "export-ema"
     tag = f"{weights}-{sampler}{steps}-g{guidance:g}-seed{args.seed}"
@@ -450,8 +478,8 @@ def main(argv=None, feature_fn=None):
     prompts = load_prompts(args.prompts, cfg) if is_text else None
     settings = {  # everything that decides the images; recorded with them and in the report
         "model": {"run": str(args.run), **model_desc, "method": method_of(cfg).__name__},
-        "sampler": sampler, "steps": steps, "guidance_scale": guidance, "control_guidance_scale":
-        args.control_guidance_scale, "mixed_precision": args.mixed_precision,
+        "sampler": sampler, "steps": steps, "guidance_scale": guidance, "control_guidance_scale": control_guidance,
+        "controls": args.controls if cfg["conditioning"]["controls"] else None, "mixed_precision": args.mixed_precision,
         "seeds": {"seed": args.seed, "batch_size": args.batch_size, "noise": "sample i: seed_for(seed, 0, i)",
                   "sampler_rng": "batch starting at sample i: seed_for(seed, 1, i)"},
         "conditioning": ({"prompts": args.prompts or "heldout", "num_prompts": len(prompts),
@@ -466,14 +494,13 @@ def main(argv=None, feature_fn=None):
 
     # ---- Generation: this rank's batches; a batch already on disk is skipped (resume) ----------------------
     vae = common.load_encoders(common.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
-    cond = make_condition(cfg, model, prompts, device)
+    cond = make_condition(cfg, model, prompts, device, make_controls(cfg, args.controls))
     batches = my_batches(args.num_samples, args.batch_size, rank, world)
     for idx in tqdm(batches, desc="generate", disable=not accelerator.is_local_main_process):
         if all(png_path(samples_dir, i).exists() for i in idx):
             continue
         with accelerator.autocast():
-            images = sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae,
-                                  args.control_guidance_scale)
+            images = sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae, control_guidance)
         for i, img in zip(idx, images):  # PNG: lossless; written atomically, so a resumed run can trust it
             Image.fromarray(img).save(png_path(samples_dir, i).with_suffix(".tmp"), format="PNG")
             os.replace(png_path(samples_dir, i).with_suffix(".tmp"), png_path(samples_dir, i))

@@ -176,14 +176,14 @@ def add_noise(x0, noise, t, alphas_cumprod):
 
 
 def target_of(x0, noise, t, alphas_cumprod, prediction):
-    """What the model learns to output: v = sqrt(ab) eps - sqrt(1 - ab) x0 (Salimans & Ho 2022, sec. 4),
+    """What the model learns to output: v = sqrt(ab) eps - sqrt(1 - ab) x0 (Salimans & Ho 2022),
     eps (Ho et al. 2020) or x0."""
     a, s = _coefs(alphas_cumprod, t, x0)
     return {"v": a * noise - s * x0, "eps": noise, "x0": x0}[prediction]
 
 
 def min_snr_weight(snr, prediction, gamma):
-    """Min-SNR-gamma (Hang et al. 2023, eq. 10): weight the x0-space loss by min(SNR, gamma). Expressed on the
+    """Min-SNR-gamma (Hang et al. 2023): weight the x0-space loss by min(SNR, gamma). Expressed on the
     chosen target, since ||eps err||^2 = SNR ||x0 err||^2 and ||v err||^2 = (SNR + 1) ||x0 err||^2:
       x0: min(SNR, g)    eps: min(SNR, g) / SNR = min(1, g / SNR)    v: min(SNR, g) / (SNR + 1).
     Finite at every t: eps uses the min(1, g / SNR) form, which is 1 at SNR = 0 (not 0 / 0). gamma <= 0: 1."""
@@ -248,7 +248,7 @@ def ddpm_step(x0, x, ab, ab_prev, noise):
 
 def guide(out_c, out_u, guidance_scale, guidance_rescale):
     """Classifier-free guidance (Ho & Salimans 2022) out = out_u + w (out_c - out_u), then its rescale (Lin et
-    al. 2024, sec. 3.4, eq. 15-16; diffusers' rescale_noise_cfg): out <- phi out std(out_c) / std(out) +
+    al. 2024, sec. 3.4; diffusers' rescale_noise_cfg): out <- phi out std(out_c) / std(out) +
     (1 - phi) out, per sample, which undoes the over-exposure that large w causes with zero terminal SNR."""
     out = out_u + guidance_scale * (out_c - out_u)
     if guidance_rescale > 0:
@@ -319,7 +319,7 @@ def main(argv=None):
         (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     if bool(data.caption_column) != bool(cfg.encoders.text_encoder):
         raise ValueError("data.caption_column and encoders.text_encoder go together: set both or neither")
-    alphas_cumprod = schedule_of(cfg).to(device)
+    alphas_cumprod = schedule_of(cfg).to(device, torch.float32)  # float32 on the device: MPS has no float64
     T = obj.num_timesteps
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------

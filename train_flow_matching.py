@@ -36,7 +36,7 @@ import common
 # Config. Every default is here; a recipe (configs/*.json) names only what it changes.
 
 DEFAULTS = {
-    "run_dir": "runs/flow_matching_demo",
+    "run_dir": None,                 # None: runs/flow_matching_{config name}, runs/flow_matching_demo without one
     "seed": 0,
     "resume": None,                  # "latest" (this run_dir's newest checkpoint) or a checkpoint folder
     "data": {
@@ -84,7 +84,7 @@ DEFAULTS = {
         "semantic_dropout": 0.1,     # dropped independently, for guidance on each
         "control_dropout": 0.1,
         "replicate_padding": True,   # text: noisy replicate padding instead of pad embeddings
-        "padding_noise": 0.02,       # its noise std, relative to unit-scale token features
+        "padding_noise": 0.02,       # its noise std, relative to the RMS of the real token features
     },
     "objective": {
         "time_sampling": "logit_normal",  # or "uniform"
@@ -211,7 +211,7 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 
 
 def main(argv=None):
-    cfg = common.load_config(DEFAULTS, argv)
+    cfg = common.load_config(DEFAULTS, argv, method="flow_matching")
     data, obj, tr = cfg.data, cfg.objective, cfg.train
     run_dir = Path(cfg.run_dir)
 

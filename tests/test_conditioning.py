@@ -83,7 +83,8 @@ def test_noisy_replicate_padding():
     torch.testing.assert_close(exact[2, 1:], tokens[2, :1].expand(6, 5))
     pad_noise = (noisy - exact)[~real]
     assert (pad_noise.abs() > 0).all(1).all()  # every padded position is filled, with fresh noise
-    assert pad_noise.std().item() == pytest.approx(0.1, rel=0.25)
+    rms = tokens[0, :3].pow(2).mean().sqrt().item()  # the noise is relative to the real tokens' RMS
+    assert (noisy - exact)[0, 3:].std().item() == pytest.approx(0.1 * rms, rel=0.3)
     assert not torch.isclose(noisy[~real], tokens[~real]).all(1).any()  # no pad embedding survives
 
 
@@ -110,3 +111,24 @@ def test_control_metadata_matches_the_crop_applied(crop, flip):
         assert (np.diff(pixels[0, 16].numpy()) < 0).all() == bool(meta["flip"].item())
         if crop == "center":
             assert meta["crop_box"].tolist() == [0, 40, 160, 160]
+
+
+@pytest.mark.parametrize("recipe", ["imagenet256", "cc12m"])
+def test_recipes_load_and_a_tiny_version_runs(recipe, tmp_path, tiny_vae, tiny_text_encoder):
+    from conftest import ROOT, tiny_run_args
+
+    recipe_file = str(ROOT / "configs" / f"{recipe}.json")
+    full = common.load_config(fm.DEFAULTS, ["--config", recipe_file], "flow_matching")
+    assert full.train.lr == 1e-4 and full.train.betas == [0.9, 0.999] and full.run_dir.endswith(recipe)
+    assert full.train.batch_size * 16 == 2048  # global batch 2048 on 2 nodes x 8 GPUs
+    # The same recipe, shrunk: the embedded data and tiny encoders stand in for the hub's.
+    tiny = ["--config", recipe_file, *tiny_run_args(tmp_path, recipe, steps=2), "--data.source=embedded",
+            "--data.val_split=null", "--data.image_column=image", "--data.resolution=16", "--data.num_workers=0",
+            "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+            "--encoders.vae", tiny_vae]
+    if full.encoders.text_encoder:
+        tiny += ["--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8", "--data.caption_column=caption"]
+    run = fm.main(tiny)
+    model, cfg = common.load_exported(run / "export")
+    assert cfg["conditioning"]["controls"] == full.conditioning.controls
+    assert set(model.conditioner.control_mlp) == set(full.conditioning.controls)

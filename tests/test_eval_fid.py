@@ -21,8 +21,10 @@ sys.path.insert(0, str(ROOT))
 import eval_fid  # noqa: E402
 import train_flow_matching  # noqa: E402
 
-TINY_TRAIN = ["--data.demo_samples=320", "--data.val_holdout=64", "--train.max_steps=2", "--train.batch_size=16",
-              "--val.steps=2", "--val.num_samples=4", "--val.loss_samples=16", "--log.wandb=off"]
+from conftest import tiny_run_args  # noqa: E402
+
+# The class run is trained with every control, so sampling must supply size, crop and flip metadata.
+CONTROLS = ['--conditioning.controls=["size", "crop", "flip"]']
 GEN = ["--steps", "2", "--batch_size", "4"]
 
 
@@ -48,10 +50,8 @@ class TinyFeatures:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A tiny class-conditional flow-matching run, trained in-process (2 steps), with its export."""
-    tmp = tmp_path_factory.mktemp("fm")
-    train_flow_matching.main(["--run_dir", str(tmp / "run"), "--data.cache_dir", str(tmp / "cache"), *TINY_TRAIN])
-    return tmp / "run"
+    """A tiny class-conditional flow-matching run with controls, trained in-process (2 steps), exported."""
+    return train_flow_matching.main([*tiny_run_args(tmp_path_factory.mktemp("fm"), steps=2), *CONTROLS])
 
 
 def pngs(folder):
@@ -104,6 +104,7 @@ def test_fid_of_samples_against_themselves_is_zero_and_report_is_complete(run, t
     assert on_disk["model"]["weights"] == "ema (export)" and on_disk["model"]["method"] == "train_flow_matching"
     assert on_disk["num_samples"] == 40 and on_disk["steps"] == 2 and on_disk["sampler"] == "euler"
     assert on_disk["guidance_scale"] == 3.0 and on_disk["seeds"]["seed"] == 0 and on_disk["mode"] == "clean"
+    assert on_disk["control_guidance_scale"] == 0.0 and on_disk["controls"] == "heldout"
     assert on_disk["reference"]["kind"] == "folder" and len(on_disk["reference"]["stats_sha256"]) == 64
     assert on_disk["feature_extractor"] == "tiny-random-conv"
     assert {"torch", "diffusers", "transformers", "accelerate", "clean-fid"} <= set(on_disk["versions"])
@@ -115,9 +116,11 @@ def test_fid_of_samples_against_themselves_is_zero_and_report_is_complete(run, t
 def test_checkpoint_raw_weights_against_dataset_reference(run, tmp_path):
     report = eval_fid.main(["--run", str(run), "--checkpoint", "latest", "--weights", "raw", "--num_samples", "8",
                             *GEN, "--out_dir", str(tmp_path / "e"), "--stats_cache", str(tmp_path / "stats"),
-                            "--guidance_scale", "1.5", "--sampler", "heun"], feature_fn=TinyFeatures())
+                            "--guidance_scale", "1.5", "--sampler", "heun", "--control_guidance_scale", "2",
+                            "--controls", "square"], feature_fn=TinyFeatures())
     assert report["model"]["weights"] == "raw" and report["model"]["step"] == 2
     assert report["sampler"] == "heun" and report["guidance_scale"] == 1.5
+    assert report["control_guidance_scale"] == 2.0 and report["controls"] == "square"
     assert report["reference"]["source"] == "embedded" and report["reference"]["split"] == "heldout"
     assert report["reference"]["resolution"] == 32
     assert np.isfinite(report["metrics"]["fid_clean_8"]) and "kid_clean_8" in report["metrics"]
@@ -146,9 +149,9 @@ def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
     args = ["--run", str(run), "--num_samples", "10", "--steps", "2", "--batch_size", "3",
             "--features", "tests.test_eval_fid:TinyFeatures"]
     one_report = eval_fid.main([*args, "--out_dir", str(tmp_path / "one"), "--stats_cache", str(tmp_path / "s1")])
-    # ACCELERATE_USE_CPU=1: without it, --multi_gpu on a machine with no GPU starts 2 independent world-size-1
-    # processes (accelerate 1.x); with it, Accelerator() joins them in one gloo group (DistributedType.MULTI_CPU).
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    # eval_fid's Accelerator(cpu=True) without CUDA joins the 2 processes in one gloo group (MULTI_CPU);
+    # num_processes == 2 in the report proves they shared the work rather than each doing all of it.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                            str(ROOT / "eval_fid.py"), *args, "--out_dir", str(tmp_path / "two"),
@@ -249,10 +252,9 @@ def make_tiny_clip(folder):
 def test_clip_score_for_a_text_model(tmp_path):
     clip = tmp_path / "clip"
     make_tiny_clip(clip)
-    run = train_flow_matching.main(["--run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path / "cache"),
-                                    "--encoders.text_encoder", str(clip), "--encoders.max_tokens=16",
-                                    "--data.caption_column=caption", "--data.label_column=null",
-                                    "--model.num_layers=1", *TINY_TRAIN])
+    run = train_flow_matching.main([*tiny_run_args(tmp_path, steps=2), "--encoders.text_encoder", str(clip),
+                                    "--encoders.max_tokens=16", "--data.caption_column=caption",
+                                    "--data.label_column=null", "--model.num_layers=1"])
     (tmp_path / "captions.txt").write_text("a red circle\na large blue square\n")
     report = eval_fid.main(["--run", str(run), "--num_samples", "6", *GEN, "--prompts", str(tmp_path / "captions.txt"),
                             "--clip_model", str(clip), "--out_dir", str(tmp_path / "e"),
