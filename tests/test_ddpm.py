@@ -136,7 +136,8 @@ def test_zero_terminal_snr_with_eps_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match=r"objective\.zero_terminal_snr.*objective\.prediction"):
         ddpm.main(["--objective.prediction=eps", f"--run_dir={run_dir}", f"--data.cache_dir={tmp_path / 'c'}",
-                   "--log.wandb=off"])
+                   "--log.wandb=off", "--data.demo_samples=96", "--data.val_holdout=16", "--train.max_steps=1",
+                   "--train.batch_size=8", "--val.steps=1", "--val.num_samples=1", "--val.loss_samples=8"])
     assert not run_dir.exists()  # refused at start-up, before anything was written
     cfg = common.load_config(ddpm.DEFAULTS, ["--objective.prediction=eps", "--objective.zero_terminal_snr=false"])
     ddpm.check_objective(cfg)  # eps without zero terminal SNR is fine
