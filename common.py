@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -299,15 +300,27 @@ def cache_key(cfg, part, num_rows):
            "crop": [data.crop, data.min_crop_scale, data.random_flip],
            "columns": [data.image_column, data.label_column, data.caption_column], "vae": enc.vae,
            "text_encoder": enc.text_encoder, "max_tokens": enc.max_tokens if enc.text_encoder else None,
-           "dtype": data.cache_dtype, "format": 2}
+           "dtype": data.cache_dtype, "min_image_side": data.min_image_side, "format": 2}
     if data.source == "embedded":
         key["demo"] = [data.demo_samples, data.demo_resolution]
     return key
 
 
+def shard_ok(path):
+    """A finished shard opens and its header's tensors all hold the rows it claims (safetensors itself
+    rejects a file shorter than its header says, i.e. a truncated one)."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            rows = int(f.metadata()["rows"])
+            return all(f.get_slice(name).get_shape()[0] == rows for name in f.keys())
+    except Exception:
+        return False
+
+
 def build_cache(ds, part, encode, accelerator, cfg):
     """Cache split `part` ("train" or "val") of `ds`: return its folder, encoding what is missing first.
-    `encode(pixels, captions)` maps a batch to a dict of tensors (see make_encode)."""
+    `encode(pixels, captions)` maps a batch to a dict of tensors (see make_encode). Unreadable, empty and
+    tiny images are reported and skipped; a corrupt shard is detected and rebuilt."""
     data = cfg.data
     key = cache_key(cfg, part, len(ds))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -315,37 +328,62 @@ def build_cache(ds, part, encode, accelerator, cfg):
     folder = Path(data.cache_dir) / f"{slug}-{part}-{digest}"
     manifest = folder / "manifest.json"
     if manifest.exists():
-        accelerator.print(f"cache hit ({part}): {folder}")
-        return folder
-    accelerator.print(f"cache miss ({part}): encoding {len(ds)} samples into {folder}")
+        bad = [n for n in json.loads(manifest.read_text())["shards"] if not shard_ok(folder / n)]
+        if not bad:
+            accelerator.print(f"cache hit ({part}): {folder}")
+            return folder
+        accelerator.print(f"cache ({part}): corrupt shards {bad} in {folder}: rebuilding them")
+    else:
+        for other in Path(data.cache_dir).glob(f"{slug}-{part}-*/manifest.json"):  # say why it is a miss
+            old = json.loads(other.read_text())["key"]
+            changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in key.items() if old.get(k) != v]
+            accelerator.print(f"cache miss ({part}): vs {other.parent.name}, changed {'; '.join(changed)}")
+        accelerator.print(f"cache miss ({part}): encoding {len(ds)} samples into {folder}")
     folder.mkdir(parents=True, exist_ok=True)
     size, rank, world = data.shard_size, accelerator.process_index, accelerator.num_processes
     mine = [k for k in range(math.ceil(len(ds) / size)) if k % world == rank]
     for k in tqdm(mine, desc=f"cache {part} (rank {rank})", disable=not accelerator.is_local_main_process):
         path = folder / f"shard_{k:05d}.safetensors"
-        if path.exists():
+        if path.exists() and shard_ok(path):
             continue  # finished before an interruption
         rows = ds[k * size:(k + 1) * size]
         rng = random.Random(k)  # crops and flips depend on the shard, not on the rank or the world size
-        pixels, metas = zip(*(preprocess(load_image(v), data.resolution, data, rng) for v in rows[data.image_column]))
-        captions = rows[data.caption_column] if data.caption_column else None
+        kept, pixels, metas, skipped = [], [], [], []
+        for i, value in enumerate(rows[data.image_column]):
+            try:
+                img = load_image(value)
+                if min(img.size) < data.min_image_side:
+                    raise ValueError(f"{img.size[0]}x{img.size[1]} px is below data.min_image_side")
+                pixel, meta = preprocess(img, data.resolution, data, rng)
+            except Exception as e:  # truncated, empty, not an image, too small: report and skip, never crash
+                skipped.append(f"{value.get('path') or f'row {k * size + i}'}: {type(e).__name__}: {e}"[:300])
+                continue
+            kept.append(i), pixels.append(pixel), metas.append(meta)
         tensors = {}
+        captions = [rows[data.caption_column][i] for i in kept] if data.caption_column else None
         for j in range(0, len(pixels), data.encode_batch_size):
             out = encode(torch.stack(pixels[j:j + data.encode_batch_size]),
                          captions[j:j + data.encode_batch_size] if captions else None)
             for name, value in out.items():
                 tensors.setdefault(name, []).append(value.to("cpu", getattr(torch, data.cache_dtype)))
         tensors = {name: torch.cat(parts) for name, parts in tensors.items()}
-        tensors.update({name: torch.stack([m[name] for m in metas]) for name in metas[0]})
-        if data.label_column:
-            tensors["label"] = torch.tensor(rows[data.label_column], dtype=torch.long)
+        tensors.update({name: torch.stack([m[name] for m in metas]) for name in (metas[0] if metas else ())})
+        if data.label_column and kept:
+            tensors["label"] = torch.tensor([rows[data.label_column][i] for i in kept], dtype=torch.long)
         tmp = path.with_suffix(".tmp")
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata={"rows": str(len(pixels))})
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
+                  metadata={"rows": str(len(kept)), "skipped": json.dumps(skipped)})
         os.replace(tmp, path)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shards = sorted(p.name for p in folder.glob("shard_*.safetensors"))
-        manifest.with_suffix(".tmp").write_text(json.dumps({"key": key, "shards": shards}, indent=1))
+        skipped = []
+        for name in shards:
+            with safe_open(str(folder / name), "pt") as f:
+                skipped += json.loads(f.metadata().get("skipped", "[]"))
+        if skipped:
+            accelerator.print(f"cache ({part}): skipped {len(skipped)} unusable images, first: " + "; ".join(skipped[:5]))
+        manifest.with_suffix(".tmp").write_text(json.dumps({"key": key, "shards": shards, "skipped": skipped}, indent=1))
         os.replace(manifest.with_suffix(".tmp"), manifest)
     accelerator.wait_for_everyone()
     return folder
@@ -359,11 +397,11 @@ class CachedDataset(torch.utils.data.Dataset):
     def __init__(self, folder):
         self.folder = Path(folder)
         manifest = json.loads((self.folder / "manifest.json").read_text())
-        self.shards, self.starts = manifest["shards"], [0]
+        self.shards, self.starts, self.keys = manifest["shards"], [0], []
         for name in self.shards:
             with safe_open(str(self.folder / name), "pt") as f:
                 self.starts.append(self.starts[-1] + int(f.metadata()["rows"]))
-                self.keys = list(f.keys())
+                self.keys = list(f.keys()) if self.starts[-1] > self.starts[-2] else self.keys
         self.handles = {}
 
     def __len__(self):
@@ -594,6 +632,42 @@ def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs
 # Training helpers: condition dropout, EMA, LR, time shift.
 
 
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; the SLURM script in the README requeues on it
+
+
+def ignore_stop_signals(worker_id=None):
+    """DataLoader workers leave SIGTERM / SIGUSR1 to the training process, which checkpoints and exits."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def check_config(cfg):
+    """Refuse illegal combinations at start-up, with a message naming the keys (all problems at once)."""
+    d, m, tr = cfg["data"], cfg["model"], cfg["train"]
+    factor = 1
+    if cfg["encoders"]["vae"]:  # only the VAE's config is read here (no weights)
+        from diffusers import AutoencoderKL
+
+        factor = 2 ** (len(AutoencoderKL.load_config(cfg["encoders"]["vae"])["block_out_channels"]) - 1)
+    errors = []
+    if d["resolution"] % (m["patch_size"] * factor):
+        errors.append(f"data.resolution={d['resolution']} is not divisible by model.patch_size={m['patch_size']}"
+                      f" x the VAE's downsampling factor {factor}")
+    if bool(d["caption_column"]) != bool(cfg["encoders"]["text_encoder"]):
+        errors.append("data.caption_column and encoders.text_encoder go together: set both or neither")
+    if not d["label_column"] and not d["caption_column"]:
+        errors.append("set data.label_column (class-conditional) or data.caption_column (text-to-image)")
+    if d["label_column"] and not d["caption_column"] and d["num_classes"] < 1:
+        errors.append(f"data.num_classes={d['num_classes']} must be >= 1 with data.label_column")
+    if tr["mixed_precision"] not in ("no", "fp16", "bf16"):
+        errors.append(f"train.mixed_precision={tr['mixed_precision']!r} must be 'no', 'fp16' or 'bf16'")
+    for key in ("batch_size", "grad_accum", "max_steps"):
+        if tr[key] < 1:
+            errors.append(f"train.{key}={tr[key]} must be >= 1")
+    if errors:
+        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+
+
 def drop_conditions(batch_size, rate, device, generator=None):
     """Bernoulli(rate) mask of samples whose condition is replaced by the null one (CFG training,
     Ho & Salimans 2022). Applied when the cache is read, never baked into it."""
@@ -637,7 +711,7 @@ def save_image_grid(images, path, nrow):
 
 
 def rng_state():
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as lists, so torch.load(weights_only) reads it
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as lists: safe to load with weights_only=True
     state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -654,14 +728,30 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def checkpoint_ok(folder):
+    """Every file of a checkpoint opens: safetensors headers match the file sizes, state.pt unpickles."""
+    try:
+        for path in Path(folder).glob("*.safetensors"):
+            with safe_open(str(path), "pt") as f:
+                f.keys()
+        torch.load(Path(folder) / "state.pt", weights_only=True, map_location="cpu")
+        return (Path(folder) / "model.safetensors").exists()
+    except Exception:
+        return False
+
+
 def find_checkpoint(run_dir, resume):
-    """`resume` is 'latest' (newest finished checkpoint of this run, or None) or a checkpoint folder."""
+    """`resume` is 'latest' (newest intact checkpoint of this run, or None) or a checkpoint folder. A
+    truncated or corrupt newest checkpoint falls back to the previous one, with a warning."""
     if resume != "latest":
-        if not (Path(resume) / "state.pt").exists():
-            raise FileNotFoundError(f"resume: no checkpoint at {resume} (expected {resume}/state.pt)")
+        if not checkpoint_ok(resume):
+            raise FileNotFoundError(f"resume: no intact checkpoint at {resume} (model.safetensors, state.pt)")
         return Path(resume)
-    done = sorted((Path(run_dir) / "checkpoints").glob("step_*/state.pt"))
-    return done[-1].parent if done else None
+    for folder in sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True):
+        if checkpoint_ok(folder):
+            return folder
+        print(f"warning: checkpoint {folder} is incomplete or corrupt; falling back to an earlier one")
+    return None
 
 
 def save_checkpoint(accelerator, run_dir, step, tensors, state, keep):

@@ -162,10 +162,11 @@ def make_controls(cfg, policy):
     rows = heldout(data) if policy == "heldout" else None
 
     def controls(i):
-        value = rows[i % len(rows)][data.image_column] if rows is not None else None
-        size = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]).size if value \
-            else (data.resolution, data.resolution)
-        return common.preprocess(Image.new("RGB", size), 8, data)[1]
+        size = (data.resolution, data.resolution)
+        if rows is not None:
+            value = rows[i % len(rows)][data.image_column]
+            size = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]).size
+        return common.preprocess(Image.new("RGB", size), 8, data)[1]  # the metadata, not the pixels
     return controls
 
 
@@ -431,6 +432,8 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
     must pass it. Same seeds as eval_fid.py's CLI, so the numbers of successive calls are comparable."""
     device = accelerator.device
     feature_fn = feature_fn or inception_features(mode, inception_weights, device, accelerator)
+    if conditions is None and cfg["encoders"]["text_encoder"]:
+        raise ValueError("fid_during_training: a text run needs conditions (e.g. the held-out cache's text rows)")
     if conditions is None:
         cond = make_condition(cfg, model, None, device, make_controls(cfg, "heldout"))
     else:
@@ -471,7 +474,8 @@ def main(argv=None, feature_fn=None):
                         else args.control_guidance_scale)
     is_text, n_tag = bool(cfg["encoders"]["text_encoder"]), size_tag(args.num_samples)
     weights = f"{Path(args.checkpoint).name}-{args.weights}" if args.checkpoint else "export-ema"
-    tag = f"{weights}-{sampler}{steps}-g{guidance:g}-seed{args.seed}"
+    cg = f"-cg{control_guidance:g}" if control_guidance else ""
+    tag = f"{weights}-{sampler}{steps}-g{guidance:g}{cg}-seed{args.seed}"
     out_dir = Path(args.out_dir or Path(args.run) / "eval" / tag)
     samples_dir = out_dir / "samples"
     samples_dir.mkdir(parents=True, exist_ok=True)
@@ -485,6 +489,12 @@ def main(argv=None, feature_fn=None):
         "conditioning": ({"prompts": args.prompts or "heldout", "num_prompts": len(prompts),
                           "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest()}
                          if is_text else {"labels": "i % num_classes", "num_classes": cfg["data"]["num_classes"]})}
+    if feature_fn is None and not args.generate_only:  # a missing Inception file fails now, not after sampling
+        if args.features != "inception":
+            module, factory = args.features.split(":")
+            feature_fn = getattr(importlib.import_module(module), factory)()
+        else:
+            feature_fn = inception_features(args.mode, args.inception_weights, device, accelerator)
     record = out_dir / "generation.json"  # PNGs made with other settings are never silently reused
     if record.exists() and json.loads(record.read_text()) != json.loads(json.dumps(settings)):
         raise ValueError(f"{out_dir} holds samples made with other settings ({record}); use another --out_dir")
@@ -511,10 +521,6 @@ def main(argv=None, feature_fn=None):
         return None
 
     # ---- Features of the samples (and CLIP scores), then the reference statistics --------------------------
-    if feature_fn is None and args.features != "inception":
-        module, factory = args.features.split(":")
-        feature_fn = getattr(importlib.import_module(module), factory)()
-    feature_fn = feature_fn or inception_features(args.mode, args.inception_weights, device, accelerator)
     feature_name, use_clip = getattr(feature_fn, "name", "custom"), is_text and args.clip_model != "none"
     pairs, clip_pairs = [], []
     for idx in tqdm(batches, desc="features", disable=not accelerator.is_local_main_process):

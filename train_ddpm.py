@@ -1,7 +1,7 @@
 """DDPM training of an MMDiT (SD3Transformer2DModel), in one file you can read top to bottom.
 
     python train_ddpm.py                                          # embedded demo, CPU, offline
-    accelerate launch train_ddpm.py --config configs/imagenet.json # paper-scale recipe (with the DDPM objective)
+    accelerate launch train_ddpm.py --config configs/imagenet256.json  # paper-scale recipe
     python train_ddpm.py --config my.json --objective.prediction=x0 --resume latest
 
 Conventions (tests/test_ddpm.py checks each against diffusers' DDPMScheduler and DDIMScheduler):
@@ -11,6 +11,7 @@ Conventions (tests/test_ddpm.py checks each against diffusers' DDPMScheduler and
   * The model predicts v = sqrt(ab) eps - sqrt(1 - ab) x0 (Salimans & Ho 2022; diffusers' "v_prediction"),
     or eps ("epsilon"), or x0 ("sample"), as objective.prediction says.
   * The MMDiT sees the integer timestep t as a float in [0, T-1]: diffusers' SD3 transformer expects [0, 1000].
+    The control schedule w of the conditioner reads the flow-matching time of equal SNR (noise_level below).
   * Pixels are in [-1, 1]; latents are (z - shift) * scale with the VAE's own factors.
 
 Pipeline: config -> accelerator and seeds -> data (open, cache check, hit/miss, batches) -> model, EMA,
@@ -37,7 +38,7 @@ import common
 # Config. Every default is here; a recipe (configs/*.json) names only what it changes.
 
 DEFAULTS = {
-    "run_dir": "runs/ddpm_demo",
+    "run_dir": None,                 # None: runs/ddpm_{config name}, runs/ddpm_demo without one
     "seed": 0,
     "resume": None,                  # "latest" (this run_dir's newest checkpoint) or a checkpoint folder
     "data": {
@@ -50,7 +51,9 @@ DEFAULTS = {
         "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
         "num_classes": 9,
         "resolution": 32,
-        "crop": "center",            # "center" or "random" (random is drawn once, when the cache is built)
+        "crop": "center",            # "center", "random" or "random_resized"; drawn once, when the cache is built
+        "min_crop_scale": 0.5,       # random_resized: crop side >= this x the short side
+        "random_flip": False,        # horizontal flip with probability 1/2 (recorded as the flip control)
         "max_samples": None,         # use only the first N training rows
         "demo_samples": 4864,        # size and side of the embedded demo set
         "demo_resolution": 32,
@@ -74,6 +77,17 @@ DEFAULTS = {
         "class_tokens": 1,           # context tokens per class label
         "qk_norm": None,             # "rms_norm" for large models
     },
+    "conditioning": {                # semantic (class / text) vs control (size, crop, flip) conditioning
+        "mode": "disentangled",      # semantics through attention, controls through the adaptive norm with
+                                     # weight w(t) (the paper's); "adanorm": both summed into the adaptive
+                                     # norm (the DiT / SDXL baseline)
+        "controls": [],              # any of "size", "crop", "flip"
+        "control_power": {"size": 1.0, "crop": 1.0, "flip": 1.0},  # w(t) = cos(pi t / 2)^p, per control
+        "semantic_dropout": 0.1,     # dropped independently, for guidance on each
+        "control_dropout": 0.1,
+        "replicate_padding": True,   # text: noisy replicate padding instead of pad embeddings
+        "padding_noise": 0.02,       # its noise std, relative to the RMS of the real token features
+    },
     "objective": {
         "num_timesteps": 1000,       # T
         "beta_schedule": "quadratic",  # "quadratic" (SD's "scaled_linear"), "linear" or "cosine"
@@ -95,7 +109,6 @@ DEFAULTS = {
         "grad_clip": 1.0,
         "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32)
         "ema_decay": 0.999,
-        "label_dropout": 0.1,        # condition dropout for classifier-free guidance
         "gradient_checkpointing": False,
         "compile": False,
     },
@@ -104,9 +117,10 @@ DEFAULTS = {
         "num_samples": 36,           # grid size: classes in order, or the first held-out captions
         "sampler": "ddim",           # "ddim" (deterministic, eta = 0) or "ddpm" (ancestral)
         "steps": 50,
-        "guidance_scale": 3.0,
+        "guidance_scale": 3.0,       # semantic guidance scale (1: none)
+        "control_guidance_scale": 0.0,  # control guidance scale (0: none; standard CFG)
         "guidance_rescale": 0.7,     # phi of Lin et al. 2024, sec. 3.4; 0 = plain guidance
-        "loss_samples": 256,         # held-out samples for the validation loss, at t = (k + 0.5) T / loss_bins
+        "loss_samples": 256,         # held-out samples for the validation loss, at t = floor((k + 0.5) T / loss_bins)
     },
     "log": {"every": 10, "wandb": "auto", "project": "minimal-diffusion"},  # wandb: auto|online|offline|off
     "ckpt": {"every": 500, "keep": 3},
@@ -196,13 +210,19 @@ def min_snr_weight(snr, prediction, gamma):
     return snr.clamp(max=gamma) / (snr + 1)
 
 
+def noise_level(ab):
+    """The flow-matching time of equal SNR, sqrt(1 - ab) / (sqrt(ab) + sqrt(1 - ab)) in [0, 1], 1 = pure noise:
+    what the conditioner's control schedule w reads (common.control_weight), so it means the same in both
+    trainers. The MMDiT itself sees the timestep."""
+    return (1 - ab).sqrt() / (ab.sqrt() + (1 - ab).sqrt())
+
+
 def ddpm_loss(model, x0, cond, t, noise, alphas_cumprod, prediction, min_snr_gamma):
     """Per-sample weighted MSE on the target (Ho et al. 2020, eq. 14, with Min-SNR weights): the number that
     is trained on, logged as loss and val_loss. t: LongTensor in [0, T-1]; the model sees it as a float."""
-    x_t = add_noise(x0, noise, t, alphas_cumprod)
-    out = model(x_t, t.float(), cond)
-    mse = (out.float() - target_of(x0, noise, t, alphas_cumprod, prediction).float()).pow(2)
     ab = alphas_cumprod.to(x0.device)[t]
+    out = model(add_noise(x0, noise, t, alphas_cumprod), t.float(), cond, noise_level(ab).float())
+    mse = (out.float() - target_of(x0, noise, t, alphas_cumprod, prediction).float()).pow(2)
     return mse.mean(dim=tuple(range(1, x0.dim()))) * min_snr_weight(ab / (1 - ab), prediction, min_snr_gamma).float()
 
 
@@ -246,41 +266,49 @@ def ddpm_step(x0, x, ab, ab_prev, noise):
     return mean + ((1 - ab_prev) / (1 - ab) * beta) ** 0.5 * noise
 
 
-def guide(out_c, out_u, guidance_scale, guidance_rescale):
-    """Classifier-free guidance (Ho & Salimans 2022) out = out_u + w (out_c - out_u), then its rescale (Lin et
-    al. 2024, sec. 3.4; diffusers' rescale_noise_cfg): out <- phi out std(out_c) / std(out) +
-    (1 - phi) out, per sample, which undoes the over-exposure that large w causes with zero terminal SNR."""
-    out = out_u + guidance_scale * (out_c - out_u)
-    if guidance_rescale > 0:
-        dims = list(range(1, out.dim()))
-        rescaled = out * (out_c.std(dim=dims, keepdim=True) / out.std(dim=dims, keepdim=True))
-        out = guidance_rescale * rescaled + (1 - guidance_rescale) * out
-    return out
+def rescale_guidance(out, out_c, guidance_rescale):
+    """Guidance rescale (Lin et al. 2024, sec. 3.4; diffusers' rescale_noise_cfg): per sample,
+    out <- phi out std(out_c) / std(out) + (1 - phi) out, which undoes the over-exposure that a large
+    guidance scale causes with zero terminal SNR. out_c: the fully conditional prediction; phi = 0: off."""
+    if guidance_rescale == 0:
+        return out
+    dims = list(range(1, out.dim()))
+    rescaled = out * (out_c.std(dim=dims, keepdim=True) / out.std(dim=dims, keepdim=True))
+    return guidance_rescale * rescaled + (1 - guidance_rescale) * out
+
+
+def guided(model, x, timestep, cond, semantic_scale, control_scale, guidance_rescale, noise_level):
+    """common.guided's guidance on both condition kinds, then the rescale (which needs the conditional branch):
+        out = m(null, k) + s (m(c, k) - m(null, k)) + s_k (m(c, k) - m(c, null_k)),
+    with s_k = 0 the classifier-free guidance of Ho & Salimans 2022; s = 1, s_k = 0 is one plain pass."""
+    branches = [(False, False)] + [(True, False)] * (semantic_scale != 1) + [(False, True)] * (control_scale != 0)
+    if len(branches) == 1:
+        return model(x, timestep, cond, noise_level).float()
+    n, k = len(x), len(branches)
+    batch = {key: torch.cat([v] * k) for key, v in cond.items() if key not in ("drop", "drop_controls")}
+    batch["drop"] = torch.cat([cond["drop"] | d for d, _ in branches])
+    batch["drop_controls"] = torch.cat([torch.full((n,), dc, device=x.device) for _, dc in branches])
+    out = model(torch.cat([x] * k), timestep.repeat(k), batch, noise_level.repeat(k)).float().chunk(k)
+    result = out[0] if semantic_scale == 1 else out[1] + semantic_scale * (out[0] - out[1])
+    result = result + control_scale * (out[0] - out[-1]) if control_scale != 0 else result
+    return rescale_guidance(result, out[0], guidance_rescale)
 
 
 @torch.no_grad()
 def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_scale=1.0, guidance_rescale=0.0,
-           method="ddim", generator=None):
+           method="ddim", control_guidance_scale=0.0, generator=None):
     """From x = noise at t = T-1 down the trailing grid to x0. Guidance w = 1 is the plain conditional model.
     The ancestral sampler draws its fresh noise from `generator` (None: the global RNG)."""
-    ts, n = timestep_grid(len(alphas_cumprod), steps), len(noise)
     if method not in ("ddim", "ddpm"):
         raise ValueError(f"val.sampler must be 'ddim' or 'ddpm', got {method!r}")
-
-    def model_out(x, t):
-        tt = torch.full((n,), float(t), device=x.device)
-        if guidance_scale == 1.0:
-            return model(x, tt, cond).float()
-        both = {k: torch.cat([v, v]) for k, v in cond.items() if k != "drop"}
-        both["drop"] = torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]).to(x.device)
-        out_c, out_u = model(torch.cat([x, x]), torch.cat([tt, tt]), both).float().chunk(2)
-        return guide(out_c, out_u, guidance_scale, guidance_rescale)
-
+    ts, n = timestep_grid(len(alphas_cumprod), steps), len(noise)
     x = noise.float()
     for i, t in enumerate(ts):
         ab = alphas_cumprod[t].item()
         ab_prev = alphas_cumprod[ts[i + 1]].item() if i + 1 < len(ts) else 1.0  # past the grid: data, ab = 1
-        x0, eps = predict_x0_eps(model_out(x, t), x, ab, prediction)
+        out = guided(model, x, torch.full((n,), float(t), device=x.device), cond, guidance_scale,
+                     control_guidance_scale, guidance_rescale, noise_level(torch.full((n,), ab, device=x.device)))
+        x0, eps = predict_x0_eps(out, x, ab, prediction)
         if method == "ddim":
             x = ddim_step(x0, eps, ab_prev)
         else:
@@ -289,28 +317,33 @@ def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_s
     return x
 
 
-def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None):
+def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None, control_guidance_scale=None):
     """Sample as the run `cfg` is configured (its schedule, prediction, val sampler, guidance and rescale),
     with optional overrides. The one entry point that validation, eval_fid.py and the benchmarks call."""
     check_objective(cfg)
     val = cfg["val"]
     return sample(model, noise, cond, schedule_of(cfg), steps or val["steps"], cfg["objective"]["prediction"],
                   val["guidance_scale"] if guidance_scale is None else guidance_scale, val["guidance_rescale"],
-                  sampler or val["sampler"])
+                  sampler or val["sampler"],
+                  val["control_guidance_scale"] if control_guidance_scale is None else control_guidance_scale)
 
 
 # ----------------------------------------------------------------------------------------------------------
 
 
 def main(argv=None):
-    cfg = common.load_config(DEFAULTS, argv)
+    cfg = common.load_config(DEFAULTS, argv, method="ddpm")
     data, obj, tr = cfg.data, cfg.objective, cfg.train
     run_dir = Path(cfg.run_dir)
     check_objective(cfg)  # before anything slow: e.g. zero terminal SNR with eps prediction is an error
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
-    accelerator = Accelerator(mixed_precision=tr.mixed_precision)
+    # cpu=True without CUDA: `accelerate launch --multi_gpu` then runs CPU processes over gloo, instead of
+    # each process silently training alone.
+    accelerator = Accelerator(mixed_precision=tr.mixed_precision, cpu=not torch.cuda.is_available())
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    if world != int(os.environ.get("WORLD_SIZE", world)):
+        raise RuntimeError(f"launched {os.environ['WORLD_SIZE']} processes but accelerate formed a group of {world}")
     set_seed(cfg.seed + rank)  # different noise and times on each rank
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls and convolutions on Ampere and newer
     torch.backends.cudnn.allow_tf32 = True
@@ -342,11 +375,10 @@ def main(argv=None):
     x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
     text_dims = None if null_text is None else tuple(null_text["text_tokens"].shape[1:]) + (
         null_text["text_pooled"].shape[-1],)
-    model = common.build_denoiser(cfg.model, x_shape[0], x_shape[-1],
-                                  data.num_classes if data.label_column and not text_dims else 0, text_dims)
+    model = common.build_denoiser(cfg, x_shape[0], x_shape[-1], text_dims)
     if null_text is not None:
-        model.conditioner.null_tokens.copy_(null_text["text_tokens"][0])
-        model.conditioner.null_pooled.copy_(null_text["text_pooled"][0])
+        for name in ("tokens", "mask", "pooled"):
+            getattr(model.conditioner, f"null_{name}").copy_(null_text[f"text_{name}"][0])
     if tr.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
     ema = copy.deepcopy(model).requires_grad_(False).float()  # fp32 EMA, also on the GPU
@@ -391,13 +423,12 @@ def main(argv=None):
             if wandb_run is not None:
                 wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
-    # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid -----
+    # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
     n_val = min(cfg.val.num_samples, len(val_set))
     val_rows = [val_set[i] for i in range(n_val)]
-    val_cond = {"drop": torch.zeros(n_val, dtype=torch.bool, device=device)}
-    if text_dims:
-        val_cond.update({k: torch.stack([r[k] for r in val_rows]).to(device) for k in ("text_tokens", "text_pooled")})
-    elif "label" in val_rows[0]:
+    val_cond = {k: torch.stack([r[k] for r in val_rows]).to(device) for k in val_rows[0] if k in common.COND_FIELDS}
+    val_cond["drop"] = torch.zeros(n_val, dtype=torch.bool, device=device)
+    if "label" in val_cond:
         val_cond["label"] = torch.arange(n_val, device=device) % data.num_classes
     val_noise = torch.randn((n_val, *x_shape), generator=torch.Generator().manual_seed(cfg.seed)).to(device)
 
@@ -423,7 +454,7 @@ def main(argv=None):
             batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
             x0 = batch["x"] + batch["x_std"] * torch.randn(batch["x"].shape, generator=gen) if "x_std" in batch else batch["x"]
             noise = torch.randn(x0.shape, generator=gen)
-            cond = {k: v.to(device) for k, v in batch.items() if k in ("label", "text_tokens", "text_pooled")}
+            cond = {k: v.to(device) for k, v in batch.items() if k in common.COND_FIELDS}
             cond["drop"] = torch.zeros(len(x0), dtype=torch.bool, device=device)
             for k in range(k_bins):
                 t = torch.full((len(x0),), int((k + 0.5) * T / k_bins), device=device)
@@ -462,8 +493,10 @@ def main(argv=None):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             data_wait += time.perf_counter() - t0
             x0 = batch["x"] + batch["x_std"] * torch.randn_like(batch["x"]) if "x_std" in batch else batch["x"]
-            cond = {k: v for k, v in batch.items() if k in ("label", "text_tokens", "text_pooled")}
-            cond["drop"] = common.drop_conditions(len(x0), tr.label_dropout, device)
+            cond = {k: v for k, v in batch.items() if k in common.COND_FIELDS}
+            # Semantic and control conditions are dropped independently, for guidance on each.
+            cond["drop"] = common.drop_conditions(len(x0), cfg.conditioning.semantic_dropout, device)
+            cond["drop_controls"] = common.drop_conditions(len(x0), cfg.conditioning.control_dropout, device)
             noise = torch.randn_like(x0)
             t = torch.randint(0, T, (len(x0),), device=device)  # uniform over the T timesteps (Ho et al. 2020)
             # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.

@@ -20,6 +20,15 @@ def tiny_run_args(tmp_path, name="run", steps=4):
             "--val.loss_samples=16", "--log.wandb=off", "--log.every=2", "--val.every=1000", "--ckpt.every=1000"]
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each in-process run starts from a clean accelerate state (mixed precision is set once per process)."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_vae(tmp_path_factory):
     from diffusers import AutoencoderKL

@@ -114,12 +114,13 @@ def test_ddpm_loss_matches_a_diffusers_built_loss(prediction):
     t = torch.tensor([0, 10, 500, 900, 999])
     seen = {}
 
-    def model(x, timestep, cond):
-        seen["t"] = timestep
+    def model(x, timestep, cond, noise_level=None):
+        seen["t"], seen["noise_level"] = timestep, noise_level
         return 0.3 * x + timestep.view(-1, 1, 1, 1) / 1000
 
     loss = ddpm.ddpm_loss(model, x0, {}, t, noise, ab, prediction, 5.0)
     assert seen["t"].dtype == torch.float32 and torch.equal(seen["t"], t.float())  # the model sees t in [0, T-1]
+    torch.testing.assert_close(seen["noise_level"], ddpm.noise_level(ab[t]).float())
     x_t = sched.add_noise(x0, noise, t)
     target = sched.get_velocity(x0, noise, t) if prediction == "v" else x0
     snr = compute_snr(sched, t)
@@ -127,7 +128,7 @@ def test_ddpm_loss_matches_a_diffusers_built_loss(prediction):
     ref = (model(x_t, t.float(), {}) - target).pow(2).mean(dim=(1, 2, 3)) * w
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-6)
     # a perfect model has zero loss
-    perfect = ddpm.ddpm_loss(lambda x, tt, c: ddpm.target_of(x0, noise, t, ab, prediction), x0, {}, t, noise, ab,
+    perfect = ddpm.ddpm_loss(lambda x, tt, c, nl: ddpm.target_of(x0, noise, t, ab, prediction), x0, {}, t, noise, ab,
                              prediction, 5.0)
     assert perfect.abs().max().item() == 0.0
 
@@ -193,16 +194,44 @@ def test_guidance_rescale_matches_diffusers():
     g = torch.Generator().manual_seed(4)
     out_c, out_u = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
     for w, phi in [(1.0, 0.0), (3.0, 0.0), (3.0, 0.7), (7.5, 1.0)]:
-        ref = rescale_noise_cfg(out_u + w * (out_c - out_u), out_c, guidance_rescale=phi)
-        torch.testing.assert_close(ddpm.guide(out_c, out_u, w, phi), ref)
+        out = out_u + w * (out_c - out_u)
+        ref = rescale_noise_cfg(out, out_c, guidance_rescale=phi)
+        torch.testing.assert_close(ddpm.rescale_guidance(out, out_c, phi), ref)
+
+
+@pytest.mark.parametrize("scales", [(1.0, 0.0), (3.0, 0.0), (3.0, 2.0), (1.0, 2.0)])
+def test_guided_without_rescale_is_commons_guidance(scales):
+    """The DDPM guidance is common.guided (semantic and control guidance) plus the rescale."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 3, 8, 8, generator=g)
+    cond = {"label": torch.tensor([0, 4, 8]), "drop": torch.tensor([False, True, False])}
+    t, nl = torch.full((3,), 500.0), torch.full((3,), 0.4)
+    ours = ddpm.guided(ToyModel(controls=True), x, t, cond, *scales, 0.0, nl)
+    torch.testing.assert_close(ours, common.guided(ToyModel(controls=True), x, t, cond, *scales, noise_level=nl))
+
+
+def test_noise_level_is_the_flow_time_of_equal_snr():
+    ab = schedule()
+    nl = ddpm.noise_level(ab)
+    assert nl[-1].item() == 1.0 and 0 < nl[0].item() < 0.05 and (nl[1:] >= nl[:-1]).all()
+    # flow matching x_t = (1 - t) x0 + t eps has SNR ((1 - t) / t)^2
+    torch.testing.assert_close(((1 - nl) / nl)[:-1] ** 2, (ab / (1 - ab))[:-1])
 
 
 class ToyModel(torch.nn.Module):
     """A fixed, nonlinear stand-in for the denoiser whose output depends on x, t and the condition."""
 
-    def forward(self, x, timestep, cond):
+    def __init__(self, controls=False):  # controls: also a term that the control condition and noise level set
+        super().__init__()
+        self.controls = controls
+
+    def forward(self, x, timestep, cond, noise_level=None):
         c = torch.where(cond["drop"], 0.0, cond["label"].float() + 1).view(-1, 1, 1, 1)
-        return torch.tanh(0.7 * x + 0.1 * c) + (timestep.view(-1, 1, 1, 1) / 1000) * 0.2 * c
+        out = torch.tanh(0.7 * x + 0.1 * c) + (timestep.view(-1, 1, 1, 1) / 1000) * 0.2 * c
+        if self.controls:
+            keep = ~cond["drop_controls"] if "drop_controls" in cond else torch.ones_like(cond["drop"])
+            out = out + 0.5 * (noise_level * keep).view(-1, 1, 1, 1) * torch.cos(x)
+        return out
 
 
 def diffusers_loop(sched, noise, cond, steps, w, phi, generator=None):

@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 import eval_fid  # noqa: E402
 import train_flow_matching  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests"))  # conftest's helpers, also when accelerate launch imports this file
 from conftest import tiny_run_args  # noqa: E402
 
 # The class run is trained with every control, so sampling must supply size, crop and flip metadata.
@@ -68,7 +69,7 @@ def test_fid_of_gaussians_matches_closed_form():
     var1, var2 = np.array([1.0, 2.0, 0.5, 1.0]), np.array([4.0, 1.0, 0.5, 0.25])
     feats = mu1 + np.sqrt(var1) * rng.standard_normal((n, d))
     ref_feats = mu2 + np.sqrt(var2) * rng.standard_normal((n, d))
-    ref = {"mu": ref_feats.mean(0), "sigma": np.cov(ref_feats, rowvar=False), "feats": ref_feats}
+    ref = {"mu": ref_feats.mean(0), "sigma": np.cov(ref_feats, rowvar=False), "feats": None}  # None: no KID
     fid = eval_fid.fid_kid(feats, ref, "clean", n)["fid_clean_20k"]
     # Independently, from the same sample estimates: ||mu1 - mu2||^2 + Tr(S1 + S2 - 2 sqrtm(S1 S2)).
     s1 = np.cov(feats, rowvar=False)
@@ -209,7 +210,8 @@ def test_local_inception_file_under_any_name_is_loaded_without_download(tmp_path
     class FakeInception(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 2048))
+            self.layers = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                              torch.nn.Linear(3, 2048))
 
         def forward(self, x, return_features: bool = False):
             return self.layers(x / 255)
@@ -264,7 +266,8 @@ def test_clip_score_for_a_text_model(tmp_path):
     # The documented scale, checked by hand for one image: 100 * max(cos, 0) of CLIP's normalised embeddings.
     from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
-    model, img = CLIPModel.from_pretrained(clip).eval(), np.asarray(Image.open(tmp_path / "e" / "samples" / "000000.png"))
+    model = CLIPModel.from_pretrained(clip).eval()
+    img = np.asarray(Image.open(tmp_path / "e" / "samples" / "000000.png"))
     with torch.no_grad():
         e_img = model.get_image_features(**AutoImageProcessor.from_pretrained(clip)(images=[img], return_tensors="pt"))
         e_txt = model.get_text_features(**AutoTokenizer.from_pretrained(clip)(["a red circle"], return_tensors="pt"))
