@@ -23,6 +23,8 @@ import json
 import math
 import os
 import resource
+import signal
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -54,6 +56,7 @@ DEFAULTS = {
         "crop": "center",            # "center", "random" or "random_resized"; drawn once, when the cache is built
         "min_crop_scale": 0.5,       # random_resized: crop side >= this x the short side
         "random_flip": False,        # horizontal flip with probability 1/2 (recorded as the flip control)
+        "min_image_side": 8,         # smaller images are reported and skipped when the cache is built
         "max_samples": None,         # use only the first N training rows
         "demo_samples": 4864,        # size and side of the embedded demo set
         "demo_resolution": 32,
@@ -107,6 +110,7 @@ DEFAULTS = {
         "weight_decay": 0.0,
         "warmup_steps": 50,
         "grad_clip": 1.0,
+        "max_nonfinite_steps": 20,   # a NaN/inf loss or gradient skips the step; this many in a row stop the run
         "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32)
         "ema_decay": 0.999,
         "gradient_checkpointing": False,
@@ -335,7 +339,9 @@ def main(argv=None):
     cfg = common.load_config(DEFAULTS, argv, method="ddpm")
     data, obj, tr = cfg.data, cfg.objective, cfg.train
     run_dir = Path(cfg.run_dir)
-    check_objective(cfg)  # before anything slow: e.g. zero terminal SNR with eps prediction is an error
+
+    common.check_config(cfg)  # illegal combinations stop here, before any work
+    check_objective(cfg)  # and the objective's: e.g. zero terminal SNR with eps prediction
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
     # cpu=True without CUDA: `accelerate launch --multi_gpu` then runs CPU processes over gloo, instead of
@@ -350,8 +356,6 @@ def main(argv=None):
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    if bool(data.caption_column) != bool(cfg.encoders.text_encoder):
-        raise ValueError("data.caption_column and encoders.text_encoder go together: set both or neither")
     alphas_cumprod = schedule_of(cfg).to(device, torch.float32)  # float32 on the device: MPS has no float64
     T = obj.num_timesteps
 
@@ -367,7 +371,8 @@ def main(argv=None):
         text_encoder.cpu()  # encoders leave the GPU once the cache is built
     if vae is not None:
         vae.cpu()
-    loader_kwargs = dict(num_workers=data.num_workers, pin_memory=device.type == "cuda")
+    loader_kwargs = dict(num_workers=data.num_workers, pin_memory=device.type == "cuda",
+                         worker_init_fn=common.ignore_stop_signals)
     if data.num_workers > 0:
         loader_kwargs["prefetch_factor"] = data.prefetch_factor
 
@@ -394,7 +399,7 @@ def main(argv=None):
                       f"{obj.zero_terminal_snr}, {obj.prediction} prediction, min-SNR gamma {obj.min_snr_gamma:g}")
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA and RNG ------------------------------
-    step = 0
+    step, skipped = 0, 0
     ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
     if ckpt is not None:
         from safetensors.torch import load_file
@@ -403,7 +408,7 @@ def main(argv=None):
         ema.load_state_dict(load_file(str(ckpt / "ema.safetensors")))
         state = torch.load(ckpt / "state.pt", weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
+        step, skipped = state["step"], state["skipped_steps"]
         common.set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=True))
         accelerator.print(f"resumed from {ckpt} at step {step}")
 
@@ -472,7 +477,8 @@ def main(argv=None):
         accelerator.print(f"step {step}: val_loss {metrics['val_loss']:.4f}, samples in {path}")
 
     def checkpoint(step):
-        state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg))}
+        state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
+                 "skipped_steps": skipped}
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
 
@@ -481,7 +487,10 @@ def main(argv=None):
                                      loader_kwargs)
     k_bins = obj.loss_bins
     stats = torch.zeros(3 + 2 * k_bins, device=device)  # loss sum, count, grad norm sum, per-bin sums, counts
-    smoothed, data_wait, t_last = None, 0.0, time.perf_counter()
+    smoothed, data_wait, t_last, since_log, bad_in_row = None, 0.0, time.perf_counter(), 0, 0
+    stop_signals = []  # SIGTERM / SIGUSR1 (preemption): finish this step, checkpoint, exit for a requeue
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
     progress = tqdm(total=tr.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
     model.train()
     while step < tr.max_steps:
@@ -510,23 +519,34 @@ def main(argv=None):
             stats[3 + k_bins:].index_add_(0, bins, torch.ones_like(loss))
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip)
-        stats[2] += grad_norm.detach().float()
-        optimizer.step()
+        # A non-finite loss or gradient skips the update (weights and EMA untouched). The norm is of the
+        # all-reduced gradients, so every rank takes the same decision. The step still counts: the data
+        # position and the LR stay pure functions of it.
+        finite = bool(torch.isfinite(grad_norm))
+        if finite or tr.mixed_precision == "fp16":
+            optimizer.step()  # under fp16 the grad scaler skips a non-finite step itself and lowers its scale
         optimizer.zero_grad(set_to_none=True)
-        common.ema_update(ema, raw_model, tr.ema_decay, step)
-        step += 1
+        if finite:
+            common.ema_update(ema, raw_model, tr.ema_decay, step)
+            stats[2] += grad_norm.detach().float()
+        skipped, bad_in_row = skipped + (not finite), 0 if finite else bad_in_row + 1
+        if bad_in_row >= tr.max_nonfinite_steps:
+            raise FloatingPointError(f"{bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
+                                     f"(last at step {step + 1}); the last good checkpoint is in "
+                                     f"{run_dir / 'checkpoints'} (train.max_nonfinite_steps)")
+        step, since_log = step + 1, since_log + 1
         progress.update(1)
 
         if step % cfg.log.every == 0 or step == tr.max_steps:
             totals = accelerator.reduce(stats, "sum")  # the only sync: losses stay on the device between logs
-            n_steps = step % cfg.log.every or cfg.log.every
+            n_steps, since_log = since_log, 0
             elapsed = time.perf_counter() - t_last
             loss_avg = (totals[0] / totals[1]).item()
             smoothed = loss_avg if smoothed is None else 0.9 * smoothed + 0.1 * loss_avg
             peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
             metrics = {"step": step, "loss": loss_avg, "loss_smoothed": smoothed, "lr": lr,
-                       "grad_norm": (totals[2] / world / n_steps).item(),
+                       "grad_norm": (totals[2] / world / n_steps).item(), "skipped_steps": skipped,
                        "images_per_s": n_steps * tr.batch_size * tr.grad_accum * world / elapsed,
                        "data_wait_share": data_wait / elapsed, "peak_memory_gb": peak / 2**30}
             counts = totals[3 + k_bins:].clamp(min=1)
@@ -541,9 +561,17 @@ def main(argv=None):
                 validate(step)
             accelerator.wait_for_everyone()
             t_last = time.perf_counter()  # validation time is not training throughput
-        if step % cfg.ckpt.every == 0 or step == tr.max_steps:
+        stop = torch.tensor(float(bool(stop_signals)), device=device)
+        if world > 1:  # whichever ranks got the signal, all must stop at the same step
+            stop = accelerator.reduce(stop, "sum")
+        if step % cfg.ckpt.every == 0 or step == tr.max_steps or stop:
             checkpoint(step)
             t_last = time.perf_counter()
+        if stop:
+            accelerator.print(f"stopped by a signal at step {step}: checkpoint written; exiting with code "
+                              f"{common.REQUEUE_EXIT_CODE} so the scheduler can requeue (--resume latest continues)")
+            accelerator.end_training()
+            sys.exit(common.REQUEUE_EXIT_CODE)
     progress.close()
 
     # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------

@@ -121,6 +121,10 @@ DEFAULTS = {
         "guidance_scale": 3.0,       # semantic guidance scale (1: none)
         "control_guidance_scale": 0.0,  # control guidance scale (0: none; standard CFG)
         "loss_samples": 256,         # held-out samples for the validation loss, at t = (k + 0.5) / loss_bins
+        "fid_every": 0,              # small-N FID/KID through eval_fid.py every this many steps (0: off)
+        "fid_samples": 1000,
+        "fid_reference": None,       # None: the held-out split; else any eval_fid.py --reference
+        "inception_weights": None,   # a local inception-2015-12-05.pt (offline clusters)
     },
     "log": {"every": 10, "wandb": "auto", "project": "minimal-diffusion"},  # wandb: auto|online|offline|off
     "ckpt": {"every": 500, "keep": 3},
@@ -349,6 +353,23 @@ def main(argv=None):
             wandb_run.log({"samples": wandb.Image(grid)}, step=step)
         accelerator.print(f"step {step}: val_loss {metrics['val_loss']:.4f}, samples in {path}")
 
+    def fid():
+        import eval_fid  # same code, seeds and reference cache as `python eval_fid.py`
+
+        if vae is not None:
+            vae.to(device)
+        n_cond = min(cfg.val.fid_samples, len(val_set))
+        conditions = None if not text_dims else {  # text runs: the held-out captions' features
+            k: torch.stack([val_set[i][k] for i in range(n_cond)]) for k in ("text_tokens", "text_mask", "text_pooled")}
+        metrics = eval_fid.fid_during_training(
+            ema, cfg, accelerator, cfg.val.fid_samples, cfg.val.fid_reference, vae=vae, conditions=conditions,
+            inception_weights=cfg.val.inception_weights, stats_cache=str(Path(data.cache_dir) / "fid_stats"),
+            batch_size=tr.batch_size)
+        if vae is not None:
+            vae.cpu()
+        log({"step": step, **metrics})
+        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+
     def checkpoint(step):
         state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
                  "skipped_steps": skipped}
@@ -439,6 +460,9 @@ def main(argv=None):
         stop = torch.tensor(float(bool(stop_signals)), device=device)
         if world > 1:  # whichever ranks got the signal, all must stop at the same step
             stop = accelerator.reduce(stop, "sum")
+        if cfg.val.fid_every and (step % cfg.val.fid_every == 0 or step == tr.max_steps):
+            fid()  # every rank takes part: samples and features are split across processes
+            t_last = time.perf_counter()
         if step % cfg.ckpt.every == 0 or step == tr.max_steps or stop:
             checkpoint(step)
             t_last = time.perf_counter()

@@ -62,3 +62,4 @@ def tiny_text_encoder(tmp_path_factory):
     CLIPTextModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+

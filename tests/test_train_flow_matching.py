@@ -89,3 +89,20 @@ def test_two_processes(tmp_path):
     # Both ranks wrote their own cache shards and their own RNG state.
     assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints" / "step_00000002").glob("rng_*")) == \
         ["rng_0.pt", "rng_1.pt"]
+
+
+def test_small_fid_during_training_is_logged(tmp_path, monkeypatch):
+    # The trainer calls eval_fid.py's own code; a 16-dimensional random-conv extractor stands in for
+    # Inception (whose 2048 x 2048 matrix square root alone takes a minute on 2 CPU cores at small N).
+    import eval_fid
+    from test_eval_fid import TinyFeatures
+
+    asked = []
+    monkeypatch.setattr(eval_fid, "inception_features", lambda mode, weights, device, accelerator:
+                        asked.append((mode, weights)) or TinyFeatures())
+    run = fm.main(tiny_run_args(tmp_path, "fid", steps=4) + ["--val.fid_every=2", "--val.fid_samples=12",
+                                                          "--val.inception_weights=/models/inception.pt"])
+    fids = [m for m in read_metrics(run) if "fid_clean_12" in m]
+    assert [m["step"] for m in fids] == [2, 4] and asked == [("clean", "/models/inception.pt")] * 2
+    assert all(m["fid_clean_12"] > 0 and "kid_clean_12" in m for m in fids)
+    assert len(list((tmp_path / "cache" / "fid_stats").glob("*.npz"))) == 1  # reference statistics, cached once
