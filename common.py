@@ -545,11 +545,22 @@ class Denoiser(nn.Module):
             self._adanorm = None
 
 
-def guided(model, x, timestep, cond, semantic_scale=1.0, control_scale=0.0, noise_level=None):
+def rescale_guidance(out, out_c, phi):
+    """Guidance rescale (Lin et al. 2024, sec. 3.4; diffusers' rescale_noise_cfg): per sample,
+    out <- phi out std(out_c) / std(out) + (1 - phi) out, which undoes the over-exposure that a large
+    guidance scale causes with zero terminal SNR. out_c: the fully conditional prediction; phi = 0: off."""
+    if phi == 0:
+        return out
+    dims = list(range(1, out.dim()))
+    return phi * out * (out_c.std(dim=dims, keepdim=True) / out.std(dim=dims, keepdim=True)) + (1 - phi) * out
+
+
+def guided(model, x, timestep, cond, semantic_scale=1.0, control_scale=0.0, noise_level=None, rescale=0.0):
     """Guidance on both condition kinds (Ho & Salimans 2022, extended as in Brooks et al. 2023):
         out = m(null, k) + s (m(c, k) - m(null, k)) + s_k (m(c, k) - m(c, null_k))
     where c is the semantic condition, k the controls, s = semantic_scale, s_k = control_scale. With s_k = 0
-    it is standard classifier-free guidance; s = 1, s_k = 0 is the plain conditional model (one pass)."""
+    it is standard classifier-free guidance; s = 1, s_k = 0 is the plain conditional model (one pass).
+    `rescale` is phi of rescale_guidance (DDPM with zero terminal SNR uses it)."""
     branches = [(False, False)] + [(True, False)] * (semantic_scale != 1) + [(False, True)] * (control_scale != 0)
     if len(branches) == 1:
         return model(x, timestep, cond, noise_level).float()
@@ -560,7 +571,8 @@ def guided(model, x, timestep, cond, semantic_scale=1.0, control_scale=0.0, nois
     repeat = (lambda v: None if v is None else torch.cat([v.expand(n)] * k))
     out = model(torch.cat([x] * k), repeat(timestep), batch, repeat(noise_level)).float().chunk(k)
     result = out[0] if semantic_scale == 1 else out[1] + semantic_scale * (out[0] - out[1])
-    return result + control_scale * (out[0] - out[-1]) if control_scale != 0 else result
+    result = result + control_scale * (out[0] - out[-1]) if control_scale != 0 else result
+    return rescale_guidance(result, out[0], rescale)
 
 
 def make_conditioner(cfg, width, context_dim, pooled_dim, text_tokens=0):

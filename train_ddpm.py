@@ -125,6 +125,10 @@ DEFAULTS = {
         "control_guidance_scale": 0.0,  # control guidance scale (0: none; standard CFG)
         "guidance_rescale": 0.7,     # phi of Lin et al. 2024, sec. 3.4; 0 = plain guidance
         "loss_samples": 256,         # held-out samples for the validation loss, at t = floor((k + 0.5) T / loss_bins)
+        "fid_every": 0,              # small-N FID/KID through eval_fid.py every this many steps (0: off)
+        "fid_samples": 1000,
+        "fid_reference": None,       # None: the held-out split; else any eval_fid.py --reference
+        "inception_weights": None,   # a local inception-2015-12-05.pt (offline clusters)
     },
     "log": {"every": 10, "wandb": "auto", "project": "minimal-diffusion"},  # wandb: auto|online|offline|off
     "ckpt": {"every": 500, "keep": 3},
@@ -270,34 +274,6 @@ def ddpm_step(x0, x, ab, ab_prev, noise):
     return mean + ((1 - ab_prev) / (1 - ab) * beta) ** 0.5 * noise
 
 
-def rescale_guidance(out, out_c, guidance_rescale):
-    """Guidance rescale (Lin et al. 2024, sec. 3.4; diffusers' rescale_noise_cfg): per sample,
-    out <- phi out std(out_c) / std(out) + (1 - phi) out, which undoes the over-exposure that a large
-    guidance scale causes with zero terminal SNR. out_c: the fully conditional prediction; phi = 0: off."""
-    if guidance_rescale == 0:
-        return out
-    dims = list(range(1, out.dim()))
-    rescaled = out * (out_c.std(dim=dims, keepdim=True) / out.std(dim=dims, keepdim=True))
-    return guidance_rescale * rescaled + (1 - guidance_rescale) * out
-
-
-def guided(model, x, timestep, cond, semantic_scale, control_scale, guidance_rescale, noise_level):
-    """common.guided's guidance on both condition kinds, then the rescale (which needs the conditional branch):
-        out = m(null, k) + s (m(c, k) - m(null, k)) + s_k (m(c, k) - m(c, null_k)),
-    with s_k = 0 the classifier-free guidance of Ho & Salimans 2022; s = 1, s_k = 0 is one plain pass."""
-    branches = [(False, False)] + [(True, False)] * (semantic_scale != 1) + [(False, True)] * (control_scale != 0)
-    if len(branches) == 1:
-        return model(x, timestep, cond, noise_level).float()
-    n, k = len(x), len(branches)
-    batch = {key: torch.cat([v] * k) for key, v in cond.items() if key not in ("drop", "drop_controls")}
-    batch["drop"] = torch.cat([cond["drop"] | d for d, _ in branches])
-    batch["drop_controls"] = torch.cat([torch.full((n,), dc, device=x.device) for _, dc in branches])
-    out = model(torch.cat([x] * k), timestep.repeat(k), batch, noise_level.repeat(k)).float().chunk(k)
-    result = out[0] if semantic_scale == 1 else out[1] + semantic_scale * (out[0] - out[1])
-    result = result + control_scale * (out[0] - out[-1]) if control_scale != 0 else result
-    return rescale_guidance(result, out[0], guidance_rescale)
-
-
 @torch.no_grad()
 def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_scale=1.0, guidance_rescale=0.0,
            method="ddim", control_guidance_scale=0.0, generator=None):
@@ -310,8 +286,10 @@ def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_s
     for i, t in enumerate(ts):
         ab = alphas_cumprod[t].item()
         ab_prev = alphas_cumprod[ts[i + 1]].item() if i + 1 < len(ts) else 1.0  # past the grid: data, ab = 1
-        out = guided(model, x, torch.full((n,), float(t), device=x.device), cond, guidance_scale,
-                     control_guidance_scale, guidance_rescale, noise_level(torch.full((n,), ab, device=x.device)))
+        # Guidance on semantics and controls (common.guided), then the rescale (Lin et al. 2024, sec. 3.4).
+        out = common.guided(model, x, torch.full((n,), float(t), device=x.device), cond, guidance_scale,
+                            control_guidance_scale, noise_level(torch.full((n,), ab, device=x.device)),
+                            rescale=guidance_rescale)
         x0, eps = predict_x0_eps(out, x, ab, prediction)
         if method == "ddim":
             x = ddim_step(x0, eps, ab_prev)
@@ -476,6 +454,23 @@ def main(argv=None):
             wandb_run.log({"samples": wandb.Image(grid)}, step=step)
         accelerator.print(f"step {step}: val_loss {metrics['val_loss']:.4f}, samples in {path}")
 
+    def fid():
+        import eval_fid  # same code, seeds and reference cache as `python eval_fid.py`
+
+        if vae is not None:
+            vae.to(device)
+        n_cond = min(cfg.val.fid_samples, len(val_set))
+        conditions = None if not text_dims else {  # text runs: the held-out captions' features
+            k: torch.stack([val_set[i][k] for i in range(n_cond)]) for k in ("text_tokens", "text_mask", "text_pooled")}
+        metrics = eval_fid.fid_during_training(
+            ema, cfg, accelerator, cfg.val.fid_samples, cfg.val.fid_reference, vae=vae, conditions=conditions,
+            inception_weights=cfg.val.inception_weights, stats_cache=str(Path(data.cache_dir) / "fid_stats"),
+            batch_size=tr.batch_size)
+        if vae is not None:
+            vae.cpu()
+        log({"step": step, **metrics})
+        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+
     def checkpoint(step):
         state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
                  "skipped_steps": skipped}
@@ -564,6 +559,9 @@ def main(argv=None):
         stop = torch.tensor(float(bool(stop_signals)), device=device)
         if world > 1:  # whichever ranks got the signal, all must stop at the same step
             stop = accelerator.reduce(stop, "sum")
+        if cfg.val.fid_every and (step % cfg.val.fid_every == 0 or step == tr.max_steps):
+            fid()  # every rank takes part: samples and features are split across processes
+            t_last = time.perf_counter()
         if step % cfg.ckpt.every == 0 or step == tr.max_steps or stop:
             checkpoint(step)
             t_last = time.perf_counter()

@@ -196,18 +196,22 @@ def test_guidance_rescale_matches_diffusers():
     for w, phi in [(1.0, 0.0), (3.0, 0.0), (3.0, 0.7), (7.5, 1.0)]:
         out = out_u + w * (out_c - out_u)
         ref = rescale_noise_cfg(out, out_c, guidance_rescale=phi)
-        torch.testing.assert_close(ddpm.rescale_guidance(out, out_c, phi), ref)
+        torch.testing.assert_close(common.rescale_guidance(out, out_c, phi), ref)
 
 
 @pytest.mark.parametrize("scales", [(1.0, 0.0), (3.0, 0.0), (3.0, 2.0), (1.0, 2.0)])
-def test_guided_without_rescale_is_commons_guidance(scales):
-    """The DDPM guidance is common.guided (semantic and control guidance) plus the rescale."""
+def test_guided_with_rescale_rescales_commons_guidance(scales):
+    """The DDPM guidance is common.guided (semantic and control guidance), then rescaled by the fully
+    conditional branch's std."""
     g = torch.Generator().manual_seed(8)
     x = torch.randn(3, 3, 8, 8, generator=g)
     cond = {"label": torch.tensor([0, 4, 8]), "drop": torch.tensor([False, True, False])}
     t, nl = torch.full((3,), 500.0), torch.full((3,), 0.4)
-    ours = ddpm.guided(ToyModel(controls=True), x, t, cond, *scales, 0.0, nl)
-    torch.testing.assert_close(ours, common.guided(ToyModel(controls=True), x, t, cond, *scales, noise_level=nl))
+    model = ToyModel(controls=True)
+    plain = common.guided(model, x, t, cond, *scales, noise_level=nl)
+    conditional = model(x, t, {**cond, "drop_controls": torch.zeros(3, dtype=torch.bool)}, nl).float()
+    torch.testing.assert_close(common.guided(model, x, t, cond, *scales, noise_level=nl, rescale=0.7),
+                               rescale_noise_cfg(plain, conditional, guidance_rescale=0.7))
 
 
 def test_noise_level_is_the_flow_time_of_equal_snr():
