@@ -135,10 +135,10 @@ def make_demo_dataset(num_samples, seed, resolution=32):
     rows = {"image": [], "label": [], "caption": []}
     for i in range(num_samples):
         label = i % len(DEMO_CLASSES)
-        size = int(rng.integers(resolution // 4, resolution // 2 + 4))
+        size = int(rng.integers(round(resolution * 0.35), round(resolution * 0.75) + 1))
         rows["image"].append(draw_shape(label, size, rng, resolution))
         rows["label"].append(label)
-        rows["caption"].append(f"a {'small' if size < resolution * 0.35 else 'large'} {DEMO_CLASSES[label]}")
+        rows["caption"].append(f"a {'small' if size < resolution * 0.55 else 'large'} {DEMO_CLASSES[label]}")
     features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64"),
                                   "caption": datasets.Value("string")})
     return datasets.Dataset.from_dict(rows, features=features)
@@ -300,7 +300,7 @@ def cache_key(cfg, part, num_rows):
            "crop": [data.crop, data.min_crop_scale, data.random_flip],
            "columns": [data.image_column, data.label_column, data.caption_column], "vae": enc.vae,
            "text_encoder": enc.text_encoder, "max_tokens": enc.max_tokens if enc.text_encoder else None,
-           "dtype": data.cache_dtype, "min_image_side": data.min_image_side, "format": 2}
+           "dtype": data.cache_dtype, "min_image_side": data.min_image_side, "format": 3}
     if data.source == "embedded":
         key["demo"] = [data.demo_samples, data.demo_resolution]
     return key
@@ -717,6 +717,9 @@ def save_image_grid(images, path, nrow):
 
     grid = make_grid(images.float().clamp(-1, 1).add(1).mul(127.5).round().byte().cpu(), nrow=nrow, padding=2)
     img = Image.fromarray(grid.permute(1, 2, 0).numpy())
+    if images.shape[-1] < 64:  # small images (the demo's 16 px) are enlarged, pixel for pixel, to be seen
+        factor = math.ceil(64 / images.shape[-1])
+        img = img.resize((img.width * factor, img.height * factor), Image.NEAREST)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
     return img

@@ -50,14 +50,14 @@ DEFAULTS = {
         "label_column": "label",     # None for text-only data
         "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
         "num_classes": 9,
-        "resolution": 32,
+        "resolution": 16,
         "crop": "center",            # "center", "random" or "random_resized"; drawn once, when the cache is built
         "min_crop_scale": 0.5,       # random_resized: crop side >= this x the short side
         "random_flip": False,        # horizontal flip with probability 1/2 (recorded as the flip control)
         "min_image_side": 8,         # smaller images are reported and skipped when the cache is built
         "max_samples": None,         # use only the first N training rows
         "demo_samples": 4864,        # size and side of the embedded demo set
-        "demo_resolution": 32,
+        "demo_resolution": 16,
         "cache_dir": "cache",
         "cache_dtype": "float16",
         "shard_size": 1024,
@@ -71,7 +71,7 @@ DEFAULTS = {
         "max_tokens": 77,
     },
     "model": {                       # SD3Transformer2DModel; width = heads x head_dim
-        "patch_size": 4,
+        "patch_size": 2,
         "num_layers": 4,
         "num_attention_heads": 4,
         "attention_head_dim": 32,

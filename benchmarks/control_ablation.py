@@ -22,20 +22,21 @@ import common  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from demo_quality import train_classifier  # noqa: E402
 
-BOXES = {"whole": [0, 0, 32, 32], "top-left": [0, 0, 16, 16], "bottom-right": [16, 16, 16, 16],
-         "centre": [8, 8, 16, 16], "wide-centre": [4, 4, 24, 24]}
+BOXES = {"whole": [0, 0, 1, 1], "top-left": [0, 0, 0.5, 0.5], "bottom-right": [0.5, 0.5, 0.5, 0.5],
+         "centre": [0.25, 0.25, 0.5, 0.5], "wide-centre": [0.125, 0.125, 0.75, 0.75]}  # (top, left, h, w) / side
 
 
 @torch.no_grad()
 def evaluate(run_dir, classifier, per_class):
     model, cfg = common.load_exported(Path(run_dir) / "export")
+    side, res = cfg["data"]["demo_resolution"], cfg["data"]["resolution"]
     labels = torch.arange(len(common.DEMO_CLASSES)).repeat_interleave(per_class)
-    noise = torch.randn((len(labels), 3, 32, 32), generator=torch.Generator().manual_seed(0))
+    noise = torch.randn((len(labels), 3, res, res), generator=torch.Generator().manual_seed(0))
     preds = {}
     for name, box in BOXES.items():
         cond = {"label": labels, "drop": torch.zeros(len(labels), dtype=torch.bool),
-                "orig_hw": torch.tensor([32, 32]).expand(len(labels), 2),
-                "crop_box": torch.tensor(box).expand(len(labels), 4)}
+                "orig_hw": torch.tensor([side, side]).expand(len(labels), 2),
+                "crop_box": (torch.tensor(box) * side).round().long().expand(len(labels), 4)}
         preds[name] = classifier(fm.generate(model, noise, cond, cfg).clamp(-1, 1)).argmax(1)
     changed = torch.stack([preds[n] != preds["whole"] for n in BOXES if n != "whole"])
     return {"quality": (preds["whole"] == labels).float().mean().item(), "drift": changed.float().mean().item()}
@@ -46,7 +47,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--per_class", type=int, default=12)
     args, extra = parser.parse_known_args()
-    classifier, acc = train_classifier()
+    classifier, acc = train_classifier(resolution=common.load_config(fm.DEFAULTS, extra).data.resolution)
     print(f"classifier accuracy on held-out real demo images: {acc:.3f}")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,10 +31,10 @@ def demo_images(num_samples, seed, resolution=32):
     return x, torch.tensor(ds["label"])
 
 
-def train_classifier(steps=600, seed=0):
+def train_classifier(steps=600, seed=0, resolution=16):
     """A 3-layer CNN on the embedded data; returns it with its accuracy on freshly drawn images."""
     torch.manual_seed(seed)
-    x, y = demo_images(4608, seed=100)
+    x, y = demo_images(4608, seed=100, resolution=resolution)
     net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                         nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
@@ -46,7 +46,7 @@ def train_classifier(steps=600, seed=0):
         loss = nn.functional.cross_entropy(net(batch), y[idx])
         opt.zero_grad(), loss.backward(), opt.step()
     net.eval()
-    x_test, y_test = demo_images(900, seed=101)
+    x_test, y_test = demo_images(900, seed=101, resolution=resolution)
     with torch.no_grad():
         acc = (net(x_test).argmax(1) == y_test).float().mean().item()
     return net, acc
@@ -83,10 +83,14 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: the run's val.steps)")
     parser.add_argument("--guidance_scale", type=float, default=None)
     args = parser.parse_args()
-    classifier, acc = train_classifier()
-    print(f"classifier accuracy on held-out real demo images: {acc:.3f}")
     print(f"{'run':40s} {'class acc':>9s} {'colour':>7s} {'shape':>7s} {'train img/s':>11s}")
+    classifiers = {}
     for run in args.runs:
+        res = json.loads((Path(run) / "export" / "config.json").read_text())["data"]["resolution"]
+        if res not in classifiers:
+            classifiers[res] = train_classifier(resolution=res)
+            print(f"classifier at {res} px: accuracy {classifiers[res][1]:.3f} on held-out real demo images")
+        classifier = classifiers[res][0]
         r = score_run(run, classifier, args.per_class, args.steps, args.guidance_scale)
         print(f"{run:40s} {r['class_accuracy']:9.3f} {r['colour_accuracy']:7.3f} {r['shape_accuracy']:7.3f} "
               f"{r['train_images_per_s'] or float('nan'):11.1f}")

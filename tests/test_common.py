@@ -98,17 +98,17 @@ def test_cache_hit_miss_invalidation_and_resume(tmp_path):
     assert sum(calls) == 90 and len(list(folder.glob("shard_*.safetensors"))) == 3
     ds = common.CachedDataset(folder)
     row = ds[40]
-    assert len(ds) == 90 and row["x"].shape == (3, 32, 32) and row["label"].item() == train[40]["label"]
-    x, _ = common.preprocess(common.load_image(train[40]["image"]), 32, CENTER)
+    assert len(ds) == 90 and row["x"].shape == (3, 16, 16) and row["label"].item() == train[40]["label"]
+    x, _ = common.preprocess(common.load_image(train[40]["image"]), 16, CENTER)
     torch.testing.assert_close(row["x"], x, atol=4e-3, rtol=0)  # float16 storage
     # Hit: nothing is encoded again.
     calls.clear()
     assert common.build_cache(train, "train", encode, accelerator, cfg) == folder and not calls
     # A changed key (resolution) is a miss in a new folder, never a silent reuse.
     cfg16 = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
-                                             "--data.val_holdout=10", "--data.shard_size=32", "--data.resolution=16"])
+                                             "--data.val_holdout=10", "--data.shard_size=32", "--data.resolution=8"])
     folder16 = common.build_cache(train, "train", encode, accelerator, cfg16)
-    assert folder16 != folder and sum(calls) == 90 and common.CachedDataset(folder16)[0]["x"].shape == (3, 16, 16)
+    assert folder16 != folder and sum(calls) == 90 and common.CachedDataset(folder16)[0]["x"].shape == (3, 8, 8)
     # An interrupted extraction (no manifest, one shard missing) re-encodes only the missing shard.
     (folder / "manifest.json").unlink()
     (folder / "shard_00001.safetensors").unlink()

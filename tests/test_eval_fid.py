@@ -110,7 +110,7 @@ def test_fid_of_samples_against_themselves_is_zero_and_report_is_complete(run, t
     assert on_disk["feature_extractor"] == "tiny-random-conv"
     assert {"torch", "diffusers", "transformers", "accelerate", "clean-fid"} <= set(on_disk["versions"])
     arr = np.load(tmp_path / "samples.npz")["arr_0"]  # the ADM evaluator's format
-    assert arr.shape == (40, 32, 32, 3) and arr.dtype == np.uint8
+    assert arr.shape == (40, 16, 16, 3) and arr.dtype == np.uint8
     assert np.array_equal(arr[7], pngs(out / "samples")["000007.png"])
 
 
@@ -123,7 +123,7 @@ def test_checkpoint_raw_weights_against_dataset_reference(run, tmp_path):
     assert report["sampler"] == "heun" and report["guidance_scale"] == 1.5
     assert report["control_guidance_scale"] == 2.0 and report["controls"] == "square"
     assert report["reference"]["source"] == "embedded" and report["reference"]["split"] == "heldout"
-    assert report["reference"]["resolution"] == 32
+    assert report["reference"]["resolution"] == 16
     assert np.isfinite(report["metrics"]["fid_clean_8"]) and "kid_clean_8" in report["metrics"]
 
 

@@ -154,13 +154,13 @@ def test_corrupt_shard_is_rebuilt_and_a_changed_key_is_named(tmp_path, capsys):
     after = load_file(str(shard))
     assert all(torch.equal(before[k], after[k]) for k in before)
     cfg2 = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
-                                            "--data.val_holdout=10", "--data.shard_size=32", "--data.resolution=16"])
+                                            "--data.val_holdout=10", "--data.shard_size=32", "--data.resolution=8"])
     common.build_cache(train, "train", encode, Accelerator(cpu=True), cfg2)
-    assert "changed resolution: 32 -> 16" in capsys.readouterr().out
+    assert "changed resolution: 16 -> 8" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--data.resolution=30"], "data.resolution=30 is not divisible by model.patch_size=4"),
+    (["--data.resolution=15"], "data.resolution=15 is not divisible by model.patch_size=2"),
     (["--data.caption_column=caption"], "data.caption_column and encoders.text_encoder go together"),
     (["--data.label_column=null"], "set data.label_column"),
     (["--train.mixed_precision=fp8"], "train.mixed_precision='fp8'"),
@@ -173,8 +173,8 @@ def test_illegal_configs_are_refused_at_start_up(tmp_path, args, message):
 
 
 def test_vae_factor_enters_the_divisibility_check(tmp_path, tiny_vae):
-    with pytest.raises(ValueError, match="data.resolution=20 .* model.patch_size=4 x the VAE's downsampling factor 2"):
-        fm.main(tiny_run_args(tmp_path) + ["--encoders.vae", tiny_vae, "--data.resolution=20"])
+    with pytest.raises(ValueError, match="data.resolution=18 .* model.patch_size=2 x the VAE's downsampling factor 2"):
+        fm.main(tiny_run_args(tmp_path) + ["--encoders.vae", tiny_vae, "--data.resolution=18"])
 
 
 def test_safe_loading_only():
