@@ -143,3 +143,31 @@ def test_ema_warmup_and_lr():
     common.ema_update(ema, model, 0.5, num_updates=1000)  # d = 0.5
     torch.testing.assert_close(ema.weight, torch.full((2, 2), 0.95))
     assert [common.lr_at(s, 1e-4, 4) for s in (0, 1, 3, 100)] == [2.5e-5, 5e-5, 1e-4, 1e-4]
+
+
+def test_parquet_source_and_label_columns(tmp_path):
+    demo = common.make_demo_dataset(20, seed=0, resolution=16).rename_column("label", "cls")
+    demo.to_parquet(str(tmp_path / "part-0.parquet"))
+    cfg = common.load_config(fm.DEFAULTS, [f"--data.source={tmp_path}", "--data.val_holdout=4",
+                                           "--data.label_column=cls"])
+    train, val = common.open_splits(cfg.data)
+    assert len(train) == 16 and len(val) == 4 and sorted(list(train["cls"]) + list(val["cls"])) == sorted(demo["cls"])
+    x, _ = common.preprocess(common.load_image(train[0]["image"]), 16, CENTER)
+    assert x.shape == (3, 16, 16)
+    bad = common.load_config(fm.DEFAULTS, [f"--data.source={tmp_path}", "--data.label_column=cls", "--data.caption_column=text"])
+    with pytest.raises(ValueError, match="data.caption_column='text' is not a column"):
+        common.open_splits(bad.data)
+
+
+def test_t5_text_encoder_gives_masked_mean_pooling(tmp_path, tiny_text_encoder):
+    from transformers import AutoTokenizer, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    T5EncoderModel(T5Config(vocab_size=16, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_text_encoder).save_pretrained(tmp_path)  # any tokenizer will do
+    _, tokenizer, encoder = common.load_encoders(common.Config(vae=None, text_encoder=str(tmp_path)), "cpu")
+    assert type(encoder).__name__ == "T5EncoderModel"
+    out = common.encode_text(tokenizer, encoder, ["a red circle", "a large blue square"], max_tokens=8)
+    assert out["text_tokens"].shape == (2, 8, 16) and out["text_mask"].sum(1).tolist() == [5, 6]
+    n = int(out["text_mask"][0].sum())
+    torch.testing.assert_close(out["text_pooled"][0], out["text_tokens"][0, :n].mean(0))

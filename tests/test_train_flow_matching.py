@@ -57,8 +57,9 @@ def test_tiny_run_writes_everything_and_resumes_exactly(tmp_path):
 def test_latent_space_text_to_image_run(tmp_path, tiny_vae, tiny_text_encoder):
     args = tiny_run_args(tmp_path, "t2i", steps=2) + [
         "--encoders.vae", tiny_vae, "--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8",
-        "--data.caption_column=caption", "--data.label_column=null", "--data.resolution=16"]
+        "--data.caption_column=caption", "--data.label_column=null", "--data.resolution=16", "--log.wandb=offline"]
     run = fm.main(args)
+    assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))  # logged to wandb, offline without a key
     cache = common.CachedDataset(next((tmp_path / "cache").glob("embedded-train-*")))
     row = cache[0]
     assert row["x"].shape == (4, 8, 8) and row["x_std"].shape == (4, 8, 8) and (row["x_std"] > 0).all()
