@@ -235,14 +235,14 @@ def load_encoders(enc, device):
     if enc.vae:
         from diffusers import AutoencoderKL
 
-        vae = AutoencoderKL.from_pretrained(enc.vae).to(device).eval().requires_grad_(False)
+        vae = AutoencoderKL.from_pretrained(enc.vae, use_safetensors=True).to(device).eval().requires_grad_(False)
     if enc.text_encoder:
         from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel, T5EncoderModel
 
         kind = AutoConfig.from_pretrained(enc.text_encoder).model_type
         model_cls = {"clip": CLIPTextModel, "clip_text_model": CLIPTextModel, "t5": T5EncoderModel}.get(kind, AutoModel)
         tokenizer = AutoTokenizer.from_pretrained(enc.text_encoder)
-        text_encoder = model_cls.from_pretrained(enc.text_encoder).to(device).eval().requires_grad_(False)
+        text_encoder = model_cls.from_pretrained(enc.text_encoder, use_safetensors=True).to(device).eval().requires_grad_(False)
     return vae, tokenizer, text_encoder
 
 
@@ -611,7 +611,7 @@ def load_exported(folder):
 
     folder = Path(folder)
     cfg = Config(json.loads((folder / "config.json").read_text()))
-    transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer")
+    transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer", use_safetensors=True)
     state = load_file(str(folder / "conditioner.safetensors"))
     tc = transformer.config
     conditioner = make_conditioner(cfg, tc.num_attention_heads * tc.attention_head_dim, tc.joint_attention_dim,

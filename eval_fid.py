@@ -404,7 +404,7 @@ def clip_scores(model_id, images, captions, device):
     from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
     if getattr(clip_scores, "cache", (None,))[0] != model_id:
-        clip_scores.cache = (model_id, CLIPModel.from_pretrained(model_id).to(device).eval(),
+        clip_scores.cache = (model_id, CLIPModel.from_pretrained(model_id, use_safetensors=True).to(device).eval(),
                              AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id))
     _, clip, tokenizer, processor = clip_scores.cache
     pixels = processor(images=list(images), return_tensors="pt")["pixel_values"].to(device)

@@ -56,22 +56,23 @@ def test_exact_resume_with_accumulation_mid_epoch_on_two_processes(tmp_path):
     assert_same_checkpoint(tmp_path / "straight", tmp_path / "resumed", 6)
 
 
-def test_sigterm_checkpoints_and_exits_for_requeue_then_resumes(tmp_path):
+@pytest.mark.parametrize("trainer,sig", [("train_flow_matching", signal.SIGTERM), ("train_ddpm", signal.SIGUSR1)])
+def test_preemption_signal_checkpoints_and_exits_for_requeue_then_resumes(tmp_path, trainer, sig):
     args = tiny_run_args(tmp_path, "preempted", steps=10_000) + ["--log.every=1"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, str(ROOT / f"{trainer}.py"), *args], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "preempted" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.time() < deadline:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == common.REQUEUE_EXIT_CODE, stderr[-2000:]
     stopped = int(re.search(r"stopped by a signal at step (\d+)", stdout).group(1))
     assert 2 <= stopped < 10_000
     assert common.find_checkpoint(tmp_path / "preempted", "latest").name == f"step_{stopped:08d}"
     # Requeued: the same command with --resume latest continues from there.
-    fm.main(tiny_run_args(tmp_path, "preempted", steps=stopped + 2) + ["--log.every=1", "--resume=latest"])
+    __import__(trainer).main(tiny_run_args(tmp_path, "preempted", steps=stopped + 2) + ["--log.every=1", "--resume=latest"])
     steps = [m["step"] for m in map(json.loads, metrics.read_text().splitlines()) if "loss" in m]
     assert steps == list(range(1, stopped + 3))
 
@@ -184,4 +185,7 @@ def test_safe_loading_only():
         for call in re.findall(r"torch\.load\([^\n]*", source):
             assert "weights_only=True" in call, f"{path.name}: {call}"
         assert "trust_remote_code=True" not in source, path.name
+        for callee, call in re.findall(r"(\w+)\.from_pretrained\(([^\n]*)", source):
+            if not re.search("Tokenizer|Config|Processor", callee):  # a model: its weights
+                assert "use_safetensors=True" in call, f"{path.name}: {callee}.from_pretrained({call}"
         assert "pickle.load" not in source and "use_safetensors=False" not in source, path.name
