@@ -8,7 +8,7 @@ Training uses random-resized crops (side 0.4-1 of the image) with the size and c
       the share of (noise, class) pairs whose classified class changes. Lower is better: a control should
       change how an image is framed, not what it shows.
 
-    python benchmarks/control_ablation.py [--steps 500] [--per_class 12]
+    python benchmarks/control_ablation.py [--steps 400] [--per_class 8]
 """
 import argparse
 import sys
@@ -44,8 +44,8 @@ def evaluate(run_dir, classifier, per_class):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--per_class", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--per_class", type=int, default=8)
     args, extra = parser.parse_known_args()
     classifier, acc = train_classifier(resolution=common.load_config(fm.DEFAULTS, extra).data.resolution)
     print(f"classifier accuracy on held-out real demo images: {acc:.3f}")
