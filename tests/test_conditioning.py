@@ -113,12 +113,14 @@ def test_control_metadata_matches_the_crop_applied(crop, flip):
             assert meta["crop_box"].tolist() == [0, 40, 160, 160]
 
 
+@pytest.mark.parametrize("trainer", ["train_flow_matching", "train_ddpm"])
 @pytest.mark.parametrize("recipe", ["imagenet256", "cc12m"])
-def test_recipes_load_and_a_tiny_version_runs(recipe, tmp_path, tiny_vae, tiny_text_encoder):
+def test_recipes_load_and_a_tiny_version_runs(recipe, trainer, tmp_path, tiny_vae, tiny_text_encoder):
     from conftest import ROOT, tiny_run_args
 
+    module = __import__(trainer)
     recipe_file = str(ROOT / "configs" / f"{recipe}.json")
-    full = common.load_config(fm.DEFAULTS, ["--config", recipe_file], "flow_matching")
+    full = common.load_config(module.DEFAULTS, ["--config", recipe_file], trainer[6:])  # one recipe, both trainers
     assert full.train.lr == 1e-4 and full.train.betas == [0.9, 0.999] and full.run_dir.endswith(recipe)
     assert full.train.batch_size * 16 == 2048  # global batch 2048 on 2 nodes x 8 GPUs
     # The same recipe, shrunk: the embedded data and tiny encoders stand in for the hub's.
@@ -128,7 +130,8 @@ def test_recipes_load_and_a_tiny_version_runs(recipe, tmp_path, tiny_vae, tiny_t
             "--encoders.vae", tiny_vae]
     if full.encoders.text_encoder:
         tiny += ["--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8", "--data.caption_column=caption"]
-    run = fm.main(tiny)
+    run = module.main(tiny)
+    assert run.name == recipe
     model, cfg = common.load_exported(run / "export")
     assert cfg["conditioning"]["controls"] == full.conditioning.controls
     assert set(model.conditioner.control_mlp) == set(full.conditioning.controls)
