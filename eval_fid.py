@@ -1,8 +1,8 @@
 """Sample a trained run at scale and score it: FID and KID (clean-fid), CLIP score, in one file.
 
     python eval_fid.py --run runs/flow_matching_demo --num_samples 1000 --inception_weights inception-2015-12-05.pt
-    accelerate launch eval_fid.py --run runs/in1k_256 --reference imagenet-1k --reference_split validation
-    accelerate launch eval_fid.py --run runs/cc12m_256 --prompts heldout --clip_model openai/clip-vit-large-patch14
+    accelerate launch eval_fid.py --run runs/flow_matching_imagenet256 --reference ILSVRC/imagenet-1k --reference_split validation
+    accelerate launch eval_fid.py --run runs/flow_matching_cc12m --prompts heldout --clip_model openai/clip-vit-large-patch14
 
 Pipeline: arguments -> model (the exported EMA model, or a checkpoint's EMA or raw weights, with the run's
 resolved config) -> generation (sample i always has the same seed, so the images do not depend on the process
