@@ -734,6 +734,17 @@ def rng_state():
     return state
 
 
+def restore_rng(ckpt, rank, world):
+    """This rank's RNG state from a checkpoint. A checkpoint written by a different number of processes
+    still resumes (weights, EMA, optimizer, step), but not exactly: the data order and noise change."""
+    saved = len(list(Path(ckpt).glob("rng_*.pt")))
+    if saved != world:
+        print(f"warning: {ckpt} was written by {saved} processes and is resumed by {world}: weights, EMA, "
+              f"optimizer and step continue, but data order and noise differ from an uninterrupted run")
+    if (Path(ckpt) / f"rng_{rank}.pt").exists():
+        set_rng_state(torch.load(Path(ckpt) / f"rng_{rank}.pt", weights_only=True))
+
+
 def set_rng_state(state):
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]

@@ -387,7 +387,7 @@ def main(argv=None):
         state = torch.load(ckpt / "state.pt", weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         step, skipped = state["step"], state["skipped_steps"]
-        common.set_rng_state(torch.load(ckpt / f"rng_{rank}.pt", weights_only=True))
+        common.restore_rng(ckpt, rank, world)
         accelerator.print(f"resumed from {ckpt} at step {step}")
 
     # ---- Logging ------------------------------------------------------------------------------------------

@@ -189,3 +189,13 @@ def test_safe_loading_only():
             if not re.search("Tokenizer|Config|Processor", callee):  # a model: its weights
                 assert "use_safetensors=True" in call, f"{path.name}: {callee}.from_pretrained({call}"
         assert "pickle.load" not in source and "use_safetensors=False" not in source, path.name
+
+
+def test_resume_with_another_process_count_warns_and_continues(tmp_path, capsys):
+    run = fm.main(tiny_run_args(tmp_path, "world", steps=2) + ["--ckpt.every=2"])
+    ckpt = run / "checkpoints" / "step_00000002"
+    (ckpt / "rng_1.pt").write_bytes((ckpt / "rng_0.pt").read_bytes())  # as if written by 2 processes
+    fm.main(tiny_run_args(tmp_path, "world", steps=4) + ["--resume=latest"])
+    out = capsys.readouterr().out
+    assert "written by 2 processes and is resumed by 1" in out and "resumed from" in out
+    assert common.find_checkpoint(run, "latest").name == "step_00000004"
