@@ -533,7 +533,7 @@ class Denoiser(nn.Module):
         transformer.time_text_embed.register_forward_hook(self._add_to_adanorm)
 
     def _add_to_adanorm(self, module, args, output):
-        return output if self._adanorm is None or isinstance(self._adanorm, int) else output + self._adanorm.to(output.dtype)
+        return output + self._adanorm.to(output.dtype) if torch.is_tensor(self._adanorm) else output  # 0: nothing
 
     def forward(self, x, timestep, cond, noise_level=None):
         noise_level = timestep / 1000 if noise_level is None else noise_level
@@ -642,6 +642,20 @@ def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs
 
 # ----------------------------------------------------------------------------------------------------------
 # Training helpers: condition dropout, EMA, LR, time shift.
+
+
+def make_accelerator(mixed_precision):
+    """The Accelerator every script uses. cpu=True without CUDA: `accelerate launch --multi_gpu` then forms
+    one gloo group of CPU processes; otherwise accelerate 1.x lets each process silently train alone, which
+    is also refused here. TF32 matmuls and convolutions on Ampere and newer."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+    world = accelerator.num_processes
+    if world != int(os.environ.get("WORLD_SIZE", world)):
+        raise RuntimeError(f"launched {os.environ['WORLD_SIZE']} processes but accelerate formed a group of {world}")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return accelerator
 
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; the SLURM script in the README requeues on it

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import Accelerator
 from accelerate.utils import gather_object
 from PIL import Image
 from tqdm.auto import tqdm
@@ -460,9 +459,8 @@ def main(argv=None, feature_fn=None):
     """Returns the report (None with --generate_only, and on ranks other than the main one)."""
     args = parse_args(argv)
     # cpu=True without CUDA, as in the trainers: `accelerate launch --multi_gpu` then runs CPU processes over gloo.
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = common.make_accelerator(args.mixed_precision)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     t_start = time.time()
 
     # ---- Model and settings ---------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
@@ -322,15 +321,9 @@ def main(argv=None):
     check_objective(cfg)  # and the objective's: e.g. zero terminal SNR with eps prediction
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
-    # cpu=True without CUDA: `accelerate launch --multi_gpu` then runs CPU processes over gloo, instead of
-    # each process silently training alone.
-    accelerator = Accelerator(mixed_precision=tr.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = common.make_accelerator(tr.mixed_precision)  # also on CPU-only machines, TF32 on
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    if world != int(os.environ.get("WORLD_SIZE", world)):
-        raise RuntimeError(f"launched {os.environ['WORLD_SIZE']} processes but accelerate formed a group of {world}")
     set_seed(cfg.seed + rank)  # different noise and times on each rank
-    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls and convolutions on Ampere and newer
-    torch.backends.cudnn.allow_tf32 = True
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
