@@ -69,7 +69,8 @@ def load_config(defaults, argv=None, method="run"):
     Unknown keys and wrong types raise ValueError naming the key. Values parse as JSON when they can
     (`--train.lr=3e-4`, `--data.label_column=null`) and as plain strings otherwise. A run_dir left unset
     becomes runs/{method}_{config file name} (runs/flow_matching_demo without a config), so one recipe can
-    be run by both trainers side by side.
+    be run by both trainers side by side; for the same reason "{method}" in init_from becomes the trainer's
+    name (configs/imagenet512.json starts from runs/{method}_imagenet256).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = _merge(defaults, {}, "defaults")
@@ -99,6 +100,8 @@ def load_config(defaults, argv=None, method="run"):
         cfg = _merge(cfg, value, f"from {arg}")
     if "run_dir" in cfg and cfg.run_dir is None:
         cfg.run_dir = f"runs/{method}_{name}"
+    if cfg.get("init_from"):
+        cfg.init_from = cfg.init_from.replace("{method}", method)
     return cfg
 
 
@@ -139,7 +142,7 @@ def make_demo_dataset(num_samples, seed, resolution=32):
         rows["image"].append(draw_shape(label, size, rng, resolution))
         rows["label"].append(label)
         rows["caption"].append(f"a {'small' if size < resolution * 0.55 else 'large'} {DEMO_CLASSES[label]}")
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64"),
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=DEMO_CLASSES),
                                   "caption": datasets.Value("string")})
     return datasets.Dataset.from_dict(rows, features=features)
 
@@ -182,6 +185,38 @@ def open_splits(data):
     if data.max_samples is not None:
         train = train.select(range(min(data.max_samples, len(train))))
     return train, val
+
+
+def class_ids(data, ds):
+    """The WordNet id (or other stable name) of each label index, from the dataset's own metadata, or None.
+    `data.class_ids` names a timm ImageNet subset ("imagenet-1k", "imagenet-22k": the synset lists that the
+    hub's ImageNet copies are indexed by) or a text file with one id per line; None reads the label column's
+    ClassLabel names (an imagefolder of n0xxxxxxx folders holds the WordNet ids there)."""
+    import datasets
+
+    if data.class_ids is None:
+        feature = ds.features.get(data.label_column) if data.label_column else None
+        return list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+    if Path(data.class_ids).is_file():
+        return Path(data.class_ids).read_text().split()
+    from timm.data import ImageNetInfo
+
+    return list(ImageNetInfo(data.class_ids).label_names())
+
+
+def class_names(data, ds):
+    """Readable class names, the captions of `data.label_captions`: WordNet ids become their lemmas
+    ("n01440764" -> "tench, Tinca tinca"); other ids are names already."""
+    ids = class_ids(data, ds)
+    if ids is None:
+        raise ValueError(f"data.label_captions needs class names: data.label_column='{data.label_column}' is not a "
+                         f"ClassLabel column of {data.source}; set data.class_ids (e.g. 'imagenet-22k' or a file)")
+    if all(re.fullmatch(r"n\d{8}", i) for i in ids):
+        from timm.data import ImageNetInfo
+
+        info = ImageNetInfo("imagenet-22k")
+        return [info.label_name_to_description(i) for i in ids]
+    return ids
 
 
 def load_image(value):
@@ -303,6 +338,8 @@ def cache_key(cfg, part, num_rows):
            "dtype": data.cache_dtype, "min_image_side": data.min_image_side, "format": 3}
     if data.source == "embedded":
         key["demo"] = [data.demo_samples, data.demo_resolution]
+    if data.label_captions:
+        key["label_captions"] = data.class_ids
     return key
 
 
@@ -340,6 +377,7 @@ def build_cache(ds, part, encode, accelerator, cfg):
             accelerator.print(f"cache miss ({part}): vs {other.parent.name}, changed {'; '.join(changed)}")
         accelerator.print(f"cache miss ({part}): encoding {len(ds)} samples into {folder}")
     folder.mkdir(parents=True, exist_ok=True)
+    names = class_names(data, ds) if data.label_captions else None
     size, rank, world = data.shard_size, accelerator.process_index, accelerator.num_processes
     mine = [k for k in range(math.ceil(len(ds) / size)) if k % world == rank]
     for k in tqdm(mine, desc=f"cache {part} (rank {rank})", disable=not accelerator.is_local_main_process):
@@ -361,6 +399,8 @@ def build_cache(ds, part, encode, accelerator, cfg):
             kept.append(i), pixels.append(pixel), metas.append(meta)
         tensors = {}
         captions = [rows[data.caption_column][i] for i in kept] if data.caption_column else None
+        if data.label_captions:  # ImageNet-22k as text-to-image data: the class name is the caption
+            captions = [names[rows[data.label_column][i]] for i in kept]
         for j in range(0, len(pixels), data.encode_batch_size):
             out = encode(torch.stack(pixels[j:j + data.encode_batch_size]),
                          captions[j:j + data.encode_batch_size] if captions else None)
@@ -679,8 +719,13 @@ def check_config(cfg):
     if d["resolution"] % (m["patch_size"] * factor):
         errors.append(f"data.resolution={d['resolution']} is not divisible by model.patch_size={m['patch_size']}"
                       f" x the VAE's downsampling factor {factor}")
-    if bool(d["caption_column"]) != bool(cfg["encoders"]["text_encoder"]):
-        errors.append("data.caption_column and encoders.text_encoder go together: set both or neither")
+    if bool(d["caption_column"] or d["label_captions"]) != bool(cfg["encoders"]["text_encoder"]):
+        errors.append("encoders.text_encoder goes with data.caption_column (or data.label_captions): set both or neither")
+    if d["label_captions"] and (d["caption_column"] or not d["label_column"]):
+        errors.append("data.label_captions captions each image with its class name: it needs data.label_column "
+                      "and no data.caption_column")
+    if m["pos_embed_transfer"] not in ("resample", "extend"):
+        errors.append(f"model.pos_embed_transfer={m['pos_embed_transfer']!r} must be 'resample' or 'extend'")
     if not d["label_column"] and not d["caption_column"]:
         errors.append("set data.label_column (class-conditional) or data.caption_column (text-to-image)")
     if d["label_column"] and not d["caption_column"] and d["num_classes"] < 1:
@@ -713,6 +758,14 @@ def lr_at(step, base_lr, warmup_steps):
     """Linear warm-up to base_lr, then constant (the paper trains at a constant 1e-4). A pure function of
     the optimizer step, so resuming needs no scheduler state."""
     return base_lr * min(1.0, (step + 1) / max(1, warmup_steps))
+
+
+def shift_of(cfg):
+    """The resolution shift a of a run: data.resolution / objective.shift_base_resolution if that is set
+    (a = 2 for 512 px against a 256 px base), else objective.time_shift. Both trainers read it from the run's
+    config, which is saved with the model, so training and sampling use the same shifted schedule."""
+    obj = cfg["objective"]
+    return cfg["data"]["resolution"] / obj["shift_base_resolution"] if obj["shift_base_resolution"] else obj["time_shift"]
 
 
 def time_shift(t, shift):
@@ -815,3 +868,125 @@ def save_checkpoint(accelerator, run_dir, step, tensors, state, keep):
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Transfer (init_from): a new run starts from another run's weights, at another resolution (256 -> 512 px) or
+# on other data (ImageNet-22k -> 1k, or -> text-to-image). Unlike resume, optimizer, step and data position
+# start fresh.
+
+TEXT_BUFFERS = ("conditioner.null_tokens", "conditioner.null_mask", "conditioner.null_pooled")  # this run's encoder
+
+
+def grid_positions(pos_embed):
+    """The positions along one axis that a square 2-D sin-cos grid encodes, read back from its lowest
+    frequency (diffusers' layout: [sin, cos] of the column, then of the row, D/4 frequencies each). A grid
+    built by diffusers gives 0, 1, ..., g-1; a grid resampled before gives its fractional positions."""
+    g, q = math.isqrt(pos_embed.shape[-2]), pos_embed.shape[-1] // 4
+    lowest = pos_embed.reshape(g, g, 4, q)[0, :, :2, -1].double()  # row 0: sin, cos of the column position
+    pos = torch.atan2(lowest[:, 0], lowest[:, 1]) / (1 / 10000 ** ((q - 1) / q))
+    return pos.round() if (pos - pos.round()).abs().max() < 1e-3 else pos  # integers are exact
+
+
+def resample_pos_embed(pos_embed, new_grid, mode="resample"):
+    """The (1, new_grid^2, D) sin-cos grid for a new token grid, from an old one (1, g^2, D).
+    resample (Berrada et al. 2024, Pseudocode 1, "rectified grid sampling"): new token i sits at old position
+    p_i = (i + 0.5) g / new_grid - 0.5, so the new grid spans the positions the model was trained on (corners
+    align, centres coincide) and the sin-cos features are evaluated there exactly.
+    extend (diffusers' default): positions continue at the old spacing, centred (SD3 crops the centre of a
+    larger grid), so a 2x grid reaches positions the model never saw."""
+    from diffusers.models.embeddings import get_2d_sincos_pos_embed_from_grid
+
+    old = grid_positions(pos_embed)
+    g, spacing = len(old), (old[-1] - old[0]) / max(len(old) - 1, 1)
+    i = torch.arange(new_grid, dtype=torch.float64)
+    index = (i + 0.5) * g / new_grid - 0.5 if mode == "resample" else i - (new_grid - g) / 2
+    pos = (old[0] + index * spacing).float()  # float32 positions, as diffusers builds its grid
+    grid = torch.stack(torch.meshgrid(pos, pos, indexing="xy")).reshape(2, 1, new_grid, new_grid)
+    return get_2d_sincos_pos_embed_from_grid(pos_embed.shape[-1], grid).float()[None]
+
+
+def map_classes(source, target, source_ids, target_ids):
+    """Class-embedding rows of the target's classes, taken from the source class with the same id (WordNet
+    id for ImageNet-22k -> 1k); the last row, the null class of guidance, from the source's null class.
+    Classes the source lacks keep their fresh initialisation. Each class may own several rows (class tokens)."""
+    tokens = source.shape[0] // (len(source_ids) + 1)
+    if target.shape[0] != (len(target_ids) + 1) * tokens or source.shape[0] != (len(source_ids) + 1) * tokens:
+        raise ValueError(f"class embeddings {tuple(source.shape)} -> {tuple(target.shape)} do not fit "
+                         f"{len(source_ids)} -> {len(target_ids)} classes with {tokens} tokens each")
+    where = {c: i for i, c in enumerate(source_ids)}
+    pairs = [(j, where[c]) for j, c in enumerate(target_ids) if c in where] + [(len(target_ids), len(source_ids))]
+    out = target.clone().view(len(target_ids) + 1, tokens, -1)
+    rows = torch.tensor(pairs, dtype=torch.long)
+    out[rows[:, 0]] = source.view(len(source_ids) + 1, tokens, -1)[rows[:, 1]].to(out.dtype)
+    return out.view_as(target), [c for c in target_ids if c not in where]
+
+
+def adapt_state(source, target, source_ids=None, target_ids=None, pos_embed_mode="resample"):
+    """The target model's state dict filled from a source state dict, and a report of what happened.
+    Same-shaped tensors load; the positional grid is resampled (or extended) to the new token grid; class
+    embeddings are mapped by id when both runs know their class ids; any other shape change, missing or
+    unexpected tensor keeps the target's fresh value and is reported."""
+    out, report = dict(target), {"loaded": 0, "adapted": [], "missing": [], "unexpected": [], "reshaped": []}
+    for key, value in target.items():
+        if key in TEXT_BUFFERS:
+            continue  # the empty prompt of this run's own text encoder, set by the trainer
+        if key not in source:
+            report["missing"].append(key)
+            continue
+        src = source[key]
+        if key.endswith("pos_embed.pos_embed") and src.shape != value.shape:
+            out[key] = resample_pos_embed(src, math.isqrt(value.shape[1]), pos_embed_mode)
+            report["adapted"].append(f"{key}: {pos_embed_mode} {math.isqrt(src.shape[1])}^2 -> "
+                                     f"{math.isqrt(value.shape[1])}^2 positions")
+        elif key.endswith(("class_embed.weight", "class_vector.weight")) and source_ids and target_ids:
+            out[key], unmatched = map_classes(src, value, source_ids, target_ids)
+            report["adapted"].append(f"{key}: {len(target_ids) - len(unmatched)} of {len(target_ids)} classes "
+                                     f"mapped by id from {len(source_ids)}; unmatched (fresh): {unmatched[:20]}")
+        elif src.shape != value.shape:
+            report["reshaped"].append(f"{key}: {tuple(src.shape)} -> {tuple(value.shape)}")
+        else:
+            out[key], report["loaded"] = src.to(value.dtype), report["loaded"] + 1
+    report["unexpected"] = sorted(k for k in source if k not in target)
+    return out, report
+
+
+def read_weights(source):
+    """(model state, EMA state, class ids, folder) of an init_from source: a run folder (its newest intact
+    checkpoint), a checkpoint folder, or an export folder (whose EMA weights serve as both)."""
+    from safetensors.torch import load_file
+
+    folder = Path(source)
+    if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").exists():
+        folder = find_checkpoint(folder, "latest") or folder / "checkpoints"
+    if checkpoint_ok(folder):
+        state = torch.load(folder / "state.pt", weights_only=True)
+        return (load_file(str(folder / "model.safetensors")), load_file(str(folder / "ema.safetensors")),
+                state.get("class_ids"), folder)
+    if (folder / "transformer").is_dir() and (folder / "conditioner.safetensors").exists():
+        weights = {f"transformer.{k}": v for f in sorted((folder / "transformer").glob("*.safetensors"))
+                   for k, v in load_file(str(f)).items()}
+        weights.update({f"conditioner.{k}": v for k, v in load_file(str(folder / "conditioner.safetensors")).items()})
+        ids = folder / "class_ids.json"
+        return weights, weights, json.loads(ids.read_text()) if ids.exists() else None, folder
+    raise FileNotFoundError(f"init_from: {source} is not a run folder with an intact checkpoint, a checkpoint "
+                            f"(model.safetensors, state.pt) or an export (transformer/, conditioner.safetensors)")
+
+
+def init_from(source, model, ema, class_ids=None, pos_embed_mode="resample", log=print):
+    """Load another run's weights into `model` and its EMA into `ema` (see adapt_state); log every adapted,
+    missing, unexpected and reshaped tensor and return the report."""
+    model_state, ema_state, source_ids, folder = read_weights(source)
+    reports = []
+    for module, state in ((model, model_state), (ema, ema_state)):
+        adapted, report = adapt_state(state, module.state_dict(), source_ids, class_ids, pos_embed_mode)
+        module.load_state_dict(adapted)
+        reports.append(report)
+    report = {"source": str(folder), **reports[0]}
+    log(f"init_from {folder}: {report['loaded']} tensors loaded (weights and EMA); optimizer, step and data "
+        f"position start fresh")
+    for kind in ("adapted", "missing", "unexpected", "reshaped"):
+        if report[kind]:
+            log(f"init_from {kind} ({len(report[kind])}{', kept at fresh init' if kind in ('missing', 'reshaped') else ''}"
+                f"{', ignored' if kind == 'unexpected' else ''}): " + "; ".join(report[kind]))
+    return report

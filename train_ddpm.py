@@ -42,6 +42,8 @@ DEFAULTS = {
     "run_dir": None,                 # None: runs/ddpm_{config name}, runs/ddpm_demo without one
     "seed": 0,
     "resume": None,                  # "latest" (this run_dir's newest checkpoint) or a checkpoint folder
+    "init_from": None,               # another run's folder, checkpoint or export: its weights and EMA start this
+                                     # new run (256 -> 512 px, 22k -> 1k); "{method}" in it: this trainer's name
     "data": {
         "source": "embedded",        # "embedded" (generated demo), a hub id, an imagefolder or parquet path
         "split": "train",
@@ -51,6 +53,9 @@ DEFAULTS = {
         "label_column": "label",     # None for text-only data
         "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
         "num_classes": 9,
+        "class_ids": None,           # WordNet ids of the labels, for init_from's class mapping: None = the label
+                                     # column's ClassLabel names; "imagenet-1k" / "imagenet-22k"; or a file
+        "label_captions": False,     # text-to-image on class data: the caption is the class name (22k -> CC12M)
         "resolution": 16,
         "crop": "center",            # "center", "random" or "random_resized"; drawn once, when the cache is built
         "min_crop_scale": 0.5,       # random_resized: crop side >= this x the short side
@@ -78,6 +83,8 @@ DEFAULTS = {
         "attention_head_dim": 32,
         "class_tokens": 1,           # context tokens per class label
         "qk_norm": None,             # "rms_norm" for large models
+        "pos_embed_transfer": "resample",  # init_from at another token grid: "resample" the positions the
+                                     # model saw (the paper's) or "extend" them (diffusers' default)
     },
     "conditioning": {                # semantic (class / text) vs control (size, crop, flip) conditioning
         "mode": "disentangled",      # semantics through attention, controls through the adaptive norm with
@@ -98,6 +105,9 @@ DEFAULTS = {
         "zero_terminal_snr": True,   # rescale so ab_{T-1} = 0 (Lin et al. 2024); needs prediction v or x0
         "prediction": "v",           # "v", "eps" or "x0"
         "min_snr_gamma": 5.0,        # Min-SNR-gamma loss weight (Hang et al. 2023); 0 = off (weight 1)
+        "time_shift": 1.0,           # a: SNR / a^2, i.e. alpha_bar' = ab / (ab + a^2 (1 - ab)) (more noise at
+                                     # higher resolution; flow matching's time shift at equal SNR)
+        "shift_base_resolution": None,  # if set, a = data.resolution / this (overrides time_shift)
         "loss_bins": 5,              # loss is also logged per timestep bin [kT/K, (k+1)T/K)
     },
     "train": {
@@ -177,11 +187,20 @@ def check_objective(cfg):
         raise ValueError(f"val.sampler must be 'ddim' or 'ddpm', got {cfg['val']['sampler']!r}")
 
 
+def shift_schedule(alphas_cumprod, shift):
+    """Resolution shift of the noise schedule: SNR' = SNR / a^2, i.e. alpha_bar' = ab / (ab + a^2 (1 - ab))
+    (Hoogeboom et al. 2023, sec. 3.1: twice the side needs twice the noise std for the same signal; Berrada
+    et al. 2024 for 256 -> 512 fine-tuning). It equals flow matching's time shift t' = a t / (1 + (a - 1) t) at
+    equal SNR, stays monotone, and keeps a zero terminal SNR zero. a = 1: identity."""
+    return alphas_cumprod / (alphas_cumprod + shift ** 2 * (1 - alphas_cumprod))
+
+
 def schedule_of(cfg):
-    """The run's alpha_bar, from its objective section (a plain dict works: eval_fid.py passes config.json)."""
+    """The run's alpha_bar with its resolution shift, from its config (a plain dict works: eval_fid.py passes
+    config.json), so training, validation and every sampler of a saved model use the same schedule."""
     obj = cfg["objective"]
-    return make_schedule(obj["num_timesteps"], obj["beta_schedule"], obj["beta_start"], obj["beta_end"],
-                         obj["zero_terminal_snr"])
+    return shift_schedule(make_schedule(obj["num_timesteps"], obj["beta_schedule"], obj["beta_start"],
+                                        obj["beta_end"], obj["zero_terminal_snr"]), common.shift_of(cfg))
 
 
 def _coefs(alphas_cumprod, t, like):
@@ -334,6 +353,7 @@ def main(argv=None):
     vae, tokenizer, text_encoder = common.load_encoders(cfg.encoders, device)
     encode = common.make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
     train_ds, val_ds = common.open_splits(data)
+    class_ids = common.class_ids(data, train_ds) if data.label_column else None  # saved with the model
     train_set = common.CachedDataset(common.build_cache(train_ds, "train", encode, accelerator, cfg))
     val_set = common.CachedDataset(common.build_cache(val_ds, "val", encode, accelerator, cfg))
     null_text = None
@@ -358,6 +378,14 @@ def main(argv=None):
     if tr.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
     ema = copy.deepcopy(model).requires_grad_(False).float()  # fp32 EMA, also on the GPU
+    # Resume (same run) continues a checkpoint of this run_dir; init_from (new run) only takes another run's
+    # weights. A preempted fine-tuning run resumes its own checkpoint: init_from applies to a fresh start only.
+    ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
+    if cfg.init_from and ckpt is None:
+        report = common.init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer,
+                                  accelerator.print)
+        if accelerator.is_main_process:
+            (run_dir / "init_from.json").write_text(json.dumps(report, indent=1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas),
                                   weight_decay=tr.weight_decay)  # weight_decay 0 = Adam, as in the paper
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -367,11 +395,11 @@ def main(argv=None):
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; {obj.beta_schedule} betas, zero terminal SNR "
-                      f"{obj.zero_terminal_snr}, {obj.prediction} prediction, min-SNR gamma {obj.min_snr_gamma:g}")
+                      f"{obj.zero_terminal_snr}, {obj.prediction} prediction, min-SNR gamma {obj.min_snr_gamma:g}, "
+                      f"resolution shift a = {common.shift_of(cfg):g}")
 
-    # ---- Resume: same run, continues step, data position, optimizer, EMA and RNG ------------------------------
+    # ---- Resume: same run, continues step, data position, optimizer, EMA and RNG --------------------------
     step, skipped = 0, 0
-    ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
     if ckpt is not None:
         from safetensors.torch import load_file
 
@@ -466,7 +494,7 @@ def main(argv=None):
 
     def checkpoint(step):
         state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
-                 "skipped_steps": skipped}
+                 "skipped_steps": skipped, "class_ids": class_ids}
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
 
@@ -574,6 +602,8 @@ def main(argv=None):
         save_file({k: v.contiguous() for k, v in ema.conditioner.state_dict().items()},
                   str(export / "conditioner.safetensors"))
         (export / "config.json").write_text(json.dumps(cfg, indent=2))
+        if class_ids:  # what init_from maps class embeddings by (ImageNet-22k -> 1k)
+            (export / "class_ids.json").write_text(json.dumps(class_ids))
         accelerator.print(f"exported EMA model to {export}")
     if wandb_run is not None:
         wandb_run.finish()

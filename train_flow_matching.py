@@ -40,6 +40,8 @@ DEFAULTS = {
     "run_dir": None,                 # None: runs/flow_matching_{config name}, runs/flow_matching_demo without one
     "seed": 0,
     "resume": None,                  # "latest" (this run_dir's newest checkpoint) or a checkpoint folder
+    "init_from": None,               # another run's folder, checkpoint or export: its weights and EMA start this
+                                     # new run (256 -> 512 px, 22k -> 1k); "{method}" in it: this trainer's name
     "data": {
         "source": "embedded",        # "embedded" (generated demo), a hub id, an imagefolder or parquet path
         "split": "train",
@@ -49,6 +51,9 @@ DEFAULTS = {
         "label_column": "label",     # None for text-only data
         "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
         "num_classes": 9,
+        "class_ids": None,           # WordNet ids of the labels, for init_from's class mapping: None = the label
+                                     # column's ClassLabel names; "imagenet-1k" / "imagenet-22k"; or a file
+        "label_captions": False,     # text-to-image on class data: the caption is the class name (22k -> CC12M)
         "resolution": 16,
         "crop": "center",            # "center", "random" or "random_resized"; drawn once, when the cache is built
         "min_crop_scale": 0.5,       # random_resized: crop side >= this x the short side
@@ -76,6 +81,8 @@ DEFAULTS = {
         "attention_head_dim": 32,
         "class_tokens": 1,           # context tokens per class label
         "qk_norm": None,             # "rms_norm" for large models
+        "pos_embed_transfer": "resample",  # init_from at another token grid: "resample" the positions the
+                                     # model saw (the paper's) or "extend" them (diffusers' default)
     },
     "conditioning": {                # semantic (class / text) vs control (size, crop, flip) conditioning
         "mode": "disentangled",      # semantics through attention, controls through the adaptive norm with
@@ -197,18 +204,11 @@ def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, control_gui
     return x
 
 
-def shift_of(cfg):
-    """The time shift a of a run: data.resolution / objective.shift_base_resolution if that is set (a = 2
-    for 512 px against a 256 px base), else objective.time_shift."""
-    obj = cfg["objective"]
-    return cfg["data"]["resolution"] / obj["shift_base_resolution"] if obj["shift_base_resolution"] else obj["time_shift"]
-
-
 def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None, control_guidance_scale=None):
     """Sample as the run `cfg` is configured (its time shift, val sampler and guidance), with optional
     overrides. The one entry point that validation, eval_fid.py and the benchmarks call."""
     val = cfg["val"]
-    return sample(model, noise, cond, steps or val["steps"], shift_of(cfg),
+    return sample(model, noise, cond, steps or val["steps"], common.shift_of(cfg),
                   val["guidance_scale"] if guidance_scale is None else guidance_scale,
                   val["control_guidance_scale"] if control_guidance_scale is None else control_guidance_scale,
                   sampler or val["sampler"])
@@ -231,12 +231,13 @@ def main(argv=None):
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    shift = shift_of(cfg)
+    shift = common.shift_of(cfg)
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
     vae, tokenizer, text_encoder = common.load_encoders(cfg.encoders, device)
     encode = common.make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
     train_ds, val_ds = common.open_splits(data)
+    class_ids = common.class_ids(data, train_ds) if data.label_column else None  # saved with the model
     train_set = common.CachedDataset(common.build_cache(train_ds, "train", encode, accelerator, cfg))
     val_set = common.CachedDataset(common.build_cache(val_ds, "val", encode, accelerator, cfg))
     null_text = None
@@ -261,6 +262,14 @@ def main(argv=None):
     if tr.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
     ema = copy.deepcopy(model).requires_grad_(False).float()  # fp32 EMA, also on the GPU
+    # Resume (same run) continues a checkpoint of this run_dir; init_from (new run) only takes another run's
+    # weights. A preempted fine-tuning run resumes its own checkpoint: init_from applies to a fresh start only.
+    ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
+    if cfg.init_from and ckpt is None:
+        report = common.init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer,
+                                  accelerator.print)
+        if accelerator.is_main_process:
+            (run_dir / "init_from.json").write_text(json.dumps(report, indent=1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas),
                                   weight_decay=tr.weight_decay)  # weight_decay 0 = Adam, as in the paper
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -271,9 +280,8 @@ def main(argv=None):
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; time shift a = {shift:g}")
 
-    # ---- Resume: same run, continues step, data position, optimizer, EMA and RNG ------------------------------
+    # ---- Resume: same run, continues step, data position, optimizer, EMA and RNG --------------------------
     step, skipped = 0, 0
-    ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
     if ckpt is not None:
         from safetensors.torch import load_file
 
@@ -365,7 +373,7 @@ def main(argv=None):
 
     def checkpoint(step):
         state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
-                 "skipped_steps": skipped}
+                 "skipped_steps": skipped, "class_ids": class_ids}
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
 
@@ -475,6 +483,8 @@ def main(argv=None):
         save_file({k: v.contiguous() for k, v in ema.conditioner.state_dict().items()},
                   str(export / "conditioner.safetensors"))
         (export / "config.json").write_text(json.dumps(cfg, indent=2))
+        if class_ids:  # what init_from maps class embeddings by (ImageNet-22k -> 1k)
+            (export / "class_ids.json").write_text(json.dumps(class_ids))
         accelerator.print(f"exported EMA model to {export}")
     if wandb_run is not None:
         wandb_run.finish()
