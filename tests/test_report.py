@@ -1,0 +1,135 @@
+"""report.py on synthetic run folders: every row kind present, and an old run with training rows only."""
+import json
+import math
+import re
+import statistics
+
+from PIL import Image
+
+import report
+
+GROUPS = ["patch_embed"] + [f"block_{i:02d}" for i in range(6)] + ["final_layer", "conditioning"]
+VAL_LOSS = {100: 0.30, 200: 0.21, 300: 0.24}  # the best is not the last
+
+
+def config(**objective):
+    return {"data": {"source": "embedded", "resolution": 16},
+            "model": {"patch_size": 2, "num_layers": 6, "num_attention_heads": 4, "attention_head_dim": 32},
+            "objective": objective, "train": {"batch_size": 8, "grad_accum": 2, "lr": 1e-3, "max_steps": 300,
+                                              "grad_clip": 1.0}}
+
+
+def training_row(step, extra=True):
+    row = {"step": step, "loss": 1 / step ** 0.5, "loss_smoothed": 1.1 / step ** 0.5, "lr": 1e-3 * min(1, step / 50),
+           "grad_norm": 0.5 + 0.1 * math.sin(step), "skipped_steps": 1 if step > 150 else 0,
+           "images_per_s": 200.0 + step % 7, "images_per_s_per_device": (200.0 + step % 7) / 2,
+           "data_wait_share": 0.05, "peak_memory_gb": 1.25, **{f"loss_t{k}": 0.1 * (k + 1) for k in range(5)}}
+    if extra:
+        row.update(clip_share=0.5 if step <= 100 else 0.0, clip_excess=1.3, loss_spikes=2 if step >= 120 else 0)
+    return row
+
+
+def write_run(run_dir, rows, cfg, grids=("step_00000100.png", "step_00000300.png")):
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(cfg))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "samples").mkdir()
+    for i, name in enumerate(grids):
+        Image.new("RGB", (64, 64), (40 * i, 120, 200)).save(run_dir / "samples" / name)
+
+
+def full_rows():
+    rows = [training_row(s) for s in range(10, 301, 10)]
+    per_group = {f"{kind}/{g}": scale * (j + 1) * 1.5 ** (j % 3) for j, g in enumerate(GROUPS)
+                 for kind, scale in (("grad_norm", 0.1), ("update_ratio", 1e-3))}
+    rows += [{"step": s, **per_group} for s in (50, 100, 150, 200, 250, 300)]
+    rows += [{"step": s, "val_loss": v, **{f"val_loss_t{k}": v * (k + 1) / 3 for k in range(5)}}
+             for s, v in VAL_LOSS.items()]
+    rows += [{"step": s, "fid_clean_1000": 90.0 - s / 10, "kid_clean_1000": 0.05 - s / 1e4} for s in (100, 200, 300)]
+    rows += [{"step": 70, "event": "loss_spike", "loss": 0.9, "loss_smoothed": 0.12},
+             {"step": 110, "event": "loss_spike", "loss": 0.8, "loss_smoothed": 0.1},
+             {"step": 150, "event": "grad_vanishing", "group": "block_03", "grad_norm": 1e-9},
+             {"step": 250, "event": "grad_exploding", "group": "final_layer", "grad_norm": 40.0}]
+    rows.append(training_row(300) | {"loss": 0.0123})  # a resumed run repeats step 300: the later row wins
+    return rows
+
+
+def table_value(md, metric):
+    match = re.search(rf"^\| {re.escape(metric)} \| (.*) \|$", md, re.M)
+    return match and match.group(1)
+
+
+def test_full_run_report(tmp_path):
+    run_dir = tmp_path / "full"
+    write_run(run_dir, full_rows(), config(time_sampling="logit_normal"))
+    path = report.write_report(run_dir)
+    assert path == run_dir / "report.md"
+    md = path.read_text()
+    pngs = sorted(p.name for p in (run_dir / "report").glob("*.png"))
+    assert pngs == ["grad_norm.png", "loss.png", "lr.png", "quality.png", "resources.png", "samples_final.png",
+                    "update_ratio.png", "val_loss_bins.png"]
+    for name in pngs:
+        assert f"](report/{name})" in md
+        with Image.open(run_dir / "report" / name) as img:
+            assert img.width >= 64 and img.height >= 64
+            if name != "samples_final.png":
+                assert img.width >= 600 and len(img.getcolors(2 ** 24)) > 20  # a drawn plot, not a blank canvas
+    with Image.open(run_dir / "report" / "samples_final.png") as img:  # the last grid, not the first
+        assert img.getpixel((0, 0)) == (40, 120, 200)
+
+    assert md.startswith("# Run report: full")
+    assert table_value(md, "method") == "flow_matching"
+    assert table_value(md, "global batch") == "8 x 2 processes x 2 accumulation = 32"
+    assert table_value(md, "last step") == "300"
+    assert table_value(md, "loss") == "0.0123"
+    assert table_value(md, "val_loss") == f"{VAL_LOSS[300]:.4g}"
+    assert table_value(md, "best val_loss") == f"{min(VAL_LOSS.values()):.4g} at step 200"
+    assert table_value(md, "skipped steps (non-finite)") == "1"
+    assert table_value(md, "clip share overall") == f"{10 * 0.5 / 30:.4g}"
+    assert table_value(md, "loss spikes") == "2"
+    assert table_value(md, "median images/s") == f"{statistics.median(200.0 + s % 7 for s in range(10, 301, 10)):.4g}"
+    assert "loss_spike: 2" in md and "grad_exploding: 1" in md and "grad_vanishing: 1" in md
+    assert re.search(r"^\| 150 \| grad_vanishing \| group block_03, grad_norm 1e-09 \|$", md, re.M)
+    assert re.search(r"^\| 70 \| loss_spike \| loss 0.9, loss_smoothed 0.12 \|$", md, re.M)
+
+
+def test_events_table_is_capped(tmp_path):
+    rows = [training_row(10)] + [{"step": s, "event": "loss_spike", "loss": 1.0} for s in range(1, 31)]
+    write_run(tmp_path / "spiky", rows, config(), grids=())
+    md = report.write_report(tmp_path / "spiky").read_text()
+    assert "30 in all, the first 20 shown" in md
+    assert md.count("| loss_spike |") == report.MAX_EVENT_ROWS
+
+
+def test_odd_rows_do_not_break_the_report(tmp_path):
+    rows = [{"step": 10, "loss": float("nan"), "clip_excess": 2.0, "grad_norm/block_00": 0.0, "note": "text"},
+            {"step": 20, "loss": 0.5, "grad_norm/block_00": 1.0, "update_ratio/conditioning": 1e-3},
+            [1, 2], {"no_step": 1}, {"step": 30, "event": "grad_exploding"}]
+    write_run(tmp_path / "odd", rows, {}, grids=())
+    md = report.write_report(tmp_path / "odd").read_text()
+    assert "| 30 | grad_exploding |" in md and "| loss | 0.5 |" in md
+    assert sorted(p.name for p in (tmp_path / "odd" / "report").glob("*.png")) == [
+        "grad_norm.png", "loss.png", "update_ratio.png"]
+
+
+def test_old_run_with_training_rows_only(tmp_path):
+    rows = [training_row(s, extra=False) for s in range(10, 101, 10)]
+    rows = [{k: v for k, v in r.items() if k != "images_per_s_per_device"} for r in rows]
+    write_run(tmp_path / "old", rows, config(num_timesteps=1000), grids=())
+    with open(tmp_path / "old" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 110, "loss": 0.')  # a run killed mid-write leaves a partial line
+    md = report.write_report(tmp_path / "old").read_text()
+    pngs = sorted(p.name for p in (tmp_path / "old" / "report").glob("*.png"))
+    assert pngs == ["grad_norm.png", "loss.png", "lr.png", "resources.png"]
+    assert all(f"](report/{name})" in md for name in pngs)
+    for absent in ("| val_loss |", "| best val_loss |", "| clip share overall |", "| loss spikes |"):
+        assert absent not in md
+    assert table_value(md, "method") == "ddpm"
+    assert "process count unknown" in table_value(md, "global batch")
+    assert "No events logged." in md
+    assert report.write_report(str(tmp_path / "old")).read_text() == md  # deterministic, and a str path works
+
+
+def test_empty_run_folder(tmp_path):
+    md = report.write_report(tmp_path).read_text()  # no config, no metrics: a report that says little
+    assert md.startswith("# Run report:") and "![" not in md
