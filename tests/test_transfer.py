@@ -1,0 +1,253 @@
+"""Resolution and dataset transfer (issue 7): init_from, positional-grid resampling, the resolution shift of
+both objectives, the ImageNet-22k -> 1k class mapping, label captions and the transfer recipes."""
+import json
+import math
+
+import pytest
+import torch
+from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid, get_2d_sincos_pos_embed
+from safetensors.torch import load_file
+
+import common
+import train_ddpm as ddpm
+import train_flow_matching as fm
+from conftest import ROOT, tiny_run_args
+
+TINY_MODEL = ["--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16"]
+
+
+# ---- positional grid ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["resample", "extend"])
+@pytest.mark.parametrize("dim,grid", [(64, 4), (128, 8), (1152, 16)])
+def test_resampled_grid_at_the_same_size_is_the_original_exactly(dim, grid, mode):
+    pos_embed = get_2d_sincos_pos_embed(dim, grid, base_size=grid).float()[None]  # what SD3's PatchEmbed holds
+    assert torch.equal(common.resample_pos_embed(pos_embed, grid, mode), pos_embed)
+
+
+def test_resampled_grid_at_double_size_spans_the_positions_the_model_saw():
+    old, new, dim = 8, 16, 128
+    pos_embed = get_2d_sincos_pos_embed(dim, old, base_size=old).float()[None]
+    resampled = common.resample_pos_embed(pos_embed, new, "resample")
+    assert resampled.shape == (1, new * new, dim)
+    # Oracle: sin-cos evaluated at p_i = (i + 0.5) old / new - 0.5 on both axes (diffusers' own formula).
+    p = (torch.arange(new) + 0.5) * old / new - 0.5
+    col = get_1d_sincos_pos_embed_from_grid(dim // 2, p.repeat(new))
+    row = get_1d_sincos_pos_embed_from_grid(dim // 2, p.repeat_interleave(new))
+    torch.testing.assert_close(resampled[0], torch.cat([col, row], 1).float(), atol=1e-6, rtol=0)
+    positions = common.grid_positions(resampled)  # read back from the grid's lowest frequency
+    assert positions.tolist() == pytest.approx(p.tolist(), abs=1e-5)
+    assert positions.min() == pytest.approx(-0.25, abs=1e-5) and positions.max() == pytest.approx(old - 0.75, abs=1e-5)
+    assert positions.mean() == pytest.approx((old - 1) / 2) == common.grid_positions(pos_embed).mean()  # same centre
+    # "extend" (diffusers' default) continues the integer grid, centred: positions the model never saw.
+    extended = common.grid_positions(common.resample_pos_embed(pos_embed, new, "extend"))
+    assert extended.tolist() == [i - old / 2 for i in range(new)]
+    # Resampling a resampled grid composes: back to the original size gives the original grid.
+    torch.testing.assert_close(common.resample_pos_embed(resampled, old), pos_embed, atol=1e-6, rtol=0)
+
+
+# ---- resolution shift -------------------------------------------------------------------------------------
+
+
+def test_shifted_ddpm_schedule_is_monotone_keeps_zero_terminal_snr_and_matches_the_flow_shift():
+    ab = ddpm.make_schedule(1000, "quadratic", 0.00085, 0.012, zero_terminal_snr=True)
+    assert torch.equal(ddpm.shift_schedule(ab, 1.0), ab)  # a = 1: identity
+    for a in (1.5, 2.0, 4.0):
+        shifted = ddpm.shift_schedule(ab, a)
+        assert (shifted[1:] < shifted[:-1]).all() and shifted[-1] == 0 and 0 < shifted[0] < 1
+        assert (shifted[:-1] < ab[:-1]).all()  # more noise at every step
+        snr, snr_shifted = ab / (1 - ab), shifted / (1 - shifted)
+        torch.testing.assert_close(snr_shifted[:-1], snr[:-1] / a ** 2)
+        # At equal SNR it is flow matching's time shift: noise_level(shifted) = time_shift(noise_level(ab)).
+        torch.testing.assert_close(ddpm.noise_level(shifted), common.time_shift(ddpm.noise_level(ab), a))
+    cfg = common.load_config(ddpm.DEFAULTS, ["--data.resolution=32", "--objective.shift_base_resolution=16"], "ddpm")
+    torch.testing.assert_close(ddpm.schedule_of(cfg), ddpm.shift_schedule(ab, 2.0))  # a = 32 / 16, from the config
+    cfg = common.load_config(fm.DEFAULTS, ["--data.resolution=512", "--objective.shift_base_resolution=256"])
+    assert common.shift_of(cfg) == 2.0
+
+
+# ---- class mapping ------------------------------------------------------------------------------------------
+
+
+def test_class_embeddings_are_mapped_by_wordnet_id_from_imagenet_22k_to_1k():
+    from timm.data import ImageNetInfo
+
+    ids_22k, ids_1k = ImageNetInfo("imagenet-22k").label_names(), ImageNetInfo("imagenet-1k").label_names()
+    tokens, dim = 2, 8
+    source = torch.randn((len(ids_22k) + 1) * tokens, dim)
+    target = torch.randn((len(ids_1k) + 1) * tokens, dim)
+    mapped, unmatched = common.map_classes(source, target, ids_22k, ids_1k)
+    src, tgt, out = (t.view(-1, tokens, dim) for t in (source, target, mapped))
+    where = {c: i for i, c in enumerate(ids_22k)}
+    assert len(unmatched) == 1000 - sum(c in where for c in ids_1k) == 1  # one 1k synset is not in fall11
+    for j, c in enumerate(ids_1k):
+        assert torch.equal(out[j], src[where[c]] if c in where else tgt[j])
+    assert torch.equal(out[-1], src[-1])  # the null class of guidance
+    assert out[0].tolist() == src[ids_22k.index("n01440764")].tolist()  # tench
+
+
+def test_class_ids_and_captions_come_from_the_datasets_metadata(tmp_path):
+    import datasets
+
+    cfg = common.load_config(fm.DEFAULTS, [])
+    ds = common.make_demo_dataset(9, seed=0, resolution=8)
+    assert common.class_ids(cfg.data, ds) == common.DEMO_CLASSES  # ClassLabel names
+    assert common.class_names(cfg.data, ds) == common.DEMO_CLASSES
+    cfg.data.class_ids = "imagenet-1k"  # the synset list the hub's ImageNet copies are indexed by
+    assert common.class_ids(cfg.data, ds)[:2] == ["n01440764", "n01443537"]
+    assert common.class_names(cfg.data, ds)[0] == "tench, Tinca tinca"
+    (tmp_path / "ids.txt").write_text("n02084071\nn02121808\n")
+    cfg.data.class_ids = str(tmp_path / "ids.txt")
+    assert common.class_names(cfg.data, ds) == ["dog, domestic dog, Canis familiaris", "domestic cat, house cat, "
+                                                "Felis domesticus, Felis catus"]
+    cfg.data.class_ids = None
+    plain = datasets.Dataset.from_dict({"label": [0, 1]})  # integer labels without names
+    assert common.class_ids(cfg.data, plain) is None
+    with pytest.raises(ValueError, match="data.class_ids"):
+        common.class_names(cfg.data, plain)
+
+
+def _wnid_imagefolder(root, wnids, per_class=12, seed=0):
+    """An imagefolder whose class folders are WordNet ids, filled with demo shapes (one shape per class)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    for c, wnid in enumerate(wnids):
+        (root / wnid).mkdir(parents=True)
+        for i in range(per_class):
+            common.draw_shape(c % 9, 6, rng, resolution=16).save(root / wnid / f"{i}.png")
+    return str(root)
+
+
+def test_init_from_a_22k_run_maps_each_class_to_its_wordnet_id(tmp_path):
+    """End to end: a 'pre-training' run on 4 WordNet classes, then a new run on 3 classes (two shared, one
+    new); every class embedding of the new run lands where its id says. Ids come from the imagefolders'
+    ClassLabel names (the class folders, sorted)."""
+    def args(name, wnids):
+        return [*tiny_run_args(tmp_path, name, steps=2), *TINY_MODEL, "--data.source",
+                _wnid_imagefolder(tmp_path / f"{name}_data", wnids), f"--data.num_classes={len(wnids)}",
+                "--data.val_holdout=8", "--data.resolution=8", "--train.batch_size=8", "--ckpt.every=2"]
+
+    source_run = fm.main(args("source", ["n01440764", "n01443537", "n01484850", "n02084071"]))
+    target_run = fm.main(args("target", ["n09999999", "n02084071", "n01440764"]) +
+                         ["--init_from", str(source_run / "export"), "--train.lr=0"])
+    assert json.loads((target_run / "export" / "class_ids.json").read_text()) == ["n01440764", "n02084071", "n09999999"]
+    report = json.loads((target_run / "init_from.json").read_text())
+    assert any("2 of 3 classes mapped by id from 4" in line and "n09999999" in line for line in report["adapted"])
+    source = load_file(str(source_run / "export" / "conditioner.safetensors"))["class_embed.weight"]
+    target = load_file(str(target_run / "checkpoints" / "step_00000002" / "model.safetensors"))
+    emb = target["conditioner.class_embed.weight"]  # lr = 0: exactly what init_from loaded
+    assert torch.equal(emb[0], source[0]) and torch.equal(emb[1], source[3])  # n01440764, n02084071
+    assert torch.equal(emb[3], source[4])  # the null class of guidance
+    assert not any(torch.equal(emb[2], source[i]) for i in range(5))  # n09999999 is new: fresh init
+
+
+# ---- init_from vs resume, across resolutions ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trainer", [fm, ddpm])
+def test_init_from_starts_fresh_and_resume_continues(trainer, tmp_path, capsys):
+    low = trainer.main(tiny_run_args(tmp_path, "low", steps=4) + TINY_MODEL + ["--data.resolution=8"])
+    high_args = tiny_run_args(tmp_path, "high", steps=3) + TINY_MODEL + [
+        "--data.resolution=16", "--objective.shift_base_resolution=8", "--init_from", str(low), "--train.lr=0",
+        "--conditioning.controls", '["size"]', "--ckpt.every=3", "--resume", "latest"]
+    high = trainer.main(high_args)
+    out = capsys.readouterr().out
+    assert f"init_from {low}/checkpoints/step_00000004" in out and "resumed from" not in out
+    report = json.loads((high / "init_from.json").read_text())
+    assert report["adapted"][0].startswith("transformer.pos_embed.pos_embed: resample 4^2 -> 8^2")
+    assert sorted(report["missing"]) == sorted(k for k in load_file(str(high / "checkpoints/step_00000003/model.safetensors"))
+                                               if k.startswith("conditioner.control_mlp.size"))
+    assert report["unexpected"] == [] and report["reshaped"] == []
+    # Fresh optimizer and step: the new run counts from 0 (3 steps, not 4 + 3).
+    state = torch.load(high / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)
+    assert state["step"] == 3 and next(iter(state["optimizer"]["state"].values()))["step"] == 3
+    # Weights and EMA came from the source (lr = 0 leaves the weights as loaded); the grid is the resampled one.
+    src, dst = (load_file(str(p / "checkpoints" / name / "model.safetensors"))
+                for p, name in ((low, "step_00000004"), (high, "step_00000003")))
+    assert torch.equal(dst["transformer.transformer_blocks.0.attn.to_q.weight"],
+                       src["transformer.transformer_blocks.0.attn.to_q.weight"])
+    positions = common.grid_positions(dst["transformer.pos_embed.pos_embed"])
+    assert positions.tolist() == pytest.approx([(i + 0.5) * 4 / 8 - 0.5 for i in range(8)], abs=1e-5)
+    # The export carries the resampled grid through from_pretrained, and the shift through its config.
+    model, cfg = common.load_exported(high / "export")
+    assert torch.equal(model.transformer.pos_embed.pos_embed, dst["transformer.pos_embed.pos_embed"])
+    assert common.shift_of(cfg) == 2.0
+    # Resume (same run, longer): continues its own checkpoint; init_from is not applied again.
+    trainer.main(high_args[:] + ["--train.max_steps=5"])
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "step_00000003 at step 3" in out and f"init_from {low}" not in out
+
+
+def test_init_from_reports_reshaped_tensors_and_rejects_a_wrong_source(tmp_path, tiny_vae):
+    pixels = fm.main(tiny_run_args(tmp_path, "pixels", steps=2) + TINY_MODEL)
+    latents = fm.main(tiny_run_args(tmp_path, "latents", steps=2) + TINY_MODEL + [
+        "--encoders.vae", tiny_vae, "--init_from", str(pixels / "export")])
+    reshaped = json.loads((latents / "init_from.json").read_text())["reshaped"]  # 3 pixel channels -> 4 latent
+    assert any(r.startswith("transformer.pos_embed.proj.weight: (32, 3, 2, 2) -> (32, 4, 2, 2)") for r in reshaped)
+    assert any(r.startswith("transformer.proj_out.weight") for r in reshaped)
+    with pytest.raises(FileNotFoundError, match="init_from: .* is not a run folder"):
+        fm.main(tiny_run_args(tmp_path, "bad", steps=2) + ["--init_from", str(tmp_path / "nowhere")])
+
+
+# ---- crop policy per resolution ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("crop", ["center", "random", "random_resized"])
+def test_crop_metadata_is_in_original_pixels_whatever_the_training_resolution(crop):
+    import random
+
+    from PIL import Image
+
+    cfg = common.load_config(fm.DEFAULTS, [f"--data.crop={crop}", "--data.random_flip=true"])
+    img = Image.new("RGB", (300, 200))
+    metas = [common.preprocess(img, res, cfg.data, random.Random(7))[1] for res in (8, 16, 64)]
+    for meta in metas[1:]:  # the same control values at 256 and 512 px: what the model learned still applies
+        assert all(torch.equal(meta[k], metas[0][k]) for k in metas[0])
+    top, left, h, w = metas[0]["crop_box"].tolist()
+    assert metas[0]["orig_hw"].tolist() == [200, 300] and h == w <= 200 and top + h <= 200 and left + w <= 300
+
+
+# ---- recipes -----------------------------------------------------------------------------------------------------
+
+TRANSFER_RECIPES = {  # recipe: (the recipe it starts from, resolution of its tiny version)
+    "imagenet22k_256": (None, 16), "imagenet256_from22k": ("imagenet22k_256", 16),
+    "imagenet512": ("imagenet256_from22k", 32),
+    "imagenet22k_captions_256": (None, 16), "cc12m_from22k": ("imagenet22k_captions_256", 16),
+    "cc12m_512": ("cc12m_from22k", 32)}
+
+
+@pytest.mark.parametrize("trainer", [fm, ddpm])
+def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, tmp_path, tiny_vae, tiny_text_encoder):
+    method = "flow_matching" if trainer is fm else "ddpm"
+    runs = {}
+    for recipe, (parent, resolution) in TRANSFER_RECIPES.items():
+        recipe_file = str(ROOT / "configs" / f"{recipe}.json")
+        full = common.load_config(trainer.DEFAULTS, ["--config", recipe_file], method)  # one recipe, both trainers
+        assert full.train.lr == 1e-4 and full.run_dir == f"runs/{method}_{recipe}"
+        if parent:
+            assert full.init_from.startswith(f"runs/{method}_")
+        if full.data.resolution == 512:
+            assert full.train.batch_size * 16 == 384 and common.shift_of(full) == 2.0  # 16 GPUs; a = 512 / 256
+            assert full.model.pos_embed_transfer == "resample"
+        if "22k" in recipe and not recipe.endswith("from22k"):
+            assert full.data.num_classes == len(common.class_ids(full.data, None)) == 21841
+        # The tiny version: embedded data, tiny encoders, initialised from the previous tiny run of the chain.
+        tiny = ["--config", recipe_file, *tiny_run_args(tmp_path, recipe, steps=2), *TINY_MODEL,
+                "--data.source=embedded", "--data.val_split=null", "--data.image_column=image",
+                f"--data.resolution={resolution}", "--data.num_workers=0", "--objective.shift_base_resolution=16",
+                "--encoders.vae", tiny_vae, "--init_from", str(runs[parent]) if parent else "null"]
+        if full.data.label_column:
+            tiny += ["--data.label_column=label", "--data.class_ids=null", "--data.num_classes=9"]
+        if full.encoders.text_encoder:
+            tiny += ["--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8"]
+            tiny += ["--data.caption_column=caption"] if full.data.caption_column else []
+        runs[recipe] = trainer.main(tiny)
+        if parent:
+            report = json.loads((runs[recipe] / "init_from.json").read_text())
+            assert report["loaded"] > 20 and report["reshaped"] == [] and report["unexpected"] == []
+            assert any("pos_embed" in a for a in report["adapted"]) == (resolution == 32)
+    # label captions: the text model of the 22k chain was trained on the class names.
+    rows = map(json.loads, (runs["imagenet22k_captions_256"] / "metrics.jsonl").read_text().splitlines())
+    assert all(math.isfinite(r["val_loss"]) for r in rows if "val_loss" in r)
