@@ -732,6 +732,10 @@ def check_config(cfg):
         errors.append(f"data.num_classes={d['num_classes']} must be >= 1 with data.label_column")
     if tr["mixed_precision"] not in ("no", "fp16", "bf16"):
         errors.append(f"train.mixed_precision={tr['mixed_precision']!r} must be 'no', 'fp16' or 'bf16'")
+    if tr["lr_schedule"] not in ("constant", "cosine", "linear"):
+        errors.append(f"train.lr_schedule={tr['lr_schedule']!r} must be 'constant', 'cosine' or 'linear'")
+    if tr["lr_scaling"] not in ("none", "sqrt", "linear"):
+        errors.append(f"train.lr_scaling={tr['lr_scaling']!r} must be 'none', 'sqrt' or 'linear'")
     for key in ("batch_size", "grad_accum", "max_steps"):
         if tr[key] < 1:
             errors.append(f"train.{key}={tr[key]} must be >= 1")
@@ -754,10 +758,33 @@ def ema_update(ema, model, decay, num_updates):
     torch._foreach_lerp_(ema_p, [p.detach().float() for p in model.parameters()], 1 - d)
 
 
-def lr_at(step, base_lr, warmup_steps):
-    """Linear warm-up to base_lr, then constant (the paper trains at a constant 1e-4). A pure function of
-    the optimizer step, so resuming needs no scheduler state."""
-    return base_lr * min(1.0, (step + 1) / max(1, warmup_steps))
+def lr_at(step, base_lr, warmup_steps, schedule="constant", max_steps=1):
+    """Linear warm-up to base_lr, then constant (the paper trains at a constant 1e-4), or a decay to 0 at
+    max_steps: cosine (Loshchilov & Hutter 2017) or linear. A pure function of the optimizer step, so resuming
+    needs no scheduler state."""
+    warmup = min(1.0, (step + 1) / max(1, warmup_steps))
+    progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, max_steps - warmup_steps)))
+    if schedule == "constant":
+        return base_lr * warmup
+    if schedule == "cosine":
+        return base_lr * warmup * 0.5 * (1 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return base_lr * warmup * (1 - progress)
+    raise ValueError(f"train.lr_schedule must be 'constant', 'cosine' or 'linear', got {schedule!r}")
+
+
+def scaled_lr(tr, global_batch):
+    """train.lr for train.lr_reference_batch, scaled to this run's global batch: "sqrt" (lr ~ sqrt(batch), the
+    rule that keeps Adam's update noise constant; Malladi et al. 2022) or "linear" (Goyal et al. 2017, for
+    SGD); "none" keeps train.lr. Returns the LR and a line saying how it was obtained, printed at start."""
+    ratio = global_batch / tr["lr_reference_batch"]
+    power = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}.get(tr["lr_scaling"])
+    if power is None:
+        raise ValueError(f"train.lr_scaling must be 'none', 'sqrt' or 'linear', got {tr['lr_scaling']!r}")
+    lr = tr["lr"] * ratio ** power
+    how = "" if power == 0 else f" = {tr['lr']:g} x ({global_batch} / {tr['lr_reference_batch']})^{power:g}"
+    return lr, (f"lr {lr:.3g}{how} ({tr['lr_scaling']} scaling rule), {tr['lr_schedule']} schedule, "
+                f"{tr['warmup_steps']} warm-up steps of {tr['max_steps']}")
 
 
 def shift_of(cfg):
@@ -772,6 +799,74 @@ def time_shift(t, shift):
     """Resolution time shift t' = a t / (1 + (a - 1) t) (SD3, Esser et al. 2024, eq. 23): a > 1 moves
     the same t toward noise, as more pixels need more noise to destroy the same signal. a = 1: identity."""
     return shift * t / (1 + (shift - 1) * t)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Monitoring: gradient norm and update size per layer group, vanishing / exploding flags, loss spikes.
+
+
+def layer_groups(model):
+    """{group: parameters} of a Denoiser: patch_embed, block_00 .. block_NN, final_layer, and conditioning
+    (class / text / control embeddings, the time and context embedders)."""
+    groups = {}
+    for name, p in model.named_parameters():
+        block = re.match(r"transformer\.transformer_blocks\.(\d+)\.", name)
+        group = (f"block_{int(block[1]):02d}" if block else "patch_embed" if name.startswith("transformer.pos_embed.")
+                 else "final_layer" if name.startswith(("transformer.norm_out.", "transformer.proj_out.")) else "conditioning")
+        groups.setdefault(group, []).append(p)
+    return groups
+
+
+@torch.no_grad()
+def group_grad_norms(groups, total_norm, clip):
+    """The gradient norm of each group before clipping (the clip scaled every gradient by one factor, undone
+    here), so the groups' norms add up in squares to the total norm that clip_grad_norm_ returned."""
+    scale = max(1.0, (float(total_norm) + 1e-6) / clip)  # torch's clip_coef = clip / (total + 1e-6), capped at 1
+    norms = torch.stack([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
+        [p.grad for p in ps if p.grad is not None] or [torch.zeros(1, device=ps[0].device)]))) for ps in groups.values()])
+    return dict(zip(groups, (norms.float() * scale).tolist()))
+
+
+@torch.no_grad()
+def group_update_ratios(groups, before):
+    """||w_after - w_before|| / ||w_before|| per group: the relative step the optimizer took (about 1e-3 per
+    step is the usual healthy range for Adam at a sensible LR). `before`: {group: [weights before the step]}."""
+    ratios = {}
+    for g, ps in groups.items():
+        delta = torch.stack(torch._foreach_norm(torch._foreach_sub([p.detach() for p in ps], before[g])))
+        ratios[g] = (torch.linalg.vector_norm(delta) / torch.linalg.vector_norm(
+            torch.stack(torch._foreach_norm(before[g]))).clamp(min=1e-12))
+    return {g: float(r) for g, r in ratios.items()}
+
+
+def gradient_flags(norms, ratio):
+    """Groups whose gradient norm is `ratio` times below (vanishing: a dead or disconnected part) or above
+    (exploding) the median group's, or not finite."""
+    finite = sorted(v for v in norms.values() if math.isfinite(v))
+    median = finite[len(finite) // 2] if finite else float("nan")
+    return [(g, "grad_vanishing" if v < median / ratio else "grad_exploding") for g, v in norms.items()
+            if not math.isfinite(v) or v < median / ratio or v > median * ratio]
+
+
+def find_spikes(losses, state, threshold, warmup=100, decay=0.99):
+    """(index, running mean) of each loss spike in a run of per-step losses: a loss more than `threshold`
+    running standard deviations above the running mean, both EMAs over about 1 / (1 - decay) steps, after
+    `warmup` steps.
+    `state` ({"mean", "var", "n"}, saved in checkpoints) carries the EMAs across calls; its mean is the
+    smoothed loss."""
+    spikes = []
+    for i, x in enumerate(losses):
+        if not math.isfinite(x):
+            continue
+        if state["n"] == 0:
+            state["mean"] = x
+        if state["n"] >= warmup and x > state["mean"] + threshold * math.sqrt(state["var"]):
+            spikes.append((i, state["mean"]))
+        delta = x - state["mean"]
+        state["mean"] += (1 - decay) * delta
+        state["var"] = decay * (state["var"] + (1 - decay) * delta ** 2)
+        state["n"] += 1
+    return spikes
 
 
 # ----------------------------------------------------------------------------------------------------------

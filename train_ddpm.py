@@ -115,6 +115,9 @@ DEFAULTS = {
         "batch_size": 64,            # per device and micro-batch; global = batch x processes x grad_accum
         "grad_accum": 1,
         "lr": 1e-3,                  # the paper: 1e-4 at batch 2048; the tiny demo model likes more
+        "lr_schedule": "constant",   # after warm-up: "constant" (the paper's), "cosine" or "linear" decay to 0
+        "lr_scaling": "none",        # "sqrt" or "linear": lr x (global batch / lr_reference_batch)^(1/2 or 1)
+        "lr_reference_batch": 2048,  # the global batch that train.lr was tuned for
         "betas": [0.9, 0.999],
         "weight_decay": 0.0,
         "warmup_steps": 50,
@@ -139,7 +142,15 @@ DEFAULTS = {
         "fid_reference": None,       # None: the held-out split; else any eval_fid.py --reference
         "inception_weights": None,   # a local inception-2015-12-05.pt (offline clusters)
     },
-    "log": {"every": 10, "wandb": "auto", "project": "minimal-diffusion"},  # wandb: auto|online|offline|off
+    "log": {
+        "every": 10,                 # loss, LR, clipping, throughput, memory (averaged over these steps)
+        "grad_every": 50,            # gradient norm and update / weight ratio per layer group (0: off)
+        "grad_flag_ratio": 100.0,    # flag a group whose gradient norm is this far below / above the median group's
+        "spike_threshold": 6.0,      # a loss spike: this many running standard deviations above the running mean
+        "report": True,              # report.md and PNG plots in run_dir at the end (python report.py RUN_DIR)
+        "wandb": "auto",             # auto (online with WANDB_API_KEY, else offline), online, offline, off
+        "project": "minimal-diffusion",
+    },
     "ckpt": {"every": 500, "keep": 3},
 }
 
@@ -389,17 +400,20 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas),
                                   weight_decay=tr.weight_decay)  # weight_decay 0 = Adam, as in the paper
     model, optimizer = accelerator.prepare(model, optimizer)
+    base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
+    groups = common.layer_groups(accelerator.unwrap_model(model))  # for the gradient analysis
     ema.to(device)
     forward = torch.compile(model) if tr.compile else model
     raw_model = accelerator.unwrap_model(model)
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
-                      f"{tr.batch_size * world * tr.grad_accum}; {obj.beta_schedule} betas, zero terminal SNR "
+                      f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; {obj.beta_schedule} betas, zero terminal SNR "
                       f"{obj.zero_terminal_snr}, {obj.prediction} prediction, min-SNR gamma {obj.min_snr_gamma:g}, "
                       f"resolution shift a = {common.shift_of(cfg):g}")
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA and RNG --------------------------
     step, skipped = 0, 0
+    loss_state = {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0}  # running loss statistics (smoothed loss, spikes)
     if ckpt is not None:
         from safetensors.torch import load_file
 
@@ -409,6 +423,7 @@ def main(argv=None):
         optimizer.load_state_dict(state["optimizer"])
         step, skipped = state["step"], state["skipped_steps"]
         common.restore_rng(ckpt, rank, world)
+        loss_state = state.get("loss_state", loss_state)
         accelerator.print(f"resumed from {ckpt} at step {step}")
 
     # ---- Logging ------------------------------------------------------------------------------------------
@@ -424,7 +439,7 @@ def main(argv=None):
         if accelerator.is_main_process:
             with open(run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
-            if wandb_run is not None:
+            if wandb_run is not None and "event" not in metrics:  # events: metrics.jsonl and the report
                 wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
@@ -494,7 +509,7 @@ def main(argv=None):
 
     def checkpoint(step):
         state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
-                 "skipped_steps": skipped, "class_ids": class_ids}
+                 "skipped_steps": skipped, "class_ids": class_ids, "loss_state": loss_state}
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
 
@@ -503,14 +518,15 @@ def main(argv=None):
                                      loader_kwargs)
     k_bins = obj.loss_bins
     stats = torch.zeros(3 + 2 * k_bins, device=device)  # loss sum, count, grad norm sum, per-bin sums, counts
-    smoothed, data_wait, t_last, since_log, bad_in_row = None, 0.0, time.perf_counter(), 0, 0
+    per_step = torch.zeros(cfg.log.every, 3, device=device)  # loss sum, count, grad norm of each step since the log
+    data_wait, t_last, since_log, bad_in_row = 0.0, time.perf_counter(), 0, 0
     stop_signals = []  # SIGTERM / SIGUSR1 (preemption): finish this step, checkpoint, exit for a requeue
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
     progress = tqdm(total=tr.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
     model.train()
     while step < tr.max_steps:
-        lr = common.lr_at(step, tr.lr, tr.warmup_steps)
+        lr = common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         for micro in range(tr.grad_accum):
@@ -531,6 +547,8 @@ def main(argv=None):
             bins = t * k_bins // T
             stats[0] += loss.detach().sum()
             stats[1] += len(loss)
+            per_step[since_log, 0] += loss.detach().sum()
+            per_step[since_log, 1] += len(loss)
             stats[3:3 + k_bins].index_add_(0, bins, loss.detach())
             stats[3 + k_bins:].index_add_(0, bins, torch.ones_like(loss))
         # Everything below happens once per real optimizer step, never per micro-batch.
@@ -539,12 +557,27 @@ def main(argv=None):
         # all-reduced gradients, so every rank takes the same decision. The step still counts: the data
         # position and the LR stay pure functions of it.
         finite = bool(torch.isfinite(grad_norm))
+        analyse = cfg.log.grad_every and (step + 1) % cfg.log.grad_every == 0 and accelerator.is_main_process
+        if analyse:  # per-group gradient norms (before clipping) and the weights before the update
+            group_norms = common.group_grad_norms(groups, grad_norm, tr.grad_clip)
+            before = {g: [p.detach().clone() for p in ps] for g, ps in groups.items()} if finite else None
         if finite or tr.mixed_precision == "fp16":
             optimizer.step()  # under fp16 the grad scaler skips a non-finite step itself and lowers its scale
         optimizer.zero_grad(set_to_none=True)
         if finite:
             common.ema_update(ema, raw_model, tr.ema_decay, step)
             stats[2] += grad_norm.detach().float()
+        per_step[since_log, 2] = grad_norm.detach().float()
+        if analyse:  # the update / weight ratio only for an update that happened: a real, non-skipped step
+            metrics = {"step": step + 1, "grad_norm_step": float(grad_norm),
+                       **{f"grad_norm/{g}": v for g, v in group_norms.items()}}
+            if finite and not accelerator.optimizer_step_was_skipped:
+                ratios = common.group_update_ratios(groups, before)
+                metrics.update({f"update_ratio/{g}": v for g, v in ratios.items()})
+            log(metrics)
+            for g, kind in common.gradient_flags(group_norms, cfg.log.grad_flag_ratio):
+                log({"step": step + 1, "event": kind, "group": g, "grad_norm": group_norms[g]})
+                accelerator.print(f"step {step + 1}: {kind.replace('_', ' ')} in {g} (norm {group_norms[g]:.3g})")
         skipped, bad_in_row = skipped + (not finite), 0 if finite else bad_in_row + 1
         if bad_in_row >= tr.max_nonfinite_steps:
             raise FloatingPointError(f"{bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
@@ -554,23 +587,33 @@ def main(argv=None):
         progress.update(1)
 
         if step % cfg.log.every == 0 or step == tr.max_steps:
-            totals = accelerator.reduce(stats, "sum")  # the only sync: losses stay on the device between logs
+            # The only sync: losses stay on the device between logs, then come over in one all-reduce.
+            totals = accelerator.reduce(torch.cat([stats, per_step.flatten()]), "sum")
             n_steps, since_log = since_log, 0
             elapsed = time.perf_counter() - t_last
             loss_avg = (totals[0] / totals[1]).item()
-            smoothed = loss_avg if smoothed is None else 0.9 * smoothed + 0.1 * loss_avg
+            steps = totals[len(stats):].view(-1, 3)[:n_steps].tolist()
+            losses = [s[0] / max(s[1], 1) for s in steps]
+            norms = [s[2] / world for s in steps]  # the same all-reduced norm on every rank
+            # Stability: spikes against the running mean and std of the per-step loss; how often the clip acts.
+            for i, mean in common.find_spikes(losses, loss_state, cfg.log.spike_threshold):
+                loss_state["spikes"] += 1
+                log({"step": step - n_steps + 1 + i, "event": "loss_spike", "loss": losses[i], "loss_smoothed": mean})
+            clipped = [n / tr.grad_clip for n in norms if math.isfinite(n) and n > tr.grad_clip]
             peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-            metrics = {"step": step, "loss": loss_avg, "loss_smoothed": smoothed, "lr": lr,
+            metrics = {"step": step, "loss": loss_avg, "loss_smoothed": loss_state["mean"], "lr": lr,
                        "grad_norm": (totals[2] / world / n_steps).item(), "skipped_steps": skipped,
+                       "clip_share": len(clipped) / n_steps, "clip_excess": sum(clipped) / max(len(clipped), 1),
+                       "loss_spikes": loss_state["spikes"],
                        "images_per_s": n_steps * tr.batch_size * tr.grad_accum * world / elapsed,
                        "data_wait_share": data_wait / elapsed, "peak_memory_gb": peak / 2**30}
             counts = totals[3 + k_bins:].clamp(min=1)
             metrics.update({f"loss_t{k}": (totals[3 + k] / counts[k]).item() for k in range(k_bins)})
             metrics["images_per_s_per_device"] = metrics["images_per_s"] / world
             log(metrics)
-            progress.set_postfix(loss=f"{smoothed:.4f}", lr=f"{lr:.1e}")
-            stats.zero_()
+            progress.set_postfix(loss=f"{loss_state['mean']:.4f}", lr=f"{lr:.1e}")
+            stats.zero_(), per_step.zero_()
             data_wait, t_last = 0.0, time.perf_counter()
         if step % cfg.val.every == 0 or step == tr.max_steps:
             if accelerator.is_main_process:
@@ -605,6 +648,13 @@ def main(argv=None):
         if class_ids:  # what init_from maps class embeddings by (ImageNet-22k -> 1k)
             (export / "class_ids.json").write_text(json.dumps(class_ids))
         accelerator.print(f"exported EMA model to {export}")
+    if accelerator.is_main_process and cfg.log.report:
+        try:  # a plotting problem must not fail a finished run
+            import report
+
+            accelerator.print(f"report: {report.write_report(run_dir)}")
+        except Exception as e:
+            accelerator.print(f"warning: the run report failed ({type(e).__name__}: {e}); python report.py {run_dir}")
     if wandb_run is not None:
         wandb_run.finish()
     accelerator.end_training()

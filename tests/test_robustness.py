@@ -162,7 +162,7 @@ def test_corrupt_shard_is_rebuilt_and_a_changed_key_is_named(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--data.resolution=15"], "data.resolution=15 is not divisible by model.patch_size=2"),
-    (["--data.caption_column=caption"], "data.caption_column and encoders.text_encoder go together"),
+    (["--data.caption_column=caption"], "encoders.text_encoder goes with data.caption_column"),
     (["--data.label_column=null"], "set data.label_column"),
     (["--train.mixed_precision=fp8"], "train.mixed_precision='fp8'"),
     (["--train.grad_accum=0", "--train.batch_size=0"], "train.batch_size=0 must be >= 1\n  train.grad_accum=0"),

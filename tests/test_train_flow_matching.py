@@ -72,7 +72,7 @@ def test_latent_space_text_to_image_run(tmp_path, tiny_vae, tiny_text_encoder):
 def test_caption_column_without_text_encoder_is_refused(tmp_path):
     import pytest
 
-    with pytest.raises(ValueError, match="caption_column and encoders.text_encoder"):
+    with pytest.raises(ValueError, match="encoders.text_encoder goes with data.caption_column"):
         fm.main(tiny_run_args(tmp_path) + ["--data.caption_column=caption"])
 
 
