@@ -36,6 +36,9 @@ class Config(dict):
         except KeyError:
             raise AttributeError(f"config has no key '{key}'") from None
 
+    def __setattr__(self, key, value):  # cfg.run_dir = ... sets the key, so config.json records it
+        self[key] = value
+
 
 def _merge(base, override, where, prefix=""):
     out = Config({k: Config(v) if isinstance(v, dict) else v for k, v in base.items()})
@@ -860,8 +863,10 @@ def find_spikes(losses, state, threshold, warmup=100, decay=0.99):
             continue
         if state["n"] == 0:
             state["mean"] = x
-        if state["n"] >= warmup and x > state["mean"] + threshold * math.sqrt(state["var"]):
+        limit = state["mean"] + threshold * math.sqrt(state["var"])
+        if state["n"] >= warmup and x > limit:
             spikes.append((i, state["mean"]))
+            x = limit  # a spike enters the statistics clipped, so it does not hide the next one
         delta = x - state["mean"]
         state["mean"] += (1 - decay) * delta
         state["var"] = decay * (state["var"] + (1 - decay) * delta ** 2)

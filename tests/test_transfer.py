@@ -227,7 +227,7 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
         full = common.load_config(trainer.DEFAULTS, ["--config", recipe_file], method)  # one recipe, both trainers
         assert full.train.lr == 1e-4 and full.run_dir == f"runs/{method}_{recipe}"
         if parent:
-            assert full.init_from.startswith(f"runs/{method}_")
+            assert full["init_from"].startswith(f"runs/{method}_")  # resolved in the dict: config.json records it
         if full.data.resolution == 512:
             assert full.train.batch_size * 16 == 384 and common.shift_of(full) == 2.0  # 16 GPUs; a = 512 / 256
             assert full.model.pos_embed_transfer == "resample"

@@ -1,0 +1,163 @@
+"""Monitoring (issue 8): gradient norms and update ratios per layer group, vanishing / exploding flags, loss
+spikes, clipping share, LR schedules and the scaling rule, and the run report at the end of a run."""
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import common
+import train_ddpm as ddpm
+import train_flow_matching as fm
+from conftest import tiny_run_args
+
+TINY_MODEL = ["--model.num_layers=2", "--model.num_attention_heads=2", "--model.attention_head_dim=16"]
+
+
+def rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_denoiser():
+    cfg = common.load_config(fm.DEFAULTS, ["--conditioning.controls", '["size"]', *TINY_MODEL])
+    return common.build_denoiser(cfg, 3, 8)
+
+
+def test_layer_groups_cover_every_parameter_once_and_name_the_pipeline_stages():
+    model = tiny_denoiser()
+    groups = common.layer_groups(model)
+    assert list(groups) == ["patch_embed", "conditioning", "block_00", "block_01", "final_layer"]
+    assert sorted(id(p) for ps in groups.values() for p in ps) == sorted(id(p) for p in model.parameters())
+    assert any(p is model.conditioner.control_mlp["size"][0].weight for p in groups["conditioning"])
+    assert groups["patch_embed"] == list(model.transformer.pos_embed.parameters())
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e6])  # clipping acting and not acting
+def test_group_grad_norms_add_up_in_squares_to_the_total_norm(clip):
+    torch.manual_seed(0)
+    model = tiny_denoiser()
+    x = torch.randn(4, 3, 8, 8)
+    cond = {"label": torch.tensor([0, 1, 2, 3]), "drop": torch.zeros(4, dtype=torch.bool),
+            "orig_hw": torch.tensor([[8, 8]] * 4)}
+    model(x, torch.full((4,), 500.0), cond).pow(2).mean().backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # pre-clip total; grads now clipped
+    norms = common.group_grad_norms(common.layer_groups(model), total, clip)
+    assert math.sqrt(sum(v ** 2 for v in norms.values())) == pytest.approx(float(total), rel=1e-5)
+    assert all(v > 0 for v in norms.values())
+
+
+def test_update_ratio_is_the_relative_weight_change():
+    model = tiny_denoiser()
+    groups = common.layer_groups(model)
+    before = {g: [p.detach().clone() for p in ps] for g, ps in groups.items()}
+    with torch.no_grad():
+        for p in groups["block_01"]:
+            p.mul_(1.01)  # a 1% step in one group, nothing elsewhere
+    ratios = common.group_update_ratios(groups, before)
+    assert ratios["block_01"] == pytest.approx(0.01, rel=1e-4)
+    assert all(ratios[g] == 0 for g in ratios if g != "block_01")
+
+
+def test_gradient_flags_name_vanishing_and_exploding_groups():
+    norms = {"patch_embed": 1.0, "block_00": 2.0, "block_01": 1e-5, "block_02": 3e3, "final_layer": 1.5,
+             "conditioning": float("nan")}
+    assert common.gradient_flags(norms, 100.0) == [("block_01", "grad_vanishing"), ("block_02", "grad_exploding"),
+                                                   ("conditioning", "grad_exploding")]
+    assert common.gradient_flags({"a": 1.0, "b": 50.0}, 100.0) == []
+
+
+def test_loss_spikes_are_found_at_their_step_and_chunking_does_not_matter():
+    gen = torch.Generator().manual_seed(0)
+    losses = (1.0 + 0.01 * torch.randn(400, generator=gen)).tolist()
+    losses[250], losses[320] = 1.5, 1.08  # 50 and 8 standard deviations above
+    decreasing = [2.0 * 0.99 ** i for i in range(400)]  # fast early training: never a spike
+    assert common.find_spikes(decreasing, {"mean": 0.0, "var": 0.0, "n": 0}, 6.0) == []
+    state = {"mean": 0.0, "var": 0.0, "n": 0}
+    spikes = common.find_spikes(losses, state, 6.0)
+    assert [i for i, _ in spikes] == [250, 320] and spikes[0][1] == pytest.approx(1.0, abs=0.01)
+    chunked, offset = {"mean": 0.0, "var": 0.0, "n": 0}, 0
+    found = []
+    for chunk in (losses[:10], losses[10:255], losses[255:400]):  # as the trainer calls it, once per log
+        found += [offset + i for i, _ in common.find_spikes(chunk, chunked, 6.0)]
+        offset += len(chunk)
+    assert found == [250, 320] and chunked == state
+    assert state["mean"] == pytest.approx(1.0, abs=0.02)  # the smoothed loss
+
+
+def test_lr_schedules_and_the_scaling_rule():
+    assert [common.lr_at(s, 1.0, 10, "constant", 100) for s in (0, 9, 50, 99)] == [0.1, 1.0, 1.0, 1.0]
+    cos = [common.lr_at(s, 1.0, 10, "cosine", 110) for s in (9, 10, 60, 110)]
+    assert cos == pytest.approx([1.0, 1.0, 0.5, 0.0])  # 0.5 (1 + cos(pi p)) after warm-up, p = (s - 10) / 100
+    lin = [common.lr_at(s, 1.0, 10, "linear", 110) for s in (0, 10, 35, 110)]
+    assert lin == pytest.approx([0.1, 1.0, 0.75, 0.0])
+    assert common.lr_at(200, 1.0, 10, "cosine", 110) == 0.0
+    with pytest.raises(ValueError, match="train.lr_schedule"):
+        common.lr_at(0, 1.0, 0, "step", 10)
+    tr = common.load_config(fm.DEFAULTS, ["--train.lr=1e-4", "--train.lr_scaling=sqrt"]).train
+    lr, line = common.scaled_lr(tr, 512)
+    assert lr == pytest.approx(1e-4 * 0.5) and "sqrt scaling rule" in line and "(512 / 2048)^0.5" in line
+    tr["lr_scaling"] = "linear"
+    assert common.scaled_lr(tr, 4096)[0] == pytest.approx(2e-4)
+    tr["lr_scaling"] = "none"
+    assert common.scaled_lr(tr, 64)[0] == 1e-4
+
+
+@pytest.mark.parametrize("trainer", [fm, ddpm])
+def test_a_run_logs_gradient_analysis_clipping_and_writes_its_report(trainer, tmp_path, capsys):
+    run = trainer.main(tiny_run_args(tmp_path, "run", steps=6) + TINY_MODEL + [
+        "--log.grad_every=3", "--train.grad_clip=1e-3", "--train.lr_schedule=cosine", "--train.lr_scaling=sqrt",
+        "--train.lr_reference_batch=64", "--val.every=3"])
+    assert "lr 0.0005 = 0.001 x (16 / 64)^0.5 (sqrt scaling rule), cosine schedule" in capsys.readouterr().out
+    log = rows(run)
+    analysis = [r for r in log if "grad_norm_step" in r]
+    assert [r["step"] for r in analysis] == [3, 6]
+    for r in analysis:
+        groups = {k.split("/")[1] for k in r if k.startswith("grad_norm/")}
+        assert groups == {"patch_embed", "conditioning", "block_00", "block_01", "final_layer"}
+        assert math.sqrt(sum(r[f"grad_norm/{g}"] ** 2 for g in groups)) == pytest.approx(r["grad_norm_step"], rel=1e-4)
+        assert {k.split("/")[1] for k in r if k.startswith("update_ratio/")} == groups
+    train = [r for r in log if "clip_share" in r]
+    assert all(r["clip_share"] == 1.0 and r["clip_excess"] > 1 for r in train)  # a clip of 1e-3 always acts
+    assert train[-1]["lr"] == pytest.approx(common.lr_at(5, 5e-4, 2, "cosine", 6))
+    assert {r["step"] for r in log if "val_loss" in r} == {3, 6}
+    report = (run / "report.md").read_text()
+    for png in ("loss", "lr", "grad_norm", "update_ratio", "val_loss_bins"):
+        assert f"report/{png}.png" in report and (run / "report" / f"{png}.png").stat().st_size > 5000
+
+
+def test_update_ratio_is_logged_for_real_optimizer_steps_only(tmp_path):
+    """With accumulation, per optimizer step, equal to the change between consecutive checkpoints; a skipped
+    (non-finite) step has gradient norms (and an exploding flag) but no update ratio."""
+    args = tiny_run_args(tmp_path, "run", steps=4) + TINY_MODEL + [
+        "--train.grad_accum=2", "--train.batch_size=8", "--log.grad_every=1", "--ckpt.every=1", "--ckpt.keep=100"]
+    run = fm.main(args)
+    model, _ = common.load_exported(run / "export")
+    group_of = {name: g for g, ps in common.layer_groups(model).items() for p in ps
+                for name, q in model.named_parameters() if q is p}
+    ratios = {r["step"]: r for r in rows(run) if "grad_norm_step" in r}
+    assert sorted(ratios) == [1, 2, 3, 4]  # optimizer steps, not the 8 micro-batches
+
+    def weights(step):
+        return load_file(str(run / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
+
+    for step in (2, 3, 4):
+        before, after = weights(step - 1), weights(step)
+        for g in set(group_of.values()):
+            keys = [k for k, grp in group_of.items() if grp == g]
+            delta = math.sqrt(sum((after[k] - before[k]).pow(2).sum().item() for k in keys))
+            norm = math.sqrt(sum(before[k].pow(2).sum().item() for k in keys))
+            assert ratios[step][f"update_ratio/{g}"] == pytest.approx(delta / norm, rel=1e-3)
+    # Poison every training image: the next steps are skipped, so they have no update ratio.
+    shard = next((tmp_path / "cache").glob("embedded-train-*/shard_00000.safetensors"))
+    with safe_open(str(shard), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(shard))
+    tensors["x"][:] = float("nan")
+    save_file(tensors, str(shard), metadata=meta)
+    fm.main(args[:] + ["--train.max_steps=6", "--resume=latest"])
+    log = rows(run)
+    skipped = [r for r in log if "grad_norm_step" in r and r["step"] in (5, 6)]
+    assert len(skipped) == 2 and not any(k.startswith("update_ratio/") for r in skipped for k in r)
+    assert {(r["step"], r["event"]) for r in log if r.get("event") == "grad_exploding"} >= {(5, "grad_exploding")}
