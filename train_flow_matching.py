@@ -485,13 +485,14 @@ def main(argv=None):
                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
             metrics = {"step": step, "loss": loss_avg, "loss_smoothed": loss_state["mean"], "lr": lr,
                        "grad_norm": (totals[2] / world / n_steps).item(), "skipped_steps": skipped,
-                       "clip_share": len(clipped) / n_steps, "clip_excess": sum(clipped) / max(len(clipped), 1),
-                       "loss_spikes": loss_state["spikes"],
+                       "clip_share": len(clipped) / n_steps, "loss_spikes": loss_state["spikes"],
                        "images_per_s": n_steps * tr.batch_size * tr.grad_accum * world / elapsed,
                        "data_wait_share": data_wait / elapsed, "peak_memory_gb": peak / 2**30}
             counts = totals[3 + k_bins:].clamp(min=1)
             metrics.update({f"loss_t{k}": (totals[3 + k] / counts[k]).item() for k in range(k_bins)})
             metrics["images_per_s_per_device"] = metrics["images_per_s"] / world
+            if clipped:  # by how much the clip acted, on the steps where it did
+                metrics["clip_excess"] = sum(clipped) / len(clipped)
             log(metrics)
             progress.set_postfix(loss=f"{loss_state['mean']:.4f}", lr=f"{lr:.1e}")
             stats.zero_(), per_step.zero_()
