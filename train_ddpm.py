@@ -15,8 +15,9 @@ Conventions (tests/test_ddpm.py checks each against diffusers' DDPMScheduler and
   * Pixels are in [-1, 1]; latents are (z - shift) * scale with the VAE's own factors.
 
 Pipeline: config -> accelerator and seeds -> data (open, cache check, hit/miss, batches) -> model, EMA,
-optimizer -> resume -> loop (forward, loss, accumulation, optimizer step, metrics) -> validation (samples,
-loss on a fixed timestep grid) -> checkpoints -> export.
+init_from (another run's weights) -> optimizer -> resume -> loop (forward, loss, accumulation, optimizer step,
+metrics, gradient analysis, loss spikes) -> validation (samples,
+loss on a fixed timestep grid) -> checkpoints -> export -> report.
 """
 import copy
 import json

@@ -13,8 +13,9 @@ Conventions (tests/test_flow_matching.py checks each):
   * Pixels are in [-1, 1]; latents are (z - shift) * scale with the VAE's own factors.
 
 Pipeline: config -> accelerator and seeds -> data (open, cache check, hit/miss, batches) -> model, EMA,
-optimizer -> resume -> loop (forward, loss, accumulation, optimizer step, metrics) -> validation (samples,
-loss on a fixed time grid) -> checkpoints -> export.
+init_from (another run's weights) -> optimizer -> resume -> loop (forward, loss, accumulation, optimizer step,
+metrics, gradient analysis, loss spikes) -> validation (samples,
+loss on a fixed time grid) -> checkpoints -> export -> report.
 """
 import copy
 import json
