@@ -16,8 +16,8 @@ Conventions (tests/test_ddpm.py checks each against diffusers' DDPMScheduler and
 
 Pipeline: config -> accelerator and seeds -> data (open, cache check, hit/miss, batches) -> model, EMA,
 init_from (another run's weights) -> optimizer -> resume -> loop (forward, loss, accumulation, optimizer step,
-metrics, gradient analysis, loss spikes) -> validation (samples,
-loss on a fixed timestep grid) -> checkpoints -> export -> report.
+metrics, gradient analysis, loss spikes) -> validation (samples, loss on a fixed timestep grid) -> checkpoints
+-> export -> report.
 """
 import copy
 import json
