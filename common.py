@@ -199,12 +199,17 @@ def class_ids(data, ds):
 
     if data.class_ids is None:
         feature = ds.features.get(data.label_column) if data.label_column else None
-        return list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
-    if Path(data.class_ids).is_file():
-        return Path(data.class_ids).read_text().split()
-    from timm.data import ImageNetInfo
+        ids = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+    elif Path(data.class_ids).is_file():
+        ids = Path(data.class_ids).read_text().split()
+    else:
+        from timm.data import ImageNetInfo
 
-    return list(ImageNetInfo(data.class_ids).label_names())
+        ids = list(ImageNetInfo(data.class_ids).label_names())
+    if ids is not None and len(ids) != data.num_classes:
+        where = data.class_ids or f"the ClassLabel names of column {data.label_column}"
+        raise ValueError(f"data.class_ids: {len(ids)} class ids ({where}) but data.num_classes={data.num_classes}")
+    return ids
 
 
 def class_names(data, ds):
@@ -1041,8 +1046,11 @@ def adapt_state(source, target, source_ids=None, target_ids=None, pos_embed_mode
                                      f"{math.isqrt(value.shape[1])}^2 positions")
         elif key.endswith(("class_embed.weight", "class_vector.weight")) and source_ids and target_ids:
             out[key], unmatched = map_classes(src, value, source_ids, target_ids)
+            hint = "" if len(unmatched) < len(target_ids) else (
+                f" (no id in common: the source's look like {source_ids[:2]}, this run's like {target_ids[:2]};"
+                f" set data.class_ids so both name classes the same way)")
             report["adapted"].append(f"{key}: {len(target_ids) - len(unmatched)} of {len(target_ids)} classes "
-                                     f"mapped by id from {len(source_ids)}; unmatched (fresh): {unmatched[:20]}")
+                                     f"mapped by id from {len(source_ids)}; unmatched (fresh): {unmatched[:20]}{hint}")
         elif src.shape != value.shape:
             report["reshaped"].append(f"{key}: {tuple(src.shape)} -> {tuple(value.shape)}")
         else:

@@ -94,13 +94,15 @@ def test_class_ids_and_captions_come_from_the_datasets_metadata(tmp_path):
     ds = common.make_demo_dataset(9, seed=0, resolution=8)
     assert common.class_ids(cfg.data, ds) == common.DEMO_CLASSES  # ClassLabel names
     assert common.class_names(cfg.data, ds) == common.DEMO_CLASSES
-    cfg.data.class_ids = "imagenet-1k"  # the synset list the hub's ImageNet copies are indexed by
+    cfg.data.class_ids, cfg.data.num_classes = "imagenet-1k", 1000  # the synset list the hub's ImageNet copies use
     assert common.class_ids(cfg.data, ds)[:2] == ["n01440764", "n01443537"]
     assert common.class_names(cfg.data, ds)[0] == "tench, Tinca tinca"
     (tmp_path / "ids.txt").write_text("n02084071\nn02121808\n")
-    cfg.data.class_ids = str(tmp_path / "ids.txt")
+    cfg.data.class_ids, cfg.data.num_classes = str(tmp_path / "ids.txt"), 2
     assert common.class_names(cfg.data, ds) == ["dog, domestic dog, Canis familiaris", "domestic cat, house cat, "
                                                 "Felis domesticus, Felis catus"]
+    with pytest.raises(ValueError, match="data.class_ids: 2 class ids .* but data.num_classes=9"):
+        common.class_ids(common.load_config(fm.DEFAULTS, ["--data.class_ids", str(tmp_path / "ids.txt")]).data, ds)
     cfg.data.class_ids = None
     plain = datasets.Dataset.from_dict({"label": [0, 1]})  # integer labels without names
     assert common.class_ids(cfg.data, plain) is None
@@ -251,3 +253,11 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
     # label captions: the text model of the 22k chain was trained on the class names.
     rows = map(json.loads, (runs["imagenet22k_captions_256"] / "metrics.jsonl").read_text().splitlines())
     assert all(math.isfinite(r["val_loss"]) for r in rows if "val_loss" in r)
+
+
+def test_class_ids_with_nothing_in_common_keep_a_fresh_init_and_say_why():
+    source = {"conditioner.class_embed.weight": torch.randn(3, 4)}
+    target = {"conditioner.class_embed.weight": torch.zeros(3, 4)}
+    out, report = common.adapt_state(source, target, ["n01440764", "n01443537"], ["tench", "goldfish"])
+    assert torch.equal(out["conditioner.class_embed.weight"][:2], torch.zeros(2, 4))
+    assert "0 of 2 classes mapped" in report["adapted"][0] and "set data.class_ids" in report["adapted"][0]
