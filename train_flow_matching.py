@@ -286,10 +286,10 @@ def main(argv=None):
                                   weight_decay=tr.weight_decay)  # weight_decay 0 = Adam, as in the paper
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
-    groups = common.layer_groups(accelerator.unwrap_model(model))  # for the gradient analysis
     ema.to(device)
     forward = torch.compile(model) if tr.compile else model
     raw_model = accelerator.unwrap_model(model)
+    groups = common.layer_groups(raw_model)  # for the gradient analysis
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; time shift a = {shift:g}")
@@ -397,7 +397,7 @@ def main(argv=None):
     batches = common.iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
                                      loader_kwargs)
     k_bins = obj.loss_bins
-    stats = torch.zeros(3 + 2 * k_bins, device=device)  # loss sum, count, grad norm sum, per-bin sums, counts
+    stats = torch.zeros(2 * k_bins, device=device)  # loss sums and counts per time bin
     per_step = torch.zeros(cfg.log.every, 3, device=device)  # loss sum, count, grad norm of each step since the log
     data_wait, t_last, since_log, bad_in_row = 0.0, time.perf_counter(), 0, 0
     stop_signals = []  # SIGTERM / SIGUSR1 (preemption): finish this step, checkpoint, exit for a requeue
@@ -427,12 +427,10 @@ def main(argv=None):
                 loss = flow_matching_loss(forward, x0, cond, t, noise)
                 accelerator.backward(loss.mean() / tr.grad_accum)
             bins = (t * k_bins).long().clamp(max=k_bins - 1)
-            stats[0] += loss.detach().sum()
-            stats[1] += len(loss)
             per_step[since_log, 0] += loss.detach().sum()
             per_step[since_log, 1] += len(loss)
-            stats[3:3 + k_bins].index_add_(0, bins, loss.detach())
-            stats[3 + k_bins:].index_add_(0, bins, torch.ones_like(loss))
+            stats[:k_bins].index_add_(0, bins, loss.detach())
+            stats[k_bins:].index_add_(0, bins, torch.ones_like(loss))
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip)
         # A non-finite loss or gradient skips the update (weights and EMA untouched). The norm is of the
@@ -448,7 +446,6 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         if finite:
             common.ema_update(ema, raw_model, tr.ema_decay, step)
-            stats[2] += grad_norm.detach().float()
         per_step[since_log, 2] = grad_norm.detach().float()
         if analyse:  # the update / weight ratio only for an update that happened: a real, non-skipped step
             metrics = {"step": step + 1, "grad_norm_step": float(grad_norm),
@@ -473,8 +470,8 @@ def main(argv=None):
             totals = accelerator.reduce(torch.cat([stats, per_step.flatten()]), "sum")
             n_steps, since_log = since_log, 0
             elapsed = time.perf_counter() - t_last
-            loss_avg = (totals[0] / totals[1]).item()
             steps = totals[len(stats):].view(-1, 3)[:n_steps].tolist()
+            loss_avg = sum(s[0] for s in steps) / sum(s[1] for s in steps)
             losses = [s[0] / max(s[1], 1) for s in steps]
             norms = [s[2] / world for s in steps]  # the same all-reduced norm on every rank
             # Stability: spikes against the running mean and std of the per-step loss; how often the clip acts.
@@ -485,12 +482,12 @@ def main(argv=None):
             peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
             metrics = {"step": step, "loss": loss_avg, "loss_smoothed": loss_state["mean"], "lr": lr,
-                       "grad_norm": (totals[2] / world / n_steps).item(), "skipped_steps": skipped,
+                       "grad_norm": sum(n for n in norms if math.isfinite(n)) / n_steps, "skipped_steps": skipped,
                        "clip_share": len(clipped) / n_steps, "loss_spikes": loss_state["spikes"],
                        "images_per_s": n_steps * tr.batch_size * tr.grad_accum * world / elapsed,
                        "data_wait_share": data_wait / elapsed, "peak_memory_gb": peak / 2**30}
-            counts = totals[3 + k_bins:].clamp(min=1)
-            metrics.update({f"loss_t{k}": (totals[3 + k] / counts[k]).item() for k in range(k_bins)})
+            counts = totals[k_bins:len(stats)].clamp(min=1)
+            metrics.update({f"loss_t{k}": (totals[k] / counts[k]).item() for k in range(k_bins)})
             metrics["images_per_s_per_device"] = metrics["images_per_s"] / world
             if clipped:  # by how much the clip acted, on the steps where it did
                 metrics["clip_excess"] = sum(clipped) / len(clipped)
