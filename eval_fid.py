@@ -38,6 +38,8 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 import common
+from data import decode, encode_text, load_encoders, load_image, open_dataset, open_splits, preprocess
+from model import build_denoiser, load_exported
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. Every default is here; None means "as the run was configured". Reported numbers: 50k samples.
@@ -99,7 +101,7 @@ def load_model(run, checkpoint=None, weights="ema"):
     run = Path(run)
     if checkpoint is None:
         export = run if (run / "transformer").is_dir() else run / "export"
-        model, cfg = common.load_exported(export)
+        model, cfg = load_exported(export)
         return model, cfg, {"source": str(export), "weights": "ema (export)"}
     ckpt = common.find_checkpoint(run, checkpoint)
     if ckpt is None:
@@ -112,7 +114,7 @@ def load_model(run, checkpoint=None, weights="ema"):
     text_dims = None
     if "conditioner.null_tokens" in tensors:
         text_dims = (*tensors["conditioner.null_tokens"].shape, tensors["conditioner.null_pooled"].shape[0])
-    model = common.build_denoiser(cfg, channels, size, text_dims)
+    model = build_denoiser(cfg, channels, size, text_dims)
     model.load_state_dict(tensors)
     return model.eval(), cfg, {"source": str(ckpt), "weights": weights, "step": state["step"]}
 
@@ -140,8 +142,8 @@ def to_uint8(x):
 
 def heldout(data):
     """The rows the trainer validated on: data.val_split when set (opened alone, so no CC12M-sized train
-    split is read), else common.open_splits' seeded hold-out of the training split."""
-    return common.open_dataset(data, data.val_split) if data.val_split else common.open_splits(data)[1]
+    split is read), else open_splits' seeded hold-out of the training split."""
+    return open_dataset(data, data.val_split) if data.val_split else open_splits(data)[1]
 
 
 def load_prompts(prompts, cfg):
@@ -153,7 +155,7 @@ def load_prompts(prompts, cfg):
 
 def make_controls(cfg, policy):
     """controls(i) -> the size/crop/flip metadata of sample i, for runs trained with controls (else None),
-    made by common.preprocess itself (centre crop, no flip) from an original size: held-out row i % n's
+    made by preprocess itself (centre crop, no flip) from an original size: held-out row i % n's
     ('heldout': the distribution the reference comes from; only the image header is read) or R x R."""
     if not cfg["conditioning"]["controls"]:
         return None
@@ -165,7 +167,7 @@ def make_controls(cfg, policy):
         if rows is not None:
             value = rows[i % len(rows)][data.image_column]
             size = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]).size
-        return common.preprocess(Image.new("RGB", size), 8, data)[1]  # the metadata, not the pixels
+        return preprocess(Image.new("RGB", size), 8, data)[1]  # the metadata, not the pixels
     return controls
 
 
@@ -174,7 +176,7 @@ def make_condition(cfg, model, prompts, device, controls=None):
     prompt i % len(prompts) encoded by the run's own text encoder; plus controls(i) when the run has them."""
     text = None
     if prompts is not None:
-        text = common.load_encoders(common.Config({**cfg["encoders"], "vae": None}), device)[1:]
+        text = load_encoders(common.Config({**cfg["encoders"], "vae": None}), device)[1:]
 
     def cond(idx):
         out = {"drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
@@ -182,7 +184,7 @@ def make_condition(cfg, model, prompts, device, controls=None):
             out["label"] = torch.tensor(idx, device=device) % model.conditioner.num_classes
         else:
             captions = [prompts[i % len(prompts)] for i in idx]
-            out.update(common.encode_text(*text, captions, cfg["encoders"]["max_tokens"]))
+            out.update(encode_text(*text, captions, cfg["encoders"]["max_tokens"]))
         if controls is not None:
             meta = [controls(i) for i in idx]
             out.update({k: torch.stack([m[k] for m in meta]).to(device) for k in meta[0]})
@@ -201,7 +203,7 @@ def sample_batch(model, cfg, cond, idx, seed, steps=None, guidance_scale=None, s
         torch.manual_seed(seed_for(seed, 1, idx[0]))  # ancestral samplers' fresh noise, fixed per batch
         x = method_of(cfg).generate(model, noise.to(device), cond(idx), cfg, steps=steps, sampler=sampler,
                                     guidance_scale=guidance_scale, control_guidance_scale=control_guidance_scale)
-    return to_uint8(common.decode(vae, x))
+    return to_uint8(decode(vae, x))
 
 
 def png_path(folder, i):
@@ -302,17 +304,17 @@ def image_files(source):
 
 def reference_images(key, cfg):
     """One loader per reference image, each returning uint8 (H, W, 3): a folder's files as they are, or
-    dataset rows through common.load_image and common.preprocess, exactly as the trainer's cache sees them."""
+    dataset rows through load_image and preprocess, exactly as the trainer's cache sees them."""
     if key["kind"] == "folder":
         items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in image_files(key["source"])]
     else:
         data = common.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
                               "label_column": None, "caption_column": None, "max_samples": None,
                               "crop": key["crop"], "random_flip": False})
-        ds = heldout(data) if key["split"] == "heldout" else common.open_dataset(data, key["split"])
+        ds = heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
 
         def load(i):
-            x, _ = common.preprocess(common.load_image(ds[i][key["image_column"]]), key["resolution"], data)
+            x, _ = preprocess(load_image(ds[i][key["image_column"]]), key["resolution"], data)
             return to_uint8(x[None])[0]
         items = [lambda i=i: load(i) for i in range(len(ds))]
     return items[:key["num"]] if key["num"] else items
@@ -418,6 +420,23 @@ def clip_scores(model_id, images, captions, device):
 # In training: a small-N FID every M steps, in memory (no PNGs), on all ranks.
 
 
+def fid_of_run(ema, cfg, accelerator, val_set, vae=None, text=False):
+    """Small-N FID/KID during training (val.fid_every): fid_during_training with the run's settings; text runs
+    take their conditions from the held-out cache's caption features. Every rank takes part."""
+    val, n = cfg["val"], min(cfg["val"]["fid_samples"], len(val_set))
+    conditions = None if not text else {
+        k: torch.stack([val_set[i][k] for i in range(n)]) for k in ("text_tokens", "text_mask", "text_pooled")}
+    if vae is not None:
+        vae.to(accelerator.device)
+    metrics = fid_during_training(ema, cfg, accelerator, val["fid_samples"], val["fid_reference"], vae=vae,
+                                  conditions=conditions, inception_weights=val["inception_weights"],
+                                  stats_cache=str(Path(cfg["data"]["cache_dir"]) / "fid_stats"),
+                                  batch_size=cfg["train"]["batch_size"])
+    if vae is not None:
+        vae.cpu()
+    return metrics
+
+
 def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *, vae=None, conditions=None,
                         feature_fn=None, mode="clean", inception_weights=None, stats_cache="cache/fid_stats",
                         steps=None, guidance_scale=None, control_guidance_scale=None, sampler=None, batch_size=64,
@@ -427,7 +446,7 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
     reference: one of our statistics .npz files, a --reference source (folder, dataset, 'embedded',
     cleanfid:NAME:RES:SPLIT), or None for the run's own held-out rows. vae: on the device, for latent runs.
     conditions: None for balanced class labels (and held-out controls), else a dict of per-sample tensors
-    named as in common.COND_FIELDS (e.g. the held-out cache's rows), sample i taking row i % len; text runs
+    named as in data.COND_FIELDS (e.g. the held-out cache's rows), sample i taking row i % len; text runs
     must pass it. Same seeds as eval_fid.py's CLI, so the numbers of successive calls are comparable."""
     device = accelerator.device
     feature_fn = feature_fn or inception_features(mode, inception_weights, device, accelerator)
@@ -501,7 +520,7 @@ def main(argv=None, feature_fn=None):
         record.write_text(json.dumps(settings, indent=1))
 
     # ---- Generation: this rank's batches; a batch already on disk is skipped (resume) ----------------------
-    vae = common.load_encoders(common.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
+    vae = load_encoders(common.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
     cond = make_condition(cfg, model, prompts, device, make_controls(cfg, args.controls))
     batches = my_batches(args.num_samples, args.batch_size, rank, world)
     for idx in tqdm(batches, desc="generate", disable=not accelerator.is_local_main_process):

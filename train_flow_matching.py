@@ -19,20 +19,19 @@ metrics, gradient analysis, loss spikes) -> validation (samples, loss on a fixed
 """
 import copy
 import json
-import math
-import os
-import resource
-import signal
-import sys
-import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
+import eval_fid
+from data import (COND_FIELDS, CachedDataset, build_cache, decode, drop_conditions, encode_text, heldout_batches,
+                  iterate_batches, load_encoders, loader_options, make_encode, open_splits, read_class_ids,
+                  validation_inputs)
+from model import build_for_run, export, guided, init_from
+from monitor import Monitor
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. Every default is here; a recipe (configs/*.json) names only what it changes.
@@ -198,14 +197,14 @@ def flow_matching_loss(model, x0, cond, t, noise):
 def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, control_guidance_scale=0.0, method="euler"):
     """The grid is t_i = shift(1 - i / steps), the same shift as training (it equals diffusers'
     FlowMatchEulerDiscreteScheduler with `sigmas=linspace(1, 0, steps + 1)[:-1]` and `shift`). Guidance on
-    the semantic and the control condition (common.guided): with control_guidance_scale = 0 it is
+    the semantic and the control condition (model.guided): with control_guidance_scale = 0 it is
     classifier-free guidance, v = v(x, null) + w (v(x, c) - v(x, null)) (Ho & Salimans 2022)."""
     if method not in ("euler", "heun"):
         raise ValueError(f"val.sampler must be 'euler' or 'heun', got {method!r}")
     ts = common.time_shift(torch.linspace(1, 0, steps + 1, device=noise.device), shift)
 
     def velocity(x, t):
-        return common.guided(model, x, (t * 1000).expand(len(x)), cond, guidance_scale, control_guidance_scale)
+        return guided(model, x, (t * 1000).expand(len(x)), cond, guidance_scale, control_guidance_scale)
 
     x = noise.float()
     for t, t_next in zip(ts[:-1], ts[1:]):
@@ -232,54 +231,38 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 def main(argv=None):
     cfg = common.load_config(DEFAULTS, argv, method="flow_matching")
     data, obj, tr = cfg.data, cfg.objective, cfg.train
-    run_dir = Path(cfg.run_dir)
-
     common.check_config(cfg)  # illegal combinations stop here, before any work
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
     accelerator = common.make_accelerator(tr.mixed_precision)  # also on CPU-only machines, TF32 on
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     set_seed(cfg.seed + rank)  # different noise and times on each rank
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    run_dir = common.start_run(cfg, accelerator)  # writes the resolved config.json
     shift = common.shift_of(cfg)
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
-    vae, tokenizer, text_encoder = common.load_encoders(cfg.encoders, device)
-    encode = common.make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
-    train_ds, val_ds = common.open_splits(data)
-    class_ids = common.class_ids(data, train_ds) if data.label_column else None  # saved with the model
-    train_set = common.CachedDataset(common.build_cache(train_ds, "train", encode, accelerator, cfg))
-    val_set = common.CachedDataset(common.build_cache(val_ds, "val", encode, accelerator, cfg))
+    vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
+    encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
+    train_ds, val_ds = open_splits(data)
+    class_ids = read_class_ids(data, train_ds) if data.label_column else None  # saved with the model
+    train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg))
+    val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg))
     null_text = None
     if text_encoder is not None:  # the null condition for guidance: the empty prompt, encoded once
-        null_text = common.encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
+        null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
         text_encoder.cpu()  # encoders leave the GPU once the cache is built
     if vae is not None:
         vae.cpu()
-    loader_kwargs = dict(num_workers=data.num_workers, pin_memory=device.type == "cuda",
-                         worker_init_fn=common.ignore_stop_signals)
-    if data.num_workers > 0:
-        loader_kwargs["prefetch_factor"] = data.prefetch_factor
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
     x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
-    text_dims = None if null_text is None else tuple(null_text["text_tokens"].shape[1:]) + (
-        null_text["text_pooled"].shape[-1],)
-    model = common.build_denoiser(cfg, x_shape[0], x_shape[-1], text_dims)
-    if null_text is not None:
-        for name in ("tokens", "mask", "pooled"):
-            getattr(model.conditioner, f"null_{name}").copy_(null_text[f"text_{name}"][0])
-    if tr.gradient_checkpointing:
-        model.transformer.enable_gradient_checkpointing()
+    model = build_for_run(cfg, x_shape, null_text)
     ema = copy.deepcopy(model).requires_grad_(False).float()  # fp32 EMA, also on the GPU
     # Resume (same run) continues a checkpoint of this run_dir; init_from (new run) only takes another run's
     # weights. A preempted fine-tuning run resumes its own checkpoint: init_from applies to a fresh start only.
     ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
     if cfg.init_from and ckpt is None:
-        report = common.init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer,
-                                  accelerator.print)
+        report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print)
         if accelerator.is_main_process:
             (run_dir / "init_from.json").write_text(json.dumps(report, indent=1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas),
@@ -289,135 +272,57 @@ def main(argv=None):
     ema.to(device)
     forward = torch.compile(model) if tr.compile else model
     raw_model = accelerator.unwrap_model(model)
-    groups = common.layer_groups(raw_model)  # for the gradient analysis
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; time shift a = {shift:g}")
 
-    # ---- Resume: same run, continues step, data position, optimizer, EMA and RNG --------------------------
-    step, skipped = 0, 0
-    loss_state = {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0}  # running loss statistics (smoothed loss, spikes)
-    if ckpt is not None:
-        from safetensors.torch import load_file
-
-        raw_model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
-        ema.load_state_dict(load_file(str(ckpt / "ema.safetensors")))
-        state = torch.load(ckpt / "state.pt", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
-        step, skipped = state["step"], state["skipped_steps"]
-        common.restore_rng(ckpt, rank, world)
-        loss_state = state.get("loss_state", loss_state)
-        accelerator.print(f"resumed from {ckpt} at step {step}")
-
-    # ---- Logging ------------------------------------------------------------------------------------------
-    wandb_run = None
-    if accelerator.is_main_process and cfg.log.wandb != "off":
-        import wandb
-
-        mode = cfg.log.wandb if cfg.log.wandb != "auto" else ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        wandb_run = wandb.init(project=cfg.log.project, dir=str(run_dir), config=cfg, mode=mode,
-                               name=run_dir.name, resume="allow")
-
-    def log(metrics):
-        if accelerator.is_main_process:
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            if wandb_run is not None and "event" not in metrics:  # events: metrics.jsonl and the report
-                wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+    # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
+    state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
+    step = state["step"]
+    log = common.RunLog(cfg, run_dir, accelerator)  # metrics.jsonl, wandb
+    progress = tqdm(total=tr.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
+    monitor = Monitor(cfg, raw_model, accelerator, log, progress, state)
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
-    n_val = min(cfg.val.num_samples, len(val_set))
-    val_rows = [val_set[i] for i in range(n_val)]
-    val_cond = {k: torch.stack([r[k] for r in val_rows]).to(device) for k in val_rows[0] if k in common.COND_FIELDS}
-    val_cond["drop"] = torch.zeros(n_val, dtype=torch.bool, device=device)
-    if "label" in val_cond:
-        val_cond["label"] = torch.arange(n_val, device=device) % data.num_classes
-    val_noise = torch.randn((n_val, *x_shape), generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+    val_noise, val_cond = validation_inputs(val_set, cfg.val.num_samples, data.num_classes, x_shape, cfg.seed, device)
 
     @torch.no_grad()
     def validate(step):
         ema.eval()
-        x = generate(ema, val_noise, val_cond, cfg)
-        if vae is not None:
-            vae.to(device)
-        images = common.decode(vae, x)
-        if vae is not None:
-            vae.cpu()
-        path = run_dir / "samples" / f"step_{step:08d}.png"
-        grid = common.save_image_grid(images, path, nrow=math.ceil(math.sqrt(n_val)))
+        path = log.samples(decode(vae, generate(ema, val_noise, val_cond, cfg), device), step)
         # Validation loss: every held-out sample at every t_k = (k + 0.5) / K, with fixed noise.
-        gen, k_bins = torch.Generator().manual_seed(cfg.seed + 1), obj.loss_bins
-        losses = torch.zeros(k_bins)
-        n_loss = min(cfg.val.loss_samples, len(val_set))
-        for i in range(0, n_loss, tr.batch_size):
-            rows = [val_set[j] for j in range(i, min(i + tr.batch_size, n_loss))]
-            batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-            x0 = batch["x"] + batch["x_std"] * torch.randn(batch["x"].shape, generator=gen) if "x_std" in batch else batch["x"]
-            noise = torch.randn(x0.shape, generator=gen)
-            cond = {k: v.to(device) for k, v in batch.items() if k in common.COND_FIELDS}
-            cond["drop"] = torch.zeros(len(x0), dtype=torch.bool, device=device)
-            for k in range(k_bins):
-                t = torch.full((len(x0),), (k + 0.5) / k_bins, device=device)
+        losses, n = torch.zeros(obj.loss_bins), min(cfg.val.loss_samples, len(val_set))
+        for x0, noise, cond in heldout_batches(val_set, n, tr.batch_size, cfg.seed + 1, device):
+            for k in range(obj.loss_bins):
+                t = torch.full((len(x0),), (k + 0.5) / obj.loss_bins, device=device)
                 with accelerator.autocast():
-                    losses[k] += flow_matching_loss(ema, x0.to(device), cond, t, noise.to(device)).sum().cpu()
-        losses /= n_loss
-        metrics = {"step": step, "val_loss": losses.mean().item(),
-                   **{f"val_loss_t{k}": losses[k].item() for k in range(k_bins)}}
-        log(metrics)
-        if wandb_run is not None:
-            import wandb
-
-            wandb_run.log({"samples": wandb.Image(grid)}, step=step)
-        accelerator.print(f"step {step}: val_loss {metrics['val_loss']:.4f}, samples in {path}")
-
-    def fid():
-        import eval_fid  # same code, seeds and reference cache as `python eval_fid.py`
-
-        if vae is not None:
-            vae.to(device)
-        n_cond = min(cfg.val.fid_samples, len(val_set))
-        conditions = None if not text_dims else {  # text runs: the held-out captions' features
-            k: torch.stack([val_set[i][k] for i in range(n_cond)]) for k in ("text_tokens", "text_mask", "text_pooled")}
-        metrics = eval_fid.fid_during_training(
-            ema, cfg, accelerator, cfg.val.fid_samples, cfg.val.fid_reference, vae=vae, conditions=conditions,
-            inception_weights=cfg.val.inception_weights, stats_cache=str(Path(data.cache_dir) / "fid_stats"),
-            batch_size=tr.batch_size)
-        if vae is not None:
-            vae.cpu()
-        log({"step": step, **metrics})
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+                    losses[k] += flow_matching_loss(ema, x0, cond, t, noise).sum().cpu()
+        losses /= n
+        log({"step": step, "val_loss": losses.mean().item(), **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
+        accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
 
     def checkpoint(step):
         state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
-                 "skipped_steps": skipped, "class_ids": class_ids, "loss_state": loss_state}
+                 "class_ids": class_ids, **monitor.state_dict()}
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
 
     # ---- Training loop --------------------------------------------------------------------------------------
-    batches = common.iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
-                                     loader_kwargs)
-    k_bins = obj.loss_bins
-    stats = torch.zeros(2 * k_bins, device=device)  # loss sums and counts per time bin
-    per_step = torch.zeros(cfg.log.every, 3, device=device)  # loss sum, count, grad norm of each step since the log
-    data_wait, t_last, since_log, bad_in_row = 0.0, time.perf_counter(), 0, 0
-    stop_signals = []  # SIGTERM / SIGUSR1 (preemption): finish this step, checkpoint, exit for a requeue
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
-    progress = tqdm(total=tr.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
+    batches = iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
+                              loader_options(data, device))
+    signals = common.StopSignals()  # preemption: finish this step, checkpoint, exit for a requeue
     model.train()
     while step < tr.max_steps:
         lr = common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         for micro in range(tr.grad_accum):
-            t0 = time.perf_counter()
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            data_wait += time.perf_counter() - t0
+            batch = monitor.next_batch(batches, device)
             x0 = batch["x"] + batch["x_std"] * torch.randn_like(batch["x"]) if "x_std" in batch else batch["x"]
-            cond = {k: v for k, v in batch.items() if k in common.COND_FIELDS}
+            cond = {k: v for k, v in batch.items() if k in COND_FIELDS}
             # Semantic and control conditions are dropped independently, for guidance on each.
-            cond["drop"] = common.drop_conditions(len(x0), cfg.conditioning.semantic_dropout, device)
-            cond["drop_controls"] = common.drop_conditions(len(x0), cfg.conditioning.control_dropout, device)
+            cond["drop"] = drop_conditions(len(x0), cfg.conditioning.semantic_dropout, device)
+            cond["drop_controls"] = drop_conditions(len(x0), cfg.conditioning.control_dropout, device)
             noise = torch.randn_like(x0)
             if obj.ot_coupling:
                 noise = ot_pair(x0, noise, batch.get("label"))
@@ -426,118 +331,46 @@ def main(argv=None):
             with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
                 loss = flow_matching_loss(forward, x0, cond, t, noise)
                 accelerator.backward(loss.mean() / tr.grad_accum)
-            bins = (t * k_bins).long().clamp(max=k_bins - 1)
-            per_step[since_log, 0] += loss.detach().sum()
-            per_step[since_log, 1] += len(loss)
-            stats[:k_bins].index_add_(0, bins, loss.detach())
-            stats[k_bins:].index_add_(0, bins, torch.ones_like(loss))
+            monitor.micro_batch(loss, (t * obj.loss_bins).long().clamp(max=obj.loss_bins - 1))
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip)
         # A non-finite loss or gradient skips the update (weights and EMA untouched). The norm is of the
         # all-reduced gradients, so every rank takes the same decision. The step still counts: the data
         # position and the LR stay pure functions of it.
         finite = bool(torch.isfinite(grad_norm))
-        analyse = cfg.log.grad_every and (step + 1) % cfg.log.grad_every == 0 and accelerator.is_main_process
-        if analyse:  # per-group gradient norms (before clipping) and the weights before the update
-            group_norms = common.group_grad_norms(groups, grad_norm, tr.grad_clip)
-            before = {g: [p.detach().clone() for p in ps] for g, ps in groups.items()} if finite else None
+        monitor.before_update(step, grad_norm, finite)
         if finite or tr.mixed_precision == "fp16":
             optimizer.step()  # under fp16 the grad scaler skips a non-finite step itself and lowers its scale
         optimizer.zero_grad(set_to_none=True)
         if finite:
             common.ema_update(ema, raw_model, tr.ema_decay, step)
-        per_step[since_log, 2] = grad_norm.detach().float()
-        if analyse:  # the update / weight ratio only for an update that happened: a real, non-skipped step
-            metrics = {"step": step + 1, "grad_norm_step": float(grad_norm),
-                       **{f"grad_norm/{g}": v for g, v in group_norms.items()}}
-            if finite and not accelerator.optimizer_step_was_skipped:
-                ratios = common.group_update_ratios(groups, before)
-                metrics.update({f"update_ratio/{g}": v for g, v in ratios.items()})
-            log(metrics)
-            for g, kind in common.gradient_flags(group_norms, cfg.log.grad_flag_ratio):
-                log({"step": step + 1, "event": kind, "group": g, "grad_norm": group_norms[g]})
-                accelerator.print(f"step {step + 1}: {kind.replace('_', ' ')} in {g} (norm {group_norms[g]:.3g})")
-        skipped, bad_in_row = skipped + (not finite), 0 if finite else bad_in_row + 1
-        if bad_in_row >= tr.max_nonfinite_steps:
-            raise FloatingPointError(f"{bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
-                                     f"(last at step {step + 1}); the last good checkpoint is in "
-                                     f"{run_dir / 'checkpoints'} (train.max_nonfinite_steps)")
-        step, since_log = step + 1, since_log + 1
-        progress.update(1)
+        monitor.after_update(step, grad_norm, finite, accelerator.optimizer_step_was_skipped)
+        step += 1
 
         if step % cfg.log.every == 0 or step == tr.max_steps:
-            # The only sync: losses stay on the device between logs, then come over in one all-reduce.
-            totals = accelerator.reduce(torch.cat([stats, per_step.flatten()]), "sum")
-            n_steps, since_log = since_log, 0
-            elapsed = time.perf_counter() - t_last
-            steps = totals[len(stats):].view(-1, 3)[:n_steps].tolist()
-            loss_avg = sum(s[0] for s in steps) / sum(s[1] for s in steps)
-            losses = [s[0] / max(s[1], 1) for s in steps]
-            norms = [s[2] / world for s in steps]  # the same all-reduced norm on every rank
-            # Stability: spikes against the running mean and std of the per-step loss; how often the clip acts.
-            for i, mean in common.find_spikes(losses, loss_state, cfg.log.spike_threshold):
-                loss_state["spikes"] += 1
-                log({"step": step - n_steps + 1 + i, "event": "loss_spike", "loss": losses[i], "loss_smoothed": mean})
-            clipped = [n / tr.grad_clip for n in norms if math.isfinite(n) and n > tr.grad_clip]
-            peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-            metrics = {"step": step, "loss": loss_avg, "loss_smoothed": loss_state["mean"], "lr": lr,
-                       "grad_norm": sum(n for n in norms if math.isfinite(n)) / n_steps, "skipped_steps": skipped,
-                       "clip_share": len(clipped) / n_steps, "loss_spikes": loss_state["spikes"],
-                       "images_per_s": n_steps * tr.batch_size * tr.grad_accum * world / elapsed,
-                       "data_wait_share": data_wait / elapsed, "peak_memory_gb": peak / 2**30}
-            counts = totals[k_bins:len(stats)].clamp(min=1)
-            metrics.update({f"loss_t{k}": (totals[k] / counts[k]).item() for k in range(k_bins)})
-            metrics["images_per_s_per_device"] = metrics["images_per_s"] / world
-            if clipped:  # by how much the clip acted, on the steps where it did
-                metrics["clip_excess"] = sum(clipped) / len(clipped)
-            log(metrics)
-            progress.set_postfix(loss=f"{loss_state['mean']:.4f}", lr=f"{lr:.1e}")
-            stats.zero_(), per_step.zero_()
-            data_wait, t_last = 0.0, time.perf_counter()
+            monitor.log_interval(step, lr)  # the only sync: the interval's statistics in one all-reduce
         if step % cfg.val.every == 0 or step == tr.max_steps:
             if accelerator.is_main_process:
                 validate(step)
             accelerator.wait_for_everyone()
-            t_last = time.perf_counter()  # validation time is not training throughput
-        stop = torch.tensor(float(bool(stop_signals)), device=device)
-        if world > 1:  # whichever ranks got the signal, all must stop at the same step
-            stop = accelerator.reduce(stop, "sum")
+            monitor.restart_clock()  # validation, FID and checkpoints are not training throughput
+        stop = signals.agreed(accelerator)
         if cfg.val.fid_every and (step % cfg.val.fid_every == 0 or step == tr.max_steps):
-            fid()  # every rank takes part: samples and features are split across processes
-            t_last = time.perf_counter()
+            metrics = eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, text=null_text is not None)
+            log({"step": step, **metrics})
+            accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+            monitor.restart_clock()
         if step % cfg.ckpt.every == 0 or step == tr.max_steps or stop:
             checkpoint(step)
-            t_last = time.perf_counter()
+            monitor.restart_clock()
         if stop:
-            accelerator.print(f"stopped by a signal at step {step}: checkpoint written; exiting with code "
-                              f"{common.REQUEUE_EXIT_CODE} so the scheduler can requeue (--resume latest continues)")
-            accelerator.end_training()
-            sys.exit(common.REQUEUE_EXIT_CODE)
+            common.exit_for_requeue(accelerator, step)
     progress.close()
 
     # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
     if accelerator.is_main_process:
-        export = run_dir / "export"
-        ema.transformer.save_pretrained(export / "transformer", safe_serialization=True)
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in ema.conditioner.state_dict().items()},
-                  str(export / "conditioner.safetensors"))
-        (export / "config.json").write_text(json.dumps(cfg, indent=2))
-        if class_ids:  # what init_from maps class embeddings by (ImageNet-22k -> 1k)
-            (export / "class_ids.json").write_text(json.dumps(class_ids))
-        accelerator.print(f"exported EMA model to {export}")
-    if accelerator.is_main_process and cfg.log.report:
-        try:  # a plotting problem must not fail a finished run
-            import report
-
-            accelerator.print(f"report: {report.write_report(run_dir)}")
-        except Exception as e:
-            accelerator.print(f"warning: the run report failed ({type(e).__name__}: {e}); python report.py {run_dir}")
-    if wandb_run is not None:
-        wandb_run.finish()
-    accelerator.end_training()
+        accelerator.print(f"exported EMA model to {export(ema, cfg, run_dir, class_ids)}")
+    log.finish(cfg, accelerator)  # report.md and plots, wandb
     return run_dir
 
 

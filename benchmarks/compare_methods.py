@@ -41,6 +41,8 @@ from tqdm.auto import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import common  # noqa: E402
+from data import DEMO_CLASSES  # noqa: E402
+from model import load_exported  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from demo_quality import train_classifier  # noqa: E402
 
@@ -53,7 +55,7 @@ HEADERS = ["method", "sampler", "images/s", "peak GB", "quality", "loss spikes",
 def class_accuracy(model, cfg, trainer, classifier, per_class, seed=0):
     """Share of `per_class` samples per class classified as asked (fixed noise; as demo_quality.score_run)."""
     tc = model.transformer.config
-    labels = torch.arange(len(common.DEMO_CLASSES)).repeat_interleave(per_class)
+    labels = torch.arange(len(DEMO_CLASSES)).repeat_interleave(per_class)
     noise = torch.randn((len(labels), tc.in_channels, tc.sample_size, tc.sample_size),
                         generator=torch.Generator().manual_seed(seed))
     hits = 0
@@ -66,7 +68,7 @@ def class_accuracy(model, cfg, trainer, classifier, per_class, seed=0):
 
 def quality_curve(run_dir, method, classifier, per_class):
     """{step: class accuracy} over the kept checkpoints' EMA weights; the final step is the export itself."""
-    model, cfg = common.load_exported(run_dir / "export")
+    model, cfg = load_exported(run_dir / "export")
     trainer = importlib.import_module(METHODS[method])
     final = cfg["train"]["max_steps"]
     steps = sorted({int(f.name[5:]) for f in (run_dir / "checkpoints").glob("step_*")} - {final})
@@ -146,7 +148,7 @@ def main(argv=None):
         curve, cfg = quality_curve(run_dir, method, classifier, args.per_class)
         results[method] = {**summarize(run_dir, cfg, curve, args.threshold), "run_wall_s": wall}
     table = format_table(results, args.threshold)
-    print(f"\n{args.steps} steps each, quality = class accuracy of {len(common.DEMO_CLASSES) * args.per_class} samples "
+    print(f"\n{args.steps} steps each, quality = class accuracy of {len(DEMO_CLASSES) * args.per_class} samples "
           f"(classifier {acc:.3f} on real images), threshold {args.threshold:g}\n{table}")
     for method, r in results.items():
         print(f"quality by step, {method}: " + ", ".join(f"{s} {a:.3f}" for s, a in r["quality_curve"].items()))

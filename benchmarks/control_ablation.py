@@ -19,6 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+from data import DEMO_CLASSES  # noqa: E402
+from model import load_exported  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from demo_quality import train_classifier  # noqa: E402
 
@@ -28,9 +30,9 @@ BOXES = {"whole": [0, 0, 1, 1], "top-left": [0, 0, 0.5, 0.5], "bottom-right": [0
 
 @torch.no_grad()
 def evaluate(run_dir, classifier, per_class):
-    model, cfg = common.load_exported(Path(run_dir) / "export")
+    model, cfg = load_exported(Path(run_dir) / "export")
     side, res = cfg["data"]["demo_resolution"], cfg["data"]["resolution"]
-    labels = torch.arange(len(common.DEMO_CLASSES)).repeat_interleave(per_class)
+    labels = torch.arange(len(DEMO_CLASSES)).repeat_interleave(per_class)
     noise = torch.randn((len(labels), 3, res, res), generator=torch.Generator().manual_seed(0))
     preds = {}
     for name, box in BOXES.items():

@@ -19,14 +19,15 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+from data import DEMO_CLASSES, DEMO_SHAPES, make_demo_dataset  # noqa: E402
+from model import load_exported  # noqa: E402
 
 
 def demo_images(num_samples, seed, resolution=32):
     """The embedded images as a tensor in [-1, 1] with their labels."""
     import numpy as np
 
-    ds = common.make_demo_dataset(num_samples, seed, resolution)
+    ds = make_demo_dataset(num_samples, seed, resolution)
     x = torch.from_numpy(np.stack([np.asarray(img) for img in ds["image"]])).permute(0, 3, 1, 2).float() / 127.5 - 1
     return x, torch.tensor(ds["label"])
 
@@ -38,7 +39,7 @@ def train_classifier(steps=600, seed=0, resolution=16):
     net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                         nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                        nn.Linear(64, len(common.DEMO_CLASSES)))
+                        nn.Linear(64, len(DEMO_CLASSES)))
     opt = torch.optim.Adam(net.parameters(), 2e-3)
     for _ in tqdm(range(steps), desc="classifier"):
         idx = torch.randint(len(x), (128,))
@@ -55,10 +56,10 @@ def train_classifier(steps=600, seed=0, resolution=16):
 @torch.no_grad()
 def score_run(run_dir, classifier, per_class=20, steps=None, guidance_scale=None, seed=0):
     """Sample `per_class` images of each class from the run's export; the share classified as asked."""
-    model, cfg = common.load_exported(Path(run_dir) / "export")
+    model, cfg = load_exported(Path(run_dir) / "export")
     trainer = importlib.import_module("train_ddpm" if "prediction" in cfg["objective"] else "train_flow_matching")
     tc = model.transformer.config
-    labels = torch.arange(len(common.DEMO_CLASSES)).repeat_interleave(per_class)
+    labels = torch.arange(len(DEMO_CLASSES)).repeat_interleave(per_class)
     noise = torch.randn((len(labels), tc.in_channels, tc.sample_size, tc.sample_size),
                         generator=torch.Generator().manual_seed(seed))
     preds = []
@@ -67,7 +68,7 @@ def score_run(run_dir, classifier, per_class=20, steps=None, guidance_scale=None
         x = trainer.generate(model, noise[i:i + 60], cond, cfg, steps=steps, guidance_scale=guidance_scale)
         preds.append(classifier(x.clamp(-1, 1)).argmax(1))
     preds = torch.cat(preds)
-    colour, shape = lambda c: c // len(common.DEMO_SHAPES), lambda c: c % len(common.DEMO_SHAPES)
+    colour, shape = lambda c: c // len(DEMO_SHAPES), lambda c: c % len(DEMO_SHAPES)
     metrics_file = Path(run_dir) / "metrics.jsonl"
     speeds = [m["images_per_s"] for m in map(json.loads, metrics_file.read_text().splitlines()) if "images_per_s" in m]
     return {"class_accuracy": (preds == labels).float().mean().item(),

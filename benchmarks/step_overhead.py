@@ -20,13 +20,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+from model import build_denoiser  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 
 
 def bare_loop(cfg, steps):
     """images/s of forward, loss, backward and Adam step alone, per 10-step chunk."""
     torch.manual_seed(0)
-    model = common.build_denoiser(cfg, 3, cfg.data.resolution)
+    model = build_denoiser(cfg, 3, cfg.data.resolution)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     b, r = cfg.train.batch_size, cfg.data.resolution
     x0, noise = torch.randn(b, 3, r, r), torch.randn(b, 3, r, r)

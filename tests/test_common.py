@@ -8,6 +8,7 @@ from accelerate import Accelerator
 from PIL import Image
 
 import common
+from data import CachedDataset, DEMO_COLORS, build_cache, encode_text, iterate_batches, load_encoders, load_image, make_demo_dataset, open_splits, preprocess
 import train_flow_matching as fm
 
 
@@ -52,26 +53,26 @@ def test_config_errors_in_a_file_name_the_file(tmp_path):
 
 
 def test_demo_data_is_deterministic_and_labelled():
-    a, b = common.make_demo_dataset(18, seed=0), common.make_demo_dataset(18, seed=0)
+    a, b = make_demo_dataset(18, seed=0), make_demo_dataset(18, seed=0)
     assert a["label"] == b["label"] == [i % 9 for i in range(18)]
     assert (np.asarray(a[5]["image"]) == np.asarray(b[5]["image"])).all()
     assert a[4]["caption"].endswith("green square")  # label 4 = DEMO_CLASSES[4]
     # The shape is drawn in its class colour: the most common non-background colour is the class colour.
     img = torch.from_numpy(np.asarray(a[3]["image"]).reshape(-1, 3).astype(np.int64))
-    assert (img == torch.tensor(common.DEMO_COLORS["green"])).all(1).sum() > 20
+    assert (img == torch.tensor(DEMO_COLORS["green"])).all(1).sum() > 20
 
 
 def test_preprocess_any_mode_and_crop_metadata():
     rgba = Image.new("RGBA", (60, 40), (255, 0, 0, 0))  # fully transparent: composited on white
-    x, meta = common.preprocess(common.load_image({"bytes": _png(rgba)}), 20, CENTER)
+    x, meta = preprocess(load_image({"bytes": _png(rgba)}), 20, CENTER)
     assert x.shape == (3, 20, 20) and torch.allclose(x, torch.ones_like(x))
     assert meta["orig_hw"].tolist() == [40, 60] and meta["crop_box"].tolist() == [0, 10, 40, 40]
     assert meta["flip"].tolist() == [0]
     for mode in ("L", "P", "CMYK", "I;16"):
-        x, _ = common.preprocess(common.load_image({"bytes": _png(Image.new(mode, (30, 30)), mode)}), 16, CENTER)
+        x, _ = preprocess(load_image({"bytes": _png(Image.new(mode, (30, 30)), mode)}), 16, CENTER)
         assert x.shape == (3, 16, 16) and x.min() >= -1 and x.max() <= 1
     with pytest.raises(ValueError, match="data.crop"):
-        common.preprocess(rgba, 20, common.Config(CENTER, crop="middle"))
+        preprocess(rgba, 20, common.Config(CENTER, crop="middle"))
 
 
 def _png(img, mode=None):
@@ -86,7 +87,7 @@ def test_cache_hit_miss_invalidation_and_resume(tmp_path):
     cfg = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
                                            "--data.val_holdout=10", "--data.shard_size=32"])
     accelerator = Accelerator(cpu=True)
-    train, val = common.open_splits(cfg.data)
+    train, val = open_splits(cfg.data)
     assert len(train) == 90 and len(val) == 10
     calls = []
 
@@ -94,44 +95,44 @@ def test_cache_hit_miss_invalidation_and_resume(tmp_path):
         calls.append(len(pixels))
         return {"x": pixels}
 
-    folder = common.build_cache(train, "train", encode, accelerator, cfg)
+    folder = build_cache(train, "train", encode, accelerator, cfg)
     assert sum(calls) == 90 and len(list(folder.glob("shard_*.safetensors"))) == 3
-    ds = common.CachedDataset(folder)
+    ds = CachedDataset(folder)
     row = ds[40]
     assert len(ds) == 90 and row["x"].shape == (3, 16, 16) and row["label"].item() == train[40]["label"]
-    x, _ = common.preprocess(common.load_image(train[40]["image"]), 16, CENTER)
+    x, _ = preprocess(load_image(train[40]["image"]), 16, CENTER)
     torch.testing.assert_close(row["x"], x, atol=4e-3, rtol=0)  # float16 storage
     # Hit: nothing is encoded again.
     calls.clear()
-    assert common.build_cache(train, "train", encode, accelerator, cfg) == folder and not calls
+    assert build_cache(train, "train", encode, accelerator, cfg) == folder and not calls
     # A changed key (resolution) is a miss in a new folder, never a silent reuse.
     cfg16 = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
                                              "--data.val_holdout=10", "--data.shard_size=32", "--data.resolution=8"])
-    folder16 = common.build_cache(train, "train", encode, accelerator, cfg16)
-    assert folder16 != folder and sum(calls) == 90 and common.CachedDataset(folder16)[0]["x"].shape == (3, 8, 8)
+    folder16 = build_cache(train, "train", encode, accelerator, cfg16)
+    assert folder16 != folder and sum(calls) == 90 and CachedDataset(folder16)[0]["x"].shape == (3, 8, 8)
     # An interrupted extraction (no manifest, one shard missing) re-encodes only the missing shard.
     (folder / "manifest.json").unlink()
     (folder / "shard_00001.safetensors").unlink()
     calls.clear()
-    common.build_cache(train, "train", encode, accelerator, cfg)
-    assert sum(calls) == 32 and len(common.CachedDataset(folder)) == 90
+    build_cache(train, "train", encode, accelerator, cfg)
+    assert sum(calls) == 32 and len(CachedDataset(folder)) == 90
 
 
 def test_iterate_batches_resumes_at_any_micro_batch():
     ds = list(range(50))
-    full = common.iterate_batches(ds, 0, 4, seed=3, rank=0, world=1, loader_kwargs={})
+    full = iterate_batches(ds, 0, 4, seed=3, rank=0, world=1, loader_kwargs={})
     seq = [next(full).tolist() for _ in range(30)]  # 12 batches per epoch: crosses two epoch boundaries
     assert sorted(sum(seq[:12], [])) == sorted(set(sum(seq[:12], [])))  # no repeats within an epoch
     assert seq[:12] != seq[12:24]  # a new permutation each epoch
-    resumed = common.iterate_batches(ds, 17, 4, seed=3, rank=0, world=1, loader_kwargs={})
+    resumed = iterate_batches(ds, 17, 4, seed=3, rank=0, world=1, loader_kwargs={})
     assert [next(resumed).tolist() for _ in range(13)] == seq[17:]
     # Two ranks see disjoint halves of each epoch.
-    r0 = common.iterate_batches(ds, 0, 4, seed=3, rank=0, world=2, loader_kwargs={})
-    r1 = common.iterate_batches(ds, 0, 4, seed=3, rank=1, world=2, loader_kwargs={})
+    r0 = iterate_batches(ds, 0, 4, seed=3, rank=0, world=2, loader_kwargs={})
+    r1 = iterate_batches(ds, 0, 4, seed=3, rank=1, world=2, loader_kwargs={})
     a, b = sum([next(r0).tolist() for _ in range(6)], []), sum([next(r1).tolist() for _ in range(6)], [])
     assert not set(a) & set(b) and len(a) == len(b) == 24
     with pytest.raises(ValueError, match="fewer than train.batch_size"):
-        next(common.iterate_batches(ds, 0, 64, 0, 0, 1, {}))
+        next(iterate_batches(ds, 0, 64, 0, 0, 1, {}))
 
 
 def test_ema_warmup_and_lr():
@@ -146,17 +147,17 @@ def test_ema_warmup_and_lr():
 
 
 def test_parquet_source_and_label_columns(tmp_path):
-    demo = common.make_demo_dataset(20, seed=0, resolution=16).rename_column("label", "cls")
+    demo = make_demo_dataset(20, seed=0, resolution=16).rename_column("label", "cls")
     demo.to_parquet(str(tmp_path / "part-0.parquet"))
     cfg = common.load_config(fm.DEFAULTS, [f"--data.source={tmp_path}", "--data.val_holdout=4",
                                            "--data.label_column=cls"])
-    train, val = common.open_splits(cfg.data)
+    train, val = open_splits(cfg.data)
     assert len(train) == 16 and len(val) == 4 and sorted(list(train["cls"]) + list(val["cls"])) == sorted(demo["cls"])
-    x, _ = common.preprocess(common.load_image(train[0]["image"]), 16, CENTER)
+    x, _ = preprocess(load_image(train[0]["image"]), 16, CENTER)
     assert x.shape == (3, 16, 16)
     bad = common.load_config(fm.DEFAULTS, [f"--data.source={tmp_path}", "--data.label_column=cls", "--data.caption_column=text"])
     with pytest.raises(ValueError, match="data.caption_column='text' is not a column"):
-        common.open_splits(bad.data)
+        open_splits(bad.data)
 
 
 def test_t5_text_encoder_gives_masked_mean_pooling(tmp_path, tiny_text_encoder):
@@ -165,9 +166,9 @@ def test_t5_text_encoder_gives_masked_mean_pooling(tmp_path, tiny_text_encoder):
     torch.manual_seed(0)
     T5EncoderModel(T5Config(vocab_size=16, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(tiny_text_encoder).save_pretrained(tmp_path)  # any tokenizer will do
-    _, tokenizer, encoder = common.load_encoders(common.Config(vae=None, text_encoder=str(tmp_path)), "cpu")
+    _, tokenizer, encoder = load_encoders(common.Config(vae=None, text_encoder=str(tmp_path)), "cpu")
     assert type(encoder).__name__ == "T5EncoderModel"
-    out = common.encode_text(tokenizer, encoder, ["a red circle", "a large blue square"], max_tokens=8)
+    out = encode_text(tokenizer, encoder, ["a red circle", "a large blue square"], max_tokens=8)
     assert out["text_tokens"].shape == (2, 8, 16) and out["text_mask"].sum(1).tolist() == [5, 6]
     n = int(out["text_mask"][0].sum())
     torch.testing.assert_close(out["text_pooled"][0], out["text_tokens"][0, :n].mean(0))

@@ -8,6 +8,8 @@ import torch
 from PIL import Image
 
 import common
+from data import drop_conditions, preprocess
+from model import build_denoiser, control_weight, guided, load_exported, replicate_padding
 import train_flow_matching as fm
 
 
@@ -15,7 +17,7 @@ def tiny_model(mode="disentangled", controls=("size", "crop", "flip")):
     cfg = common.load_config(fm.DEFAULTS, [f"--conditioning.mode={mode}", "--model.num_layers=1",
                                            f"--conditioning.controls={list(controls)}".replace("'", '"')])
     torch.manual_seed(0)
-    model = common.build_denoiser(cfg, 3, 8).eval()
+    model = build_denoiser(cfg, 3, 8).eval()
     for mlp in model.conditioner.control_mlp.values():  # trained controls: make their effect visible
         torch.nn.init.normal_(mlp[2].weight, std=0.5)
     return model
@@ -31,15 +33,15 @@ def batch(n=3, seed=0):
 def test_control_weight_schedule():
     t = torch.linspace(0, 1, 101)
     for p in (0.5, 1.0, 3.0):
-        w = common.control_weight(t, p)
+        w = control_weight(t, p)
         assert w[0] == 1 and w[-1] == pytest.approx(0, abs=1e-7) and (w.diff() <= 0).all()
-    torch.testing.assert_close(common.control_weight(t, 2.0), torch.cos(torch.pi * t / 2) ** 2)
+    torch.testing.assert_close(control_weight(t, 2.0), torch.cos(torch.pi * t / 2) ** 2)
 
 
 def test_semantic_and_control_dropout_are_independent():
     torch.manual_seed(0)
     n = 200_000
-    sem, ctl = common.drop_conditions(n, 0.1, "cpu"), common.drop_conditions(n, 0.3, "cpu")
+    sem, ctl = drop_conditions(n, 0.1, "cpu"), drop_conditions(n, 0.3, "cpu")
     assert sem.float().mean().item() == pytest.approx(0.1, abs=0.003)
     assert ctl.float().mean().item() == pytest.approx(0.3, abs=0.003)
     assert (sem & ctl).float().mean().item() == pytest.approx(0.03, abs=0.002)  # P(both) = P(a) P(b)
@@ -63,9 +65,9 @@ def test_control_guidance_zero_is_standard_cfg_and_both_scales_combine():
         m = lambda drop, drop_controls: model(x, t, {**cond, "drop": torch.full((3,), drop),
                                                      "drop_controls": torch.full((3,), drop_controls)})
         c, null, c_no_controls = m(False, False), m(True, False), m(False, True)
-        torch.testing.assert_close(common.guided(model, x, t, cond, 4.0, 0.0), null + 4.0 * (c - null))
-        torch.testing.assert_close(common.guided(model, x, t, cond, 1.0, 0.0), c)
-        torch.testing.assert_close(common.guided(model, x, t, cond, 3.0, 2.0),
+        torch.testing.assert_close(guided(model, x, t, cond, 4.0, 0.0), null + 4.0 * (c - null))
+        torch.testing.assert_close(guided(model, x, t, cond, 1.0, 0.0), c)
+        torch.testing.assert_close(guided(model, x, t, cond, 3.0, 2.0),
                                    null + 3.0 * (c - null) + 2.0 * (c - c_no_controls), atol=1e-5, rtol=1e-5)
         assert not torch.allclose(c, c_no_controls)
 
@@ -74,8 +76,8 @@ def test_noisy_replicate_padding():
     torch.manual_seed(0)
     tokens = torch.randn(3, 7, 5)
     mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0, 0]]).float()
-    exact = common.replicate_padding(tokens, mask, 0.0)
-    noisy = common.replicate_padding(tokens, mask, 0.1)
+    exact = replicate_padding(tokens, mask, 0.0)
+    noisy = replicate_padding(tokens, mask, 0.1)
     real = mask.bool()
     torch.testing.assert_close(noisy[real], tokens[real])  # real tokens untouched
     for j in range(3, 7):  # row 0: 3 real tokens; padded position j is a copy of token j mod 3
@@ -96,7 +98,7 @@ def test_control_metadata_matches_the_crop_applied(crop, flip):
     data = common.Config(crop=crop, min_crop_scale=0.3, random_flip=flip)
     rng = __import__("random").Random(3)
     for _ in range(10):
-        x, meta = common.preprocess(img, 32, data, rng)
+        x, meta = preprocess(img, 32, data, rng)
         top, left, height, width = meta["crop_box"].tolist()
         assert meta["orig_hw"].tolist() == [h, w] and height == width
         assert 0 <= top <= h - height and 0 <= left <= w - width
@@ -132,6 +134,6 @@ def test_recipes_load_and_a_tiny_version_runs(recipe, trainer, tmp_path, tiny_va
         tiny += ["--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8", "--data.caption_column=caption"]
     run = module.main(tiny)
     assert run.name == recipe
-    model, cfg = common.load_exported(run / "export")
+    model, cfg = load_exported(run / "export")
     assert cfg["conditioning"]["controls"] == full.conditioning.controls
     assert set(model.conditioner.control_mlp) == set(full.conditioning.controls)

@@ -14,6 +14,7 @@ from diffusers.training_utils import compute_snr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+from model import guided, load_exported, rescale_guidance  # noqa: E402
 import train_ddpm as ddpm  # noqa: E402
 
 T = 1000
@@ -196,21 +197,21 @@ def test_guidance_rescale_matches_diffusers():
     for w, phi in [(1.0, 0.0), (3.0, 0.0), (3.0, 0.7), (7.5, 1.0)]:
         out = out_u + w * (out_c - out_u)
         ref = rescale_noise_cfg(out, out_c, guidance_rescale=phi)
-        torch.testing.assert_close(common.rescale_guidance(out, out_c, phi), ref)
+        torch.testing.assert_close(rescale_guidance(out, out_c, phi), ref)
 
 
 @pytest.mark.parametrize("scales", [(1.0, 0.0), (3.0, 0.0), (3.0, 2.0), (1.0, 2.0)])
 def test_guided_with_rescale_rescales_commons_guidance(scales):
-    """The DDPM guidance is common.guided (semantic and control guidance), then rescaled by the fully
+    """The DDPM guidance is guided (semantic and control guidance), then rescaled by the fully
     conditional branch's std."""
     g = torch.Generator().manual_seed(8)
     x = torch.randn(3, 3, 8, 8, generator=g)
     cond = {"label": torch.tensor([0, 4, 8]), "drop": torch.tensor([False, True, False])}
     t, nl = torch.full((3,), 500.0), torch.full((3,), 0.4)
     model = ToyModel(controls=True)
-    plain = common.guided(model, x, t, cond, *scales, noise_level=nl)
+    plain = guided(model, x, t, cond, *scales, noise_level=nl)
     conditional = model(x, t, {**cond, "drop_controls": torch.zeros(3, dtype=torch.bool)}, nl).float()
-    torch.testing.assert_close(common.guided(model, x, t, cond, *scales, noise_level=nl, rescale=0.7),
+    torch.testing.assert_close(guided(model, x, t, cond, *scales, noise_level=nl, rescale=0.7),
                                rescale_noise_cfg(plain, conditional, guidance_rescale=0.7))
 
 
@@ -304,7 +305,7 @@ def test_tiny_run_resumes_and_exports(tmp_path):
     assert "method" not in exported_cfg
     transformer = SD3Transformer2DModel.from_pretrained(export / "transformer")
     assert transformer.config.sample_size == 16
-    model, cfg = common.load_exported(export)
+    model, cfg = load_exported(export)
     noise = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     cond = {"label": torch.tensor([0, 1]), "drop": torch.zeros(2, dtype=torch.bool)}
     x = ddpm.generate(model, noise, cond, exported_cfg, steps=2)

@@ -239,9 +239,9 @@ def make_tiny_clip(folder):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, PreTrainedTokenizerFast
 
-    import common
+    from data import DEMO_CLASSES
 
-    words = sorted({w for c in common.DEMO_CLASSES for w in c.split()} | {"a", "small", "large"})
+    words = sorted({w for c in DEMO_CLASSES for w in c.split()} | {"a", "small", "large"})
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]", *words])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

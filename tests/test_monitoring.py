@@ -9,6 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import common
+from model import build_denoiser, load_exported
+from monitor import find_spikes, gradient_flags, group_grad_norms, group_update_ratios, layer_groups
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import tiny_run_args
@@ -22,12 +24,12 @@ def rows(run):
 
 def tiny_denoiser():
     cfg = common.load_config(fm.DEFAULTS, ["--conditioning.controls", '["size"]', *TINY_MODEL])
-    return common.build_denoiser(cfg, 3, 8)
+    return build_denoiser(cfg, 3, 8)
 
 
 def test_layer_groups_cover_every_parameter_once_and_name_the_pipeline_stages():
     model = tiny_denoiser()
-    groups = common.layer_groups(model)
+    groups = layer_groups(model)
     assert list(groups) == ["patch_embed", "conditioning", "block_00", "block_01", "final_layer"]
     assert sorted(id(p) for ps in groups.values() for p in ps) == sorted(id(p) for p in model.parameters())
     assert any(p is model.conditioner.control_mlp["size"][0].weight for p in groups["conditioning"])
@@ -43,19 +45,19 @@ def test_group_grad_norms_add_up_in_squares_to_the_total_norm(clip):
             "orig_hw": torch.tensor([[8, 8]] * 4)}
     model(x, torch.full((4,), 500.0), cond).pow(2).mean().backward()
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # pre-clip total; grads now clipped
-    norms = common.group_grad_norms(common.layer_groups(model), total, clip)
+    norms = group_grad_norms(layer_groups(model), total, clip)
     assert math.sqrt(sum(v ** 2 for v in norms.values())) == pytest.approx(float(total), rel=1e-5)
     assert all(v > 0 for v in norms.values())
 
 
 def test_update_ratio_is_the_relative_weight_change():
     model = tiny_denoiser()
-    groups = common.layer_groups(model)
+    groups = layer_groups(model)
     before = {g: [p.detach().clone() for p in ps] for g, ps in groups.items()}
     with torch.no_grad():
         for p in groups["block_01"]:
             p.mul_(1.01)  # a 1% step in one group, nothing elsewhere
-    ratios = common.group_update_ratios(groups, before)
+    ratios = group_update_ratios(groups, before)
     assert ratios["block_01"] == pytest.approx(0.01, rel=1e-4)
     assert all(ratios[g] == 0 for g in ratios if g != "block_01")
 
@@ -63,9 +65,9 @@ def test_update_ratio_is_the_relative_weight_change():
 def test_gradient_flags_name_vanishing_and_exploding_groups():
     norms = {"patch_embed": 1.0, "block_00": 2.0, "block_01": 1e-5, "block_02": 3e3, "final_layer": 1.5,
              "conditioning": float("nan")}
-    assert common.gradient_flags(norms, 100.0) == [("block_01", "grad_vanishing"), ("block_02", "grad_exploding"),
+    assert gradient_flags(norms, 100.0) == [("block_01", "grad_vanishing"), ("block_02", "grad_exploding"),
                                                    ("conditioning", "grad_exploding")]
-    assert common.gradient_flags({"a": 1.0, "b": 50.0}, 100.0) == []
+    assert gradient_flags({"a": 1.0, "b": 50.0}, 100.0) == []
 
 
 def test_loss_spikes_are_found_at_their_step_and_chunking_does_not_matter():
@@ -73,14 +75,14 @@ def test_loss_spikes_are_found_at_their_step_and_chunking_does_not_matter():
     losses = (1.0 + 0.01 * torch.randn(400, generator=gen)).tolist()
     losses[250], losses[320] = 1.5, 1.08  # 50 and 8 standard deviations above
     decreasing = [2.0 * 0.99 ** i for i in range(400)]  # fast early training: never a spike
-    assert common.find_spikes(decreasing, {"mean": 0.0, "var": 0.0, "n": 0}, 6.0) == []
+    assert find_spikes(decreasing, {"mean": 0.0, "var": 0.0, "n": 0}, 6.0) == []
     state = {"mean": 0.0, "var": 0.0, "n": 0}
-    spikes = common.find_spikes(losses, state, 6.0)
+    spikes = find_spikes(losses, state, 6.0)
     assert [i for i, _ in spikes] == [250, 320] and spikes[0][1] == pytest.approx(1.0, abs=0.01)
     chunked, offset = {"mean": 0.0, "var": 0.0, "n": 0}, 0
     found = []
     for chunk in (losses[:10], losses[10:255], losses[255:400]):  # as the trainer calls it, once per log
-        found += [offset + i for i, _ in common.find_spikes(chunk, chunked, 6.0)]
+        found += [offset + i for i, _ in find_spikes(chunk, chunked, 6.0)]
         offset += len(chunk)
     assert found == [250, 320] and chunked == state
     assert state["mean"] == pytest.approx(1.0, abs=0.02)  # the smoothed loss
@@ -133,8 +135,8 @@ def test_update_ratio_is_logged_for_real_optimizer_steps_only(tmp_path):
     args = tiny_run_args(tmp_path, "run", steps=4) + TINY_MODEL + [
         "--train.grad_accum=2", "--train.batch_size=8", "--log.grad_every=1", "--ckpt.every=1", "--ckpt.keep=100"]
     run = fm.main(args)
-    model, _ = common.load_exported(run / "export")
-    group_of = {name: g for g, ps in common.layer_groups(model).items() for p in ps
+    model, _ = load_exported(run / "export")
+    group_of = {name: g for g, ps in layer_groups(model).items() for p in ps
                 for name, q in model.named_parameters() if q is p}
     ratios = {r["step"]: r for r in rows(run) if "grad_norm_step" in r}
     assert sorted(ratios) == [1, 2, 3, 4]  # optimizer steps, not the 8 micro-batches

@@ -16,6 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import common
+from data import CachedDataset, build_cache, open_splits
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 
@@ -135,7 +136,7 @@ def test_bad_images_are_reported_and_skipped(tmp_path, capsys):
     reported = " ".join(" ".join(m["skipped"]) for m in manifests)
     for name in ("truncated.png", "empty.png", "notimage.png", "tiny.png"):
         assert name in reported
-    assert sum(len(common.CachedDataset(p.parent)) for p in (tmp_path / "cache").glob("*/manifest.json")) == 12
+    assert sum(len(CachedDataset(p.parent)) for p in (tmp_path / "cache").glob("*/manifest.json")) == 12
     assert (run / "export" / "transformer").exists()
 
 
@@ -144,19 +145,19 @@ def test_corrupt_shard_is_rebuilt_and_a_changed_key_is_named(tmp_path, capsys):
 
     cfg = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
                                            "--data.val_holdout=10", "--data.shard_size=32"])
-    train, _ = common.open_splits(cfg.data)
+    train, _ = open_splits(cfg.data)
     encode = lambda pixels, captions: {"x": pixels}
-    folder = common.build_cache(train, "train", encode, Accelerator(cpu=True), cfg)
+    folder = build_cache(train, "train", encode, Accelerator(cpu=True), cfg)
     before = {k: v.clone() for k, v in load_file(str(folder / "shard_00001.safetensors")).items()}
     shard = folder / "shard_00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
-    assert common.build_cache(train, "train", encode, Accelerator(cpu=True), cfg) == folder
+    assert build_cache(train, "train", encode, Accelerator(cpu=True), cfg) == folder
     assert "corrupt shards ['shard_00001.safetensors']" in capsys.readouterr().out
     after = load_file(str(shard))
     assert all(torch.equal(before[k], after[k]) for k in before)
     cfg2 = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
                                             "--data.val_holdout=10", "--data.shard_size=32", "--data.resolution=8"])
-    common.build_cache(train, "train", encode, Accelerator(cpu=True), cfg2)
+    build_cache(train, "train", encode, Accelerator(cpu=True), cfg2)
     assert "changed resolution: 16 -> 8" in capsys.readouterr().out
 
 

@@ -9,7 +9,8 @@ import torch
 from diffusers import SD3Transformer2DModel
 from safetensors.torch import load_file
 
-import common
+from data import CachedDataset
+from model import load_exported
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 
@@ -36,7 +37,7 @@ def test_tiny_run_writes_everything_and_resumes_exactly(tmp_path):
     ema = load_file(str(run / "checkpoints" / "step_00000006" / "ema.safetensors"))
     for name, value in transformer.state_dict().items():
         torch.testing.assert_close(value, ema["transformer." + name])
-    model, cfg = common.load_exported(run / "export")
+    model, cfg = load_exported(run / "export")
     x = fm.generate(model, torch.randn(2, 3, 16, 16), {"label": torch.tensor([0, 1]),
                                                       "drop": torch.zeros(2, dtype=torch.bool)}, cfg, steps=2)
     assert x.shape == (2, 3, 16, 16) and torch.isfinite(x).all()
@@ -60,12 +61,12 @@ def test_latent_space_text_to_image_run(tmp_path, tiny_vae, tiny_text_encoder):
         "--data.caption_column=caption", "--data.label_column=null", "--data.resolution=16", "--log.wandb=offline"]
     run = fm.main(args)
     assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))  # logged to wandb, offline without a key
-    cache = common.CachedDataset(next((tmp_path / "cache").glob("embedded-train-*")))
+    cache = CachedDataset(next((tmp_path / "cache").glob("embedded-train-*")))
     row = cache[0]
     assert row["x"].shape == (4, 8, 8) and row["x_std"].shape == (4, 8, 8) and (row["x_std"] > 0).all()
     assert row["text_tokens"].shape == (8, 32) and row["text_pooled"].shape == (32,) and "label" not in row
     assert (run / "samples" / "step_00000002.png").exists()
-    model, cfg = common.load_exported(run / "export")
+    model, cfg = load_exported(run / "export")
     torch.testing.assert_close(model.conditioner.null_tokens.abs().sum() > 0, torch.tensor(True))
 
 

@@ -9,6 +9,8 @@ from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid, get_2
 from safetensors.torch import load_file
 
 import common
+from data import DEMO_CLASSES, class_names, draw_shape, make_demo_dataset, preprocess, read_class_ids
+from model import adapt_state, grid_positions, load_exported, map_classes, resample_pos_embed
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
@@ -23,28 +25,28 @@ TINY_MODEL = ["--model.num_layers=1", "--model.num_attention_heads=2", "--model.
 @pytest.mark.parametrize("dim,grid", [(64, 4), (128, 8), (1152, 16)])
 def test_resampled_grid_at_the_same_size_is_the_original_exactly(dim, grid, mode):
     pos_embed = get_2d_sincos_pos_embed(dim, grid, base_size=grid).float()[None]  # what SD3's PatchEmbed holds
-    assert torch.equal(common.resample_pos_embed(pos_embed, grid, mode), pos_embed)
+    assert torch.equal(resample_pos_embed(pos_embed, grid, mode), pos_embed)
 
 
 def test_resampled_grid_at_double_size_spans_the_positions_the_model_saw():
     old, new, dim = 8, 16, 128
     pos_embed = get_2d_sincos_pos_embed(dim, old, base_size=old).float()[None]
-    resampled = common.resample_pos_embed(pos_embed, new, "resample")
+    resampled = resample_pos_embed(pos_embed, new, "resample")
     assert resampled.shape == (1, new * new, dim)
     # Oracle: sin-cos evaluated at p_i = (i + 0.5) old / new - 0.5 on both axes (diffusers' own formula).
     p = (torch.arange(new) + 0.5) * old / new - 0.5
     col = get_1d_sincos_pos_embed_from_grid(dim // 2, p.repeat(new))
     row = get_1d_sincos_pos_embed_from_grid(dim // 2, p.repeat_interleave(new))
     torch.testing.assert_close(resampled[0], torch.cat([col, row], 1).float(), atol=1e-6, rtol=0)
-    positions = common.grid_positions(resampled)  # read back from the grid's lowest frequency
+    positions = grid_positions(resampled)  # read back from the grid's lowest frequency
     assert positions.tolist() == pytest.approx(p.tolist(), abs=1e-5)
     assert positions.min() == pytest.approx(-0.25, abs=1e-5) and positions.max() == pytest.approx(old - 0.75, abs=1e-5)
-    assert positions.mean() == pytest.approx((old - 1) / 2) == common.grid_positions(pos_embed).mean()  # same centre
+    assert positions.mean() == pytest.approx((old - 1) / 2) == grid_positions(pos_embed).mean()  # same centre
     # "extend" (diffusers' default) continues the integer grid, centred: positions the model never saw.
-    extended = common.grid_positions(common.resample_pos_embed(pos_embed, new, "extend"))
+    extended = grid_positions(resample_pos_embed(pos_embed, new, "extend"))
     assert extended.tolist() == [i - old / 2 for i in range(new)]
     # Resampling a resampled grid composes: back to the original size gives the original grid.
-    torch.testing.assert_close(common.resample_pos_embed(resampled, old), pos_embed, atol=1e-6, rtol=0)
+    torch.testing.assert_close(resample_pos_embed(resampled, old), pos_embed, atol=1e-6, rtol=0)
 
 
 # ---- resolution shift -------------------------------------------------------------------------------------
@@ -77,7 +79,7 @@ def test_class_embeddings_are_mapped_by_wordnet_id_from_imagenet_22k_to_1k():
     tokens, dim = 2, 8
     source = torch.randn((len(ids_22k) + 1) * tokens, dim)
     target = torch.randn((len(ids_1k) + 1) * tokens, dim)
-    mapped, unmatched = common.map_classes(source, target, ids_22k, ids_1k)
+    mapped, unmatched = map_classes(source, target, ids_22k, ids_1k)
     src, tgt, out = (t.view(-1, tokens, dim) for t in (source, target, mapped))
     where = {c: i for i, c in enumerate(ids_22k)}
     assert len(unmatched) == 1000 - sum(c in where for c in ids_1k) == 1  # one 1k synset is not in fall11
@@ -91,23 +93,23 @@ def test_class_ids_and_captions_come_from_the_datasets_metadata(tmp_path):
     import datasets
 
     cfg = common.load_config(fm.DEFAULTS, [])
-    ds = common.make_demo_dataset(9, seed=0, resolution=8)
-    assert common.class_ids(cfg.data, ds) == common.DEMO_CLASSES  # ClassLabel names
-    assert common.class_names(cfg.data, ds) == common.DEMO_CLASSES
+    ds = make_demo_dataset(9, seed=0, resolution=8)
+    assert read_class_ids(cfg.data, ds) == DEMO_CLASSES  # ClassLabel names
+    assert class_names(cfg.data, ds) == DEMO_CLASSES
     cfg.data.class_ids, cfg.data.num_classes = "imagenet-1k", 1000  # the synset list the hub's ImageNet copies use
-    assert common.class_ids(cfg.data, ds)[:2] == ["n01440764", "n01443537"]
-    assert common.class_names(cfg.data, ds)[0] == "tench, Tinca tinca"
+    assert read_class_ids(cfg.data, ds)[:2] == ["n01440764", "n01443537"]
+    assert class_names(cfg.data, ds)[0] == "tench, Tinca tinca"
     (tmp_path / "ids.txt").write_text("n02084071\nn02121808\n")
     cfg.data.class_ids, cfg.data.num_classes = str(tmp_path / "ids.txt"), 2
-    assert common.class_names(cfg.data, ds) == ["dog, domestic dog, Canis familiaris", "domestic cat, house cat, "
+    assert class_names(cfg.data, ds) == ["dog, domestic dog, Canis familiaris", "domestic cat, house cat, "
                                                 "Felis domesticus, Felis catus"]
     with pytest.raises(ValueError, match="data.class_ids: 2 class ids .* but data.num_classes=9"):
-        common.class_ids(common.load_config(fm.DEFAULTS, ["--data.class_ids", str(tmp_path / "ids.txt")]).data, ds)
+        read_class_ids(common.load_config(fm.DEFAULTS, ["--data.class_ids", str(tmp_path / "ids.txt")]).data, ds)
     cfg.data.class_ids = None
     plain = datasets.Dataset.from_dict({"label": [0, 1]})  # integer labels without names
-    assert common.class_ids(cfg.data, plain) is None
+    assert read_class_ids(cfg.data, plain) is None
     with pytest.raises(ValueError, match="data.class_ids"):
-        common.class_names(cfg.data, plain)
+        class_names(cfg.data, plain)
 
 
 def _wnid_imagefolder(root, wnids, per_class=12, seed=0):
@@ -118,7 +120,7 @@ def _wnid_imagefolder(root, wnids, per_class=12, seed=0):
     for c, wnid in enumerate(wnids):
         (root / wnid).mkdir(parents=True)
         for i in range(per_class):
-            common.draw_shape(c % 9, 6, rng, resolution=16).save(root / wnid / f"{i}.png")
+            draw_shape(c % 9, 6, rng, resolution=16).save(root / wnid / f"{i}.png")
     return str(root)
 
 
@@ -170,10 +172,10 @@ def test_init_from_starts_fresh_and_resume_continues(trainer, tmp_path, capsys):
                 for p, name in ((low, "step_00000004"), (high, "step_00000003")))
     assert torch.equal(dst["transformer.transformer_blocks.0.attn.to_q.weight"],
                        src["transformer.transformer_blocks.0.attn.to_q.weight"])
-    positions = common.grid_positions(dst["transformer.pos_embed.pos_embed"])
+    positions = grid_positions(dst["transformer.pos_embed.pos_embed"])
     assert positions.tolist() == pytest.approx([(i + 0.5) * 4 / 8 - 0.5 for i in range(8)], abs=1e-5)
     # The export carries the resampled grid through from_pretrained, and the shift through its config.
-    model, cfg = common.load_exported(high / "export")
+    model, cfg = load_exported(high / "export")
     assert torch.equal(model.transformer.pos_embed.pos_embed, dst["transformer.pos_embed.pos_embed"])
     assert common.shift_of(cfg) == 2.0
     # Resume (same run, longer): continues its own checkpoint; init_from is not applied again.
@@ -204,7 +206,7 @@ def test_crop_metadata_is_in_original_pixels_whatever_the_training_resolution(cr
 
     cfg = common.load_config(fm.DEFAULTS, [f"--data.crop={crop}", "--data.random_flip=true"])
     img = Image.new("RGB", (300, 200))
-    metas = [common.preprocess(img, res, cfg.data, random.Random(7))[1] for res in (8, 16, 64)]
+    metas = [preprocess(img, res, cfg.data, random.Random(7))[1] for res in (8, 16, 64)]
     for meta in metas[1:]:  # the same control values at 256 and 512 px: what the model learned still applies
         assert all(torch.equal(meta[k], metas[0][k]) for k in metas[0])
     top, left, h, w = metas[0]["crop_box"].tolist()
@@ -234,7 +236,7 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
             assert full.train.batch_size * 16 == 384 and common.shift_of(full) == 2.0  # 16 GPUs; a = 512 / 256
             assert full.model.pos_embed_transfer == "resample"
         if "22k" in recipe and not recipe.endswith("from22k"):
-            assert full.data.num_classes == len(common.class_ids(full.data, None)) == 21841
+            assert full.data.num_classes == len(read_class_ids(full.data, None)) == 21841
         # The tiny version: embedded data, tiny encoders, initialised from the previous tiny run of the chain.
         tiny = ["--config", recipe_file, *tiny_run_args(tmp_path, recipe, steps=2), *TINY_MODEL,
                 "--data.source=embedded", "--data.val_split=null", "--data.image_column=image",
@@ -258,6 +260,6 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
 def test_class_ids_with_nothing_in_common_keep_a_fresh_init_and_say_why():
     source = {"conditioner.class_embed.weight": torch.randn(3, 4)}
     target = {"conditioner.class_embed.weight": torch.zeros(3, 4)}
-    out, report = common.adapt_state(source, target, ["n01440764", "n01443537"], ["tench", "goldfish"])
+    out, report = adapt_state(source, target, ["n01440764", "n01443537"], ["tench", "goldfish"])
     assert torch.equal(out["conditioner.class_embed.weight"][:2], torch.zeros(2, 4))
     assert "0 of 2 classes mapped" in report["adapted"][0] and "set data.class_ids" in report["adapted"][0]

@@ -1,0 +1,457 @@
+"""Where images come from and how they become cached tensors (the seed's "Data Loading" stage).
+
+    source (embedded demo, hub id, imagefolder, parquet) -> open_splits (train / held-out)
+      -> build_cache: cache check -> hit: load / miss: load_image, preprocess (crop, flip, control metadata),
+         encode (VAE posterior, text features) -> safetensors shards + manifest
+      -> CachedDataset -> iterate_batches (a pure function of the micro-batch count, for exact resume)
+
+Condition dropout (drop_conditions) is applied when the cache is read, never baked into it.
+"""
+import hashlib
+import json
+import math
+import os
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+# ----------------------------------------------------------------------------------------------------------
+# Embedded demo data: coloured shapes, generated deterministically, offline, in about a second.
+
+DEMO_COLORS = {"red": (220, 40, 40), "green": (40, 190, 60), "blue": (50, 80, 230)}
+DEMO_SHAPES = ["circle", "square", "triangle"]
+DEMO_CLASSES = [f"{c} {s}" for c in DEMO_COLORS for s in DEMO_SHAPES]  # label = index in this list
+
+
+def draw_shape(label, size, rng, resolution=32):
+    """One demo image: class `label`'s shape and colour, side `size` pixels, at a random place."""
+    color, shape = DEMO_CLASSES[label].split()
+    bg = tuple(int(v) for v in rng.integers(200, 245, 3))
+    img = Image.new("RGB", (resolution, resolution), bg)
+    x, y = (int(v) for v in rng.integers(1, resolution - size, 2))
+    box, fill = [x, y, x + size, y + size], DEMO_COLORS[color]
+    draw = ImageDraw.Draw(img)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(x + size / 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+    return img
+
+
+def make_demo_dataset(num_samples, seed, resolution=32):
+    """A `datasets.Dataset` with image, label and caption columns ("a small red circle")."""
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    rows = {"image": [], "label": [], "caption": []}
+    for i in range(num_samples):
+        label = i % len(DEMO_CLASSES)
+        size = int(rng.integers(round(resolution * 0.35), round(resolution * 0.75) + 1))
+        rows["image"].append(draw_shape(label, size, rng, resolution))
+        rows["label"].append(label)
+        rows["caption"].append(f"a {'small' if size < resolution * 0.55 else 'large'} {DEMO_CLASSES[label]}")
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=DEMO_CLASSES),
+                                  "caption": datasets.Value("string")})
+    return datasets.Dataset.from_dict(rows, features=features)
+
+# ----------------------------------------------------------------------------------------------------------
+# Datasets: embedded demo, hub id, local imagefolder (metadata.jsonl) or parquet files.
+
+
+def open_dataset(data, split):
+    """Split `split` of the source named by `data.source`, with images left undecoded (bytes or path), so
+    that a broken file is our error to report rather than a crash inside `datasets`."""
+    import datasets
+
+    source = data.source
+    if source == "embedded":
+        ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution)
+    elif source.endswith(".parquet") or (Path(source).is_dir() and any(Path(source).glob("**/*.parquet"))):
+        files = source if source.endswith(".parquet") else str(Path(source) / "**/*.parquet")
+        ds = datasets.load_dataset("parquet", data_files={split: files}, split=split)
+    elif Path(source).is_dir():
+        ds = datasets.load_dataset("imagefolder", data_dir=source, split=split)
+    else:
+        ds = datasets.load_dataset(source, split=split)
+    for key in ("image_column", "label_column", "caption_column"):
+        if data[key] is not None and data[key] not in ds.column_names:
+            raise ValueError(f"data.{key}='{data[key]}' is not a column of {source} (split '{split}'); "
+                             f"its columns are {ds.column_names}")
+    return ds.cast_column(data.image_column, datasets.Image(decode=False))
+
+
+def open_splits(data):
+    """(train, held-out) datasets: `data.val_split` if the source has one, else `data.val_holdout` rows
+    drawn at random (seed 0) from the training split and removed from it."""
+    train = open_dataset(data, data.split)
+    if data.val_split is not None:
+        val = open_dataset(data, data.val_split)
+    else:
+        perm = np.random.default_rng(0).permutation(len(train))
+        val, train = train.select(sorted(perm[:data.val_holdout])), train.select(sorted(perm[data.val_holdout:]))
+    if data.max_samples is not None:
+        train = train.select(range(min(data.max_samples, len(train))))
+    return train, val
+
+
+def read_class_ids(data, ds):
+    """The WordNet id (or other stable name) of each label index, from the dataset's own metadata, or None.
+    `data.class_ids` names a timm ImageNet subset ("imagenet-1k", "imagenet-22k": the synset lists that the
+    hub's ImageNet copies are indexed by) or a text file with one id per line; None reads the label column's
+    ClassLabel names (an imagefolder of n0xxxxxxx folders holds the WordNet ids there)."""
+    import datasets
+
+    if data.class_ids is None:
+        feature = ds.features.get(data.label_column) if data.label_column else None
+        ids = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+    elif Path(data.class_ids).is_file():
+        ids = Path(data.class_ids).read_text().split()
+    else:
+        from timm.data import ImageNetInfo
+
+        ids = list(ImageNetInfo(data.class_ids).label_names())
+    if ids is not None and len(ids) != data.num_classes:
+        where = data.class_ids or f"the ClassLabel names of column {data.label_column}"
+        raise ValueError(f"data.class_ids: {len(ids)} class ids ({where}) but data.num_classes={data.num_classes}")
+    return ids
+
+
+def class_names(data, ds):
+    """Readable class names, the captions of `data.label_captions`: WordNet ids become their lemmas
+    ("n01440764" -> "tench, Tinca tinca"); other ids are names already."""
+    ids = read_class_ids(data, ds)
+    if ids is None:
+        raise ValueError(f"data.label_captions needs class names: data.label_column='{data.label_column}' is not a "
+                         f"ClassLabel column of {data.source}; set data.class_ids (e.g. 'imagenet-22k' or a file)")
+    if all(re.fullmatch(r"n\d{8}", i) for i in ids):
+        from timm.data import ImageNetInfo
+
+        info = ImageNetInfo("imagenet-22k")
+        return [info.label_name_to_description(i) for i in ids]
+    return ids
+
+
+def load_image(value):
+    """Decode an undecoded `datasets.Image` value to RGB; any mode (L, P, RGBA, CMYK, I;16) is converted."""
+    import io
+
+    img = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"])
+    img.load()
+    if img.mode in ("RGBA", "LA", "P"):  # composite transparency on white rather than on black
+        img = img.convert("RGBA")
+        white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(white, img)
+    return img.convert("RGB")
+
+
+def preprocess(img, resolution, data, rng=random):
+    """Crop a square box by the crop policy `data.crop`, resize it to `resolution`, flip it if drawn.
+
+    center: the largest centred square; random: the largest square at a random place; random_resized: a
+    random square of side U(data.min_crop_scale, 1) x the short side, at a random place. Returns pixels in
+    [-1, 1] and the control metadata that describes exactly what was done, so the conditioning is true to the
+    data: orig_hw (h, w), crop_box (top, left, height, width) in original pixels, flip (0 or 1).
+    """
+    w, h = img.size
+    side = min(w, h)
+    if data.crop == "random_resized":
+        side = max(1, round(side * rng.uniform(data.min_crop_scale, 1.0)))
+    if data.crop == "center":
+        top, left = (h - side) // 2, (w - side) // 2
+    elif data.crop in ("random", "random_resized"):
+        top, left = rng.randint(0, h - side), rng.randint(0, w - side)
+    else:
+        raise ValueError(f"data.crop must be 'center', 'random' or 'random_resized', got {data.crop!r}")
+    img = img.resize((resolution, resolution), Image.BICUBIC, box=(left, top, left + side, top + side),
+                     reducing_gap=None if side < 3 * resolution else 3.0)
+    flip = data.random_flip and rng.random() < 0.5
+    if flip:
+        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    x = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1
+    return x, {"orig_hw": torch.tensor([h, w]), "crop_box": torch.tensor([top, left, side, side]),
+               "flip": torch.tensor([int(flip)])}
+
+# ----------------------------------------------------------------------------------------------------------
+# Frozen encoders: a diffusers AutoencoderKL (None: pixel space) and a transformers text encoder (None: class
+# labels), by hub id or local path.
+
+
+def load_encoders(enc, device):
+    vae = tokenizer = text_encoder = None
+    if enc.vae:
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.from_pretrained(enc.vae, use_safetensors=True).to(device).eval().requires_grad_(False)
+    if enc.text_encoder:
+        from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+        kind = AutoConfig.from_pretrained(enc.text_encoder).model_type
+        model_cls = {"clip": CLIPTextModel, "clip_text_model": CLIPTextModel, "t5": T5EncoderModel}.get(kind, AutoModel)
+        tokenizer = AutoTokenizer.from_pretrained(enc.text_encoder)
+        text_encoder = model_cls.from_pretrained(enc.text_encoder, use_safetensors=True).to(device).eval().requires_grad_(False)
+    return vae, tokenizer, text_encoder
+
+
+@torch.no_grad()
+def encode_text(tokenizer, encoder, captions, max_tokens):
+    """Token features for the context stream and a pooled vector (CLIP's pooler, else the masked mean)."""
+    tok = tokenizer(captions, padding="max_length", max_length=max_tokens, truncation=True, return_tensors="pt")
+    tok = tok.to(encoder.device)
+    out = encoder(input_ids=tok.input_ids, attention_mask=tok.attention_mask)
+    mask = tok.attention_mask.float()
+    pooled = getattr(out, "pooler_output", None)
+    if pooled is None:
+        pooled = (out.last_hidden_state * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    return {"text_tokens": out.last_hidden_state, "text_mask": mask, "text_pooled": pooled}
+
+
+def make_encode(vae, tokenizer, text_encoder, max_tokens):
+    """The cache's "process" step: pixels in [-1, 1] -> latents (z - shift) * scale with the VAE's own
+    factors, stored as posterior mean and std; captions -> text features."""
+
+    @torch.no_grad()
+    def encode(pixels, captions):
+        if vae is None:
+            out = {"x": pixels}
+        else:
+            posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+            scale, shift = vae.config.scaling_factor, vae.config.shift_factor or 0.0
+            out = {"x": (posterior.mean - shift) * scale, "x_std": posterior.std * scale}
+        if text_encoder is not None:
+            out.update(encode_text(tokenizer, text_encoder, captions, max_tokens))
+        return out
+
+    return encode
+
+
+@torch.no_grad()
+def decode(vae, x, device=None):
+    """Model space -> pixels in [-1, 1] (inverse of make_encode's scaling). With `device`, an offloaded VAE
+    comes to it for the call and leaves again (encoders stay off the GPU while training)."""
+    if vae is None:
+        return x
+    if device is not None:
+        vae.to(device)
+    out = vae.decode(x.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)).sample
+    if device is not None:
+        vae.cpu()
+    return out
+
+# ----------------------------------------------------------------------------------------------------------
+# Cache: "cache check -> hit: load / miss: process -> cache results" (training_pipeline.txt).
+# Each shard k holds dataset rows [k * S, (k + 1) * S) and is written by rank k % world_size, atomically;
+# an interrupted extraction resumes at the first missing shard. The folder is named by a hash of everything
+# that changes the content, so a changed key is a miss, never a silent reuse.
+
+
+def cache_key(cfg, part, num_rows):
+    data, enc = cfg.data, cfg.encoders
+    key = {"source": data.source, "part": part, "split": data.split, "val_split": data.val_split,
+           "val_holdout": data.val_holdout, "rows": num_rows, "resolution": data.resolution,
+           "crop": [data.crop, data.min_crop_scale, data.random_flip],
+           "columns": [data.image_column, data.label_column, data.caption_column], "vae": enc.vae,
+           "text_encoder": enc.text_encoder, "max_tokens": enc.max_tokens if enc.text_encoder else None,
+           "dtype": data.cache_dtype, "min_image_side": data.min_image_side, "format": 3}
+    if data.source == "embedded":
+        key["demo"] = [data.demo_samples, data.demo_resolution]
+    if data.label_captions:
+        key["label_captions"] = data.class_ids
+    return key
+
+
+def shard_ok(path):
+    """A finished shard opens and its header's tensors all hold the rows it claims (safetensors itself
+    rejects a file shorter than its header says, i.e. a truncated one)."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            rows = int(f.metadata()["rows"])
+            return all(f.get_slice(name).get_shape()[0] == rows for name in f.keys())
+    except Exception:
+        return False
+
+
+def build_cache(ds, part, encode, accelerator, cfg):
+    """Cache split `part` ("train" or "val") of `ds`: return its folder, encoding what is missing first.
+    `encode(pixels, captions)` maps a batch to a dict of tensors (see make_encode). Unreadable, empty and
+    tiny images are reported and skipped; a corrupt shard is detected and rebuilt."""
+    data = cfg.data
+    key = cache_key(cfg, part, len(ds))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", data.source).strip("-")[-40:]
+    folder = Path(data.cache_dir) / f"{slug}-{part}-{digest}"
+    manifest = folder / "manifest.json"
+    if manifest.exists():
+        bad = [n for n in json.loads(manifest.read_text())["shards"] if not shard_ok(folder / n)]
+        if not bad:
+            accelerator.print(f"cache hit ({part}): {folder}")
+            return folder
+        accelerator.print(f"cache ({part}): corrupt shards {bad} in {folder}: rebuilding them")
+    else:
+        for other in Path(data.cache_dir).glob(f"{slug}-{part}-*/manifest.json"):  # say why it is a miss
+            old = json.loads(other.read_text())["key"]
+            changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in key.items() if old.get(k) != v]
+            accelerator.print(f"cache miss ({part}): vs {other.parent.name}, changed {'; '.join(changed)}")
+        accelerator.print(f"cache miss ({part}): encoding {len(ds)} samples into {folder}")
+    folder.mkdir(parents=True, exist_ok=True)
+    names = class_names(data, ds) if data.label_captions else None
+    size, rank, world = data.shard_size, accelerator.process_index, accelerator.num_processes
+    mine = [k for k in range(math.ceil(len(ds) / size)) if k % world == rank]
+    for k in tqdm(mine, desc=f"cache {part} (rank {rank})", disable=not accelerator.is_local_main_process):
+        path = folder / f"shard_{k:05d}.safetensors"
+        if path.exists() and shard_ok(path):
+            continue  # finished before an interruption
+        rows = ds[k * size:(k + 1) * size]
+        rng = random.Random(k)  # crops and flips depend on the shard, not on the rank or the world size
+        kept, pixels, metas, skipped = [], [], [], []
+        for i, value in enumerate(rows[data.image_column]):
+            try:
+                img = load_image(value)
+                if min(img.size) < data.min_image_side:
+                    raise ValueError(f"{img.size[0]}x{img.size[1]} px is below data.min_image_side")
+                pixel, meta = preprocess(img, data.resolution, data, rng)
+            except Exception as e:  # truncated, empty, not an image, too small: report and skip, never crash
+                skipped.append(f"{value.get('path') or f'row {k * size + i}'}: {type(e).__name__}: {e}"[:300])
+                continue
+            kept.append(i), pixels.append(pixel), metas.append(meta)
+        tensors = {}
+        captions = [rows[data.caption_column][i] for i in kept] if data.caption_column else None
+        if data.label_captions:  # ImageNet-22k as text-to-image data: the class name is the caption
+            captions = [names[rows[data.label_column][i]] for i in kept]
+        for j in range(0, len(pixels), data.encode_batch_size):
+            out = encode(torch.stack(pixels[j:j + data.encode_batch_size]),
+                         captions[j:j + data.encode_batch_size] if captions else None)
+            for name, value in out.items():
+                tensors.setdefault(name, []).append(value.to("cpu", getattr(torch, data.cache_dtype)))
+        tensors = {name: torch.cat(parts) for name, parts in tensors.items()}
+        tensors.update({name: torch.stack([m[name] for m in metas]) for name in (metas[0] if metas else ())})
+        if data.label_column and kept:
+            tensors["label"] = torch.tensor([rows[data.label_column][i] for i in kept], dtype=torch.long)
+        tmp = path.with_suffix(".tmp")
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
+                  metadata={"rows": str(len(kept)), "skipped": json.dumps(skipped)})
+        os.replace(tmp, path)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shards = sorted(p.name for p in folder.glob("shard_*.safetensors"))
+        skipped = []
+        for name in shards:
+            with safe_open(str(folder / name), "pt") as f:
+                skipped += json.loads(f.metadata().get("skipped", "[]"))
+        if skipped:
+            accelerator.print(f"cache ({part}): skipped {len(skipped)} unusable images, first: " + "; ".join(skipped[:5]))
+        manifest.with_suffix(".tmp").write_text(json.dumps({"key": key, "shards": shards, "skipped": skipped}, indent=1))
+        os.replace(manifest.with_suffix(".tmp"), manifest)
+    accelerator.wait_for_everyone()
+    return folder
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """Rows of a finished cache, read lazily from memory-mapped shards (ImageNet latents do not fit in RAM
+    once per GPU). Returns float32 tensors; a latent cache holds the posterior mean and std, and a sample
+    x0 = mean + std * n is drawn at train time, so each epoch sees a fresh draw."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        manifest = json.loads((self.folder / "manifest.json").read_text())
+        self.shards, self.starts, self.keys = manifest["shards"], [0], []
+        for name in self.shards:
+            with safe_open(str(self.folder / name), "pt") as f:
+                self.starts.append(self.starts[-1] + int(f.metadata()["rows"]))
+                self.keys = list(f.keys()) if self.starts[-1] > self.starts[-2] else self.keys
+        self.handles = {}
+
+    def __len__(self):
+        return self.starts[-1]
+
+    def __getitem__(self, i):
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        if k not in self.handles:  # opened per worker process, lazily: handles do not pickle
+            self.handles[k] = safe_open(str(self.folder / self.shards[k]), "pt")
+        f, j = self.handles[k], i - self.starts[k]
+        return {name: f.get_slice(name)[j].float() if name != "label" else f.get_slice(name)[j]
+                for name in self.keys}
+
+    def __getstate__(self):
+        return {**self.__dict__, "handles": {}}
+
+def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs):
+    """Micro-batches forever, starting at micro-batch `start`. Epoch e visits a permutation seeded by
+    seed + e, split across ranks; so the data position is a pure function of the micro-batch count and a
+    resumed run continues exactly where it stopped, with nothing seen twice or skipped."""
+    per_epoch = len(dataset) // world // batch_size
+    if per_epoch == 0:
+        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than train.batch_size ({batch_size})"
+                         f" x {world} processes")
+    epoch, offset = divmod(start, per_epoch)
+    while True:
+        perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch))
+        mine = perm[rank::world][:per_epoch * batch_size].tolist()
+        # Its own generator: a DataLoader otherwise draws its worker seed from the global RNG, which would
+        # make the training noise depend on when the loader was created (and break exact resume).
+        yield from torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=mine[offset * batch_size:],
+                                               drop_last=True, generator=torch.Generator().manual_seed(seed + epoch),
+                                               **loader_kwargs)
+        epoch, offset = epoch + 1, 0
+
+
+def drop_conditions(batch_size, rate, device, generator=None):
+    """Bernoulli(rate) mask of samples whose condition is replaced by the null one (CFG training,
+    Ho & Salimans 2022). Applied when the cache is read, never baked into it."""
+    return torch.rand(batch_size, device=device, generator=generator) < rate
+
+
+
+def loader_options(data, device):
+    """DataLoader settings: workers (which leave stop signals to the trainer), pinned memory on CUDA."""
+    from common import ignore_stop_signals
+
+    kwargs = dict(num_workers=data.num_workers, pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
+    if data.num_workers > 0:
+        kwargs["prefetch_factor"] = data.prefetch_factor
+    return kwargs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation inputs: fixed conditions and noise for the sample grid, fixed batches for the held-out loss.
+
+COND_FIELDS = ("label", "text_tokens", "text_mask", "text_pooled", "orig_hw", "crop_box", "flip")  # what the conditioner reads
+
+
+def conditions_of(batch, device):
+    """The condition fields of a batch, on the device, with no condition dropped."""
+    cond = {k: v.to(device) for k, v in batch.items() if k in COND_FIELDS}
+    cond["drop"] = torch.zeros(len(next(iter(batch.values()))), dtype=torch.bool, device=device)
+    return cond
+
+
+def validation_inputs(val_set, num_samples, num_classes, x_shape, seed, device):
+    """Fixed conditions and noise for the validation grid: the first held-out rows' captions and controls,
+    and the classes in order (0, 1, 2, ...) for class-conditional runs."""
+    n = min(num_samples, len(val_set))
+    rows = [val_set[i] for i in range(n)]
+    cond = conditions_of({k: torch.stack([r[k] for r in rows]) for k in rows[0]}, device)
+    if "label" in cond:
+        cond["label"] = torch.arange(n, device=device) % num_classes
+    noise = torch.randn((n, *x_shape), generator=torch.Generator().manual_seed(seed)).to(device)
+    return noise, cond
+
+
+def heldout_batches(val_set, num_samples, batch_size, seed, device):
+    """(x0, noise, cond) batches of the first `num_samples` held-out rows with fixed latents draws and noise,
+    so the validation loss of two checkpoints differs only by the model."""
+    gen, n = torch.Generator().manual_seed(seed), min(num_samples, len(val_set))
+    for i in range(0, n, batch_size):
+        rows = [val_set[j] for j in range(i, min(i + batch_size, n))]
+        batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        x0 = batch["x"] + batch["x_std"] * torch.randn(batch["x"].shape, generator=gen) if "x_std" in batch else batch["x"]
+        noise = torch.randn(x0.shape, generator=gen)
+        yield x0.to(device), noise.to(device), conditions_of(batch, device)

@@ -1,0 +1,367 @@
+"""The conditioned MMDiT: diffusers' SD3Transformer2DModel plus the paper's conditioner, guidance, build /
+export / load, and the transfer of weights between runs (init_from).
+
+Conditioning (Berrada et al. 2024, our reading): semantic conditions (class tokens or text tokens) enter the
+MMDiT's context stream, i.e. act through attention; control metadata (size, crop, flip) is embedded and added
+to the adaptive-norm vector with a weight w(t) that is 0 at pure noise and 1 at data. Guidance acts on each.
+No objective and no sampler live here: those are each trainer's own.
+"""
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+import common
+
+# ----------------------------------------------------------------------------------------------------------
+# Conditioning: class tokens or text tokens go to the MMDiT's context stream (attention); the pooled
+# vector goes to its adaptive-norm input.
+
+
+CONTROL_FIELDS = {"size": "orig_hw", "crop": "crop_box", "flip": "flip"}  # control -> cached metadata
+CONTROL_SCALARS = {"size": 2, "crop": 4, "flip": 1}
+
+
+def sinusoidal(values, dim=64):
+    """Each scalar -> `dim` sin/cos features at geometric frequencies (as SDXL embeds its size and crop
+    conditions); (B, n) -> (B, n * dim)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=values.device) / half)
+    args = values.float()[..., None] * freqs
+    return torch.cat([args.cos(), args.sin()], dim=-1).flatten(1)
+
+
+def control_weight(noise_level, power):
+    """w(t) = cos(pi t / 2)^p: 0 at pure noise (t = 1), 1 at clean data (t = 0), monotone in between, so
+    low-level controls (size, crop, flip) act only late in denoising, once the layout that semantics decide
+    is in place (Berrada et al. 2024, our reading: a noise-dependent schedule on the control embedding)."""
+    return torch.cos(math.pi / 2 * noise_level.float().clamp(0, 1)).clamp(min=0) ** power
+
+
+def replicate_padding(tokens, mask, noise_std):
+    """Noisy replicate padding (Berrada et al. 2024): padded positions j >= n take a copy of real token
+    j mod n plus Gaussian noise, instead of the encoder's pad embeddings, so attention over the padding
+    carries the prompt rather than an uninformative constant. The noise std is noise_std x the RMS of the
+    sample's real tokens, so one setting suits CLIP and T5 features alike. Real tokens are left untouched."""
+    n = mask.sum(1).long().clamp(min=1)
+    source = torch.arange(tokens.shape[1], device=tokens.device)[None] % n[:, None]
+    copies = tokens.gather(1, source[..., None].expand_as(tokens))
+    rms = ((tokens.float().pow(2) * mask[..., None]).sum((1, 2)) / (n * tokens.shape[2])).sqrt()
+    copies = copies + noise_std * rms[:, None, None].to(tokens.dtype) * torch.randn_like(copies)
+    return torch.where(mask[..., None].bool(), tokens, copies)
+
+
+class Conditioner(nn.Module):
+    """Maps a batch's conditions to (context tokens, pooled vector, adaptive-norm addition) for the MMDiT.
+
+    Semantics (mode "disentangled", the paper's): a class label c becomes `class_tokens` learned tokens in
+    the context stream, i.e. it acts through attention; label == num_classes is the null class of guidance.
+    Text: the cached encoder features, a dropped caption replaced by the empty prompt's encoding (as SD3).
+    Controls (size, crop, flip): sinusoidal features and a small MLP each, added to the adaptive-norm vector
+    with the weight w(t) of `control_weight` (per-control power). Mode "adanorm" is the DiT/SDXL baseline the
+    paper improves on: class embedding and controls summed into the adaptive-norm vector, with w = 1.
+    """
+
+    def __init__(self, num_classes, class_tokens, context_dim, pooled_dim, width, text_tokens=0,
+                 controls=None, mode="disentangled", padding_noise=None):
+        super().__init__()
+        if mode not in ("disentangled", "adanorm"):
+            raise ValueError(f"conditioning.mode must be 'disentangled' or 'adanorm', got {mode!r}")
+        self.num_classes, self.class_tokens, self.pooled_dim = num_classes, class_tokens, pooled_dim
+        self.mode, self.padding_noise, self.controls = mode, padding_noise, dict(controls or {})
+        if num_classes and mode == "disentangled":
+            self.class_embed = nn.Embedding((num_classes + 1) * class_tokens, context_dim)
+            nn.init.normal_(self.class_embed.weight, std=0.02)
+        elif num_classes:  # baseline: class in the adaptive norm; the context stream holds one constant token
+            self.class_vector = nn.Embedding(num_classes + 1, width)
+            self.null_context = nn.Parameter(torch.randn(1, class_tokens, context_dim) * 0.02)
+        if text_tokens:
+            self.register_buffer("null_tokens", torch.zeros(text_tokens, context_dim))
+            self.register_buffer("null_mask", torch.zeros(text_tokens))
+            self.register_buffer("null_pooled", torch.zeros(pooled_dim))
+        self.control_mlp = nn.ModuleDict()
+        for name in self.controls:
+            mlp = nn.Sequential(nn.Linear(64 * CONTROL_SCALARS[name], width), nn.SiLU(), nn.Linear(width, width))
+            nn.init.zeros_(mlp[2].weight), nn.init.zeros_(mlp[2].bias)  # controls start as a no-op
+            self.control_mlp[name] = mlp
+
+    def forward(self, cond, noise_level):
+        drop, adanorm = cond["drop"], 0
+        if "text_tokens" in cond:
+            tokens = torch.where(drop[:, None, None], self.null_tokens.to(cond["text_tokens"]), cond["text_tokens"])
+            pooled = torch.where(drop[:, None], self.null_pooled.to(cond["text_pooled"]), cond["text_pooled"])
+            if self.padding_noise is not None:
+                mask = torch.where(drop[:, None], self.null_mask.to(cond["text_mask"]), cond["text_mask"])
+                tokens = replicate_padding(tokens, mask, self.padding_noise)
+            context = tokens
+        else:
+            label = torch.where(drop, self.num_classes, cond["label"])
+            pooled = torch.zeros(len(label), self.pooled_dim, device=label.device)
+            if self.mode == "disentangled":
+                ids = label[:, None] * self.class_tokens + torch.arange(self.class_tokens, device=label.device)
+                context = self.class_embed(ids)
+            else:
+                context, adanorm = self.null_context.expand(len(label), -1, -1), self.class_vector(label)
+        keep = ~cond["drop_controls"] if "drop_controls" in cond else torch.ones_like(drop)
+        for name, power in self.controls.items():
+            w = control_weight(noise_level, power) if self.mode == "disentangled" else torch.ones_like(noise_level)
+            emb = self.control_mlp[name](sinusoidal(cond[CONTROL_FIELDS[name]].view(len(drop), -1)))
+            adanorm = adanorm + emb * (w.float() * keep)[:, None]
+        return context, pooled, adanorm
+
+
+class Denoiser(nn.Module):
+    """The trained module: MMDiT plus conditioner, so DDP, EMA, checkpoints and export see one thing.
+
+    `timestep` is what diffusers' MMDiT expects, a float in [0, 1000]; `noise_level` in [0, 1] (1 = pure
+    noise) drives the control schedule and defaults to timestep / 1000. The conditioner's adaptive-norm
+    addition is added to the output of the transformer's time/pooled embedding (the vector every block's
+    AdaLayerNorm reads) by a forward hook, so the transformer stays a stock diffusers model.
+    """
+
+    def __init__(self, transformer, conditioner):
+        super().__init__()
+        self.transformer, self.conditioner = transformer, conditioner
+        self._adanorm = None
+        transformer.time_text_embed.register_forward_hook(self._add_to_adanorm)
+
+    def _add_to_adanorm(self, module, args, output):
+        return output + self._adanorm.to(output.dtype) if torch.is_tensor(self._adanorm) else output  # 0: nothing
+
+    def forward(self, x, timestep, cond, noise_level=None):
+        noise_level = timestep / 1000 if noise_level is None else noise_level
+        context, pooled, self._adanorm = self.conditioner(cond, noise_level)
+        try:
+            return self.transformer(hidden_states=x, encoder_hidden_states=context, pooled_projections=pooled,
+                                    timestep=timestep).sample
+        finally:
+            self._adanorm = None
+
+
+def rescale_guidance(out, out_c, phi):
+    """Guidance rescale (Lin et al. 2024, sec. 3.4; diffusers' rescale_noise_cfg): per sample,
+    out <- phi out std(out_c) / std(out) + (1 - phi) out, which undoes the over-exposure that a large
+    guidance scale causes with zero terminal SNR. out_c: the fully conditional prediction; phi = 0: off."""
+    if phi == 0:
+        return out
+    dims = list(range(1, out.dim()))
+    return phi * out * (out_c.std(dim=dims, keepdim=True) / out.std(dim=dims, keepdim=True)) + (1 - phi) * out
+
+
+def guided(model, x, timestep, cond, semantic_scale=1.0, control_scale=0.0, noise_level=None, rescale=0.0):
+    """Guidance on both condition kinds (Ho & Salimans 2022, extended as in Brooks et al. 2023):
+        out = m(null, k) + s (m(c, k) - m(null, k)) + s_k (m(c, k) - m(c, null_k))
+    where c is the semantic condition, k the controls, s = semantic_scale, s_k = control_scale. With s_k = 0
+    it is standard classifier-free guidance; s = 1, s_k = 0 is the plain conditional model (one pass).
+    `rescale` is phi of rescale_guidance (DDPM with zero terminal SNR uses it)."""
+    branches = [(False, False)] + [(True, False)] * (semantic_scale != 1) + [(False, True)] * (control_scale != 0)
+    if len(branches) == 1:
+        return model(x, timestep, cond, noise_level).float()
+    n, k = len(x), len(branches)
+    batch = {key: torch.cat([v] * k) for key, v in cond.items() if key not in ("drop", "drop_controls")}
+    batch["drop"] = torch.cat([cond["drop"] | d for d, _ in branches])
+    batch["drop_controls"] = torch.cat([torch.full((n,), dc, device=x.device) for _, dc in branches])
+    repeat = (lambda v: None if v is None else torch.cat([v.expand(n)] * k))
+    out = model(torch.cat([x] * k), repeat(timestep), batch, repeat(noise_level)).float().chunk(k)
+    result = out[0] if semantic_scale == 1 else out[1] + semantic_scale * (out[0] - out[1])
+    result = result + control_scale * (out[0] - out[-1]) if control_scale != 0 else result
+    return rescale_guidance(result, out[0], rescale)
+
+
+def make_conditioner(cfg, width, context_dim, pooled_dim, text_tokens=0):
+    c = cfg["conditioning"]
+    unknown = set(c["controls"]) - set(CONTROL_FIELDS)
+    if unknown:
+        raise ValueError(f"conditioning.controls: unknown {sorted(unknown)}; choose from {sorted(CONTROL_FIELDS)}")
+    num_classes = cfg["data"]["num_classes"] if cfg["data"]["label_column"] and not text_tokens else 0
+    return Conditioner(num_classes, cfg["model"]["class_tokens"], context_dim, pooled_dim, width, text_tokens,
+                       {name: c["control_power"][name] for name in c["controls"]}, c["mode"],
+                       c["padding_noise"] if c["replicate_padding"] else None)
+
+
+def build_denoiser(cfg, channels, size, text_dims=None):
+    """SD3Transformer2DModel (MMDiT, Esser et al. 2024) of the configured size and its conditioner.
+    `text_dims` = (tokens, token dim, pooled dim) of the text encoder; None for class conditioning, whose
+    tokens live in the model width."""
+    from diffusers import SD3Transformer2DModel
+
+    model = cfg["model"]
+    width = model["num_attention_heads"] * model["attention_head_dim"]
+    tokens, context_dim, pooled_dim = text_dims or (0, width, width)
+    transformer = SD3Transformer2DModel(
+        sample_size=size, patch_size=model["patch_size"], in_channels=channels, out_channels=channels,
+        num_layers=model["num_layers"], attention_head_dim=model["attention_head_dim"],
+        num_attention_heads=model["num_attention_heads"], joint_attention_dim=context_dim,
+        caption_projection_dim=width, pooled_projection_dim=pooled_dim,
+        pos_embed_max_size=size // model["patch_size"], qk_norm=model["qk_norm"])
+    return Denoiser(transformer, make_conditioner(cfg, width, context_dim, pooled_dim, tokens))
+
+
+def build_for_run(cfg, x_shape, null_text=None):
+    """The run's Denoiser for data of shape (channels, size, size) in model space; text runs pass the empty
+    prompt's encoding (null_text), which is the dropped condition of guidance and fixes the text dims."""
+    text_dims = None if null_text is None else (*null_text["text_tokens"].shape[1:], null_text["text_pooled"].shape[-1])
+    model = build_denoiser(cfg, x_shape[0], x_shape[-1], text_dims)
+    if null_text is not None:
+        for name in ("tokens", "mask", "pooled"):
+            getattr(model.conditioner, f"null_{name}").copy_(null_text[f"text_{name}"][0])
+    if cfg.train.gradient_checkpointing:
+        model.transformer.enable_gradient_checkpointing()
+    return model
+
+
+def export(ema, cfg, run_dir, class_ids=None):
+    """The fp32 EMA model: transformer/ loadable with SD3Transformer2DModel.from_pretrained (safetensors),
+    conditioner.safetensors, the run's config.json and, for init_from's class mapping, class_ids.json."""
+    from safetensors.torch import save_file
+
+    folder = Path(run_dir) / "export"
+    ema.transformer.save_pretrained(folder / "transformer", safe_serialization=True)
+    save_file({k: v.contiguous() for k, v in ema.conditioner.state_dict().items()}, str(folder / "conditioner.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    if class_ids:
+        (folder / "class_ids.json").write_text(json.dumps(class_ids))
+    return folder
+
+
+def load_exported(folder):
+    """The EMA model that a run exported: transformer via `from_pretrained`, conditioner from safetensors."""
+    from diffusers import SD3Transformer2DModel
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg = common.Config(json.loads((folder / "config.json").read_text()))
+    transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer", use_safetensors=True)
+    state = load_file(str(folder / "conditioner.safetensors"))
+    tc = transformer.config
+    conditioner = make_conditioner(cfg, tc.num_attention_heads * tc.attention_head_dim, tc.joint_attention_dim,
+                                   tc.pooled_projection_dim, len(state.get("null_tokens", ())))
+    conditioner.load_state_dict(state)
+    return Denoiser(transformer, conditioner).eval(), cfg
+
+# ----------------------------------------------------------------------------------------------------------
+# Transfer (init_from): a new run starts from another run's weights, at another resolution (256 -> 512 px) or
+# on other data (ImageNet-22k -> 1k, or -> text-to-image). Unlike resume, optimizer, step and data position
+# start fresh.
+
+TEXT_BUFFERS = ("conditioner.null_tokens", "conditioner.null_mask", "conditioner.null_pooled")  # this run's encoder
+
+
+def grid_positions(pos_embed):
+    """The positions along one axis that a square 2-D sin-cos grid encodes, read back from its lowest
+    frequency (diffusers' layout: [sin, cos] of the column, then of the row, D/4 frequencies each). A grid
+    built by diffusers gives 0, 1, ..., g-1; a grid resampled before gives its fractional positions."""
+    g, q = math.isqrt(pos_embed.shape[-2]), pos_embed.shape[-1] // 4
+    lowest = pos_embed.reshape(g, g, 4, q)[0, :, :2, -1].double()  # row 0: sin, cos of the column position
+    pos = torch.atan2(lowest[:, 0], lowest[:, 1]) / (1 / 10000 ** ((q - 1) / q))
+    return pos.round() if (pos - pos.round()).abs().max() < 1e-3 else pos  # integers are exact
+
+
+def resample_pos_embed(pos_embed, new_grid, mode="resample"):
+    """The (1, new_grid^2, D) sin-cos grid for a new token grid, from an old one (1, g^2, D).
+    resample (Berrada et al. 2024, Pseudocode 1, "rectified grid sampling"): new token i sits at old position
+    p_i = (i + 0.5) g / new_grid - 0.5, so the new grid spans the positions the model was trained on (corners
+    align, centres coincide) and the sin-cos features are evaluated there exactly.
+    extend (diffusers' default): positions continue at the old spacing, centred (SD3 crops the centre of a
+    larger grid), so a 2x grid reaches positions the model never saw."""
+    from diffusers.models.embeddings import get_2d_sincos_pos_embed_from_grid
+
+    old = grid_positions(pos_embed)
+    g, spacing = len(old), (old[-1] - old[0]) / max(len(old) - 1, 1)
+    i = torch.arange(new_grid, dtype=torch.float64)
+    index = (i + 0.5) * g / new_grid - 0.5 if mode == "resample" else i - (new_grid - g) / 2
+    pos = (old[0] + index * spacing).float()  # float32 positions, as diffusers builds its grid
+    grid = torch.stack(torch.meshgrid(pos, pos, indexing="xy")).reshape(2, 1, new_grid, new_grid)
+    return get_2d_sincos_pos_embed_from_grid(pos_embed.shape[-1], grid).float()[None]
+
+
+def map_classes(source, target, source_ids, target_ids):
+    """Class-embedding rows of the target's classes, taken from the source class with the same id (WordNet
+    id for ImageNet-22k -> 1k); the last row, the null class of guidance, from the source's null class.
+    Classes the source lacks keep their fresh initialisation. Each class may own several rows (class tokens)."""
+    tokens = source.shape[0] // (len(source_ids) + 1)
+    if target.shape[0] != (len(target_ids) + 1) * tokens or source.shape[0] != (len(source_ids) + 1) * tokens:
+        raise ValueError(f"class embeddings {tuple(source.shape)} -> {tuple(target.shape)} do not fit "
+                         f"{len(source_ids)} -> {len(target_ids)} classes with {tokens} tokens each")
+    where = {c: i for i, c in enumerate(source_ids)}
+    pairs = [(j, where[c]) for j, c in enumerate(target_ids) if c in where] + [(len(target_ids), len(source_ids))]
+    out = target.clone().view(len(target_ids) + 1, tokens, -1)
+    rows = torch.tensor(pairs, dtype=torch.long)
+    out[rows[:, 0]] = source.view(len(source_ids) + 1, tokens, -1)[rows[:, 1]].to(out.dtype)
+    return out.view_as(target), [c for c in target_ids if c not in where]
+
+
+def adapt_state(source, target, source_ids=None, target_ids=None, pos_embed_mode="resample"):
+    """The target model's state dict filled from a source state dict, and a report of what happened.
+    Same-shaped tensors load; the positional grid is resampled (or extended) to the new token grid; class
+    embeddings are mapped by id when both runs know their class ids; any other shape change, missing or
+    unexpected tensor keeps the target's fresh value and is reported."""
+    out, report = dict(target), {"loaded": 0, "adapted": [], "missing": [], "unexpected": [], "reshaped": []}
+    for key, value in target.items():
+        if key in TEXT_BUFFERS:
+            continue  # the empty prompt of this run's own text encoder, set by the trainer
+        if key not in source:
+            report["missing"].append(key)
+            continue
+        src = source[key]
+        if key.endswith("pos_embed.pos_embed") and src.shape != value.shape:
+            out[key] = resample_pos_embed(src, math.isqrt(value.shape[1]), pos_embed_mode)
+            report["adapted"].append(f"{key}: {pos_embed_mode} {math.isqrt(src.shape[1])}^2 -> "
+                                     f"{math.isqrt(value.shape[1])}^2 positions")
+        elif key.endswith(("class_embed.weight", "class_vector.weight")) and source_ids and target_ids:
+            out[key], unmatched = map_classes(src, value, source_ids, target_ids)
+            hint = "" if len(unmatched) < len(target_ids) else (
+                f" (no id in common: the source's look like {source_ids[:2]}, this run's like {target_ids[:2]};"
+                f" set data.class_ids so both name classes the same way)")
+            report["adapted"].append(f"{key}: {len(target_ids) - len(unmatched)} of {len(target_ids)} classes "
+                                     f"mapped by id from {len(source_ids)}; unmatched (fresh): {unmatched[:20]}{hint}")
+        elif src.shape != value.shape:
+            report["reshaped"].append(f"{key}: {tuple(src.shape)} -> {tuple(value.shape)}")
+        else:
+            out[key], report["loaded"] = src.to(value.dtype), report["loaded"] + 1
+    report["unexpected"] = sorted(k for k in source if k not in target)
+    return out, report
+
+
+def read_weights(source):
+    """(model state, EMA state, class ids, folder) of an init_from source: a run folder (its newest intact
+    checkpoint), a checkpoint folder, or an export folder (whose EMA weights serve as both)."""
+    from safetensors.torch import load_file
+
+    folder = Path(source)
+    if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").exists():
+        folder = common.find_checkpoint(folder, "latest") or folder / "checkpoints"
+    if common.checkpoint_ok(folder):
+        state = torch.load(folder / "state.pt", weights_only=True)
+        return (load_file(str(folder / "model.safetensors")), load_file(str(folder / "ema.safetensors")),
+                state.get("class_ids"), folder)
+    if (folder / "transformer").is_dir() and (folder / "conditioner.safetensors").exists():
+        weights = {f"transformer.{k}": v for f in sorted((folder / "transformer").glob("*.safetensors"))
+                   for k, v in load_file(str(f)).items()}
+        weights.update({f"conditioner.{k}": v for k, v in load_file(str(folder / "conditioner.safetensors")).items()})
+        ids = folder / "class_ids.json"
+        return weights, weights, json.loads(ids.read_text()) if ids.exists() else None, folder
+    raise FileNotFoundError(f"init_from: {source} is not a run folder with an intact checkpoint, a checkpoint "
+                            f"(model.safetensors, state.pt) or an export (transformer/, conditioner.safetensors)")
+
+
+def init_from(source, model, ema, class_ids=None, pos_embed_mode="resample", log=print):
+    """Load another run's weights into `model` and its EMA into `ema` (see adapt_state); log every adapted,
+    missing, unexpected and reshaped tensor and return the report."""
+    model_state, ema_state, source_ids, folder = read_weights(source)
+    reports = []
+    for module, state in ((model, model_state), (ema, ema_state)):
+        adapted, report = adapt_state(state, module.state_dict(), source_ids, class_ids, pos_embed_mode)
+        module.load_state_dict(adapted)
+        reports.append(report)
+    report = {"source": str(folder), **reports[0]}
+    log(f"init_from {folder}: {report['loaded']} tensors loaded (weights and EMA); optimizer, step and data "
+        f"position start fresh")
+    for kind in ("adapted", "missing", "unexpected", "reshaped"):
+        if report[kind]:
+            log(f"init_from {kind} ({len(report[kind])}{', kept at fresh init' if kind in ('missing', 'reshaped') else ''}"
+                f"{', ignored' if kind == 'unexpected' else ''}): " + "; ".join(report[kind]))
+    return report
+

@@ -1,0 +1,196 @@
+"""What a training step measures, behind one small object the loop calls in a few places (Monitor):
+
+    loss per time bin, per-step losses and gradient norms, clip share, throughput, data wait, memory (every
+    log.every steps, in one all-reduce), loss spikes against running statistics, and every log.grad_every
+    steps the gradient norm and update / weight ratio per layer group with vanishing / exploding flags.
+
+Nothing here changes what is trained: the loop's forward, loss, accumulation, optimizer step and EMA are the
+trainers' own.
+"""
+import math
+import re
+import resource
+import time
+
+import torch
+
+# ----------------------------------------------------------------------------------------------------------
+# Monitoring: gradient norm and update size per layer group, vanishing / exploding flags, loss spikes.
+
+
+def layer_groups(model):
+    """{group: parameters} of a Denoiser: patch_embed, block_00 .. block_NN, final_layer, and conditioning
+    (class / text / control embeddings, the time and context embedders)."""
+    groups = {}
+    for name, p in model.named_parameters():
+        block = re.match(r"transformer\.transformer_blocks\.(\d+)\.", name)
+        group = (f"block_{int(block[1]):02d}" if block else "patch_embed" if name.startswith("transformer.pos_embed.")
+                 else "final_layer" if name.startswith(("transformer.norm_out.", "transformer.proj_out.")) else "conditioning")
+        groups.setdefault(group, []).append(p)
+    return groups
+
+
+@torch.no_grad()
+def group_grad_norms(groups, total_norm, clip):
+    """The gradient norm of each group before clipping (the clip scaled every gradient by one factor, undone
+    here), so the groups' norms add up in squares to the total norm that clip_grad_norm_ returned."""
+    scale = max(1.0, (float(total_norm) + 1e-6) / clip)  # torch's clip_coef = clip / (total + 1e-6), capped at 1
+    norms = torch.stack([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
+        [p.grad for p in ps if p.grad is not None] or [torch.zeros(1, device=ps[0].device)]))) for ps in groups.values()])
+    return dict(zip(groups, (norms.float() * scale).tolist()))
+
+
+@torch.no_grad()
+def group_update_ratios(groups, before):
+    """||w_after - w_before|| / ||w_before|| per group: the relative step the optimizer took (about 1e-3 per
+    step is the usual healthy range for Adam at a sensible LR). `before`: {group: [weights before the step]}."""
+    ratios = {}
+    for g, ps in groups.items():
+        delta = torch.stack(torch._foreach_norm(torch._foreach_sub([p.detach() for p in ps], before[g])))
+        ratios[g] = (torch.linalg.vector_norm(delta) / torch.linalg.vector_norm(
+            torch.stack(torch._foreach_norm(before[g]))).clamp(min=1e-12))
+    return {g: float(r) for g, r in ratios.items()}
+
+
+def gradient_flags(norms, ratio):
+    """Groups whose gradient norm is `ratio` times below (vanishing: a dead or disconnected part) or above
+    (exploding) the median group's, or not finite."""
+    finite = sorted(v for v in norms.values() if math.isfinite(v))
+    median = finite[len(finite) // 2] if finite else float("nan")
+    return [(g, "grad_vanishing" if v < median / ratio else "grad_exploding") for g, v in norms.items()
+            if not math.isfinite(v) or v < median / ratio or v > median * ratio]
+
+
+def find_spikes(losses, state, threshold, warmup=100, decay=0.99):
+    """(index, running mean) of each loss spike in a run of per-step losses: a loss more than `threshold`
+    running standard deviations above the running mean, both EMAs over about 1 / (1 - decay) steps, after
+    `warmup` steps.
+    `state` ({"mean", "var", "n"}, saved in checkpoints) carries the EMAs across calls; its mean is the
+    smoothed loss."""
+    spikes = []
+    for i, x in enumerate(losses):
+        if not math.isfinite(x):
+            continue
+        if state["n"] == 0:
+            state["mean"] = x
+        limit = state["mean"] + threshold * math.sqrt(state["var"])
+        if state["n"] >= warmup and x > limit:
+            spikes.append((i, state["mean"]))
+            x = limit  # a spike enters the statistics clipped, so it does not hide the next one
+        delta = x - state["mean"]
+        state["mean"] += (1 - decay) * delta
+        state["var"] = decay * (state["var"] + (1 - decay) * delta ** 2)
+        state["n"] += 1
+    return spikes
+
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The object the loop talks to: micro_batch (losses), before_update / after_update (gradients, skipped steps),
+# log_interval (one all-reduce per log.every steps), state_dict (what a checkpoint keeps).
+
+
+class Monitor:
+    """Interval statistics of a training run. The per-step losses and gradient norms stay on the device and
+    come over in one all-reduce per log interval, so an ordinary step adds no host-device sync of its own."""
+
+    def __init__(self, cfg, model, accelerator, log, progress, state=None):
+        self.cfg, self.accelerator, self.log, self.progress = cfg, accelerator, log, progress
+        self.world, self.k_bins = accelerator.num_processes, cfg.objective.loss_bins
+        self.groups = layer_groups(model)  # for the gradient analysis
+        device = accelerator.device
+        self.stats = torch.zeros(2 * self.k_bins, device=device)  # loss sums and counts per time bin
+        self.per_step = torch.zeros(cfg.log.every, 3, device=device)  # loss sum, count, grad norm per step since the log
+        state = state or {}
+        self.skipped = state.get("skipped_steps", 0)
+        self.loss_state = state.get("loss_state", {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0})  # smoothed loss, spikes
+        self.since_log, self.bad_in_row, self.waited, self.analysis = 0, 0, 0.0, None
+        self.restart_clock()
+
+    def state_dict(self):
+        return {"skipped_steps": self.skipped, "loss_state": self.loss_state}
+
+    def restart_clock(self):
+        """Throughput counts training only: called after validation, FID and checkpoints."""
+        self.waited, self.t_last = 0.0, time.perf_counter()
+
+    def next_batch(self, batches, device):
+        """The next micro-batch on the device; the time spent waiting for it is the data-wait share."""
+        t0 = time.perf_counter()
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        self.waited += time.perf_counter() - t0
+        return batch
+
+    def micro_batch(self, loss, bins):
+        """Per-sample losses of one micro-batch and the time bin (0 .. loss_bins - 1) of each sample."""
+        loss = loss.detach()
+        self.per_step[self.since_log, 0] += loss.sum()
+        self.per_step[self.since_log, 1] += len(loss)
+        self.stats[:self.k_bins].index_add_(0, bins, loss)
+        self.stats[self.k_bins:].index_add_(0, bins, torch.ones_like(loss))
+
+    def before_update(self, step, grad_norm, finite):
+        """On a gradient-analysis step (every log.grad_every, main process): the per-group gradient norms before
+        clipping, and the weights before the update for the update / weight ratio."""
+        every = self.cfg.log.grad_every
+        self.analysis = None
+        if every and (step + 1) % every == 0 and self.accelerator.is_main_process:
+            norms = group_grad_norms(self.groups, grad_norm, self.cfg.train.grad_clip)
+            before = {g: [p.detach().clone() for p in ps] for g, ps in self.groups.items()} if finite else None
+            self.analysis = (norms, before)
+
+    def after_update(self, step, grad_norm, finite, optimizer_skipped=False):
+        """Record the step's gradient norm, finish the analysis, count skipped steps; too many non-finite steps
+        in a row stop the run (train.max_nonfinite_steps)."""
+        self.per_step[self.since_log, 2] = grad_norm.detach().float()
+        if self.analysis is not None:  # the update / weight ratio only for an update that happened
+            norms, before = self.analysis
+            metrics = {"step": step + 1, "grad_norm_step": float(grad_norm), **{f"grad_norm/{g}": v for g, v in norms.items()}}
+            if finite and not optimizer_skipped:
+                metrics.update({f"update_ratio/{g}": v for g, v in group_update_ratios(self.groups, before).items()})
+            self.log(metrics)
+            for g, kind in gradient_flags(norms, self.cfg.log.grad_flag_ratio):
+                self.log({"step": step + 1, "event": kind, "group": g, "grad_norm": norms[g]})
+                self.accelerator.print(f"step {step + 1}: {kind.replace('_', ' ')} in {g} (norm {norms[g]:.3g})")
+        self.skipped, self.bad_in_row = self.skipped + (not finite), 0 if finite else self.bad_in_row + 1
+        if self.bad_in_row >= self.cfg.train.max_nonfinite_steps:
+            raise FloatingPointError(f"{self.bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
+                                     f"(last at step {step + 1}); the last good checkpoint is in "
+                                     f"{self.cfg.run_dir}/checkpoints (train.max_nonfinite_steps)")
+        self.since_log += 1
+        self.progress.update(1)
+
+    def log_interval(self, step, lr):
+        """Average the interval's statistics over steps and processes (the one sync), find loss spikes, log."""
+        tr, k_bins = self.cfg.train, self.k_bins
+        totals = self.accelerator.reduce(torch.cat([self.stats, self.per_step.flatten()]), "sum")
+        n_steps, self.since_log = self.since_log, 0
+        elapsed = time.perf_counter() - self.t_last
+        steps = totals[len(self.stats):].view(-1, 3)[:n_steps].tolist()
+        loss_avg = sum(s[0] for s in steps) / sum(s[1] for s in steps)
+        losses = [s[0] / max(s[1], 1) for s in steps]
+        norms = [s[2] / self.world for s in steps]  # the same all-reduced norm on every rank
+        # Stability: spikes against the running mean and std of the per-step loss; how often the clip acts.
+        for i, mean in find_spikes(losses, self.loss_state, self.cfg.log.spike_threshold):
+            self.loss_state["spikes"] += 1
+            self.log({"step": step - n_steps + 1 + i, "event": "loss_spike", "loss": losses[i], "loss_smoothed": mean})
+        clipped = [n / tr.grad_clip for n in norms if math.isfinite(n) and n > tr.grad_clip]
+        device = self.accelerator.device
+        peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        metrics = {"step": step, "loss": loss_avg, "loss_smoothed": self.loss_state["mean"], "lr": lr,
+                   "grad_norm": sum(n for n in norms if math.isfinite(n)) / n_steps, "skipped_steps": self.skipped,
+                   "clip_share": len(clipped) / n_steps, "loss_spikes": self.loss_state["spikes"],
+                   "images_per_s": n_steps * tr.batch_size * tr.grad_accum * self.world / elapsed,
+                   "data_wait_share": self.waited / elapsed, "peak_memory_gb": peak / 2**30}
+        counts = totals[k_bins:len(self.stats)].clamp(min=1)
+        metrics.update({f"loss_t{k}": (totals[k] / counts[k]).item() for k in range(k_bins)})
+        metrics["images_per_s_per_device"] = metrics["images_per_s"] / self.world
+        if clipped:  # by how much the clip acted, on the steps where it did
+            metrics["clip_excess"] = sum(clipped) / len(clipped)
+        self.log(metrics)
+        self.progress.set_postfix(loss=f"{self.loss_state['mean']:.4f}", lr=f"{lr:.1e}")
+        self.stats.zero_(), self.per_step.zero_()
+        self.restart_clock()
+        return metrics
