@@ -1,0 +1,71 @@
+"""Recipes as data: each configs/*.json names only what it changes from the trainers' defaults, and loads
+with both trainers. (Tiny versions of the paper recipes run in test_conditioning.py and test_transfer.py.)"""
+import json
+
+import pytest
+
+import common
+import train_ddpm
+import train_flow_matching
+from conftest import ROOT
+
+RECIPES = sorted((ROOT / "configs").glob("*.json"))
+TRAINERS = {"flow_matching": train_flow_matching.DEFAULTS, "ddpm": train_ddpm.DEFAULTS}
+
+
+def same(a, b):
+    """Equal as config values: 1 == 1.0 (load_config makes a float of an int), but true is not 1."""
+    return a == b and (type(a) is bool) == (type(b) is bool)
+
+
+def restated_defaults(recipe, defaults, prefix=""):
+    """Dotted keys whose value in the recipe equals the default of every trainer that has the key: those
+    lines change nothing and hide what the recipe is about. A key only one trainer has is method-specific
+    and counts as a change (a recipe serves both trainers, so it should not hold one anyway)."""
+    found = []
+    for key, value in recipe.items():
+        own = [d[key] for d in defaults if key in d]
+        if isinstance(value, dict):
+            found += restated_defaults(value, [d for d in own if isinstance(d, dict)], f"{prefix}{key}.")
+        elif len(own) == len(defaults) and all(same(d, value) for d in own):
+            found.append(f"{prefix}{key}={json.dumps(value)}")
+    return found
+
+
+def test_there_are_recipes():
+    assert {"demo", "own_data_256", "imagenet256", "cc12m", "imagenet512"} <= {p.stem for p in RECIPES}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_no_recipe_restates_a_default_of_either_trainer(path):
+    found = restated_defaults(json.loads(path.read_text()), list(TRAINERS.values()))
+    assert not found, f"{path.name} restates the trainers' defaults: {found} (delete these lines)"
+
+
+def test_the_restated_default_check_sees_nested_keys_and_both_trainers():
+    defaults = list(TRAINERS.values())
+    assert restated_defaults({"train": {"grad_clip": 1.0, "lr": 1e-4}}, defaults) == ["train.grad_clip=1.0"]
+    assert restated_defaults({"conditioning": {"control_power": {"size": 1.0}}}, defaults) == \
+        ["conditioning.control_power.size=1.0"]
+    # val.steps is 32 for flow matching and 50 for DDPM: naming either value changes one of the trainers.
+    assert restated_defaults({"val": {"steps": 50}}, defaults) == []
+    assert restated_defaults({"data": {"label_column": None}}, defaults) == []  # default "label"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("method", TRAINERS)
+def test_every_recipe_loads_with_both_trainers(path, method):
+    cfg = common.load_config(TRAINERS[method], ["--config", str(path)], method)
+    assert cfg.run_dir == f"runs/{method}_{path.stem}"
+    if cfg.init_from:
+        assert cfg.init_from.startswith(f"runs/{method}_")
+
+
+def test_the_single_gpu_recipe_sits_between_the_demo_and_the_paper_model():
+    """own_data_256: a DiT-B-shaped MMDiT (12 layers, width 768) on latents of 256 px images, DiT's global
+    batch 256 on one GPU; docs/recipes.md derives its memory and step time from these numbers."""
+    cfg = common.load_config(train_flow_matching.DEFAULTS, ["--config", str(ROOT / "configs/own_data_256.json")])
+    model = cfg.model
+    assert (model.num_layers, model.num_attention_heads * model.attention_head_dim, model.patch_size) == (12, 768, 2)
+    assert cfg.data.resolution == 256 and cfg.encoders.vae and cfg.train.mixed_precision == "bf16"
+    assert cfg.train.batch_size * cfg.train.grad_accum == 256
