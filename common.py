@@ -163,7 +163,10 @@ def check_config(cfg):
     if cfg["encoders"]["vae"]:  # only the VAE's config is read here (no weights)
         from diffusers import AutoencoderKL
 
-        factor = 2 ** (len(AutoencoderKL.load_config(cfg["encoders"]["vae"])["block_out_channels"]) - 1)
+        from data import from_pretrained  # a missing VAE: one line naming encoders.vae
+
+        vae_config = from_pretrained("encoders.vae", AutoencoderKL.load_config, cfg["encoders"]["vae"])
+        factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
     errors = []
     if d["resolution"] % (m["patch_size"] * factor):
         errors.append(f"data.resolution={d['resolution']} is not divisible by model.patch_size={m['patch_size']}"

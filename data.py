@@ -185,19 +185,37 @@ def preprocess(img, resolution, data, rng=random):
 # labels), by hub id or local path.
 
 
+def from_pretrained(key, load, name, **kwargs):
+    """load(name, **kwargs) for the model that config key `key` names. A model that is neither a local folder
+    nor in the Hugging Face cache, and cannot be downloaded (an offline node, a gated or misspelt id), stops the
+    run with one line naming the key and the command that fetches it, not a library traceback."""
+    try:
+        return load(name, **kwargs)
+    except OSError as e:  # what diffusers and transformers raise for a model they cannot find
+        from huggingface_hub import constants
+
+        why = str(e).strip().splitlines()[0].rstrip(".") + (" (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "")
+        raise SystemExit(f"{key}='{name}' cannot be loaded: {why}. On a machine with network run `python "
+                         f"prefetch.py --config YOUR_CONFIG` and copy the Hugging Face cache it names (HF_HOME) "
+                         f"here, or set {key} to a local folder.") from None
+
+
 def load_encoders(enc, device):
     vae = tokenizer = text_encoder = None
     if enc.vae:
         from diffusers import AutoencoderKL
 
-        vae = AutoencoderKL.from_pretrained(enc.vae, use_safetensors=True).to(device).eval().requires_grad_(False)
+        vae = from_pretrained("encoders.vae", AutoencoderKL.from_pretrained, enc.vae, use_safetensors=True)
+        vae = vae.to(device).eval().requires_grad_(False)
     if enc.text_encoder:
         from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel, T5EncoderModel
 
-        kind = AutoConfig.from_pretrained(enc.text_encoder).model_type
+        key, name = "encoders.text_encoder", enc.text_encoder
+        kind = from_pretrained(key, AutoConfig.from_pretrained, name).model_type
         model_cls = {"clip": CLIPTextModel, "clip_text_model": CLIPTextModel, "t5": T5EncoderModel}.get(kind, AutoModel)
-        tokenizer = AutoTokenizer.from_pretrained(enc.text_encoder)
-        text_encoder = model_cls.from_pretrained(enc.text_encoder, use_safetensors=True).to(device).eval().requires_grad_(False)
+        tokenizer = from_pretrained(key, AutoTokenizer.from_pretrained, name)
+        text_encoder = from_pretrained(key, model_cls.from_pretrained, name, use_safetensors=True)
+        text_encoder = text_encoder.to(device).eval().requires_grad_(False)
     return vae, tokenizer, text_encoder
 
 
