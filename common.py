@@ -123,7 +123,7 @@ def make_accelerator(mixed_precision):
     return accelerator
 
 
-REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; the SLURM script in the README requeues on it
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; launch/slurm.sbatch requeues the job on it
 
 
 def ignore_stop_signals(worker_id=None):
