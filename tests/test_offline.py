@@ -105,3 +105,42 @@ def test_a_trainer_with_a_missing_vae_offline_stops_with_one_line(tmp_path):
     lines = [line for line in done.stderr.splitlines() if "nonexistent-org" in line]
     assert len(lines) == 1 and lines[0].startswith("encoders.vae='nonexistent-org/no-such-vae' cannot be loaded")
     assert "prefetch.py" in lines[0] and not (tmp_path / "cache").exists()  # stopped before any work
+
+
+def test_prefetch_reports_each_failure_says_what_to_copy_and_fails(tmp_path, monkeypatch, capsys):
+    """The run after fetching, with the network faked: one item fails as a gated dataset does."""
+    import datasets
+    from huggingface_hub import constants
+
+    for module, name, value in ((constants, "HF_HOME", str(tmp_path)), (constants, "HF_HUB_OFFLINE", False),
+                                (constants, "HF_HUB_CACHE", str(tmp_path / "hub")),
+                                (datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))):
+        monkeypatch.setattr(module, name, value)
+
+    def fake_fetch(item, cfg, inception_file):
+        if item["key"] == "data.source":
+            raise ConnectionError("Dataset 'ILSVRC/imagenet-1k' is a gated dataset on the Hub. You must be "
+                                  "authenticated to access it.\nmore lines")
+        (tmp_path / "hub").mkdir(exist_ok=True)
+        (tmp_path / "hub" / item["key"]).write_bytes(b"x" * 1000)
+        return "loaded"
+
+    monkeypatch.setattr(prefetch, "fetch", fake_fetch)
+    with pytest.raises(SystemExit) as stop:
+        prefetch.main(["--config", str(ROOT / "configs" / "imagenet256.json")])
+    assert str(stop.value) == "prefetch: 2 of 4 failed: data.source, data.source"
+    out = capsys.readouterr().out
+    assert "data.source: FAILED: Dataset 'ILSVRC/imagenet-1k' is a gated dataset on the Hub" in out
+    assert "accept its terms on its hub page (https://huggingface.co/datasets/ILSVRC/imagenet-1k" in out
+    assert "encoders.vae: loaded" in out and "val.inception_weights: loaded" in out
+    assert f"Copy {tmp_path} (0.0 GB)" in out and "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1" in out
+    assert f"--val.inception_weights=$HF_HOME/{prefetch.eval_fid.INCEPTION_FILE}" in out
+
+
+def test_prefetch_refuses_to_run_offline(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(prefetch, "fetch", lambda *a: pytest.fail("fetched offline"))
+    with pytest.raises(SystemExit, match="HF_HUB_OFFLINE is set: prefetch needs the network"):
+        prefetch.main(["--config", str(ROOT / "configs" / "demo.json")])
