@@ -115,7 +115,7 @@ def main(argv=None):
                             f"(https://huggingface.co/datasets/{item['name']} for a dataset) and log in here "
                             "(`hf auth login`, or HF_TOKEN)")
             print(f"{item['key']}: FAILED: {message}")
-            failed.append(item["key"])
+            failed.append(item["key"] + (f" (split {item['split']})" if "split" in item else ""))
     import datasets
 
     folders = [hf_home] + [Path(f) for f in (constants.HF_HUB_CACHE, datasets.config.HF_DATASETS_CACHE)

@@ -128,7 +128,7 @@ def test_prefetch_reports_each_failure_says_what_to_copy_and_fails(tmp_path, mon
     monkeypatch.setattr(prefetch, "fetch", fake_fetch)
     with pytest.raises(SystemExit) as stop:
         prefetch.main(["--config", str(ROOT / "configs" / "imagenet256.json")])
-    assert str(stop.value) == "prefetch: 2 of 4 failed: data.source, data.source"
+    assert str(stop.value) == "prefetch: 2 of 4 failed: data.source (split train), data.source (split validation)"
     out = capsys.readouterr().out
     assert "data.source: FAILED: Dataset 'ILSVRC/imagenet-1k' is a gated dataset on the Hub" in out
     assert "accept its terms on its hub page (https://huggingface.co/datasets/ILSVRC/imagenet-1k" in out
