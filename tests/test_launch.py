@@ -58,7 +58,7 @@ exit $highest
 python3 - "$@" <<'EOF'
 import json, os, sys
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-        "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "OMP_NUM_THREADS"]
+        "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "OMP_NUM_THREADS", "SRUN_CPUS_PER_TASK"]
 record = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}
 with open(os.path.join(os.environ["STUB_DIR"], f"task_{os.environ['RANK']}.json"), "w") as f:
     json.dump(record, f)
@@ -76,7 +76,7 @@ def run_sbatch(tmp_path, exit_code, term_batch=False):
         (bin_dir / name).chmod(stat.S_IRWXU)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_DIR": str(tmp_path),
            "STUB_EXIT": str(exit_code), "SLURM_JOB_ID": "4321", "SLURM_JOB_NODELIST": "gpu-node-[1-2]",
-           "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "HOME": str(tmp_path)}
+           "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "12", "HOME": str(tmp_path)}
     for key in ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "OMP_NUM_THREADS"):
         env.pop(key, None)
     if term_batch:
@@ -105,7 +105,8 @@ def test_sbatch_gives_every_task_its_rank_and_the_environment(tmp_path):
                                "LOCAL_WORLD_SIZE": "2", "NODE_RANK": str(rank // 2), "MASTER_ADDR": "gpu-node-1",
                                "MASTER_PORT": str(20000 + 4321 % 10000),
                                "HF_HOME": str(tmp_path / ".cache/huggingface"), "HF_HUB_OFFLINE": "1",
-                               "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+                               "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                               "SRUN_CPUS_PER_TASK": "12"}
 
 
 def test_sbatch_survives_sigterm_to_the_batch_shell_and_still_requeues(tmp_path):
