@@ -177,7 +177,7 @@ def check_config(cfg):
         errors.append(f"model.pos_embed_transfer={m['pos_embed_transfer']!r} must be 'resample' or 'extend'")
     if not d["label_column"] and not d["caption_column"]:
         errors.append("set data.label_column (class-conditional) or data.caption_column (text-to-image)")
-    if d["label_column"] and not d["caption_column"] and d["num_classes"] < 1:
+    if d["label_column"] and not d["caption_column"] and d["num_classes"] is not None and d["num_classes"] < 1:
         errors.append(f"data.num_classes={d['num_classes']} must be >= 1 with data.label_column")
     if tr["mixed_precision"] not in ("no", "fp16", "bf16"):
         errors.append(f"train.mixed_precision={tr['mixed_precision']!r} must be 'no', 'fp16' or 'bf16'")

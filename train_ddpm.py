@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 import common
 import eval_fid
-from data import (COND_FIELDS, CachedDataset, build_cache, decode, drop_conditions, encode_text, heldout_batches,
+from data import (COND_FIELDS, CachedDataset, build_cache, check_cache_shared, decode, drop_conditions, encode_text, heldout_batches,
                   iterate_batches, load_encoders, loader_options, make_encode, open_splits, read_class_ids,
                   validation_inputs)
 from model import build_for_run, export, guided, init_from
@@ -49,11 +49,11 @@ DEFAULTS = {
         "source": "embedded",        # "embedded" (generated demo), a hub id, an imagefolder or parquet path
         "split": "train",
         "val_split": None,           # a held-out split of the source; None: hold out val_holdout train rows
-        "val_holdout": 256,
+        "val_holdout": None,         # held-out rows drawn from split; None: 10% of the rows, at most 256
         "image_column": "image",
         "label_column": "label",     # None for text-only data
         "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
-        "num_classes": 9,
+        "num_classes": None,         # None: read from the label column's class names (ClassLabel, folders)
         "class_ids": None,           # WordNet ids of the labels, for init_from's class mapping: None = the label
                                      # column's ClassLabel names; "imagenet-1k" / "imagenet-22k"; or a file
         "label_captions": False,     # text-to-image on class data: the caption is the class name (22k -> CC12M)
@@ -353,14 +353,15 @@ def main(argv=None):
     accelerator = common.make_accelerator(tr.mixed_precision)  # also on CPU-only machines, TF32 on
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     set_seed(cfg.seed + rank)  # different noise and times on each rank
-    run_dir = common.start_run(cfg, accelerator)  # writes the resolved config.json
     alphas_cumprod = schedule_of(cfg).to(device, torch.float32)  # float32 on the device: MPS has no float64
     T = obj.num_timesteps
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
+    train_ds, val_ds = open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
+    run_dir = common.start_run(cfg, accelerator)  # writes the resolved config.json
+    check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
     encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
-    train_ds, val_ds = open_splits(data)
     class_ids = read_class_ids(data, train_ds) if data.label_column else None  # saved with the model
     train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg))
     val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg))
