@@ -367,6 +367,27 @@ def start_run(cfg, accelerator):
     return run_dir
 
 
+def wandb_mode(setting):
+    """log.wandb as wandb.init's mode. "auto": WANDB_MODE if set, else online when the user is logged in (a
+    WANDB_API_KEY, or the netrc entry that `wandb login` writes for the wandb host), else offline (sync later
+    with `wandb sync`)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if setting != "auto":
+        return setting
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC") or Path.home() / ".netrc").authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    return "online" if entry and entry[2] else "offline"
+
+
 class RunLog:
     """metrics.jsonl (every row, events included) and wandb (offline when no key), main process only.
     Call it with a dict of metrics that has a "step"."""
@@ -376,9 +397,13 @@ class RunLog:
         if self.main and cfg.log.wandb != "off":
             import wandb
 
-            mode = cfg.log.wandb if cfg.log.wandb != "auto" else ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-            self.wandb = wandb.init(project=cfg.log.project, dir=str(run_dir), config=cfg, mode=mode,
-                                    name=self.run_dir.name, resume="allow")
+            # The wandb run id lives in the run folder: --resume continues the same wandb run, a fresh start
+            # in the same folder begins a new one.
+            id_file = self.run_dir / "wandb_id.txt"
+            run_id = id_file.read_text().strip() if cfg.resume and id_file.is_file() else os.urandom(4).hex()
+            id_file.write_text(run_id + "\n")
+            self.wandb = wandb.init(project=cfg.log.project, dir=str(run_dir), config=cfg, mode=wandb_mode(cfg.log.wandb),
+                                    name=self.run_dir.name, id=run_id, resume="allow")
 
     def __call__(self, metrics):
         if self.main:

@@ -21,7 +21,8 @@ import torch
 from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
+
+from monitor import progress
 
 # ----------------------------------------------------------------------------------------------------------
 # Embedded demo data: coloured shapes, generated deterministically, offline, in about a second.
@@ -448,7 +449,7 @@ def build_cache(ds, part, encode, accelerator, cfg):
     names = class_names(data, ds) if data.label_captions else None
     size, rank, world = data.shard_size, accelerator.process_index, accelerator.num_processes
     mine = [k for k in range(math.ceil(len(ds) / size)) if k % world == rank]
-    for k in tqdm(mine, desc=f"cache {part} (rank {rank})", disable=not accelerator.is_local_main_process):
+    for k in progress(mine, f"cache {part} (rank {rank})", accelerator.is_local_main_process):
         path = folder / f"shard_{k:05d}.safetensors"
         if path.exists() and shard_ok(path):
             continue  # finished before an interruption

@@ -26,7 +26,6 @@ from contextlib import nullcontext
 
 import torch
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 import common
 import eval_fid
@@ -400,8 +399,7 @@ def main(argv=None):
     state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
     step = state["step"]
     log = common.RunLog(cfg, run_dir, accelerator)  # metrics.jsonl, wandb
-    progress = tqdm(total=tr.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
-    monitor = Monitor(cfg, raw_model, accelerator, log, progress, state)
+    monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
     val_noise, val_cond = validation_inputs(val_set, cfg.val.num_samples, data.num_classes, x_shape, cfg.seed, device)
@@ -473,12 +471,14 @@ def main(argv=None):
             monitor.log_interval(step, lr)  # the only sync: the interval's statistics in one all-reduce
         if step % cfg.val.every == 0 or step == tr.max_steps:
             if accelerator.is_main_process:
-                validate(step)
+                with monitor.phase("validation", step):
+                    validate(step)
             accelerator.wait_for_everyone()
             monitor.restart_clock()  # validation, FID and checkpoints are not training throughput
         stop = signals.agreed(accelerator)
         if cfg.val.fid_every and (step % cfg.val.fid_every == 0 or step == tr.max_steps):
-            metrics = eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, text=null_text is not None)
+            with monitor.phase(f"FID ({cfg.val.fid_samples} samples)", step):
+                metrics = eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, text=null_text is not None)
             log({"step": step, **metrics})
             accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
             monitor.restart_clock()
@@ -487,7 +487,7 @@ def main(argv=None):
             monitor.restart_clock()
         if stop:
             common.exit_for_requeue(accelerator, step)
-    progress.close()
+    monitor.close()
 
     # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
     if accelerator.is_main_process:

@@ -1,0 +1,107 @@
+"""Watching a run: plain log lines when stdout is a file (SLURM), the bar's loss labelled as smoothed,
+wandb online when logged in, and the wandb run id kept in the run folder so a resumed run continues it."""
+import re
+
+import pytest
+import torch
+
+import common
+import monitor
+import train_flow_matching as fm
+from model import build_denoiser
+
+LINE = re.compile(r"^step 2/4 \(50%\) \| loss (\d\.\d{4}) \| smoothed loss (\d\.\d{4}) \| lr 5\.00e-04 \| "
+                  r"(\d+\.\d) images/s \| ETA (\d+:\d\d:\d\d)$")
+
+
+def two_logged_steps(interactive, monkeypatch):
+    """A Monitor driven through two optimizer steps and one log interval, as the loop drives it."""
+    from accelerate import Accelerator
+
+    monkeypatch.setattr(monitor, "interactive", lambda: interactive)
+    cfg = common.load_config(fm.DEFAULTS, ["--train.max_steps=4", "--log.every=2", "--log.grad_every=0",
+                                           "--model.num_layers=1", "--data.num_classes=3"])
+    rows = []
+    mon = monitor.Monitor(cfg, build_denoiser(cfg, 3, 8), Accelerator(cpu=True), rows.append, {"step": 0})
+    for step in range(2):
+        mon.micro_batch(torch.tensor([0.5, 0.7]), torch.tensor([0, 1]))
+        mon.before_update(step, torch.tensor(0.3), True)
+        mon.after_update(step, torch.tensor(0.3), True)
+    mon.t_start -= 10.0  # 2 steps took 10 s: 5 s per step, 2 steps left
+    mon.log_interval(2, 5e-4)
+    return mon, rows[-1]
+
+
+def test_log_file_gets_one_plain_line_per_interval(monkeypatch, capsys):
+    mon, metrics = two_logged_steps(False, monkeypatch)
+    out, err = capsys.readouterr()
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 1 and "\r" not in out + err, (out, err)
+    loss, smoothed, _, eta = LINE.match(lines[0]).groups()
+    assert float(loss) == pytest.approx(metrics["loss"], abs=1e-4) == 0.6
+    assert float(smoothed) == pytest.approx(metrics["loss_smoothed"], abs=1e-4)
+    assert eta == "0:00:10"
+    mon.close()
+
+
+def test_terminal_gets_the_bar_with_its_loss_labelled_smoothed(monkeypatch, capsys):
+    mon, _ = two_logged_steps(True, monkeypatch)
+    assert not mon.progress.disable and "smoothed loss" in mon.progress.postfix
+    assert "ETA" not in capsys.readouterr().out  # no plain lines on a terminal
+    mon.close()
+
+
+def test_phases_announce_themselves_with_their_duration(capsys):
+    with monitor.Phase("step 200: validation"):
+        pass
+    assert re.fullmatch(r"step 200: validation \.\.\.\nstep 200: validation: done in \d+\.\d s\n", capsys.readouterr().out)
+    list(monitor.progress(range(20), "fid samples"))
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" (")[0] for line in out] == [f"fid samples: {k}/20" for k in range(2, 21, 2)]
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    return tmp_path / "netrc"
+
+
+def test_wandb_auto_is_online_when_logged_in_by_key_or_netrc(wandb_env, monkeypatch):
+    assert common.wandb_mode("auto") == "offline"  # no key, no netrc file
+    wandb_env.write_text("machine example.org login me password secret\n")
+    assert common.wandb_mode("auto") == "offline"  # logged in elsewhere, not to wandb
+    wandb_env.write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")  # as `wandb login` writes
+    assert common.wandb_mode("auto") == "online"
+    assert common.wandb_mode("offline") == "offline" and common.wandb_mode("online") == "online"
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.mylab.org")  # a self-hosted server: its own entry
+    assert common.wandb_mode("auto") == "offline"
+    monkeypatch.delenv("WANDB_BASE_URL")
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # the environment wins over auto
+    assert common.wandb_mode("auto") == "disabled"
+    monkeypatch.delenv("WANDB_MODE")
+    wandb_env.unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef")
+    assert common.wandb_mode("auto") == "online"
+
+
+@pytest.mark.slow
+def test_resumed_run_continues_the_same_wandb_run(tmp_path, wandb_env, monkeypatch):
+    from accelerate import Accelerator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    ids = []
+    for resume in (None, "latest", None):
+        cfg = common.load_config(fm.DEFAULTS, ["--run_dir", str(tmp_path / "run"), "--log.wandb=auto",
+                                               *(["--resume", resume] if resume else [])])
+        log = common.RunLog(cfg, common.start_run(cfg, Accelerator(cpu=True)), Accelerator(cpu=True))
+        log({"step": 1, "loss": 0.5})
+        ids.append(log.wandb.id)
+        assert log.wandb.settings.mode == "offline"
+        log.wandb.finish()
+    assert ids[0] == ids[1] != ids[2]  # resumed: the same run; a fresh start in the folder: a new one
+    assert (tmp_path / "run" / "wandb_id.txt").read_text().strip() == ids[2]
+    runs = sorted(p.name for p in (tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert [name.rsplit("-", 1)[1] for name in runs].count(ids[0]) == 2
