@@ -189,3 +189,42 @@ def test_colour_modes_palette_cmyk_and_alpha():
     la = Image.fromarray(np.stack([np.round(RAMP * 255).astype(np.uint8), alpha], 2), "LA")
     np.testing.assert_allclose(grey_of(encoded(la))[:, :8], np.round(RAMP * 255)[:, :8], atol=1)
     assert (grey_of(encoded(la))[:, 8:] == 255).all()
+
+
+# ---- The cache folder every rank must share --------------------------------------------------------------
+
+NODE_LOCAL = '''
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import common, data, train_flow_matching
+accelerator = common.make_accelerator("no")
+data.check_cache_shared(sys.argv[2], accelerator)  # one folder that both ranks see: passes
+print(f"rank {accelerator.process_index}: shared cache seen", flush=True)
+os.chdir(os.path.join(sys.argv[3], f"node{accelerator.process_index}"))  # node-local disks: one path, two folders
+train_flow_matching.main(sys.argv[4:])
+'''
+
+
+@pytest.mark.slow
+def test_ranks_that_see_different_cache_folders_stop_at_once_naming_the_key(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, tiny_run_args
+
+    (tmp_path / "script.py").write_text(NODE_LOCAL)
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+    args = [a for a in tiny_run_args(tmp_path) if a != str(tmp_path / "cache")]
+    args[args.index("--data.cache_dir") + 1:args.index("--data.cache_dir") + 1] = ["cache"]  # relative: per node
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           str(tmp_path / "script.py"), str(ROOT), str(tmp_path / "shared"), str(tmp_path), *args],
+                          cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert "rank 0: shared cache seen" in proc.stdout and "rank 1: shared cache seen" in proc.stdout
+    assert proc.returncode != 0
+    assert "data.cache_dir='cache' is not shared: rank(s) [1] of 2 do not see the marker" in proc.stderr
+    assert "node-local disk" in proc.stderr
+    assert not list(tmp_path.glob("node*/cache/*/shard_*"))  # it stopped before encoding anything
+    assert not list(tmp_path.glob("node*/cache/.rank0_marker_*")) and not list(tmp_path.glob("shared/.rank0_*"))
