@@ -247,18 +247,46 @@ def time_shift(t, shift):
 # Images and checkpoints.
 
 
-def save_image_grid(images, path, nrow):
-    """images in [-1, 1], (N, 3, H, W) -> one PNG grid; returns the PIL image."""
+def save_image_grid(images, path, nrow, labels=None):
+    """images in [-1, 1], (N, 3, H, W) -> one PNG grid; returns the PIL image. `labels` (one per image: class
+    names or prompts) are written under their cells, shortened to fit, and in full to a text file beside the
+    grid (the same name, .txt), one line per cell in grid order."""
     from torchvision.utils import make_grid
 
     grid = make_grid(images.float().clamp(-1, 1).add(1).mul(127.5).round().byte().cpu(), nrow=nrow, padding=2)
     img = Image.fromarray(grid.permute(1, 2, 0).numpy())
-    if images.shape[-1] < 64:  # small images (the demo's 16 px) are enlarged, pixel for pixel, to be seen
-        factor = math.ceil(64 / images.shape[-1])
+    factor = math.ceil(64 / images.shape[-1]) if images.shape[-1] < 64 else 1
+    if factor > 1:  # small images (the demo's 16 px) are enlarged, pixel for pixel, to be seen
         img = img.resize((img.width * factor, img.height * factor), Image.NEAREST)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if labels is not None:
+        img = caption_cells(img, labels, nrow, (images.shape[-1] + 2) * factor)
+        Path(path).with_suffix(".txt").write_text("".join(
+            f"{i}\trow {i // nrow + 1}, column {i % nrow + 1}\t{label}\n" for i, label in enumerate(labels)))
     img.save(path)
     return img
+
+
+def caption_cells(grid, labels, nrow, cell):
+    """The grid with a line of text under each row of cells: each cell's label, cut to the cell's width."""
+    from PIL import ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    band = font.getbbox("Ag")[3] + 4
+    rows = math.ceil(len(labels) / nrow)
+    out = Image.new("RGB", (grid.width, grid.height + rows * band), "white")
+    draw = ImageDraw.Draw(out)
+    for r in range(rows):
+        out.paste(grid.crop((0, r * cell, grid.width, (r + 1) * cell)), (0, r * (cell + band)))
+        for c, label in enumerate(labels[r * nrow:(r + 1) * nrow]):
+            text = str(label)
+            while text and draw.textlength(text, font=font) > cell - 4:
+                text = text[:-1]
+            if text != str(label):
+                text = text[:-2] + ".."
+            draw.text((c * cell + 3, r * (cell + band) + cell), text, fill="black", font=font)
+    out.paste(grid.crop((0, rows * cell, grid.width, grid.height)), (0, rows * (cell + band)))  # bottom padding
+    return out
 
 
 def rng_state():
@@ -412,10 +440,11 @@ class RunLog:
             if self.wandb is not None and "event" not in metrics:  # events: metrics.jsonl and the report
                 self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
-    def samples(self, images, step):
-        """A labelled grid of validation samples, run_dir/samples/step_N.png (and wandb)."""
+    def samples(self, images, step, labels=None):
+        """A grid of validation samples, run_dir/samples/step_N.png (and wandb), each cell labelled with its class
+        name or prompt (under the cell, and in full in step_N.txt)."""
         path = self.run_dir / "samples" / f"step_{step:08d}.png"
-        grid = save_image_grid(images, path, nrow=math.ceil(math.sqrt(len(images))))
+        grid = save_image_grid(images, path, nrow=math.ceil(math.sqrt(len(images))), labels=labels)
         if self.wandb is not None:
             import wandb
 

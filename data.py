@@ -103,14 +103,15 @@ def open_splits(data, log=print):
     most 256 (4,864 demo rows: 256; a 300-image folder: 30). An explicit hold-out must leave at least as many
     rows to train on as it holds out, else it is an error naming data.val_holdout."""
     train = open_dataset(data, data.split)
-    if data.label_column and (not data.caption_column or data.label_captions):  # the labels are classes
-        if data.num_classes is None:
-            data.num_classes, origin = class_count(data, train)
-            log(f"data: data.num_classes={data.num_classes}, read from {origin}")
+    classes = data.label_column and (not data.caption_column or data.label_captions)  # labels are the condition
+    if data.label_column and data.num_classes is None and (classes or class_id_list(data, train)):
+        data.num_classes, origin = class_count(data, train)  # text runs: only if named (kept with the model)
+        log(f"data: data.num_classes={data.num_classes}, read from {origin}")
+    if classes:
         check_labels(data, train, data.split)
     if data.val_split is not None:
         val = open_dataset(data, data.val_split)
-        if data.label_column and (not data.caption_column or data.label_captions):
+        if classes:
             check_labels(data, val, data.val_split)
         origin = f"split '{data.val_split}' (data.val_split)"
     else:
@@ -214,18 +215,22 @@ def read_class_ids(data, ds):
 
 
 def class_names(data, ds):
-    """Readable class names, the captions of `data.label_captions`: WordNet ids become their lemmas
-    ("n01440764" -> "tench, Tinca tinca"); other ids are names already."""
+    """Readable class names, the captions of `data.label_captions`."""
     ids = read_class_ids(data, ds)
     if ids is None:
         raise ValueError(f"data.label_captions needs class names: data.label_column='{data.label_column}' is not a "
                          f"ClassLabel column of {data.source}; set data.class_ids (e.g. 'imagenet-22k' or a file)")
-    if all(re.fullmatch(r"n\d{8}", i) for i in ids):
+    return readable_names(ids)
+
+
+def readable_names(ids):
+    """WordNet ids become their lemmas ("n01440764" -> "tench, Tinca tinca"); other ids are names already."""
+    if ids and all(re.fullmatch(r"n\d{8}", i) for i in ids):
         from timm.data import ImageNetInfo
 
         info = ImageNetInfo("imagenet-22k")
         return [info.label_name_to_description(i) for i in ids]
-    return ids
+    return list(ids)
 
 
 def load_image(value):
@@ -577,14 +582,44 @@ def conditions_of(batch, device):
     return cond
 
 
-def validation_inputs(val_set, num_samples, num_classes, x_shape, seed, device):
-    """Fixed conditions and noise for the validation grid: the first held-out rows' captions and controls,
-    and the classes in order (0, 1, 2, ...) for class-conditional runs."""
-    n = min(num_samples, len(val_set))
-    rows = [val_set[i] for i in range(n)]
+def validation_prompts(cfg, train_ds, val_ds):
+    """What each cell of the validation grid shows, in grid order (also written beside the grid). Text runs:
+    the lines of the file val.prompts, else the first held-out captions (label_captions: the held-out rows'
+    class names). Class runs: the names of classes 0, 1, 2, ... (cycled), from the data's class names
+    (ClassLabel, class folders, data.class_ids), else "class k"."""
+    data, n = cfg.data, cfg.val.num_samples
+    if cfg.val.prompts is not None:
+        if not cfg.encoders.text_encoder:
+            raise ValueError(f"val.prompts={cfg.val.prompts!r} is for text-to-image runs (encoders.text_encoder); "
+                             f"a class-conditional run's grid shows its classes in order")
+        path = Path(cfg.val.prompts)
+        if not path.is_file():
+            raise FileNotFoundError(f"val.prompts={cfg.val.prompts!r}: no such file (a text file, one prompt per line)")
+        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"val.prompts={cfg.val.prompts!r} holds no prompts (one per line)")
+        return prompts[:n]
+    if data.label_captions:
+        names = class_names(data, train_ds)
+        return [names[label] for label in val_ds[:n][data.label_column]]
+    if data.caption_column:
+        return [str(caption) for caption in val_ds[:n][data.caption_column]]
+    ids = read_class_ids(data, train_ds)
+    names = readable_names(ids) if ids else [f"class {k}" for k in range(data.num_classes)]
+    return [names[k % data.num_classes] for k in range(n)]
+
+
+def validation_inputs(val_set, num_samples, num_classes, x_shape, seed, device, text=None):
+    """Fixed conditions and noise for the validation grid: classes in order (0, 1, 2, ...) for class runs,
+    the encoded validation prompts `text` (encode_text of validation_prompts) for text runs; controls (size,
+    crop, flip) from the held-out rows, cycled."""
+    rows = [val_set[i % len(val_set)] for i in range(num_samples)]
+    n = num_samples
     cond = conditions_of({k: torch.stack([r[k] for r in rows]) for k in rows[0]}, device)
     if "label" in cond:
         cond["label"] = torch.arange(n, device=device) % num_classes
+    if text is not None:
+        cond.update({k: v.to(device) for k, v in text.items()})
     noise = torch.randn((n, *x_shape), generator=torch.Generator().manual_seed(seed)).to(device)
     return noise, cond
 

@@ -29,9 +29,9 @@ from accelerate.utils import set_seed
 
 import common
 import eval_fid
-from data import (COND_FIELDS, CachedDataset, build_cache, check_cache_shared, decode, drop_conditions, encode_text, heldout_batches,
-                  iterate_batches, load_encoders, loader_options, make_encode, open_splits, read_class_ids,
-                  validation_inputs)
+from data import (COND_FIELDS, CachedDataset, build_cache, check_cache_shared, decode, drop_conditions, encode_text,
+                  heldout_batches, iterate_batches, load_encoders, loader_options, make_encode, open_splits,
+                  read_class_ids, validation_inputs, validation_prompts)
 from model import build_for_run, export, guided, init_from
 from monitor import Monitor
 
@@ -137,6 +137,7 @@ DEFAULTS = {
         "control_guidance_scale": 0.0,  # control guidance scale (0: none; standard CFG)
         "guidance_rescale": 0.7,     # phi of Lin et al. 2024, sec. 3.4; 0 = plain guidance
         "loss_samples": 256,         # held-out samples for the validation loss, at t = floor((k + 0.5) T / loss_bins)
+        "prompts": None,             # text runs: a file of validation prompts, one per line; None: held-out captions
         "fid_every": 0,              # small-N FID/KID through eval_fid.py every this many steps (0: off)
         "fid_samples": 1000,
         "fid_reference": None,       # None: the held-out split; else any eval_fid.py --reference
@@ -357,6 +358,7 @@ def main(argv=None):
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
     train_ds, val_ds = open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
+    val_prompts = validation_prompts(cfg, train_ds, val_ds)  # what each validation grid cell shows
     run_dir = common.start_run(cfg, accelerator)  # writes the resolved config.json
     check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
@@ -364,9 +366,10 @@ def main(argv=None):
     class_ids = read_class_ids(data, train_ds) if data.label_column else None  # saved with the model
     train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg))
     val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg))
-    null_text = None
-    if text_encoder is not None:  # the null condition for guidance: the empty prompt, encoded once
+    null_text = val_text = None
+    if text_encoder is not None:  # the null condition for guidance (the empty prompt) and the validation prompts
         null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
+        val_text = encode_text(tokenizer, text_encoder, val_prompts, cfg.encoders.max_tokens)
         text_encoder.cpu()  # encoders leave the GPU once the cache is built
     if vae is not None:
         vae.cpu()
@@ -402,7 +405,8 @@ def main(argv=None):
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
-    val_noise, val_cond = validation_inputs(val_set, cfg.val.num_samples, data.num_classes, x_shape, cfg.seed, device)
+    val_noise, val_cond = validation_inputs(val_set, len(val_prompts), data.num_classes, x_shape, cfg.seed, device,
+                                            val_text)
 
     @torch.no_grad()
     def validate(step):
@@ -410,7 +414,7 @@ def main(argv=None):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(cfg.seed)  # the ancestral sampler's noise: fixed, and the training RNG untouched
             x = generate(ema, val_noise, val_cond, cfg)
-        path = log.samples(decode(vae, x, device), step)
+        path = log.samples(decode(vae, x, device), step, val_prompts)
         # Validation loss: every held-out sample at every t_k = floor((k + 0.5) T / K), with fixed noise.
         losses, n = torch.zeros(obj.loss_bins), min(cfg.val.loss_samples, len(val_set))
         for x0, noise, cond in heldout_batches(val_set, n, tr.batch_size, cfg.seed + 1, device):

@@ -2,6 +2,8 @@
 wandb online when logged in, and the wandb run id kept in the run folder so a resumed run continues it."""
 import re
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -105,3 +107,74 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, wandb_env, monkeypat
     assert (tmp_path / "run" / "wandb_id.txt").read_text().strip() == ids[2]
     runs = sorted(p.name for p in (tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert [name.rsplit("-", 1)[1] for name in runs].count(ids[0]) == 2
+
+
+# ---- Validation grids show what was asked for ----------------------------------------------------------
+
+
+def test_grid_cells_carry_their_labels_under_them_and_in_a_text_file(tmp_path):
+    images = torch.full((5, 3, 16, 16), 1.0)  # white cells: any dark pixel below a cell is its label
+    plain = common.save_image_grid(images, tmp_path / "plain.png", nrow=3)
+    labelled = common.save_image_grid(images, tmp_path / "grid.png", nrow=3,
+                                      labels=["red circle", "a very long prompt that cannot fit under a cell", "c",
+                                              "d", "e"])
+    assert not (tmp_path / "plain.txt").exists() and labelled.width == plain.width
+    band = (labelled.height - plain.height) // 2  # two rows of cells, one band of text under each
+    assert band > 8
+    cell = 18 * 4  # 16 px + 2 px padding, enlarged 4x
+    ink = np.asarray(labelled.convert("L")) < 128
+    under = [ink[r * (cell + band) + cell:(r + 1) * (cell + band), c * cell + 2:(c + 1) * cell].any()
+             for r, c in ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2))]
+    assert under == [True] * 5 + [False]  # five labels, the sixth cell empty
+    lines = (tmp_path / "grid.txt").read_text().splitlines()
+    assert lines[1] == "1\trow 1, column 2\ta very long prompt that cannot fit under a cell" and len(lines) == 5
+
+
+def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_path):
+    from data import make_demo_dataset, validation_prompts, DEMO_CLASSES
+    import datasets
+
+    demo = make_demo_dataset(12, seed=0, resolution=8)
+    cfg = common.load_config(fm.DEFAULTS, ["--val.num_samples=11", "--data.num_classes=9"])
+    assert validation_prompts(cfg, demo, demo) == DEMO_CLASSES + DEMO_CLASSES[:2]  # classes in order, cycled
+    plain = datasets.Dataset.from_dict({"label": [0, 1, 2]})
+    cfg3 = common.load_config(fm.DEFAULTS, ["--val.num_samples=4", "--data.num_classes=3"])
+    assert validation_prompts(cfg3, plain, plain) == ["class 0", "class 1", "class 2", "class 0"]
+    text = common.load_config(fm.DEFAULTS, ["--val.num_samples=3", "--data.caption_column=caption",
+                                            "--encoders.text_encoder=some/encoder"])
+    assert validation_prompts(text, demo, demo) == demo["caption"][:3]  # the held-out captions
+    (tmp_path / "prompts.txt").write_text("a red circle\n\n  a large blue square \n")
+    text.val.prompts = str(tmp_path / "prompts.txt")
+    assert validation_prompts(text, demo, demo) == ["a red circle", "a large blue square"]
+    text.val.prompts = str(tmp_path / "missing.txt")
+    with pytest.raises(FileNotFoundError, match="val.prompts=.*missing.txt.*one prompt per line"):
+        validation_prompts(text, demo, demo)
+    cfg.val.prompts = str(tmp_path / "prompts.txt")
+    with pytest.raises(ValueError, match="val.prompts=.* is for text-to-image runs"):
+        validation_prompts(cfg, demo, demo)
+
+
+def test_validation_conditions_are_the_encoded_prompts(tiny_text_encoder):
+    from data import encode_text, load_encoders, validation_inputs
+
+    _, tokenizer, encoder = load_encoders(common.Config(vae=None, text_encoder=tiny_text_encoder), "cpu")
+    text = encode_text(tokenizer, encoder, ["a red circle", "a blue square", "a green triangle"], 8)
+    rows = [{"x": torch.zeros(3, 4, 4), "text_tokens": torch.zeros(8, 32), "text_mask": torch.zeros(8),
+             "text_pooled": torch.zeros(32), "orig_hw": torch.tensor([16 + i, 16])} for i in range(2)]
+    noise, cond = validation_inputs(rows, 3, None, (3, 4, 4), 0, "cpu", text)
+    assert noise.shape == (3, 3, 4, 4)
+    for key in ("text_tokens", "text_mask", "text_pooled"):
+        assert torch.equal(cond[key], text[key])
+    assert cond["orig_hw"][:, 0].tolist() == [16, 17, 16]  # controls of the held-out rows, cycled
+
+
+@pytest.mark.slow
+def test_text_run_validates_on_the_prompts_file(tmp_path, tiny_text_encoder):
+    from conftest import tiny_run_args
+
+    (tmp_path / "prompts.txt").write_text("a small red circle\na large blue square\n")
+    run = fm.main(tiny_run_args(tmp_path, steps=2) + ["--data.caption_column=caption", "--encoders.max_tokens=8",
+                  f"--encoders.text_encoder={tiny_text_encoder}", f"--val.prompts={tmp_path / 'prompts.txt'}",
+                  "--val.every=2", "--log.report=false"])
+    lines = (run / "samples" / "step_00000002.txt").read_text().splitlines()
+    assert [line.split("\t")[2] for line in lines] == ["a small red circle", "a large blue square"]
