@@ -10,7 +10,7 @@ count; lossless PNGs) -> reference statistics (computed once, cached in our own 
 its preprocessing) -> metrics (FID/KID with clean-fid's math and resizing, CLIP score) -> report (JSON + table).
 `fid_during_training` is the same path at small N, in memory, for the trainers' validation.
 
-Conventions: generated pixels in [-1, 1] become uint8 by round((x + 1) * 127.5), as in common.save_image_grid.
+Conventions: generated pixels in [-1, 1] become uint8 by round((x + 1) * 127.5), as in runlog.save_image_grid.
 A feature extractor is any feature_fn(list of uint8 (H, W, 3) images) -> (N, D) array; the default is
 clean-fid's Inception, the tests pass a tiny fixed conv net. Every multi-rank step is a collective: all ranks
 call it. For several nodes, --out_dir and --stats_cache must be on a shared file system.
@@ -136,7 +136,7 @@ def my_batches(num_samples, batch_size, rank, world):
 
 
 def to_uint8(x):
-    """Pixels in [-1, 1] (N, 3, H, W) -> uint8 (N, H, W, 3), rounded as common.save_image_grid does."""
+    """Pixels in [-1, 1] (N, 3, H, W) -> uint8 (N, H, W, 3), rounded as runlog.save_image_grid does."""
     return x.float().clamp(-1, 1).add(1).mul(127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
 
 

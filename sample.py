@@ -22,6 +22,7 @@ from PIL import Image
 
 import common
 import eval_fid
+import runlog
 from data import encode_text, load_encoders, readable_names
 
 # ----------------------------------------------------------------------------------------------------------
@@ -148,7 +149,7 @@ def main(argv=None):
     for i, (img, (_, label)) in enumerate(zip(images, items)):
         Image.fromarray(img).save(out / f"{i:04d}_{re.sub(r'[^A-Za-z0-9]+', '-', label).strip('-')[:60]}.png")
     pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
-    common.save_image_grid(pixels, out / "grid.png", nrow=args.per_class, labels=[label for _, label in items])
+    runlog.save_image_grid(pixels, out / "grid.png", nrow=args.per_class, labels=[label for _, label in items])
     settings = {"model": {"run": str(args.run), **model_desc}, "sampler": sampler, "steps": steps,
                 "guidance_scale": guidance, "control_guidance_scale": control_guidance, "seed": args.seed,
                 "noise": "image i: eval_fid.seed_for(seed, 0, i)", "batch_size": args.batch_size,

@@ -29,6 +29,7 @@ from accelerate.utils import set_seed
 
 import common
 import eval_fid
+import runlog
 from data import (COND_FIELDS, CachedDataset, build_cache, check_cache_shared, decode, drop_conditions, encode_text,
                   heldout_batches, iterate_batches, load_encoders, loader_options, make_encode, open_splits,
                   read_class_ids, validation_inputs, validation_prompts)
@@ -359,7 +360,7 @@ def main(argv=None):
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
     train_ds, val_ds = open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
     val_prompts = validation_prompts(cfg, train_ds, val_ds)  # what each validation grid cell shows
-    run_dir = common.start_run(cfg, accelerator)  # writes the resolved config.json
+    run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
     check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
     encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
@@ -401,7 +402,7 @@ def main(argv=None):
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
     step = state["step"]
-    log = common.RunLog(cfg, run_dir, accelerator)  # metrics.jsonl, wandb
+    log = runlog.RunLog(cfg, run_dir, accelerator)  # metrics.jsonl, wandb
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------

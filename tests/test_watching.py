@@ -9,6 +9,7 @@ import torch
 
 import common
 import monitor
+import runlog
 import train_flow_matching as fm
 from model import build_denoiser
 
@@ -71,21 +72,21 @@ def wandb_env(tmp_path, monkeypatch):
 
 
 def test_wandb_auto_is_online_when_logged_in_by_key_or_netrc(wandb_env, monkeypatch):
-    assert common.wandb_mode("auto") == "offline"  # no key, no netrc file
+    assert runlog.wandb_mode("auto") == "offline"  # no key, no netrc file
     wandb_env.write_text("machine example.org login me password secret\n")
-    assert common.wandb_mode("auto") == "offline"  # logged in elsewhere, not to wandb
+    assert runlog.wandb_mode("auto") == "offline"  # logged in elsewhere, not to wandb
     wandb_env.write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")  # as `wandb login` writes
-    assert common.wandb_mode("auto") == "online"
-    assert common.wandb_mode("offline") == "offline" and common.wandb_mode("online") == "online"
+    assert runlog.wandb_mode("auto") == "online"
+    assert runlog.wandb_mode("offline") == "offline" and runlog.wandb_mode("online") == "online"
     monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.mylab.org")  # a self-hosted server: its own entry
-    assert common.wandb_mode("auto") == "offline"
+    assert runlog.wandb_mode("auto") == "offline"
     monkeypatch.delenv("WANDB_BASE_URL")
     monkeypatch.setenv("WANDB_MODE", "disabled")  # the environment wins over auto
-    assert common.wandb_mode("auto") == "disabled"
+    assert runlog.wandb_mode("auto") == "disabled"
     monkeypatch.delenv("WANDB_MODE")
     wandb_env.unlink()
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef")
-    assert common.wandb_mode("auto") == "online"
+    assert runlog.wandb_mode("auto") == "online"
 
 
 @pytest.mark.slow
@@ -98,7 +99,7 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, wandb_env, monkeypat
     for resume in (None, "latest", None):
         cfg = common.load_config(fm.DEFAULTS, ["--run_dir", str(tmp_path / "run"), "--log.wandb=auto",
                                                *(["--resume", resume] if resume else [])])
-        log = common.RunLog(cfg, common.start_run(cfg, Accelerator(cpu=True)), Accelerator(cpu=True))
+        log = runlog.RunLog(cfg, runlog.start_run(cfg, Accelerator(cpu=True)), Accelerator(cpu=True))
         log({"step": 1, "loss": 0.5})
         ids.append(log.wandb.id)
         assert log.wandb.settings.mode == "offline"
@@ -114,8 +115,8 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, wandb_env, monkeypat
 
 def test_grid_cells_carry_their_labels_under_them_and_in_a_text_file(tmp_path):
     images = torch.full((5, 3, 16, 16), 1.0)  # white cells: any dark pixel below a cell is its label
-    plain = common.save_image_grid(images, tmp_path / "plain.png", nrow=3)
-    labelled = common.save_image_grid(images, tmp_path / "grid.png", nrow=3,
+    plain = runlog.save_image_grid(images, tmp_path / "plain.png", nrow=3)
+    labelled = runlog.save_image_grid(images, tmp_path / "grid.png", nrow=3,
                                       labels=["red circle", "a very long prompt that cannot fit under a cell", "c",
                                               "d", "e"])
     assert not (tmp_path / "plain.txt").exists() and labelled.width == plain.width
