@@ -224,13 +224,15 @@ def class_names(data, ds):
 
 
 def readable_names(ids):
-    """WordNet ids become their lemmas ("n01440764" -> "tench, Tinca tinca"); other ids are names already."""
-    if ids and all(re.fullmatch(r"n\d{8}", i) for i in ids):
-        from timm.data import ImageNetInfo
+    """WordNet ids become their lemmas ("n01440764" -> "tench, Tinca tinca"); other ids are names already, and
+    so is a WordNet-like id that ImageNet-22k does not know."""
+    if not ids or not all(re.fullmatch(r"n\d{8}", i) for i in ids):
+        return list(ids)
+    from timm.data import ImageNetInfo
 
-        info = ImageNetInfo("imagenet-22k")
-        return [info.label_name_to_description(i) for i in ids]
-    return list(ids)
+    info = ImageNetInfo("imagenet-22k")
+    known = set(info.label_names())
+    return [info.label_name_to_description(i) if i in known else i for i in ids]
 
 
 def load_image(value):

@@ -132,12 +132,13 @@ def test_grid_cells_carry_their_labels_under_them_and_in_a_text_file(tmp_path):
 
 
 def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_path):
-    from data import make_demo_dataset, validation_prompts, DEMO_CLASSES
+    from data import DEMO_CLASSES, make_demo_dataset, readable_names, validation_prompts
     import datasets
 
     demo = make_demo_dataset(12, seed=0, resolution=8)
     cfg = common.load_config(fm.DEFAULTS, ["--val.num_samples=11", "--data.num_classes=9"])
     assert validation_prompts(cfg, demo, demo) == DEMO_CLASSES + DEMO_CLASSES[:2]  # classes in order, cycled
+    assert readable_names(["n01440764", "n09999999"]) == ["tench, Tinca tinca", "n09999999"]  # unknown: its id
     plain = datasets.Dataset.from_dict({"label": [0, 1, 2]})
     cfg3 = common.load_config(fm.DEFAULTS, ["--val.num_samples=4", "--data.num_classes=3"])
     assert validation_prompts(cfg3, plain, plain) == ["class 0", "class 1", "class 2", "class 0"]
