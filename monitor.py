@@ -225,8 +225,9 @@ class Monitor:
 
 
 def interactive():
-    """Whether progress goes to a terminal (tqdm draws on stderr); not in SLURM's or nohup's log files."""
-    return sys.stderr.isatty()
+    """Whether both output streams are a terminal (tqdm draws on stderr, the lines go to stdout); not in SLURM's
+    or nohup's log files, nor with `> log.txt`."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
 
 
 class Phase:
