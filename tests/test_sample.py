@@ -68,3 +68,24 @@ def test_help_lists_the_options(capsys):
     out = capsys.readouterr().out
     assert all(opt in out for opt in ("--classes", "--prompts", "--guidance_scale", "--steps", "--seed", "--out",
                                       "--checkpoint"))
+
+
+@pytest.mark.slow
+def test_prompts_file_on_a_text_run_matches_eval_fids_images(tmp_path, tiny_text_encoder):
+    from accelerate.state import AcceleratorState
+
+    text_run = fm.main(tiny_run_args(tmp_path, steps=2) + ["--data.caption_column=caption", "--encoders.max_tokens=8",
+                       f"--encoders.text_encoder={tiny_text_encoder}", "--log.report=false", "--model.num_layers=1"])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    (tmp_path / "prompts.txt").write_text("a small red circle\na large blue square\n")
+    out = sample.main(["--run", str(text_run), "--prompts", str(tmp_path / "prompts.txt"), "--per_class", "1",
+                       "--steps", "2", "--batch_size", "2", "--out", str(tmp_path / "s")])
+    assert [line.split("\t")[2] for line in (out / "grid.txt").read_text().splitlines()] == \
+        ["a small red circle", "a large blue square"]
+    eval_fid.main(["--run", str(text_run), "--prompts", str(tmp_path / "prompts.txt"), "--num_samples", "2",
+                   "--steps", "2", "--batch_size", "2", "--generate_only", "--out_dir", str(tmp_path / "eval")])
+    ours, theirs = list(pngs(out).values()), list(pngs(tmp_path / "eval" / "samples").values())
+    assert len(ours) == 2 and all(np.array_equal(a, b) for a, b in zip(ours, theirs))
+    assert not np.array_equal(ours[0], ours[1])
+    with pytest.raises(ValueError, match="--classes: this is a text-to-image run"):
+        sample.main(["--run", str(text_run), "--classes", "0", "--out", str(tmp_path / "x")])
