@@ -79,6 +79,17 @@ def test_labels_beyond_num_classes_and_negative_ones_are_refused(tmp_path):
         open_splits(data_cfg(f"--data.source={source}", "--data.num_classes=3"), print)
 
 
+def test_bad_labels_of_an_imagefolder_name_their_files(tmp_path):
+    folder = tmp_path / "meta" / "train"
+    folder.mkdir(parents=True)
+    rows = [{"file_name": f"img_{i}.png", "label": [0, 1, 2, 5][i]} for i in range(4)]
+    for row in rows:
+        Image.fromarray(np.full((12, 12, 3), 90, np.uint8)).save(folder / row["file_name"])
+    (folder / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match=r"1 of the 4 rows .* rows 3 \(label 5, img_3.png\)"):
+        open_splits(data_cfg(f"--data.source={tmp_path / 'meta'}", "--data.num_classes=3"), print)
+
+
 def test_unset_num_classes_is_read_from_class_names_never_the_demo_default(tmp_path):
     lines = []
     open_splits(data_cfg(), lines.append)  # the embedded demo: its 9 ClassLabel names
