@@ -1,7 +1,8 @@
 """Where images come from and how they become cached tensors (the seed's "Data Loading" stage).
 
-    source (embedded demo, hub id, imagefolder, parquet) -> open_splits (train / held-out)
-      -> build_cache: cache check -> hit: load / miss: load_image, preprocess (crop, flip, control metadata),
+    source (embedded demo, hub id, imagefolder, parquet) -> open_splits (labels checked against
+      data.num_classes, read from the data when unset; train / held-out rows sized and announced)
+      -> check_cache_shared (every rank sees data.cache_dir) -> build_cache: cache check -> hit: load / miss: load_image, preprocess (crop, flip, control metadata),
          encode (VAE posterior, text features) -> safetensors shards + manifest
       -> CachedDataset -> iterate_batches (a pure function of the micro-batch count, for exact resume)
 
