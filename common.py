@@ -1,9 +1,10 @@
 """Small run helpers that both trainers call the same way: config loading and checking, accelerator and
-seeds, stop signals, EMA, the LR schedule and its scaling rule, the resolution time shift, image grids,
-RNG state, checkpoint save / find / load, and the run's logging sinks.
+seeds, stop signals, EMA, the LR schedule and its scaling rule, the resolution time shift, RNG state,
+checkpoint save / find / load.
 
 Nothing here knows about an objective, a sampler, the data or the model: those live in the trainers,
-data.py and model.py. What a training step measures is monitor.py's.
+data.py and model.py. What a training step measures is monitor.py's; what a run writes (config.json,
+metrics.jsonl, sample grids, wandb, the report) is runlog.py's.
 """
 import json
 import math
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -180,7 +180,7 @@ def check_config(cfg):
         errors.append(f"model.pos_embed_transfer={m['pos_embed_transfer']!r} must be 'resample' or 'extend'")
     if not d["label_column"] and not d["caption_column"]:
         errors.append("set data.label_column (class-conditional) or data.caption_column (text-to-image)")
-    if d["label_column"] and not d["caption_column"] and d["num_classes"] < 1:
+    if d["label_column"] and not d["caption_column"] and d["num_classes"] is not None and d["num_classes"] < 1:
         errors.append(f"data.num_classes={d['num_classes']} must be >= 1 with data.label_column")
     if tr["mixed_precision"] not in ("no", "fp16", "bf16"):
         errors.append(f"train.mixed_precision={tr['mixed_precision']!r} must be 'no', 'fp16' or 'bf16'")
@@ -247,21 +247,7 @@ def time_shift(t, shift):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Images and checkpoints.
-
-
-def save_image_grid(images, path, nrow):
-    """images in [-1, 1], (N, 3, H, W) -> one PNG grid; returns the PIL image."""
-    from torchvision.utils import make_grid
-
-    grid = make_grid(images.float().clamp(-1, 1).add(1).mul(127.5).round().byte().cpu(), nrow=nrow, padding=2)
-    img = Image.fromarray(grid.permute(1, 2, 0).numpy())
-    if images.shape[-1] < 64:  # small images (the demo's 16 px) are enlarged, pixel for pixel, to be seen
-        factor = math.ceil(64 / images.shape[-1])
-        img = img.resize((img.width * factor, img.height * factor), Image.NEAREST)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
-    return img
+# Checkpoints: RNG state, save (atomic, last K kept), find (latest intact), load.
 
 
 def rng_state():
@@ -355,60 +341,3 @@ def load_checkpoint(ckpt, model, ema, optimizer, accelerator):
     restore_rng(ckpt, accelerator.process_index, accelerator.num_processes)
     accelerator.print(f"resumed from {ckpt} at step {state['step']}")
     return state
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The run folder and its logging sinks: config.json, metrics.jsonl, sample grids, wandb, the report.
-
-
-def start_run(cfg, accelerator):
-    """The run folder, with the resolved config written first."""
-    run_dir = Path(cfg.run_dir)
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    return run_dir
-
-
-class RunLog:
-    """metrics.jsonl (every row, events included) and wandb (offline when no key), main process only.
-    Call it with a dict of metrics that has a "step"."""
-
-    def __init__(self, cfg, run_dir, accelerator):
-        self.run_dir, self.main, self.wandb = Path(run_dir), accelerator.is_main_process, None
-        if self.main and cfg.log.wandb != "off":
-            import wandb
-
-            mode = cfg.log.wandb if cfg.log.wandb != "auto" else ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-            self.wandb = wandb.init(project=cfg.log.project, dir=str(run_dir), config=cfg, mode=mode,
-                                    name=self.run_dir.name, resume="allow")
-
-    def __call__(self, metrics):
-        if self.main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            if self.wandb is not None and "event" not in metrics:  # events: metrics.jsonl and the report
-                self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
-
-    def samples(self, images, step):
-        """A labelled grid of validation samples, run_dir/samples/step_N.png (and wandb)."""
-        path = self.run_dir / "samples" / f"step_{step:08d}.png"
-        grid = save_image_grid(images, path, nrow=math.ceil(math.sqrt(len(images))))
-        if self.wandb is not None:
-            import wandb
-
-            self.wandb.log({"samples": wandb.Image(grid)}, step=step)
-        return path
-
-    def finish(self, cfg, accelerator):
-        """The run report (a plotting problem must not fail a finished run), then close the sinks."""
-        if self.main and cfg.log.report:
-            try:
-                import report
-
-                accelerator.print(f"report: {report.write_report(self.run_dir)}")
-            except Exception as e:
-                accelerator.print(f"warning: the run report failed ({type(e).__name__}: {e}); python report.py {self.run_dir}")
-        if self.wandb is not None:
-            self.wandb.finish()
-        accelerator.end_training()

@@ -1,7 +1,8 @@
 """Where images come from and how they become cached tensors (the seed's "Data Loading" stage).
 
-    source (embedded demo, hub id, imagefolder, parquet) -> open_splits (train / held-out)
-      -> build_cache: cache check -> hit: load / miss: load_image, preprocess (crop, flip, control metadata),
+    source (embedded demo, hub id, imagefolder, parquet) -> open_splits (labels checked against
+      data.num_classes, read from the data when unset; train / held-out rows sized and announced)
+      -> check_cache_shared (every rank sees data.cache_dir) -> build_cache: cache check -> hit: load / miss: load_image, preprocess (crop, flip, control metadata),
          encode (VAE posterior, text features) -> safetensors shards + manifest
       -> CachedDataset -> iterate_batches (a pure function of the micro-batch count, for exact resume)
 
@@ -13,6 +14,7 @@ import math
 import os
 import random
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,8 @@ import torch
 from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
+
+from monitor import progress
 
 # ----------------------------------------------------------------------------------------------------------
 # Embedded demo data: coloured shapes, generated deterministically, offline, in about a second.
@@ -89,18 +92,115 @@ def open_dataset(data, split):
     return ds.cast_column(data.image_column, datasets.Image(decode=False))
 
 
-def open_splits(data):
-    """(train, held-out) datasets: `data.val_split` if the source has one, else `data.val_holdout` rows
-    drawn at random (seed 0) from the training split and removed from it."""
+HOLDOUT_FRACTION, HOLDOUT_MAX = 0.1, 256  # data.val_holdout unset: 10% of the rows, at most 256
+
+
+def open_splits(data, log=print):
+    """(train, held-out) datasets, announced with their sizes and origin. Labels are checked first
+    (check_labels), and an unset data.num_classes is read from the data (class_count).
+
+    The held-out rows are `data.val_split` if the source has one; else rows drawn at random (seed 0) from the
+    training split and removed from it: data.val_holdout of them, or, unset (None), 10% of the rows and at
+    most 256 (4,864 demo rows: 256; a 300-image folder: 30). An explicit hold-out must leave at least as many
+    rows to train on as it holds out, else it is an error naming data.val_holdout."""
     train = open_dataset(data, data.split)
+    classes = data.label_column and (not data.caption_column or data.label_captions)  # labels are the condition
+    if data.label_column and data.num_classes is None and (classes or class_id_list(data, train)):
+        data.num_classes, origin = class_count(data, train)  # text runs: only if named (kept with the model)
+        log(f"data: data.num_classes={data.num_classes}, read from {origin}")
+    if classes:
+        check_labels(data, train, data.split)
     if data.val_split is not None:
         val = open_dataset(data, data.val_split)
+        if classes:
+            check_labels(data, val, data.val_split)
+        origin = f"split '{data.val_split}' (data.val_split)"
     else:
-        perm = np.random.default_rng(0).permutation(len(train))
-        val, train = train.select(sorted(perm[:data.val_holdout])), train.select(sorted(perm[data.val_holdout:]))
-    if data.max_samples is not None:
-        train = train.select(range(min(data.max_samples, len(train))))
+        n, holdout = len(train), data.val_holdout
+        if holdout is None:
+            holdout = max(1, min(HOLDOUT_MAX, int(n * HOLDOUT_FRACTION)))
+            origin = f"drawn from split '{data.split}' (data.val_holdout unset: 10% of the rows, at most 256)"
+        elif type(holdout) is not int or holdout < 1:
+            raise ValueError(f"data.val_holdout={holdout!r} must be a whole number of rows >= 1, or null (10% of "
+                             f"the rows, at most 256)")
+        else:
+            origin = f"drawn from split '{data.split}' (data.val_holdout={holdout})"
+        if n - holdout < holdout:
+            raise ValueError(f"data.val_holdout={holdout} holds out {min(holdout, n)} of the {n} rows of {data.source} "
+                             f"(split '{data.split}'), leaving {max(0, n - holdout)} to train on: fewer than it holds "
+                             f"out. Set data.val_holdout to at most {n // 2} (e.g. {max(1, int(n * HOLDOUT_FRACTION))}), "
+                             f"leave it null (10% of the rows, at most 256), or name a held-out split in data.val_split")
+        perm = np.random.default_rng(0).permutation(n)
+        val, train = train.select(sorted(perm[:holdout])), train.select(sorted(perm[holdout:]))
+    trimmed = ""
+    if data.max_samples is not None and data.max_samples < len(train):
+        trimmed = f" (the first {data.max_samples} of {len(train)}: data.max_samples)"
+        train = train.select(range(data.max_samples))
+    log(f"data: {data.source}: {len(train)} rows train from split '{data.split}'{trimmed}; {len(val)} rows held out "
+        f"for validation, {origin}")
     return train, val
+
+
+def class_count(data, ds):
+    """(number of classes, where it was read) for an unset data.num_classes: the names of a ClassLabel label
+    column (an imagefolder's class folders become one), else the ids of data.class_ids."""
+    import datasets
+
+    feature = ds.features.get(data.label_column)
+    if isinstance(feature, datasets.ClassLabel):
+        return feature.num_classes, f"the ClassLabel names of column '{data.label_column}'"
+    if data.class_ids is not None:
+        return len(class_id_list(data, ds)), f"data.class_ids={data.class_ids!r}"
+    labels = ds.with_format("numpy", columns=[data.label_column])[:][data.label_column]
+    found = f"; its labels run from {labels.min():g} to {labels.max():g}" if len(labels) else ""
+    raise ValueError(f"data.num_classes is unset and column '{data.label_column}' of {data.source} has no class "
+                     f"names (it is not a ClassLabel column, nor are there class folders){found}: set "
+                     f"data.num_classes, or data.class_ids to a file with one class name per line")
+
+
+def check_labels(data, ds, split, show=5):
+    """Every label of `ds` (split `split` of data.source) must be a class, 0 .. data.num_classes - 1: a larger
+    one crashes deep inside torch at the first step (a device-side assert on a GPU), and num_classes itself
+    would silently train as the null class of guidance. Raises naming the rows, the range found and a fix."""
+    labels = ds.with_format("numpy", columns=[data.label_column])[:][data.label_column]
+    if labels.dtype.kind not in "iuf":
+        raise ValueError(f"data.label_column='{data.label_column}' of {data.source} (split '{split}') holds "
+                         f"{labels.dtype} values such as {labels[:3].tolist()}, not class indices 0, 1, 2, ...")
+    k = data.num_classes
+    bad = np.flatnonzero(~((labels >= 0) & (labels < k) & (labels == np.round(labels))))  # NaN: a missing label
+    if len(bad) == 0:
+        return
+    rows = []
+    for i in bad[:show].tolist():
+        path = (ds[i][data.image_column] or {}).get("path")
+        rows.append(f"{i} (label {labels[i]:g}{', ' + Path(path).name if path else ''})")
+    valid = labels[~np.isnan(labels)] if labels.dtype.kind == "f" else labels
+    found = f"{valid.min():g} .. {valid.max():g}" if len(valid) else "none (all missing)"
+    hint = ""
+    if len(valid) and valid.min() == 1 and valid.max() == k:
+        hint = (f" They look 1-based: renumber them 0 .. {k - 1} (subtract 1 in your metadata), or set "
+                f"data.num_classes={k + 1} and leave class 0 unused.")
+    elif len(valid) and valid.max() >= k:
+        hint = f" If there are more classes, set data.num_classes={int(valid.max()) + 1}."
+    raise ValueError(f"data.label_column='{data.label_column}': {len(bad)} of the {len(labels)} rows of "
+                     f"{data.source} (split '{split}') have a label that is not a class 0 .. {k - 1} "
+                     f"(data.num_classes={k}; label {k} would train as the guidance null class): rows "
+                     f"{', '.join(rows)}{' ...' if len(bad) > show else ''}. The labels found run {found}.{hint}")
+
+
+def class_id_list(data, ds):
+    """The class ids named by data.class_ids (a timm ImageNet subset or a file), or the label column's
+    ClassLabel names when it is None; None when there are none."""
+    import datasets
+
+    if data.class_ids is None:
+        feature = ds.features.get(data.label_column) if data.label_column else None
+        return list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+    if Path(data.class_ids).is_file():
+        return Path(data.class_ids).read_text().split()
+    from timm.data import ImageNetInfo
+
+    return list(ImageNetInfo(data.class_ids).label_names())
 
 
 def read_class_ids(data, ds):
@@ -108,17 +208,7 @@ def read_class_ids(data, ds):
     `data.class_ids` names a timm ImageNet subset ("imagenet-1k", "imagenet-22k": the synset lists that the
     hub's ImageNet copies are indexed by) or a text file with one id per line; None reads the label column's
     ClassLabel names (an imagefolder of n0xxxxxxx folders holds the WordNet ids there)."""
-    import datasets
-
-    if data.class_ids is None:
-        feature = ds.features.get(data.label_column) if data.label_column else None
-        ids = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
-    elif Path(data.class_ids).is_file():
-        ids = Path(data.class_ids).read_text().split()
-    else:
-        from timm.data import ImageNetInfo
-
-        ids = list(ImageNetInfo(data.class_ids).label_names())
+    ids = class_id_list(data, ds)
     if ids is not None and len(ids) != data.num_classes:
         where = data.class_ids or f"the ClassLabel names of column {data.label_column}"
         raise ValueError(f"data.class_ids: {len(ids)} class ids ({where}) but data.num_classes={data.num_classes}")
@@ -126,31 +216,60 @@ def read_class_ids(data, ds):
 
 
 def class_names(data, ds):
-    """Readable class names, the captions of `data.label_captions`: WordNet ids become their lemmas
-    ("n01440764" -> "tench, Tinca tinca"); other ids are names already."""
+    """Readable class names, the captions of `data.label_captions`."""
     ids = read_class_ids(data, ds)
     if ids is None:
         raise ValueError(f"data.label_captions needs class names: data.label_column='{data.label_column}' is not a "
                          f"ClassLabel column of {data.source}; set data.class_ids (e.g. 'imagenet-22k' or a file)")
-    if all(re.fullmatch(r"n\d{8}", i) for i in ids):
-        from timm.data import ImageNetInfo
+    return readable_names(ids)
 
-        info = ImageNetInfo("imagenet-22k")
-        return [info.label_name_to_description(i) for i in ids]
-    return ids
+
+def readable_names(ids):
+    """WordNet ids become their lemmas ("n01440764" -> "tench, Tinca tinca"); other ids are names already, and
+    so is a WordNet-like id that ImageNet-22k does not know."""
+    if not ids or not all(re.fullmatch(r"n\d{8}", i) for i in ids):
+        return list(ids)
+    from timm.data import ImageNetInfo
+
+    info = ImageNetInfo("imagenet-22k")
+    known = set(info.label_names())
+    return [info.label_name_to_description(i) if i in known else i for i in ids]
 
 
 def load_image(value):
-    """Decode an undecoded `datasets.Image` value to RGB; any mode (L, P, RGBA, CMYK, I;16) is converted."""
+    """Decode an undecoded `datasets.Image` value to 8-bit RGB, converted with its full range, never clipped:
+    16-bit grey (I;16) divides by 257 (65535 -> 255), as does 16-bit RGB (Pillow keeps the high byte);
+    32-bit int (I) and float (F) images go through to_8bit; CMYK, palette and grey convert as Pillow does;
+    transparency (RGBA, LA, PA, a palette's transparent index) is composited on white, not on black."""
     import io
 
     img = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"])
     img.load()
-    if img.mode in ("RGBA", "LA", "P"):  # composite transparency on white rather than on black
+    if img.mode.startswith("I") or img.mode.startswith("F"):  # I;16, I;16B, I, F: not 8-bit
+        img = Image.fromarray(to_8bit(np.asarray(img), img.mode))
+    if img.mode in ("RGBA", "LA", "PA", "P", "La", "RGBa") or "transparency" in img.info:
         img = img.convert("RGBA")
         white = Image.new("RGBA", img.size, (255, 255, 255, 255))
         img = Image.alpha_composite(white, img)
     return img.convert("RGB")
+
+
+def to_8bit(a, mode):
+    """A high-depth grey image as uint8, by the range of its type: I;16 is 0 .. 65535; I (32-bit int) is taken
+    as 8-bit if its values fit 0 .. 255, as 16-bit if they fit 0 .. 65535 (16-bit PNG / TIFF read as I), else
+    stretched from its min to its max; F is taken as 0 .. 1 if its values fit, as 0 .. 255 if they fit, else
+    stretched likewise."""
+    a = a.astype(np.float64)
+    lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+    if mode.startswith("I;16"):
+        lo, hi = 0.0, 65535.0
+    elif mode == "F" and 0 <= lo and hi <= 1:
+        lo, hi = 0.0, 1.0
+    elif 0 <= lo and hi <= 255:
+        lo, hi = 0.0, 255.0
+    elif mode.startswith("I") and 0 <= lo and hi <= 65535:
+        lo, hi = 0.0, 65535.0
+    return np.round((a - lo) / max(hi - lo, 1e-12) * 255).clip(0, 255).astype(np.uint8)
 
 
 def preprocess(img, resolution, data, rng=random):
@@ -286,6 +405,39 @@ def cache_key(cfg, part, num_rows):
     return key
 
 
+def check_cache_shared(cache_dir, accelerator, retries=5):
+    """Every rank must see the same data.cache_dir: the ranks split the encoding between them and read each
+    other's shards and the main process's manifest, so node-local disks would fail the second node after
+    hours of encoding. Rank 0 writes a marker with a fresh token; every rank reads it (retrying a few times
+    for a network file system's attribute cache); all ranks stop at once, with the same message, if any
+    rank cannot see it."""
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    if accelerator.num_processes == 1:
+        return
+    token = [os.urandom(8).hex() if accelerator.is_main_process else None]
+    broadcast_object_list(token)
+    marker = Path(cache_dir) / f".rank0_marker_{token[0]}"
+    if accelerator.is_main_process:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token[0])
+    accelerator.wait_for_everyone()
+    for attempt in range(retries):
+        seen = marker.is_file() and marker.read_text() == token[0]
+        if seen or attempt == retries - 1:
+            break
+        time.sleep(1)
+    blind = [r for r, ok in enumerate(gather_object([seen])) if not ok]
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        marker.unlink()
+    if blind:
+        raise RuntimeError(f"data.cache_dir='{cache_dir}' is not shared: rank(s) {blind} of {accelerator.num_processes} "
+                           f"do not see the marker that rank 0 wrote to {Path(cache_dir).resolve()}. The ranks "
+                           f"write and read each other's cache shards: put data.cache_dir on storage every node "
+                           f"mounts at the same path (a shared file system), not on a node-local disk")
+
+
 def shard_ok(path):
     """A finished shard opens and its header's tensors all hold the rows it claims (safetensors itself
     rejects a file shorter than its header says, i.e. a truncated one)."""
@@ -323,7 +475,7 @@ def build_cache(ds, part, encode, accelerator, cfg):
     names = class_names(data, ds) if data.label_captions else None
     size, rank, world = data.shard_size, accelerator.process_index, accelerator.num_processes
     mine = [k for k in range(math.ceil(len(ds) / size)) if k % world == rank]
-    for k in tqdm(mine, desc=f"cache {part} (rank {rank})", disable=not accelerator.is_local_main_process):
+    for k in progress(mine, f"cache {part} (rank {rank})", accelerator.is_local_main_process):
         path = folder / f"shard_{k:05d}.safetensors"
         if path.exists() and shard_ok(path):
             continue  # finished before an interruption
@@ -451,14 +603,44 @@ def conditions_of(batch, device):
     return cond
 
 
-def validation_inputs(val_set, num_samples, num_classes, x_shape, seed, device):
-    """Fixed conditions and noise for the validation grid: the first held-out rows' captions and controls,
-    and the classes in order (0, 1, 2, ...) for class-conditional runs."""
-    n = min(num_samples, len(val_set))
-    rows = [val_set[i] for i in range(n)]
+def validation_prompts(cfg, train_ds, val_ds):
+    """What each cell of the validation grid shows, in grid order (also written beside the grid). Text runs:
+    the lines of the file val.prompts, else the first held-out captions (label_captions: the held-out rows'
+    class names). Class runs: the names of classes 0, 1, 2, ... (cycled), from the data's class names
+    (ClassLabel, class folders, data.class_ids), else "class k"."""
+    data, n = cfg.data, cfg.val.num_samples
+    if cfg.val.prompts is not None:
+        if not cfg.encoders.text_encoder:
+            raise ValueError(f"val.prompts={cfg.val.prompts!r} is for text-to-image runs (encoders.text_encoder); "
+                             f"a class-conditional run's grid shows its classes in order")
+        path = Path(cfg.val.prompts)
+        if not path.is_file():
+            raise FileNotFoundError(f"val.prompts={cfg.val.prompts!r}: no such file (a text file, one prompt per line)")
+        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"val.prompts={cfg.val.prompts!r} holds no prompts (one per line)")
+        return prompts[:n]
+    if data.label_captions:
+        names = class_names(data, train_ds)
+        return [names[label] for label in val_ds[:n][data.label_column]]
+    if data.caption_column:
+        return [str(caption) for caption in val_ds[:n][data.caption_column]]
+    ids = read_class_ids(data, train_ds)
+    names = readable_names(ids) if ids else [f"class {k}" for k in range(data.num_classes)]
+    return [names[k % data.num_classes] for k in range(n)]
+
+
+def validation_inputs(val_set, num_samples, num_classes, x_shape, seed, device, text=None):
+    """Fixed conditions and noise for the validation grid: classes in order (0, 1, 2, ...) for class runs,
+    the encoded validation prompts `text` (encode_text of validation_prompts) for text runs; controls (size,
+    crop, flip) from the held-out rows, cycled."""
+    rows = [val_set[i % len(val_set)] for i in range(num_samples)]
+    n = num_samples
     cond = conditions_of({k: torch.stack([r[k] for r in rows]) for k in rows[0]}, device)
     if "label" in cond:
         cond["label"] = torch.arange(n, device=device) % num_classes
+    if text is not None:
+        cond.update({k: v.to(device) for k, v in text.items()})
     noise = torch.randn((n, *x_shape), generator=torch.Generator().manual_seed(seed)).to(device)
     return noise, cond
 

@@ -10,7 +10,7 @@ count; lossless PNGs) -> reference statistics (computed once, cached in our own 
 its preprocessing) -> metrics (FID/KID with clean-fid's math and resizing, CLIP score) -> report (JSON + table).
 `fid_during_training` is the same path at small N, in memory, for the trainers' validation.
 
-Conventions: generated pixels in [-1, 1] become uint8 by round((x + 1) * 127.5), as in common.save_image_grid.
+Conventions: generated pixels in [-1, 1] become uint8 by round((x + 1) * 127.5), as in runlog.save_image_grid.
 A feature extractor is any feature_fn(list of uint8 (H, W, 3) images) -> (N, D) array; the default is
 clean-fid's Inception, the tests pass a tiny fixed conv net. Every multi-rank step is a collective: all ranks
 call it. For several nodes, --out_dir and --stats_cache must be on a shared file system.
@@ -35,11 +35,11 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 from PIL import Image
-from tqdm.auto import tqdm
 
 import common
 from data import decode, encode_text, load_encoders, load_image, open_dataset, open_splits, preprocess
 from model import build_denoiser, load_exported
+from monitor import progress
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. Every default is here; None means "as the run was configured". Reported numbers: 50k samples.
@@ -136,7 +136,7 @@ def my_batches(num_samples, batch_size, rank, world):
 
 
 def to_uint8(x):
-    """Pixels in [-1, 1] (N, 3, H, W) -> uint8 (N, H, W, 3), rounded as common.save_image_grid does."""
+    """Pixels in [-1, 1] (N, 3, H, W) -> uint8 (N, H, W, 3), rounded as runlog.save_image_grid does."""
     return x.float().clamp(-1, 1).add(1).mul(127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
 
 
@@ -327,8 +327,8 @@ def reference_stats(key, cfg, feature_fn, accelerator, cache_dir, batch_size=64)
     accelerator.print(f"reference statistics: cache {'hit' if path.exists() else 'miss'}, {path}")
     if not path.exists():
         items, pairs = reference_images(key, cfg), []
-        for idx in tqdm(my_batches(len(items), batch_size, accelerator.process_index, accelerator.num_processes),
-                        desc="reference features", disable=not accelerator.is_local_main_process):
+        for idx in progress(my_batches(len(items), batch_size, accelerator.process_index, accelerator.num_processes),
+                            "reference features", accelerator.is_local_main_process):
             pairs += zip(idx, feature_fn([items[i]() for i in idx]))
         feats = gathered(pairs)
         if accelerator.is_main_process:
@@ -460,7 +460,8 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
                             "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
     pairs, was_training = [], model.training
     model.eval()
-    for idx in my_batches(num_samples, batch_size, accelerator.process_index, accelerator.num_processes):
+    for idx in progress(my_batches(num_samples, batch_size, accelerator.process_index, accelerator.num_processes),
+                        "FID samples", accelerator.is_local_main_process):
         with accelerator.autocast():
             images = sample_batch(model, cfg, cond, idx, seed, steps, guidance_scale, sampler, vae,
                                   control_guidance_scale)
@@ -523,7 +524,7 @@ def main(argv=None, feature_fn=None):
     vae = load_encoders(common.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
     cond = make_condition(cfg, model, prompts, device, make_controls(cfg, args.controls))
     batches = my_batches(args.num_samples, args.batch_size, rank, world)
-    for idx in tqdm(batches, desc="generate", disable=not accelerator.is_local_main_process):
+    for idx in progress(batches, "generate", accelerator.is_local_main_process):
         if all(png_path(samples_dir, i).exists() for i in idx):
             continue
         with accelerator.autocast():
@@ -540,7 +541,7 @@ def main(argv=None, feature_fn=None):
     # ---- Features of the samples (and CLIP scores), then the reference statistics --------------------------
     feature_name, use_clip = getattr(feature_fn, "name", "custom"), is_text and args.clip_model != "none"
     pairs, clip_pairs = [], []
-    for idx in tqdm(batches, desc="features", disable=not accelerator.is_local_main_process):
+    for idx in progress(batches, "features", accelerator.is_local_main_process):
         images = [read_png(samples_dir, i) for i in idx]
         pairs += zip(idx, feature_fn(images))
         if use_clip:

@@ -176,6 +176,8 @@ def make_conditioner(cfg, width, context_dim, pooled_dim, text_tokens=0):
     if unknown:
         raise ValueError(f"conditioning.controls: unknown {sorted(unknown)}; choose from {sorted(CONTROL_FIELDS)}")
     num_classes = cfg["data"]["num_classes"] if cfg["data"]["label_column"] and not text_tokens else 0
+    if num_classes is None:  # the trainers read it from the data (data.open_splits) before building the model
+        raise ValueError("data.num_classes is unset: set it to build a class-conditional model outside a trainer")
     return Conditioner(num_classes, cfg["model"]["class_tokens"], context_dim, pooled_dim, width, text_tokens,
                        {name: c["control_power"][name] for name in c["controls"]}, c["mode"],
                        c["padding_noise"] if c["replicate_padding"] else None)

@@ -7,12 +7,15 @@
 Nothing here changes what is trained: the loop's forward, loss, accumulation, optimizer step and EMA are the
 trainers' own.
 """
+import datetime
 import math
 import re
 import resource
+import sys
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 # ----------------------------------------------------------------------------------------------------------
 # Monitoring: gradient norm and update size per layer group, vanishing / exploding flags, loss spikes.
@@ -95,8 +98,8 @@ class Monitor:
     """Interval statistics of a training run. The per-step losses and gradient norms stay on the device and
     come over in one all-reduce per log interval, so an ordinary step adds no host-device sync of its own."""
 
-    def __init__(self, cfg, model, accelerator, log, progress, state=None):
-        self.cfg, self.accelerator, self.log, self.progress = cfg, accelerator, log, progress
+    def __init__(self, cfg, model, accelerator, log, state=None):
+        self.cfg, self.accelerator, self.log = cfg, accelerator, log
         self.world, self.k_bins = accelerator.num_processes, cfg.objective.loss_bins
         self.groups = layer_groups(model)  # for the gradient analysis
         device = accelerator.device
@@ -106,6 +109,12 @@ class Monitor:
         self.skipped = state.get("skipped_steps", 0)
         self.loss_state = state.get("loss_state", {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0})  # smoothed loss, spikes
         self.since_log, self.bad_in_row, self.waited, self.analysis = 0, 0, 0.0, None
+        # A progress bar on a terminal; in a log file (SLURM) a bar's carriage returns become one huge line, so
+        # there log_interval prints one plain line per interval instead.
+        self.start_step, self.t_start = state.get("step", 0), time.perf_counter()
+        self.show_lines = accelerator.is_local_main_process and not interactive()
+        self.progress = tqdm(total=cfg.train.max_steps, initial=self.start_step, desc="train",
+                             disable=not accelerator.is_local_main_process or self.show_lines)
         self.restart_clock()
 
     def state_dict(self):
@@ -190,7 +199,62 @@ class Monitor:
         if clipped:  # by how much the clip acted, on the steps where it did
             metrics["clip_excess"] = sum(clipped) / len(clipped)
         self.log(metrics)
-        self.progress.set_postfix(loss=f"{self.loss_state['mean']:.4f}", lr=f"{lr:.1e}")
+        self.progress.set_postfix({"smoothed loss": f"{self.loss_state['mean']:.4f}", "lr": f"{lr:.1e}"})
+        if self.show_lines:
+            print(self.line(step, metrics), flush=True)
         self.stats.zero_(), self.per_step.zero_()
         self.restart_clock()
         return metrics
+
+    def line(self, step, metrics):
+        """The plain log line of an interval. ETA: the wall time per step since this process started (so
+        validation, FID and checkpoints are included) times the steps left."""
+        total = self.cfg.train.max_steps
+        per_step = (time.perf_counter() - self.t_start) / max(1, step - self.start_step)
+        eta = datetime.timedelta(seconds=round(per_step * (total - step)))
+        return (f"step {step}/{total} ({100 * step / total:.0f}%) | loss {metrics['loss']:.4f} | smoothed loss "
+                f"{metrics['loss_smoothed']:.4f} | lr {metrics['lr']:.2e} | {metrics['images_per_s']:.1f} images/s | "
+                f"ETA {eta}")
+
+    def phase(self, name, step):
+        """A pause of training (validation, FID) announced in the log, with its duration when done."""
+        return Phase(f"step {step}: {name}", self.accelerator.is_main_process)
+
+    def close(self):
+        self.progress.close()
+
+
+def interactive():
+    """Whether both output streams are a terminal (tqdm draws on stderr, the lines go to stdout); not in SLURM's
+    or nohup's log files, nor with `> log.txt`."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+class Phase:
+    """with Phase(name): print 'name ...' and, at the end, 'name: done in 12.3 s'."""
+
+    def __init__(self, name, enabled=True):
+        self.name, self.enabled = name, enabled
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        if self.enabled:
+            tqdm.write(f"{self.name} ...", file=sys.stdout)
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled and exc[0] is None:
+            tqdm.write(f"{self.name}: done in {time.perf_counter() - self.t0:.1f} s", file=sys.stdout)
+
+
+def progress(iterable, desc, enabled=True, total=None):
+    """tqdm on a terminal; in a log file, a plain line at every tenth of the way (FID, sampling at scale)."""
+    if not enabled or interactive():
+        yield from tqdm(iterable, desc=desc, total=total, disable=not enabled)
+        return
+    total = len(iterable) if total is None else total
+    t0, marks = time.perf_counter(), {math.ceil(total * k / 10) for k in range(1, 11)}
+    for i, item in enumerate(iterable, 1):
+        yield item
+        if i in marks:
+            print(f"{desc}: {i}/{total} ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -17,7 +17,6 @@ import math
 import re
 import shutil
 import statistics
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -264,8 +263,24 @@ def write_report(run_dir) -> Path:
     return path
 
 
+def main(argv=None):
+    """Write the report of each run folder named; a folder that is not a run is refused before any is written."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write report.md and PNG plots for training run folders (what "
+                                     "train_flow_matching.py / train_ddpm.py write at the end of a run).")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run folder: it holds config.json and "
+                        "metrics.jsonl (e.g. runs/flow_matching_demo)")
+    args = parser.parse_args(argv)
+    for run_dir in map(Path, args.run_dirs):
+        if not run_dir.is_dir():
+            parser.error(f"{run_dir}: no such folder")
+        if not (run_dir / "metrics.jsonl").is_file():
+            parser.error(f"{run_dir} is not a run folder: it has no metrics.jsonl (a run folder is the trainer's "
+                         f"run_dir, e.g. runs/flow_matching_demo)")
+    return [write_report(run_dir) for run_dir in args.run_dirs]
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python report.py RUN_DIR [RUN_DIR ...]")
-    for arg in sys.argv[1:]:
-        print(write_report(arg))
+    for path in main():
+        print(path)

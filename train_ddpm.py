@@ -26,13 +26,13 @@ from contextlib import nullcontext
 
 import torch
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 import common
 import eval_fid
-from data import (COND_FIELDS, CachedDataset, build_cache, decode, drop_conditions, encode_text, heldout_batches,
-                  iterate_batches, load_encoders, loader_options, make_encode, open_splits, read_class_ids,
-                  validation_inputs)
+import runlog
+from data import (COND_FIELDS, CachedDataset, build_cache, check_cache_shared, decode, drop_conditions, encode_text,
+                  heldout_batches, iterate_batches, load_encoders, loader_options, make_encode, open_splits,
+                  read_class_ids, validation_inputs, validation_prompts)
 from model import build_for_run, export, guided, init_from
 from monitor import Monitor
 
@@ -49,11 +49,11 @@ DEFAULTS = {
         "source": "embedded",        # "embedded" (generated demo), a hub id, an imagefolder or parquet path
         "split": "train",
         "val_split": None,           # a held-out split of the source; None: hold out val_holdout train rows
-        "val_holdout": 256,
+        "val_holdout": None,         # held-out rows drawn from split; None: 10% of the rows, at most 256
         "image_column": "image",
         "label_column": "label",     # None for text-only data
         "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
-        "num_classes": 9,
+        "num_classes": None,         # None: read from the label column's class names (ClassLabel, folders)
         "class_ids": None,           # WordNet ids of the labels, for init_from's class mapping: None = the label
                                      # column's ClassLabel names; "imagenet-1k" / "imagenet-22k"; or a file
         "label_captions": False,     # text-to-image on class data: the caption is the class name (22k -> CC12M)
@@ -138,6 +138,7 @@ DEFAULTS = {
         "control_guidance_scale": 0.0,  # control guidance scale (0: none; standard CFG)
         "guidance_rescale": 0.7,     # phi of Lin et al. 2024, sec. 3.4; 0 = plain guidance
         "loss_samples": 256,         # held-out samples for the validation loss, at t = floor((k + 0.5) T / loss_bins)
+        "prompts": None,             # text runs: a file of validation prompts, one per line; None: held-out captions
         "fid_every": 0,              # small-N FID/KID through eval_fid.py every this many steps (0: off)
         "fid_samples": 1000,
         "fid_reference": None,       # None: the held-out split; else any eval_fid.py --reference
@@ -353,20 +354,23 @@ def main(argv=None):
     accelerator = common.make_accelerator(tr.mixed_precision)  # also on CPU-only machines, TF32 on
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     set_seed(cfg.seed + rank)  # different noise and times on each rank
-    run_dir = common.start_run(cfg, accelerator)  # writes the resolved config.json
     alphas_cumprod = schedule_of(cfg).to(device, torch.float32)  # float32 on the device: MPS has no float64
     T = obj.num_timesteps
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
+    train_ds, val_ds = open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
+    val_prompts = validation_prompts(cfg, train_ds, val_ds)  # what each validation grid cell shows
+    run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
+    check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
     encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
-    train_ds, val_ds = open_splits(data)
     class_ids = read_class_ids(data, train_ds) if data.label_column else None  # saved with the model
     train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg))
     val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg))
-    null_text = None
-    if text_encoder is not None:  # the null condition for guidance: the empty prompt, encoded once
+    null_text = val_text = None
+    if text_encoder is not None:  # the null condition for guidance (the empty prompt) and the validation prompts
         null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
+        val_text = encode_text(tokenizer, text_encoder, val_prompts, cfg.encoders.max_tokens)
         text_encoder.cpu()  # encoders leave the GPU once the cache is built
     if vae is not None:
         vae.cpu()
@@ -398,12 +402,12 @@ def main(argv=None):
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
     step = state["step"]
-    log = common.RunLog(cfg, run_dir, accelerator)  # metrics.jsonl, wandb
-    progress = tqdm(total=tr.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
-    monitor = Monitor(cfg, raw_model, accelerator, log, progress, state)
+    log = runlog.RunLog(cfg, run_dir, accelerator)  # metrics.jsonl, wandb
+    monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
-    val_noise, val_cond = validation_inputs(val_set, cfg.val.num_samples, data.num_classes, x_shape, cfg.seed, device)
+    val_noise, val_cond = validation_inputs(val_set, len(val_prompts), data.num_classes, x_shape, cfg.seed, device,
+                                            val_text)
 
     @torch.no_grad()
     def validate(step):
@@ -411,7 +415,7 @@ def main(argv=None):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(cfg.seed)  # the ancestral sampler's noise: fixed, and the training RNG untouched
             x = generate(ema, val_noise, val_cond, cfg)
-        path = log.samples(decode(vae, x, device), step)
+        path = log.samples(decode(vae, x, device), step, val_prompts)
         # Validation loss: every held-out sample at every t_k = floor((k + 0.5) T / K), with fixed noise.
         losses, n = torch.zeros(obj.loss_bins), min(cfg.val.loss_samples, len(val_set))
         for x0, noise, cond in heldout_batches(val_set, n, tr.batch_size, cfg.seed + 1, device):
@@ -472,12 +476,14 @@ def main(argv=None):
             monitor.log_interval(step, lr)  # the only sync: the interval's statistics in one all-reduce
         if step % cfg.val.every == 0 or step == tr.max_steps:
             if accelerator.is_main_process:
-                validate(step)
+                with monitor.phase("validation", step):
+                    validate(step)
             accelerator.wait_for_everyone()
             monitor.restart_clock()  # validation, FID and checkpoints are not training throughput
         stop = signals.agreed(accelerator)
         if cfg.val.fid_every and (step % cfg.val.fid_every == 0 or step == tr.max_steps):
-            metrics = eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, text=null_text is not None)
+            with monitor.phase(f"FID ({cfg.val.fid_samples} samples)", step):
+                metrics = eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, text=null_text is not None)
             log({"step": step, **metrics})
             accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
             monitor.restart_clock()
@@ -486,7 +492,7 @@ def main(argv=None):
             monitor.restart_clock()
         if stop:
             common.exit_for_requeue(accelerator, step)
-    progress.close()
+    monitor.close()
 
     # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
     if accelerator.is_main_process:

@@ -55,7 +55,7 @@ if __name__ == "__main__":
         overrides = [f"--run_dir={tmp}/run", f"--data.cache_dir={tmp}/cache", f"--train.max_steps={args.steps}",
                      f"--train.batch_size={args.batch_size}", "--log.every=10", "--log.wandb=off",
                      "--val.every=1000000", "--ckpt.every=1000000", "--val.steps=1", "--val.num_samples=1",
-                     "--val.loss_samples=1", *extra]
+                     "--val.loss_samples=1", "--data.num_classes=9", *extra]
         cfg = common.load_config(fm.DEFAULTS, overrides)
         bare = bare_loop(cfg, args.steps)
         fm.main(overrides)

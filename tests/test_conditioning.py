@@ -15,6 +15,7 @@ import train_flow_matching as fm
 
 def tiny_model(mode="disentangled", controls=("size", "crop", "flip")):
     cfg = common.load_config(fm.DEFAULTS, [f"--conditioning.mode={mode}", "--model.num_layers=1",
+                                           "--data.num_classes=9",
                                            f"--conditioning.controls={list(controls)}".replace("'", '"')])
     torch.manual_seed(0)
     model = build_denoiser(cfg, 3, 8).eval()

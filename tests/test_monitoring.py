@@ -23,7 +23,7 @@ def rows(run):
 
 
 def tiny_denoiser():
-    cfg = common.load_config(fm.DEFAULTS, ["--conditioning.controls", '["size"]', *TINY_MODEL])
+    cfg = common.load_config(fm.DEFAULTS, ["--conditioning.controls", '["size"]', "--data.num_classes=9", *TINY_MODEL])
     return build_denoiser(cfg, 3, 8)
 
 

@@ -133,3 +133,22 @@ def test_old_run_with_training_rows_only(tmp_path):
 def test_empty_run_folder(tmp_path):
     md = report.write_report(tmp_path).read_text()  # no config, no metrics: a report that says little
     assert md.startswith("# Run report:") and "![" not in md
+
+
+def test_command_line_has_help_and_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        report.main(["--help"])
+    assert e.value.code == 0 and "RUN_DIR" in capsys.readouterr().out
+    write_run(tmp_path / "run", [training_row(s) for s in (10, 20)], config())
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text("{}")  # an export folder has a config.json, but it is not a run
+    for folder, message in ((export, "is not a run folder: it has no metrics.jsonl"),
+                            (tmp_path / "missing", "no such folder")):
+        with pytest.raises(SystemExit) as e:
+            report.main([str(tmp_path / "run"), str(folder)])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run" / "report.md").exists()  # refused before any report is written
+    assert report.main([str(tmp_path / "run")]) == [tmp_path / "run" / "report.md"]

@@ -92,7 +92,7 @@ def test_class_embeddings_are_mapped_by_wordnet_id_from_imagenet_22k_to_1k():
 def test_class_ids_and_captions_come_from_the_datasets_metadata(tmp_path):
     import datasets
 
-    cfg = common.load_config(fm.DEFAULTS, [])
+    cfg = common.load_config(fm.DEFAULTS, ["--data.num_classes=9"])
     ds = make_demo_dataset(9, seed=0, resolution=8)
     assert read_class_ids(cfg.data, ds) == DEMO_CLASSES  # ClassLabel names
     assert class_names(cfg.data, ds) == DEMO_CLASSES
@@ -104,7 +104,8 @@ def test_class_ids_and_captions_come_from_the_datasets_metadata(tmp_path):
     assert class_names(cfg.data, ds) == ["dog, domestic dog, Canis familiaris", "domestic cat, house cat, "
                                                 "Felis domesticus, Felis catus"]
     with pytest.raises(ValueError, match="data.class_ids: 2 class ids .* but data.num_classes=9"):
-        read_class_ids(common.load_config(fm.DEFAULTS, ["--data.class_ids", str(tmp_path / "ids.txt")]).data, ds)
+        read_class_ids(common.load_config(fm.DEFAULTS, ["--data.class_ids", str(tmp_path / "ids.txt"),
+                                                       "--data.num_classes=9"]).data, ds)
     cfg.data.class_ids = None
     plain = datasets.Dataset.from_dict({"label": [0, 1]})  # integer labels without names
     assert read_class_ids(cfg.data, plain) is None

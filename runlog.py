@@ -1,0 +1,138 @@
+"""The run folder and what a run writes into it: config.json (the resolved config, first), metrics.jsonl
+(every logged row, events included), labelled sample grids, wandb (online when logged in, the same wandb run
+when resumed) and, at the end, the report (report.py). Main process only; both trainers use it the same way.
+"""
+import json
+import math
+import os
+from pathlib import Path
+
+from PIL import Image
+
+# ----------------------------------------------------------------------------------------------------------
+# Image grids: validation samples and sample.py's output, each cell labelled with its class name or prompt.
+
+
+def save_image_grid(images, path, nrow, labels=None):
+    """images in [-1, 1], (N, 3, H, W) -> one PNG grid; returns the PIL image. `labels` (one per image: class
+    names or prompts) are written under their cells, shortened to fit, and in full to a text file beside the
+    grid (the same name, .txt), one line per cell in grid order."""
+    from torchvision.utils import make_grid
+
+    grid = make_grid(images.float().clamp(-1, 1).add(1).mul(127.5).round().byte().cpu(), nrow=nrow, padding=2)
+    img = Image.fromarray(grid.permute(1, 2, 0).numpy())
+    factor = math.ceil(64 / images.shape[-1]) if images.shape[-1] < 64 else 1
+    if factor > 1:  # small images (the demo's 16 px) are enlarged, pixel for pixel, to be seen
+        img = img.resize((img.width * factor, img.height * factor), Image.NEAREST)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if labels is not None:
+        img = caption_cells(img, labels, nrow, (images.shape[-1] + 2) * factor)
+        Path(path).with_suffix(".txt").write_text("".join(
+            f"{i}\trow {i // nrow + 1}, column {i % nrow + 1}\t{label}\n" for i, label in enumerate(labels)))
+    img.save(path)
+    return img
+
+
+def caption_cells(grid, labels, nrow, cell):
+    """The grid with a line of text under each row of cells: each cell's label, cut to the cell's width."""
+    from PIL import ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    band = font.getbbox("Ag")[3] + 4
+    rows = math.ceil(len(labels) / nrow)
+    out = Image.new("RGB", (grid.width, grid.height + rows * band), "white")
+    draw = ImageDraw.Draw(out)
+    for r in range(rows):
+        out.paste(grid.crop((0, r * cell, grid.width, (r + 1) * cell)), (0, r * (cell + band)))
+        for c, label in enumerate(labels[r * nrow:(r + 1) * nrow]):
+            text = str(label)
+            while text and draw.textlength(text, font=font) > cell - 4:
+                text = text[:-1]
+            if text != str(label):
+                text = text[:-2] + ".."
+            draw.text((c * cell + 3, r * (cell + band) + cell), text, fill="black", font=font)
+    out.paste(grid.crop((0, rows * cell, grid.width, grid.height)), (0, rows * (cell + band)))  # bottom padding
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run folder and its sinks.
+
+
+def start_run(cfg, accelerator):
+    """The run folder, with the resolved config written first."""
+    run_dir = Path(cfg.run_dir)
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return run_dir
+
+
+def wandb_mode(setting):
+    """log.wandb as wandb.init's mode. "auto": WANDB_MODE if set, else online when the user is logged in (a
+    WANDB_API_KEY, or the netrc entry that `wandb login` writes for the wandb host), else offline (sync later
+    with `wandb sync`)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if setting != "auto":
+        return setting
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC") or Path.home() / ".netrc").authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    return "online" if entry and entry[2] else "offline"
+
+
+class RunLog:
+    """metrics.jsonl (every row, events included) and wandb (offline when no key), main process only.
+    Call it with a dict of metrics that has a "step"."""
+
+    def __init__(self, cfg, run_dir, accelerator):
+        self.run_dir, self.main, self.wandb = Path(run_dir), accelerator.is_main_process, None
+        if self.main and cfg.log.wandb != "off":
+            import wandb
+
+            # The wandb run id lives in the run folder: --resume continues the same wandb run, a fresh start
+            # in the same folder begins a new one.
+            id_file = self.run_dir / "wandb_id.txt"
+            run_id = id_file.read_text().strip() if cfg.resume and id_file.is_file() else os.urandom(4).hex()
+            id_file.write_text(run_id + "\n")
+            self.wandb = wandb.init(project=cfg.log.project, dir=str(run_dir), config=cfg, mode=wandb_mode(cfg.log.wandb),
+                                    name=self.run_dir.name, id=run_id, resume="allow")
+
+    def __call__(self, metrics):
+        if self.main:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            if self.wandb is not None and "event" not in metrics:  # events: metrics.jsonl and the report
+                self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    def samples(self, images, step, labels=None):
+        """A grid of validation samples, run_dir/samples/step_N.png (and wandb), each cell labelled with its class
+        name or prompt (under the cell, and in full in step_N.txt)."""
+        path = self.run_dir / "samples" / f"step_{step:08d}.png"
+        grid = save_image_grid(images, path, nrow=math.ceil(math.sqrt(len(images))), labels=labels)
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({"samples": wandb.Image(grid)}, step=step)
+        return path
+
+    def finish(self, cfg, accelerator):
+        """The run report (a plotting problem must not fail a finished run), then close the sinks."""
+        if self.main and cfg.log.report:
+            try:
+                import report
+
+                accelerator.print(f"report: {report.write_report(self.run_dir)}")
+            except Exception as e:
+                accelerator.print(f"warning: the run report failed ({type(e).__name__}: {e}); python report.py {self.run_dir}")
+        if self.wandb is not None:
+            self.wandb.finish()
+        accelerator.end_training()

@@ -1,0 +1,163 @@
+"""Sample a trained run: chosen classes or prompts -> a labelled grid and single PNGs.
+
+    python sample.py --run runs/flow_matching_demo --classes "red circle,blue square,7"
+    python sample.py --run runs/flow_matching_cc12m --prompts prompts.txt --guidance_scale 4 --steps 50
+    python sample.py --run runs/ddpm_imagenet256 --checkpoint latest --classes "tench,n01443537,2" --per_class 8
+
+Pipeline: arguments -> model (the run's export, or a checkpoint's EMA or raw weights, as eval_fid.py loads
+them) -> conditions (class ids or names, or a text file of prompts encoded by the run's own text encoder) ->
+samples (the run's own sampler, `generate` of its trainer, through eval_fid.sample_batch: image i has the
+noise seed_for(seed, 0, i), so the same command gives the same images, and image i is eval_fid.py's sample i
+when its condition is the same) -> out/grid.png (one row per class or prompt, labelled), out/grid.txt,
+out/NNNN_<label>.png and out/sample.json (the settings).
+"""
+import argparse
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+import common
+import eval_fid
+import runlog
+from data import encode_text, load_encoders, readable_names
+
+# ----------------------------------------------------------------------------------------------------------
+# Arguments. None means "as the run was configured".
+
+
+def parse_args(argv=None):
+    a = (p := argparse.ArgumentParser(description=__doc__.split("\n")[0])).add_argument
+    a("--run", required=True, help="run folder (uses run/export) or an export folder")
+    a("--checkpoint", default=None, help="sample a checkpoint folder (or 'latest') instead of the export")
+    a("--weights", default="ema", choices=["ema", "raw"], help="checkpoint weights; the export is always EMA")
+    a("--classes", default=None, help="class runs: comma-separated class ids or names (default: every class, "
+      "if there are at most 64)")
+    a("--prompts", default=None, help="text runs: a text file, one prompt per line")
+    a("--per_class", type=int, default=4, help="images per class or prompt (one grid row each)")
+    a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
+    a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
+    a("--steps", type=int, default=None, help="default: the run's val.steps")
+    a("--sampler", default=None, help="default: the run's val.sampler")
+    a("--seed", type=int, default=0)
+    a("--batch_size", type=int, default=16)
+    a("--out", default=None, help="default: <run>/sampled/<sampler><steps>-g<guidance>-seed<seed>")
+    return p.parse_args(argv)
+
+# ----------------------------------------------------------------------------------------------------------
+# Conditions: which classes or prompts, and their labels.
+
+
+def run_class_ids(run, checkpoint):
+    """The class ids a run saved with its model (export/class_ids.json, or a checkpoint's state), or None."""
+    if checkpoint is None:
+        export = Path(run) if (Path(run) / "transformer").is_dir() else Path(run) / "export"
+        path = export / "class_ids.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+    ckpt = common.find_checkpoint(run, checkpoint)
+    return torch.load(ckpt / "state.pt", weights_only=True).get("class_ids") if ckpt else None
+
+
+def pick_classes(spec, num_classes, ids):
+    """[(label, name)] for --classes: each comma-separated item a class index, a class id (e.g. a WordNet id)
+    or a class name (its full name or its first synonym, case-insensitive)."""
+    names = readable_names(ids) if ids else [f"class {k}" for k in range(num_classes)]
+    if spec is None:
+        if num_classes > 64:
+            raise ValueError(f"this run has {num_classes} classes: choose some with --classes (ids or names)")
+        return list(enumerate(names))
+    lookup = {}
+    for k, name in enumerate(names):
+        for key in (name, name.split(",")[0], ids[k] if ids else None):
+            if key:
+                lookup.setdefault(key.strip().lower(), k)
+    picked = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        k = int(item) if re.fullmatch(r"\d+", item) else lookup.get(item.lower())
+        if k is None or not 0 <= k < num_classes:
+            known = ", ".join(f"{i}: {n}" for i, n in list(enumerate(names))[:12])
+            raise ValueError(f"--classes: {item!r} is not a class of this run (ids 0 .. {num_classes - 1}"
+                             f"{', or names: ' + known + (' ...' if num_classes > 12 else '') if ids else ''})")
+        picked.append((k, names[k]))
+    return picked
+
+
+def read_prompts(path):
+    if path is None or not Path(path).is_file():
+        raise FileNotFoundError(f"--prompts {path}: this is a text-to-image run; give a text file, one prompt per line")
+    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts {path} holds no prompts (one per line)")
+    return prompts
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, cfg, model_desc = eval_fid.load_model(args.run, args.checkpoint, args.weights)
+    model.to(device)
+    is_text = bool(cfg["encoders"]["text_encoder"])
+    if is_text and args.classes:
+        raise ValueError("--classes: this is a text-to-image run; give --prompts FILE")
+    if not is_text and args.prompts:
+        raise ValueError("--prompts: this is a class-conditional run; give --classes (ids or names)")
+
+    # ---- Conditions: row r of the grid is class or prompt r, repeated --per_class times ---------------------
+    if is_text:
+        prompts = read_prompts(args.prompts)
+        rows = list(enumerate(prompts))
+        tokenizer, text_encoder = load_encoders(common.Config({**cfg["encoders"], "vae": None}), device)[1:]
+    else:
+        rows = pick_classes(args.classes, model.conditioner.num_classes, run_class_ids(args.run, args.checkpoint))
+    items = [row for row in rows for _ in range(args.per_class)]
+    controls = eval_fid.make_controls(cfg, "square")  # an uncropped, unflipped R x R original
+
+    def cond(idx):
+        out = {"drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
+        if is_text:
+            out.update(encode_text(tokenizer, text_encoder, [items[i][1] for i in idx], cfg["encoders"]["max_tokens"]))
+        else:
+            out["label"] = torch.tensor([items[i][0] for i in idx], device=device)
+        if controls is not None:
+            meta = [controls(i) for i in idx]
+            out.update({k: torch.stack([m[k] for m in meta]).to(device) for k in meta[0]})
+        return out
+
+    # ---- Samples: the run's own sampler; image i has its own seeded noise --------------------------------
+    val = cfg["val"]
+    steps, sampler = args.steps or val["steps"], args.sampler or val["sampler"]
+    guidance = val["guidance_scale"] if args.guidance_scale is None else args.guidance_scale
+    control_guidance = (val.get("control_guidance_scale", 0.0) if args.control_guidance_scale is None
+                        else args.control_guidance_scale)
+    out = Path(args.out or Path(args.run) / "sampled" / f"{sampler}{steps}-g{guidance:g}-seed{args.seed}")
+    out.mkdir(parents=True, exist_ok=True)
+    vae = load_encoders(common.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
+    images = []
+    for start in range(0, len(items), args.batch_size):
+        idx = list(range(start, min(start + args.batch_size, len(items))))
+        images += list(eval_fid.sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae,
+                                             control_guidance))
+        print(f"sampled {idx[-1] + 1}/{len(items)}", flush=True)
+
+    # ---- Out: single PNGs, the labelled grid, the settings --------------------------------------------------
+    for i, (img, (_, label)) in enumerate(zip(images, items)):
+        Image.fromarray(img).save(out / f"{i:04d}_{re.sub(r'[^A-Za-z0-9]+', '-', label).strip('-')[:60]}.png")
+    pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
+    runlog.save_image_grid(pixels, out / "grid.png", nrow=args.per_class, labels=[label for _, label in items])
+    settings = {"model": {"run": str(args.run), **model_desc}, "sampler": sampler, "steps": steps,
+                "guidance_scale": guidance, "control_guidance_scale": control_guidance, "seed": args.seed,
+                "noise": "image i: eval_fid.seed_for(seed, 0, i)", "batch_size": args.batch_size,
+                "conditions": [label for _, label in items]}
+    (out / "sample.json").write_text(json.dumps(settings, indent=1))
+    print(f"{len(items)} images in {out}; grid: {out / 'grid.png'} (labels: {out / 'grid.txt'})")
+    return out
+
+
+if __name__ == "__main__":
+    main()
