@@ -133,8 +133,11 @@ def ignore_stop_signals(worker_id=None):
 
 
 class StopSignals:
-    """SIGTERM / SIGUSR1 (preemption) are recorded, not obeyed at once: the loop finishes its step, writes a
-    checkpoint and exits with REQUEUE_EXIT_CODE, so the scheduler requeues and --resume latest continues."""
+    """SIGTERM / SIGUSR1 (preemption) are recorded, not obeyed at once. Installed on the first line of main(),
+    so from there on a signal always ends the run with REQUEUE_EXIT_CODE at the next safe point: during the
+    cache build after the shards in progress (the build resumes from finished shards), in the loop after the
+    step and its checkpoint, after training once the export is complete. The scheduler then requeues and
+    --resume latest continues."""
 
     def __init__(self):
         self.received = []
@@ -147,6 +150,14 @@ class StopSignals:
         if accelerator.num_processes > 1:
             stop = accelerator.reduce(stop, "sum")
         return bool(stop)
+
+    def exit_if_agreed(self, accelerator, during):
+        """At a safe point outside the loop (nothing to checkpoint): exit for a requeue if any rank got a signal."""
+        if self.agreed(accelerator):
+            accelerator.print(f"stopped by a signal during {during}: exiting with code {REQUEUE_EXIT_CODE} so the "
+                              f"scheduler can requeue (--resume latest continues)")
+            accelerator.end_training()
+            sys.exit(REQUEUE_EXIT_CODE)
 
 
 def exit_for_requeue(accelerator, step):

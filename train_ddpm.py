@@ -67,7 +67,9 @@ DEFAULTS = {
         "demo_resolution": 16,
         "cache_dir": "cache",
         "cache_dtype": "float16",
-        "shard_size": 1024,
+        "shard_size": 1024,          # rows per cache shard (part of the cache key)
+        "verify_cache": True,        # check every cached value (checksum, finite) at start, split over processes;
+                                     # False: headers only (for caches too large to read at each start)
         "encode_batch_size": 64,
         "num_workers": 0,
         "prefetch_factor": 2,

@@ -98,8 +98,9 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     with safe_open(str(shard), "pt") as f:
         meta = f.metadata()
     tensors["x"][::7] = float("nan")  # a few poisoned images: the batches holding them are skipped
-    save_file(tensors, str(shard), metadata=meta)
-    fm.main(tiny_run_args(tmp_path, "nan", steps=8) + ["--ckpt.every=1", "--log.every=1", "--resume=latest"])
+    save_file(tensors, str(shard), metadata=meta)  # (its old checksum: only data.verify_cache would notice)
+    fm.main(tiny_run_args(tmp_path, "nan", steps=8) + ["--ckpt.every=1", "--log.every=1", "--resume=latest",
+                                                       "--data.verify_cache=false"])
     logs = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
     assert logs[-1]["step"] == 8 and logs[-1]["skipped_steps"] >= 3
     for name in ("model", "ema"):
@@ -109,7 +110,7 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     save_file(tensors, str(shard), metadata=meta)
     with pytest.raises(FloatingPointError, match="3 optimizer steps in a row"):
         fm.main(tiny_run_args(tmp_path, "nan", steps=20) + ["--ckpt.every=1", "--resume=latest",
-                                                           "--train.max_nonfinite_steps=3"])
+                                                           "--train.max_nonfinite_steps=3", "--data.verify_cache=false"])
     latest = common.find_checkpoint(run, "latest")
     assert all(torch.isfinite(v).all() for v in load_file(str(latest / "model.safetensors")).values())
 
@@ -140,25 +141,118 @@ def test_bad_images_are_reported_and_skipped(tmp_path, capsys):
     assert (run / "export" / "transformer").exists()
 
 
-def test_corrupt_shard_is_rebuilt_and_a_changed_key_is_named(tmp_path, capsys):
+def small_cache(tmp_path, *extra):
+    """A 90-row pixel cache of the demo data in 3 shards, and a counter of the rows encoded."""
     from accelerate import Accelerator
 
-    cfg = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
+    cfg = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path / "cache"), "--data.demo_samples=100",
+                                           "--data.val_holdout=10", "--data.shard_size=32", *extra])
+    train, _ = open_splits(cfg.data)
+    calls = []
+
+    def encode(pixels, captions):
+        calls.append(len(pixels))
+        return {"x": pixels}
+
+    return lambda: build_cache(train, "train", encode, Accelerator(cpu=True), cfg), calls
+
+
+def test_damaged_shard_contents_are_detected_and_rebuilt(tmp_path, capsys):
+    build, calls = small_cache(tmp_path)
+    folder = build()
+    shard = folder / "shard_00001.safetensors"
+    original = {k: v.clone() for k, v in load_file(str(shard)).items()}  # not a view of the file
+    header = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
+    damages = {
+        "checksum mismatch": lambda b: b[:header + 100] + bytes(16) + b[header + 116:],  # header intact
+        "unreadable": lambda b: b[:-100],  # truncated
+    }
+    for reason, damage in damages.items():
+        shard.write_bytes(damage(shard.read_bytes()))
+        calls.clear()
+        assert build() == folder
+        out = capsys.readouterr().out
+        assert f"{shard} is damaged ({reason}" in out and "1 (re)built" in out and sum(calls) == 32
+        assert all(torch.equal(original[k], v) for k, v in load_file(str(shard)).items())
+    # NaNs written with a matching checksum, in a folder whose manifest was lost: damage too.
+    from data import tensors_sha256
+
+    poisoned = {k: v.clone() for k, v in original.items()}
+    poisoned["x"][3] = float("nan")
+    save_file(poisoned, str(shard), metadata={"rows": "32", "skipped": "[]", "sha256": tensors_sha256(poisoned)})
+    (folder / "manifest.json").unlink()
+    build()
+    assert "non-finite values in ['x']" in capsys.readouterr().out
+    assert torch.isfinite(load_file(str(shard))["x"]).all()
+    # A sound cache is a hit that encodes nothing.
+    calls.clear()
+    build()
+    assert "cache hit (train)" in capsys.readouterr().out and not calls
+    # An encoder that overflows on some images: those rows are reported and left out, never cached.
+    from accelerate import Accelerator
+
+    cfg = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path / "nan"), "--data.demo_samples=100",
                                            "--data.val_holdout=10", "--data.shard_size=32"])
     train, _ = open_splits(cfg.data)
+    overflow = lambda pixels, captions: {"x": pixels / (pixels[:, :1, :1, :1] > -2).float().cumsum(0).ne(5).float()}
+    nan_folder = build_cache(train, "train", overflow, Accelerator(cpu=True), cfg)
+    assert len(CachedDataset(nan_folder)) == 87 and "row 4: encoded to non-finite values" in capsys.readouterr().out
+
+
+def test_unreadable_or_missing_manifest_is_a_miss_that_reuses_finished_shards(tmp_path, capsys):
+    build, calls = small_cache(tmp_path)
+    folder = build()
+    manifest = folder / "manifest.json"
+    good = json.loads(manifest.read_text())
+    for broken in (manifest.read_text()[:40], "", "[1, 2]"):  # truncated, empty, not the manifest's shape
+        manifest.write_text(broken)
+        calls.clear()
+        assert build() == folder and not calls  # every shard verified and reused, nothing encoded
+        assert "manifest.json cannot be read" in capsys.readouterr().out
+        assert json.loads(manifest.read_text()) == good  # written again
+    manifest.unlink()
+    build()
+    assert "reusing 3 finished shards of 3" in capsys.readouterr().out and not calls
+    # Another setting's build is not blocked by a broken cache folder of the same source.
+    (folder / "key.json").write_text("{")
+    small_cache(tmp_path, "--data.resolution=8")[0]()
+
+
+def test_shard_size_changed_mid_build_is_a_new_cache_without_duplicates(tmp_path, capsys):
+    build, _ = small_cache(tmp_path)
+    folder = build()
+    rows = [row["x"] for row in CachedDataset(folder)]
+    (folder / "manifest.json").unlink()
+    (folder / "shard_00002.safetensors").unlink()  # interrupted before its last shard
+    capsys.readouterr()
+    folder16 = small_cache(tmp_path, "--data.shard_size=16")[0]()
+    assert folder16 != folder and "changed shard_size: 32 -> 16" in capsys.readouterr().out
+    resized = CachedDataset(folder16)
+    assert len(resized) == 90 and len(resized.shards) == 6
+    assert all(torch.equal(rows[i], resized[i]["x"]) for i in range(90))  # each row once, in order
+
+
+def test_image_edited_in_place_is_a_miss_that_names_the_source(tmp_path, capsys):
+    from accelerate import Accelerator
+
+    folder = tmp_path / "images" / "train"
+    folder.mkdir(parents=True)
+    for i in range(8):
+        Image.fromarray(np.full((20, 20, 3), 30 * i, np.uint8)).save(folder / f"{i}.png")
+    (folder / "metadata.jsonl").write_text("\n".join(json.dumps({"file_name": f"{i}.png", "label": i % 2}) for i in range(8)))
+    cfg = common.load_config(fm.DEFAULTS, [f"--data.source={tmp_path / 'images'}", "--data.val_holdout=2",
+                                           "--data.num_classes=2", "--data.cache_dir", str(tmp_path / "cache")])
+    train, _ = open_splits(cfg.data)
     encode = lambda pixels, captions: {"x": pixels}
-    folder = build_cache(train, "train", encode, Accelerator(cpu=True), cfg)
-    before = {k: v.clone() for k, v in load_file(str(folder / "shard_00001.safetensors")).items()}
-    shard = folder / "shard_00001.safetensors"
-    shard.write_bytes(shard.read_bytes()[:-100])
-    assert build_cache(train, "train", encode, Accelerator(cpu=True), cfg) == folder
-    assert "corrupt shards ['shard_00001.safetensors']" in capsys.readouterr().out
-    after = load_file(str(shard))
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    cfg2 = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
-                                            "--data.val_holdout=10", "--data.shard_size=32", "--data.resolution=8"])
-    build_cache(train, "train", encode, Accelerator(cpu=True), cfg2)
-    assert "changed resolution: 16 -> 8" in capsys.readouterr().out
+    before = build_cache(train, "train", encode, Accelerator(cpu=True), cfg)
+    Image.fromarray(np.full((20, 20, 3), 255, np.uint8)).save(folder / "3.png")  # same name, new content
+    stat = (folder / "3.png").stat()
+    os.utime(folder / "3.png", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a coarse-mtime filesystem
+    capsys.readouterr()
+    train, _ = open_splits(cfg.data)
+    after = build_cache(train, "train", encode, Accelerator(cpu=True), cfg)
+    assert after != before and "changed source_files" in capsys.readouterr().out
+    assert any(CachedDataset(after)[i]["x"].min() == 1 for i in range(len(train)))  # the white image is cached
 
 
 @pytest.mark.parametrize("args,message", [
