@@ -38,6 +38,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 import common
+import config
 from data import decode, encode_text, load_encoders, load_image, open_dataset, open_splits, preprocess
 from model import build_denoiser, load_exported
 
@@ -108,7 +109,7 @@ def load_model(run, checkpoint=None, weights="ema"):
     if ckpt is None:
         raise FileNotFoundError(f"no finished checkpoint under {run}/checkpoints")
     state = torch.load(ckpt / "state.pt", weights_only=True)
-    cfg = common.Config(state["config"])
+    cfg = config.Config(state["config"])
     tensors = load_file(str(ckpt / f"{'ema' if weights == 'ema' else 'model'}.safetensors"))
     channels = tensors["transformer.pos_embed.proj.weight"].shape[1]
     size = math.isqrt(tensors["transformer.pos_embed.pos_embed"].shape[1]) * cfg["model"]["patch_size"]
@@ -150,7 +151,7 @@ def heldout(data):
 def load_prompts(prompts, cfg):
     """Captions for a text model: a file (one caption per line) or 'heldout' (the held-out rows' captions)."""
     if prompts in (None, "heldout"):
-        return list(heldout(common.Config(cfg["data"]))[cfg["data"]["caption_column"]])
+        return list(heldout(config.Config(cfg["data"]))[cfg["data"]["caption_column"]])
     return [line.strip() for line in Path(prompts).read_text().splitlines() if line.strip()]
 
 
@@ -160,7 +161,7 @@ def make_controls(cfg, policy):
     ('heldout': the distribution the reference comes from; only the image header is read) or R x R."""
     if not cfg["conditioning"]["controls"]:
         return None
-    data = common.Config({**cfg["data"], "crop": "center", "random_flip": False})
+    data = config.Config({**cfg["data"], "crop": "center", "random_flip": False})
     rows = heldout(data) if policy == "heldout" else None
 
     def controls(i):
@@ -177,7 +178,7 @@ def make_condition(cfg, model, prompts, device, controls=None):
     prompt i % len(prompts) encoded by the run's own text encoder; plus controls(i) when the run has them."""
     text = None
     if prompts is not None:
-        text = load_encoders(common.Config({**cfg["encoders"], "vae": None}), device)[1:]
+        text = load_encoders(config.Config({**cfg["encoders"], "vae": None}), device)[1:]
 
     def cond(idx):
         out = {"drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
@@ -333,7 +334,7 @@ def reference_images(key, cfg):
     if key["kind"] == "folder":
         items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in image_files(key["source"])]
     else:
-        data = common.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
+        data = config.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
                               "label_column": None, "caption_column": None, "max_samples": None,
                               "crop": key["crop"], "random_flip": False})
         ds = heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
@@ -545,7 +546,7 @@ def main(argv=None, feature_fn=None):
         record.write_text(json.dumps(settings, indent=1))
 
     # ---- Generation: this rank's batches; a batch already on disk is skipped (resume) ----------------------
-    vae = load_encoders(common.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
+    vae = load_encoders(config.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
     cond = make_condition(cfg, model, prompts, device, make_controls(cfg, args.controls))
     batches = my_batches(args.num_samples, args.batch_size, rank, world)
     for idx in tqdm(batches, desc="generate", disable=not accelerator.is_local_main_process):

@@ -19,6 +19,7 @@ metrics, gradient analysis, loss spikes) -> validation (samples, loss on a fixed
 """
 import copy
 import json
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -26,6 +27,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
+import config
 import eval_fid
 from data import (COND_FIELDS, CachedDataset, build_cache, decode, drop_conditions, encode_text, heldout_batches,
                   iterate_batches, load_encoders, loader_options, make_encode, open_splits, read_class_ids,
@@ -149,6 +151,10 @@ DEFAULTS = {
     "ckpt": {"every": 500, "keep": 3},
 }
 
+# This method's keys, checked at start-up with the shared ones (config.RULES: a range, or the allowed values).
+RULES = {"objective.time_sampling": ("logit_normal", "uniform"), "objective.logit_mean": float,
+         "objective.logit_std": "> 0", "objective.ot_coupling": bool, "val.sampler": ("euler", "heun")}
+
 # ----------------------------------------------------------------------------------------------------------
 # The objective: straight path, velocity target, logit-normal time, resolution shift, optional OT coupling.
 
@@ -231,9 +237,10 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 
 
 def main(argv=None):
-    cfg = common.load_config(DEFAULTS, argv, method="flow_matching")
+    signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
+    # Every config problem is reported here, all at once, before any work (config.RULES and this method's RULES).
+    cfg = config.load_config(DEFAULTS, argv, method="flow_matching", rules=RULES)
     data, obj, tr = cfg.data, cfg.objective, cfg.train
-    common.check_config(cfg)  # illegal combinations stop here, before any work
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
     accelerator = common.make_accelerator(tr.mixed_precision)  # also on CPU-only machines, TF32 on
@@ -247,8 +254,8 @@ def main(argv=None):
     encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
     train_ds, val_ds = open_splits(data)
     class_ids = read_class_ids(data, train_ds) if data.label_column else None  # saved with the model
-    train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg))
-    val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg))
+    train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg, signals))
+    val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg, signals))
     null_text = None
     if text_encoder is not None:  # the null condition for guidance: the empty prompt, encoded once
         null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
@@ -277,6 +284,8 @@ def main(argv=None):
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; time shift a = {shift:g}")
+    for warning in config.size_warnings(cfg, sum(p.numel() for p in raw_model.parameters()), len(train_set), world):
+        accelerator.print(f"warning: {warning}")  # a model far larger than its data
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
@@ -312,7 +321,6 @@ def main(argv=None):
     # ---- Training loop --------------------------------------------------------------------------------------
     batches = iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
                               loader_options(data, device))
-    signals = common.StopSignals()  # preemption: finish this step, checkpoint, exit for a requeue
     model.train()
     while step < tr.max_steps:
         lr = common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
@@ -377,4 +385,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except config.ConfigError as e:  # one clear message, not a traceback
+        sys.exit(str(e))
