@@ -380,6 +380,7 @@ def main(argv=None):
     # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
     if accelerator.is_main_process:
         accelerator.print(f"exported EMA model to {export(ema, cfg, run_dir, class_ids)}")
+    signals.exit_if_agreed(accelerator, "the export, which is complete (the requeued run writes the report)")
     log.finish(cfg, accelerator)  # report.md and plots, wandb
     return run_dir
 

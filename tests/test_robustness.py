@@ -282,3 +282,46 @@ def test_resume_with_another_process_count_warns_and_continues(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "written by 2 processes and is resumed by 1" in out and "resumed from" in out
     assert common.find_checkpoint(run, "latest").name == "step_00000004"
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_stop_signal_during_the_cache_build_exits_75_and_the_build_resumes(tmp_path, tiny_vae, processes, capsys):
+    """SIGTERM while the cache is being encoded (to one rank only, with 2 processes launched as the README's
+    SLURM script does, one per task): every rank finishes its shard and exits 75; the next run reuses the
+    finished shards, and the cache ends up identical to one built without interruption."""
+    args = tiny_run_args(tmp_path, "run", steps=1) + ["--encoders.vae", tiny_vae, "--data.resolution=32",
+                                                      "--data.demo_resolution=32", "--data.demo_samples=2000",
+                                                      "--data.shard_size=32", "--log.report=false"]
+    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes),
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if processes > 1 else {} for r in range(processes)]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, env={**env, **r},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in ranks]
+    deadline = time.time() + 300
+    while not list((tmp_path / "cache").glob("*-train-*/shard_*.safetensors")) and time.time() < deadline:
+        time.sleep(0.05)
+    procs[-1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [common.REQUEUE_EXIT_CODE] * processes, outs[0][1][-2000:]
+    assert "stopped by a signal during the cache build (train)" in outs[0][0]
+    folder = next((tmp_path / "cache").glob("*-train-*"))
+    finished = len(list(folder.glob("shard_*.safetensors")))
+    assert 1 <= finished < 61 and not (folder / "manifest.json").exists()
+    run = fm.main(args)  # requeued: resumes the build
+    assert f"reusing {finished} finished shards of 61" in capsys.readouterr().out
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert len(manifest["shards"]) == 61 and len(CachedDataset(folder)) == 2000 - 64
+    if processes == 1:  # the same shards as an uninterrupted build, checksum for checksum
+        fm.main([*args, "--data.cache_dir", str(tmp_path / "straight"), "--run_dir", str(tmp_path / "straight_run")])
+        straight = json.loads(next((tmp_path / "straight").glob("*-train-*/manifest.json")).read_text())
+        assert straight["sha256"] == manifest["sha256"]
+    assert (run / "export").exists()
