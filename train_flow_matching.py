@@ -290,7 +290,7 @@ def main(argv=None):
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
     step = state["step"]
-    log = common.RunLog(cfg, run_dir, accelerator)  # metrics.jsonl, wandb
+    log = common.RunLog(cfg, run_dir, accelerator, step)  # metrics.jsonl (rows past `step` set aside), wandb
     progress = tqdm(total=tr.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
     monitor = Monitor(cfg, raw_model, accelerator, log, progress, state)
 

@@ -325,3 +325,36 @@ def test_stop_signal_during_the_cache_build_exits_75_and_the_build_resumes(tmp_p
         straight = json.loads(next((tmp_path / "straight").glob("*-train-*/manifest.json")).read_text())
         assert straight["sha256"] == manifest["sha256"]
     assert (run / "export").exists()
+
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_the_metrics_of_an_uninterrupted_one(tmp_path, monkeypatch):
+    """Killed while writing the checkpoint of step 4, after the rows of step 4 were logged; the checkpoint of
+    step 3 sits in the middle of the log interval 3-4. On resume the rows of step 4 are set aside (not
+    deleted), and the interval is logged in full again, so every logged statistic equals the uninterrupted
+    run's."""
+    args = ["--log.every=2", "--ckpt.every=3", "--log.grad_every=0", "--log.report=false"]
+    straight = fm.main(tiny_run_args(tmp_path, "straight", steps=4) + args)
+    saves, save_checkpoint = [], common.save_checkpoint
+
+    def killed_in_the_second_checkpoint(*a):
+        saves.append(1)
+        if len(saves) == 2:
+            raise KeyboardInterrupt("killed")
+        return save_checkpoint(*a)
+
+    monkeypatch.setattr(common, "save_checkpoint", killed_in_the_second_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        fm.main(tiny_run_args(tmp_path, "killed", steps=4) + args)
+    monkeypatch.setattr(common, "save_checkpoint", save_checkpoint)
+    killed = fm.main(tiny_run_args(tmp_path, "killed", steps=4) + args + ["--resume=latest"])
+
+    def rows(path):
+        timing = ("images_per_s", "images_per_s_per_device", "data_wait_share", "peak_memory_gb")
+        return [{k: v for k, v in r.items() if k not in timing} for r in map(json.loads, path.read_text().splitlines())]
+
+    assert [r["step"] for r in rows(killed / "metrics.jsonl")] == [2, 4, 4]  # two loss rows and the val_loss row
+    assert rows(killed / "metrics.jsonl") == rows(straight / "metrics.jsonl")
+    aside = rows(killed / "metrics.after_step_3.jsonl")
+    assert [r["step"] for r in aside] == [4, 4] and aside == rows(straight / "metrics.jsonl")[1:]
