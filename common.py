@@ -267,12 +267,13 @@ class RunLog:
         metrics = self.run_dir / "metrics.jsonl"
         if self.main and metrics.exists():
             rows = metrics.read_text().splitlines(keepends=True)
-            later = [r for r in rows if json.loads(r)["step"] > start_step]
+            keep = [r.endswith("\n") and json.loads(r)["step"] <= start_step for r in rows]  # a cut-short line: aside
+            later = [r for r, k in zip(rows, keep) if not k]
             if later:
                 aside = self.run_dir / f"metrics.after_step_{start_step}.jsonl"
                 with open(aside, "a") as f:
-                    f.writelines(later)
-                metrics.with_suffix(".tmp").write_text("".join(r for r in rows if json.loads(r)["step"] <= start_step))
+                    f.writelines(r if r.endswith("\n") else r + "\n" for r in later)
+                metrics.with_suffix(".tmp").write_text("".join(r for r, k in zip(rows, keep) if k))
                 os.replace(metrics.with_suffix(".tmp"), metrics)
                 accelerator.print(f"metrics: {len(later)} rows logged after step {start_step} (past the checkpoint) "
                                   f"moved to {aside.name}")

@@ -359,3 +359,14 @@ def test_killed_run_resumes_with_the_metrics_of_an_uninterrupted_one(tmp_path, m
     assert rows(killed / "metrics.jsonl") == rows(straight / "metrics.jsonl")
     aside = rows(killed / "metrics.after_step_3.jsonl")
     assert [r["step"] for r in aside] == [4, 4] and aside == rows(straight / "metrics.jsonl")[1:]
+
+
+def test_rows_past_the_resumed_step_and_a_cut_short_row_are_set_aside(tmp_path):
+    from types import SimpleNamespace
+
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(rows) + '{"step": 6, "lo')  # killed mid-write
+    cfg = config.Config(log=config.Config(wandb="off"))
+    common.RunLog(cfg, tmp_path, SimpleNamespace(is_main_process=True, print=print), start_step=3)
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(rows[:3])
+    assert (tmp_path / "metrics.after_step_3.jsonl").read_text() == "".join(rows[3:]) + '{"step": 6, "lo\n'
