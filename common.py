@@ -1,4 +1,4 @@
-"""Small run helpers that both trainers call the same way: config loading and checking, accelerator and
+"""Small run helpers that both trainers call the same way (the config is config.py's): accelerator and
 seeds, stop signals, EMA, the LR schedule and its scaling rule, the resolution time shift, RNG state,
 checkpoint save / find / load.
 
@@ -6,7 +6,6 @@ Nothing here knows about an objective, a sampler, the data or the model: those l
 data.py and model.py. What a training step measures is monitor.py's; what a run writes (config.json,
 metrics.jsonl, sample grids, wandb, the report) is runlog.py's.
 """
-import json
 import math
 import os
 import random
@@ -21,92 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 # ----------------------------------------------------------------------------------------------------------
-# Config: defaults (a nested dict in each trainer) <- --config file.json <- --dotted.key=value
-
-
-class Config(dict):
-    """A dict whose keys also read as attributes (cfg.train.lr), so it still dumps to JSON as is."""
-
-    def __getattr__(self, key):
-        try:
-            return self[key]
-        except KeyError:
-            raise AttributeError(f"config has no key '{key}'") from None
-
-    def __setattr__(self, key, value):  # cfg.run_dir = ... sets the key, so config.json records it
-        self[key] = value
-
-
-def _merge(base, override, where, prefix=""):
-    out = Config({k: Config(v) if isinstance(v, dict) else v for k, v in base.items()})
-    for key, value in override.items():
-        name = prefix + key
-        if key not in base:
-            close = [k for k in base if k.startswith(key[:3])]
-            raise ValueError(f"unknown config key '{name}' ({where}); known keys here: {sorted(base)}"
-                             + (f", did you mean {close}?" if close else ""))
-        default = base[key]
-        if isinstance(default, dict):
-            if not isinstance(value, dict):
-                raise ValueError(f"config key '{name}' ({where}) must be a section (dict), got {value!r}")
-            out[key] = _merge(default, value, where, name + ".")
-            continue
-        ok = (default is None or (value is None and type(default) is str)  # a str setting can be switched off
-              or (type(default) is bool and type(value) is bool)
-              or (type(default) is int and type(value) is int)
-              or (type(default) is float and type(value) in (int, float))
-              or (type(default) in (str, list) and type(value) is type(default)))
-        if not ok:
-            raise ValueError(f"config key '{name}' ({where}) must be {type(default).__name__}, "
-                             f"got {type(value).__name__} {value!r}")
-        out[key] = float(value) if type(default) is float else value
-    return out
-
-
-def load_config(defaults, argv=None, method="run"):
-    """Resolve the config: the trainer's DEFAULTS, then `--config file.json`, then `--a.b=value` overrides.
-
-    Unknown keys and wrong types raise ValueError naming the key. Values parse as JSON when they can
-    (`--train.lr=3e-4`, `--data.label_column=null`) and as plain strings otherwise. A run_dir left unset
-    becomes runs/{method}_{config file name} (runs/flow_matching_demo without a config), so one recipe can
-    be run by both trainers side by side; for the same reason "{method}" in init_from becomes the trainer's
-    name (configs/imagenet512.json starts from runs/{method}_imagenet256).
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = _merge(defaults, {}, "defaults")
-    overrides, name = [], "demo"
-    while argv:
-        arg = argv.pop(0)
-        if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}: use --config FILE or --key=value")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if not argv:
-                raise ValueError(f"argument --{key} needs a value")
-            value = argv.pop(0)
-        if key == "config":
-            if not Path(value).is_file():
-                raise FileNotFoundError(f"config file not found: {value}")
-            cfg, name = _merge(cfg, json.loads(Path(value).read_text()), f"from {value}"), Path(value).stem
-        else:
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                pass
-            for part in reversed(key.split(".")):
-                value = {part: value}
-            overrides.append((value, arg))
-    for value, arg in overrides:
-        cfg = _merge(cfg, value, f"from {arg}")
-    if "run_dir" in cfg and cfg.run_dir is None:
-        cfg.run_dir = f"runs/{method}_{name}"
-    if cfg.get("init_from"):
-        cfg.init_from = cfg.init_from.replace("{method}", method)
-    return cfg
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Run helpers: accelerator, stop signals, config checks, EMA, LR, time shift.
+# Run helpers: accelerator, stop signals, EMA, LR, time shift.
 
 
 def make_accelerator(mixed_precision):
@@ -133,8 +47,11 @@ def ignore_stop_signals(worker_id=None):
 
 
 class StopSignals:
-    """SIGTERM / SIGUSR1 (preemption) are recorded, not obeyed at once: the loop finishes its step, writes a
-    checkpoint and exits with REQUEUE_EXIT_CODE, so the scheduler requeues and --resume latest continues."""
+    """SIGTERM / SIGUSR1 (preemption) are recorded, not obeyed at once. Installed on the first line of main(),
+    so from there on a signal always ends the run with REQUEUE_EXIT_CODE at the next safe point: during the
+    cache build after the shards in progress (the build resumes from finished shards), in the loop after the
+    step and its checkpoint, after training once the export is complete. The scheduler then requeues and
+    --resume latest continues."""
 
     def __init__(self):
         self.received = []
@@ -148,52 +65,20 @@ class StopSignals:
             stop = accelerator.reduce(stop, "sum")
         return bool(stop)
 
+    def exit_if_agreed(self, accelerator, during):
+        """At a safe point outside the loop (nothing to checkpoint): exit for a requeue if any rank got a signal."""
+        if self.agreed(accelerator):
+            accelerator.print(f"stopped by a signal during {during}: exiting with code {REQUEUE_EXIT_CODE} so the "
+                              f"scheduler can requeue (--resume latest continues)")
+            accelerator.end_training()
+            sys.exit(REQUEUE_EXIT_CODE)
+
 
 def exit_for_requeue(accelerator, step):
     accelerator.print(f"stopped by a signal at step {step}: checkpoint written; exiting with code "
                       f"{REQUEUE_EXIT_CODE} so the scheduler can requeue (--resume latest continues)")
     accelerator.end_training()
     sys.exit(REQUEUE_EXIT_CODE)
-
-
-def check_config(cfg):
-    """Refuse illegal combinations at start-up, with a message naming the keys (all problems at once)."""
-    d, m, tr = cfg["data"], cfg["model"], cfg["train"]
-    factor = 1
-    if cfg["encoders"]["vae"]:  # only the VAE's config is read here (no weights)
-        from diffusers import AutoencoderKL
-
-        from data import from_pretrained  # a missing VAE: one line naming encoders.vae
-
-        vae_config = from_pretrained("encoders.vae", AutoencoderKL.load_config, cfg["encoders"]["vae"])
-        factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
-    errors = []
-    if d["resolution"] % (m["patch_size"] * factor):
-        errors.append(f"data.resolution={d['resolution']} is not divisible by model.patch_size={m['patch_size']}"
-                      f" x the VAE's downsampling factor {factor}")
-    if bool(d["caption_column"] or d["label_captions"]) != bool(cfg["encoders"]["text_encoder"]):
-        errors.append("encoders.text_encoder goes with data.caption_column (or data.label_captions): set both or neither")
-    if d["label_captions"] and (d["caption_column"] or not d["label_column"]):
-        errors.append("data.label_captions captions each image with its class name: it needs data.label_column "
-                      "and no data.caption_column")
-    if m["pos_embed_transfer"] not in ("resample", "extend"):
-        errors.append(f"model.pos_embed_transfer={m['pos_embed_transfer']!r} must be 'resample' or 'extend'")
-    if not d["label_column"] and not d["caption_column"]:
-        errors.append("set data.label_column (class-conditional) or data.caption_column (text-to-image)")
-    if d["label_column"] and not d["caption_column"] and d["num_classes"] is not None and d["num_classes"] < 1:
-        errors.append(f"data.num_classes={d['num_classes']} must be >= 1 with data.label_column")
-    if tr["mixed_precision"] not in ("no", "fp16", "bf16"):
-        errors.append(f"train.mixed_precision={tr['mixed_precision']!r} must be 'no', 'fp16' or 'bf16'")
-    if tr["lr_schedule"] not in ("constant", "cosine", "linear"):
-        errors.append(f"train.lr_schedule={tr['lr_schedule']!r} must be 'constant', 'cosine' or 'linear'")
-    if tr["lr_scaling"] not in ("none", "sqrt", "linear"):
-        errors.append(f"train.lr_scaling={tr['lr_scaling']!r} must be 'none', 'sqrt' or 'linear'")
-    for key in ("batch_size", "grad_accum", "max_steps"):
-        if tr[key] < 1:
-            errors.append(f"train.{key}={tr[key]} must be >= 1")
-    if errors:
-        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
-
 
 
 @torch.no_grad()
@@ -225,7 +110,7 @@ def scaled_lr(tr, global_batch):
     rule that keeps Adam's update noise constant; Malladi et al. 2022) or "linear" (Goyal et al. 2017, for
     SGD); "none" keeps train.lr. Returns the LR and a line saying how it was obtained, printed at start."""
     ratio = global_batch / tr["lr_reference_batch"]
-    power = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}[tr["lr_scaling"]]  # check_config refused other values
+    power = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}[tr["lr_scaling"]]  # config.RULES refused other values
     lr = tr["lr"] * ratio ** power
     how = "" if power == 0 else f" = {tr['lr']:g} x ({global_batch} / {tr['lr_reference_batch']})^{power:g}"
     return lr, (f"lr {lr:.3g}{how} ({tr['lr_scaling']} scaling rule), {tr['lr_schedule']} schedule, "
@@ -341,3 +226,4 @@ def load_checkpoint(ckpt, model, ema, optimizer, accelerator):
     restore_rng(ckpt, accelerator.process_index, accelerator.num_processes)
     accelerator.print(f"resumed from {ckpt} at step {state['step']}")
     return state
+

@@ -385,19 +385,43 @@ def decode(vae, x, device=None):
 
 # ----------------------------------------------------------------------------------------------------------
 # Cache: "cache check -> hit: load / miss: process -> cache results" (training_pipeline.txt).
-# Each shard k holds dataset rows [k * S, (k + 1) * S) and is written by rank k % world_size, atomically;
-# an interrupted extraction resumes at the first missing shard. The folder is named by a hash of everything
-# that changes the content, so a changed key is a miss, never a silent reuse.
+# Each shard k holds dataset rows [k * S, (k + 1) * S) and is written by rank k % world_size, atomically, with
+# a checksum of its tensors in its header. A shard counts as finished only once it verifies (header, checksum,
+# finite values), so a damaged shard is rebuilt like a missing one and an interrupted extraction resumes at the
+# shards still missing. The folder is named by a hash of everything that changes the content, so a changed key
+# is a miss that names what changed, never a silent reuse.
 
 
-def cache_key(cfg, part, num_rows):
+def source_fingerprint(data, ds):
+    """A cheap fingerprint of the source's content, so that data changed under the same name is a miss: the
+    relative path, size and modification time of every file of a local source (an image edited in place
+    changes it), the dataset's own fingerprint for hub data (its revision and files), None for the demo
+    (its parameters are in the key)."""
+    if data.source == "embedded":
+        return None
+    root = Path(data.source)
+    if not root.exists():
+        return {"dataset_fingerprint": ds._fingerprint}
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    digest, total = hashlib.sha256(), 0
+    for path in files:
+        stat = path.stat()
+        total += stat.st_size
+        digest.update(f"{path.relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return {"files": len(files), "bytes": total, "sha256": digest.hexdigest()[:16]}
+
+
+def cache_key(cfg, part, ds):
+    """Everything that changes what the shards of split `part` hold (shard_size too: it decides which rows a
+    shard file holds, so resuming a build under another size would duplicate or drop rows)."""
     data, enc = cfg.data, cfg.encoders
     key = {"source": data.source, "part": part, "split": data.split, "val_split": data.val_split,
-           "val_holdout": data.val_holdout, "rows": num_rows, "resolution": data.resolution,
+           "val_holdout": data.val_holdout, "rows": len(ds), "resolution": data.resolution,
            "crop": [data.crop, data.min_crop_scale, data.random_flip],
            "columns": [data.image_column, data.label_column, data.caption_column], "vae": enc.vae,
            "text_encoder": enc.text_encoder, "max_tokens": enc.max_tokens if enc.text_encoder else None,
-           "dtype": data.cache_dtype, "min_image_side": data.min_image_side, "format": 3}
+           "dtype": data.cache_dtype, "min_image_side": data.min_image_side, "shard_size": data.shard_size,
+           "source_files": source_fingerprint(data, ds), "format": 4}
     if data.source == "embedded":
         key["demo"] = [data.demo_samples, data.demo_resolution]
     if data.label_captions:
@@ -438,90 +462,169 @@ def check_cache_shared(cache_dir, accelerator, retries=5):
                            f"mounts at the same path (a shared file system), not on a node-local disk")
 
 
-def shard_ok(path):
-    """A finished shard opens and its header's tensors all hold the rows it claims (safetensors itself
-    rejects a file shorter than its header says, i.e. a truncated one)."""
+def tensors_sha256(tensors):
+    """sha256 of a shard's tensors (names, dtypes, shapes and bytes), independent of the file layout."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def shard_damage(path, verify=True, expected=None):
+    """None if the shard at `path` is sound, else what is wrong with it. Always: it opens and its tensors hold
+    the rows its header claims (safetensors itself rejects a truncated file). With `verify`: its tensors match
+    the checksum written with them, and every cached value is finite. `expected`: the manifest's checksum."""
     try:
         with safe_open(str(path), "pt") as f:
-            rows = int(f.metadata()["rows"])
-            return all(f.get_slice(name).get_shape()[0] == rows for name in f.keys())
-    except Exception:
-        return False
+            meta, names = f.metadata(), list(f.keys())
+            rows = int(meta["rows"])
+            if any(f.get_slice(name).get_shape()[0] != rows for name in names):
+                return f"its tensors do not hold the {rows} rows its header claims"
+            if expected is not None and meta.get("sha256") != expected:
+                return "its checksum is not the one the manifest recorded"
+            if not verify:
+                return None
+            tensors = {name: f.get_tensor(name) for name in names}
+    except Exception as e:
+        return f"unreadable ({type(e).__name__}: {e})"[:200]
+    if tensors_sha256(tensors) != meta.get("sha256"):
+        return "checksum mismatch: its contents changed after it was written"
+    # One float64 sum per tensor: finite exactly when every value is (and 2x faster than isfinite on fp16).
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t.sum(dtype=torch.float64))]
+    return f"non-finite values in {bad}" if bad else None
 
 
-def build_cache(ds, part, encode, accelerator, cfg):
+def read_json(path):
+    """A JSON file's contents, or None with the reason if it cannot be read (truncated, empty, not JSON)."""
+    try:
+        return json.loads(Path(path).read_text()), None
+    except (OSError, ValueError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def encode_shard(rows, first_row, encode, data, names, seed):
+    """One shard's tensors: load, preprocess and encode each image; unusable images (unreadable, empty, tiny,
+    or encoded to non-finite values) are left out and listed in `skipped`."""
+    rng = random.Random(seed)  # crops and flips depend on the shard, not on the rank or the world size
+    kept, pixels, metas, skipped = [], [], [], []
+    for i, value in enumerate(rows[data.image_column]):
+        try:
+            img = load_image(value)
+            if min(img.size) < data.min_image_side:
+                raise ValueError(f"{img.size[0]}x{img.size[1]} px is below data.min_image_side")
+            pixel, meta = preprocess(img, data.resolution, data, rng)
+        except Exception as e:  # truncated, empty, not an image, too small: report and skip, never crash
+            skipped.append(f"{value.get('path') or f'row {first_row + i}'}: {type(e).__name__}: {e}"[:300])
+            continue
+        kept.append(i), pixels.append(pixel), metas.append(meta)
+    encoded = {}
+    captions = [rows[data.caption_column][i] for i in kept] if data.caption_column else None
+    if data.label_captions:  # ImageNet-22k as text-to-image data: the class name is the caption
+        captions = [names[rows[data.label_column][i]] for i in kept]
+    for j in range(0, len(pixels), data.encode_batch_size):
+        out = encode(torch.stack(pixels[j:j + data.encode_batch_size]),
+                     captions[j:j + data.encode_batch_size] if captions else None)
+        for name, value in out.items():
+            encoded.setdefault(name, []).append(value.to("cpu", getattr(torch, data.cache_dtype)))
+    tensors = {name: torch.cat(parts) for name, parts in encoded.items()}
+    tensors.update({name: torch.stack([m[name] for m in metas]) for name in (metas[0] if metas else ())})
+    if data.label_column and kept:
+        tensors["label"] = torch.tensor([rows[data.label_column][i] for i in kept], dtype=torch.long)
+    finite = torch.ones(len(kept), dtype=torch.bool)  # an encoder overflow (fp16 VAE) is damage, not data
+    for t in tensors.values():
+        if t.is_floating_point():
+            finite &= torch.isfinite(t.flatten(1).float()).all(1)
+    for j in torch.nonzero(~finite).flatten().tolist():
+        value = rows[data.image_column][kept[j]]
+        skipped.append(f"{value.get('path') or f'row {first_row + kept[j]}'}: encoded to non-finite values")
+    return {name: t[finite] for name, t in tensors.items()}, int(finite.sum()), skipped
+
+
+def build_cache(ds, part, encode, accelerator, cfg, signals=None):
     """Cache split `part` ("train" or "val") of `ds`: return its folder, encoding what is missing first.
-    `encode(pixels, captions)` maps a batch to a dict of tensors (see make_encode). Unreadable, empty and
-    tiny images are reported and skipped; a corrupt shard is detected and rebuilt."""
+    `encode(pixels, captions)` maps a batch to a dict of tensors (see make_encode). Every shard is checked
+    before it is used (data.verify_cache: its checksum and finite values too), by the rank that would write
+    it; a missing or damaged one is (re)built. `signals` (common.StopSignals): a stop signal ends the build
+    after the shards in progress, exiting for a requeue; the next run resumes from the finished shards."""
     data = cfg.data
-    key = cache_key(cfg, part, len(ds))
+    key = cache_key(cfg, part, ds)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9]+", "-", data.source).strip("-")[-40:]
     folder = Path(data.cache_dir) / f"{slug}-{part}-{digest}"
-    manifest = folder / "manifest.json"
-    if manifest.exists():
-        bad = [n for n in json.loads(manifest.read_text())["shards"] if not shard_ok(folder / n)]
-        if not bad:
-            accelerator.print(f"cache hit ({part}): {folder}")
-            return folder
-        accelerator.print(f"cache ({part}): corrupt shards {bad} in {folder}: rebuilding them")
-    else:
-        for other in Path(data.cache_dir).glob(f"{slug}-{part}-*/manifest.json"):  # say why it is a miss
-            old = json.loads(other.read_text())["key"]
-            changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in key.items() if old.get(k) != v]
-            accelerator.print(f"cache miss ({part}): vs {other.parent.name}, changed {'; '.join(changed)}")
-        accelerator.print(f"cache miss ({part}): encoding {len(ds)} samples into {folder}")
-    folder.mkdir(parents=True, exist_ok=True)
-    names = class_names(data, ds) if data.label_captions else None
+    manifest, problem = read_json(folder / "manifest.json") if (folder / "manifest.json").exists() else (None, None)
+    if problem or (manifest is not None and not (isinstance(manifest, dict) and isinstance(manifest.get("sha256"), dict))):
+        accelerator.print(f"warning: cache ({part}): {folder / 'manifest.json'} cannot be read ({problem or 'no checksums'}); "
+                          f"treating the folder as a miss: finished shards are verified and reused, the rest encoded")
+        manifest = None
     size, rank, world = data.shard_size, accelerator.process_index, accelerator.num_processes
-    mine = [k for k in range(math.ceil(len(ds) / size)) if k % world == rank]
-    for k in progress(mine, f"cache {part} (rank {rank})", accelerator.is_local_main_process):
+    num_shards = math.ceil(len(ds) / size)
+    found = len(list(folder.glob("shard_*.safetensors")))
+    if manifest is not None:
+        accelerator.print(f"cache check ({part}): {folder}, {len(manifest['shards'])} shards"
+                          + (" (verifying checksums)" if data.verify_cache else ""))
+    elif found:
+        accelerator.print(f"cache miss ({part}): reusing {found} finished shards of {num_shards} in {folder} "
+                          f"(each verified first), encoding the rest")
+    else:
+        explain_miss(folder, key, part, accelerator)
+        accelerator.print(f"cache miss ({part}): encoding {len(ds)} samples into {folder}")
+    if accelerator.is_main_process:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "key.json").write_text(json.dumps(key, indent=1))  # names what changed for a later miss
+    accelerator.wait_for_everyone()
+    names = class_names(data, ds) if data.label_captions else None
+    expected = manifest["sha256"] if manifest else {}
+    built = 0
+    # Round r: rank i takes shard r * world + i. Every rank runs the same rounds, so a stop signal is agreed on
+    # (one all-reduce per round) and all ranks leave after the same round.
+    for r in progress(range(math.ceil(num_shards / world)), f"cache {part} (rank {rank})",
+                      accelerator.is_local_main_process):
+        if signals is not None:
+            signals.exit_if_agreed(accelerator, f"the cache build ({part}); the next run resumes from its finished shards")
+        k = r * world + rank
         path = folder / f"shard_{k:05d}.safetensors"
-        if path.exists() and shard_ok(path):
-            continue  # finished before an interruption
-        rows = ds[k * size:(k + 1) * size]
-        rng = random.Random(k)  # crops and flips depend on the shard, not on the rank or the world size
-        kept, pixels, metas, skipped = [], [], [], []
-        for i, value in enumerate(rows[data.image_column]):
-            try:
-                img = load_image(value)
-                if min(img.size) < data.min_image_side:
-                    raise ValueError(f"{img.size[0]}x{img.size[1]} px is below data.min_image_side")
-                pixel, meta = preprocess(img, data.resolution, data, rng)
-            except Exception as e:  # truncated, empty, not an image, too small: report and skip, never crash
-                skipped.append(f"{value.get('path') or f'row {k * size + i}'}: {type(e).__name__}: {e}"[:300])
-                continue
-            kept.append(i), pixels.append(pixel), metas.append(meta)
-        tensors = {}
-        captions = [rows[data.caption_column][i] for i in kept] if data.caption_column else None
-        if data.label_captions:  # ImageNet-22k as text-to-image data: the class name is the caption
-            captions = [names[rows[data.label_column][i]] for i in kept]
-        for j in range(0, len(pixels), data.encode_batch_size):
-            out = encode(torch.stack(pixels[j:j + data.encode_batch_size]),
-                         captions[j:j + data.encode_batch_size] if captions else None)
-            for name, value in out.items():
-                tensors.setdefault(name, []).append(value.to("cpu", getattr(torch, data.cache_dtype)))
-        tensors = {name: torch.cat(parts) for name, parts in tensors.items()}
-        tensors.update({name: torch.stack([m[name] for m in metas]) for name in (metas[0] if metas else ())})
-        if data.label_column and kept:
-            tensors["label"] = torch.tensor([rows[data.label_column][i] for i in kept], dtype=torch.long)
+        if k >= num_shards:
+            continue
+        if path.exists():
+            damage = shard_damage(path, data.verify_cache, expected.get(path.name))
+            if damage is None:
+                continue  # finished before, and sound
+            print(f"cache ({part}): {path} is damaged ({damage}): rebuilding it", flush=True)
+        tensors, rows, skipped = encode_shard(ds[k * size:(k + 1) * size], k * size, encode, data, names, seed=k)
         tmp = path.with_suffix(".tmp")
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
-                  metadata={"rows": str(len(kept)), "skipped": json.dumps(skipped)})
+                  metadata={"rows": str(rows), "skipped": json.dumps(skipped), "sha256": tensors_sha256(tensors)})
         os.replace(tmp, path)
-    accelerator.wait_for_everyone()
+        built += 1
+    built = int(accelerator.reduce(torch.tensor(built, device=accelerator.device), "sum"))
     if accelerator.is_main_process:
-        shards = sorted(p.name for p in folder.glob("shard_*.safetensors"))
-        skipped = []
+        shards, sums, skipped = [f"shard_{k:05d}.safetensors" for k in range(num_shards)], {}, []
         for name in shards:
             with safe_open(str(folder / name), "pt") as f:
                 skipped += json.loads(f.metadata().get("skipped", "[]"))
-        if skipped:
+                sums[name] = f.metadata()["sha256"]
+        if built and skipped:
             accelerator.print(f"cache ({part}): skipped {len(skipped)} unusable images, first: " + "; ".join(skipped[:5]))
-        manifest.with_suffix(".tmp").write_text(json.dumps({"key": key, "shards": shards, "skipped": skipped}, indent=1))
-        os.replace(manifest.with_suffix(".tmp"), manifest)
+        if manifest is None or built:
+            tmp = folder / "manifest.tmp"
+            tmp.write_text(json.dumps({"key": key, "shards": shards, "sha256": sums, "skipped": skipped}, indent=1))
+            os.replace(tmp, folder / "manifest.json")
+        accelerator.print(f"cache {'hit' if not built else 'ready'} ({part}): {folder}, {num_shards} shards"
+                          + (f", {built} (re)built" if built else ", all sound"))
     accelerator.wait_for_everyone()
     return folder
+
+
+def explain_miss(folder, key, part, accelerator):
+    """Say why a new cache folder is a miss: the settings that changed against the newest folder of the same
+    source and split (a finished one or an interrupted build)."""
+    others = sorted(folder.parent.glob(f"{folder.name.rsplit('-', 1)[0]}-*/key.json"), key=lambda p: p.stat().st_mtime)
+    old = read_json(others[-1])[0] if others else None
+    if isinstance(old, dict):
+        changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in key.items() if old.get(k) != v]
+        accelerator.print(f"cache miss ({part}): vs {others[-1].parent.name}, changed {'; '.join(changed)}")
 
 
 class CachedDataset(torch.utils.data.Dataset):

@@ -37,6 +37,7 @@ from accelerate.utils import gather_object
 from PIL import Image
 
 import common
+import config
 from data import decode, encode_text, load_encoders, load_image, open_dataset, open_splits, preprocess
 from model import build_denoiser, load_exported
 from monitor import progress
@@ -81,7 +82,8 @@ def parse_args(argv=None):
 
 INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
 INCEPTION_FILE = "inception-2015-12-05.pt"
-DEFAULT_INCEPTION_DIR = "./" if platform.system() == "Windows" else "/tmp"  # where clean-fid itself looks
+# sha256 of that file (95,607,719 bytes; k-diffusion pins the same digest): checked before every use
+INCEPTION_SHA256 = "f58cb9b6ec323ed63459aa4fb441fe750cfe39fafad6da5cb504a16f19e958f4"
 
 # ----------------------------------------------------------------------------------------------------------
 # Model: the exported EMA model, or a checkpoint's EMA or raw weights, and the run's own sampler.
@@ -107,7 +109,7 @@ def load_model(run, checkpoint=None, weights="ema"):
     if ckpt is None:
         raise FileNotFoundError(f"no finished checkpoint under {run}/checkpoints")
     state = torch.load(ckpt / "state.pt", weights_only=True)
-    cfg = common.Config(state["config"])
+    cfg = config.Config(state["config"])
     tensors = load_file(str(ckpt / f"{'ema' if weights == 'ema' else 'model'}.safetensors"))
     channels = tensors["transformer.pos_embed.proj.weight"].shape[1]
     size = math.isqrt(tensors["transformer.pos_embed.pos_embed"].shape[1]) * cfg["model"]["patch_size"]
@@ -149,7 +151,7 @@ def heldout(data):
 def load_prompts(prompts, cfg):
     """Captions for a text model: a file (one caption per line) or 'heldout' (the held-out rows' captions)."""
     if prompts in (None, "heldout"):
-        return list(heldout(common.Config(cfg["data"]))[cfg["data"]["caption_column"]])
+        return list(heldout(config.Config(cfg["data"]))[cfg["data"]["caption_column"]])
     return [line.strip() for line in Path(prompts).read_text().splitlines() if line.strip()]
 
 
@@ -159,7 +161,7 @@ def make_controls(cfg, policy):
     ('heldout': the distribution the reference comes from; only the image header is read) or R x R."""
     if not cfg["conditioning"]["controls"]:
         return None
-    data = common.Config({**cfg["data"], "crop": "center", "random_flip": False})
+    data = config.Config({**cfg["data"], "crop": "center", "random_flip": False})
     rows = heldout(data) if policy == "heldout" else None
 
     def controls(i):
@@ -176,7 +178,7 @@ def make_condition(cfg, model, prompts, device, controls=None):
     prompt i % len(prompts) encoded by the run's own text encoder; plus controls(i) when the run has them."""
     text = None
     if prompts is not None:
-        text = load_encoders(common.Config({**cfg["encoders"], "vae": None}), device)[1:]
+        text = load_encoders(config.Config({**cfg["encoders"], "vae": None}), device)[1:]
 
     def cond(idx):
         out = {"drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
@@ -220,23 +222,48 @@ def read_png(folder, i):
 # once with instructions instead of hanging.
 
 
+def inception_cache_dir():
+    """Where the network is downloaded: a per-user cache ($XDG_CACHE_HOME or ~/.cache, /minimal-diffusion),
+    never a world-writable folder such as /tmp, where anyone could have left a file of that name."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minimal-diffusion"
+
+
+def sha256_of(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def inception_path(weights=None, timeout=20):
-    if weights is not None:
-        if not Path(weights).is_file():
-            raise FileNotFoundError(f"--inception_weights {weights}: no such file. Download {INCEPTION_URL} on a "
-                                    f"machine with network and copy it to {weights}")
-        return Path(weights)
-    path = Path(DEFAULT_INCEPTION_DIR) / INCEPTION_FILE
+    """The Inception file, verified: `weights` if given, else the per-user cache (downloaded there once, into
+    a .part file that is checked before it is renamed). A file whose sha256 is not INCEPTION_SHA256 is an error
+    naming it: a truncated download or another network would give FIDs comparable with nothing."""
+    if weights is not None and not Path(weights).is_file():
+        raise FileNotFoundError(f"--inception_weights {weights}: no such file. Download {INCEPTION_URL} on a "
+                                f"machine with network and copy it to {weights}")
+    path = Path(weights) if weights is not None else inception_cache_dir() / INCEPTION_FILE
     if not path.is_file():
-        try:  # into clean-fid's own location, atomically: never a half-written file
+        part = path.with_suffix(".part")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             with urllib.request.urlopen(INCEPTION_URL, timeout=timeout) as r:
-                path.with_suffix(".part").write_bytes(r.read())
-            os.replace(path.with_suffix(".part"), path)
+                part.write_bytes(r.read())
         except OSError as e:
+            part.unlink(missing_ok=True)
             raise FileNotFoundError(
                 f"the Inception FID network is not here and could not be downloaded ({e}). On a machine with "
                 f"network run\n    wget {INCEPTION_URL}\nthen copy the file to this machine and pass "
                 f"--inception_weights /path/to/{INCEPTION_FILE} (or put it at {path}).") from None
+        if sha256_of(part) != INCEPTION_SHA256:
+            part.unlink()
+            raise ValueError(f"the Inception network downloaded from {INCEPTION_URL} has the wrong sha256 (expected "
+                             f"{INCEPTION_SHA256}); nothing was kept. Try again, or download it yourself and "
+                             f"pass --inception_weights")
+        os.replace(part, path)  # atomically: never a half-written file under the real name
+    digest = sha256_of(path)
+    if digest != INCEPTION_SHA256:
+        raise ValueError(f"{path}: sha256 {digest} is not that of {INCEPTION_FILE} ({INCEPTION_SHA256}): a damaged "
+                         f"or different file. Delete it (it is downloaded again) or pass --inception_weights with "
+                         f"the right file.")
     return path
 
 
@@ -261,9 +288,8 @@ def inception_features(mode="clean", weights=None, device="cpu", accelerator=Non
             return np.concatenate([feature_fn([img]) for img in images])
         x = np.stack([np.asarray(resize(img), dtype=np.float32) for img in images])
         return net(torch.from_numpy(x).permute(0, 3, 1, 2).to(device)).double().cpu().numpy()
-    with open(path, "rb") as f:
-        feature_fn.name, feature_fn.path = f"inception-2015-12-05/{mode}", str(path)
-        feature_fn.sha256 = hashlib.file_digest(f, "sha256").hexdigest()  # for the report
+    feature_fn.name, feature_fn.path = f"inception-2015-12-05/{mode}", str(path)
+    feature_fn.sha256 = INCEPTION_SHA256  # verified by inception_path; for the report
     return feature_fn
 
 
@@ -308,7 +334,7 @@ def reference_images(key, cfg):
     if key["kind"] == "folder":
         items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in image_files(key["source"])]
     else:
-        data = common.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
+        data = config.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
                               "label_column": None, "caption_column": None, "max_samples": None,
                               "crop": key["crop"], "random_flip": False})
         ds = heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
@@ -521,7 +547,7 @@ def main(argv=None, feature_fn=None):
         record.write_text(json.dumps(settings, indent=1))
 
     # ---- Generation: this rank's batches; a batch already on disk is skipped (resume) ----------------------
-    vae = load_encoders(common.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
+    vae = load_encoders(config.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
     cond = make_condition(cfg, model, prompts, device, make_controls(cfg, args.controls))
     batches = my_batches(args.num_samples, args.batch_size, rank, world)
     for idx in progress(batches, "generate", accelerator.is_local_main_process):

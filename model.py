@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import common
+import config
 
 # ----------------------------------------------------------------------------------------------------------
 # Conditioning: class tokens or text tokens go to the MMDiT's context stream (attention); the pooled
@@ -234,7 +235,7 @@ def load_exported(folder):
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    cfg = common.Config(json.loads((folder / "config.json").read_text()))
+    cfg = config.Config(json.loads((folder / "config.json").read_text()))
     transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer", use_safetensors=True)
     state = load_file(str(folder / "conditioner.safetensors"))
     tc = transformer.config

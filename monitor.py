@@ -106,9 +106,9 @@ class Monitor:
         self.stats = torch.zeros(2 * self.k_bins, device=device)  # loss sums and counts per time bin
         self.per_step = torch.zeros(cfg.log.every, 3, device=device)  # loss sum, count, grad norm per step since the log
         state = state or {}
-        self.skipped = state.get("skipped_steps", 0)
+        self.skipped, self.bad_in_row = state.get("skipped_steps", 0), state.get("bad_in_row", 0)
         self.loss_state = state.get("loss_state", {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0})  # smoothed loss, spikes
-        self.since_log, self.bad_in_row, self.waited, self.analysis = 0, 0, 0.0, None
+        self.since_log, self.analysis = 0, None
         # A progress bar on a terminal; in a log file (SLURM) a bar's carriage returns become one huge line, so
         # there log_interval prints one plain line per interval instead.
         self.start_step, self.t_start = state.get("step", 0), time.perf_counter()
@@ -116,9 +116,23 @@ class Monitor:
         self.progress = tqdm(total=cfg.train.max_steps, initial=self.start_step, desc="train",
                              disable=not accelerator.is_local_main_process or self.show_lines)
         self.restart_clock()
+        interval = state.get("interval")
+        if interval and len(interval["totals"]) == len(self.stats) + self.per_step.numel():
+            # The interval in progress at the checkpoint, summed over ranks: restored on the main process only,
+            # so the next log's all-reduce sums it once, and that row is the one an uninterrupted run logs.
+            if accelerator.is_main_process:
+                totals = torch.tensor(interval["totals"], device=device)
+                self.stats.copy_(totals[:len(self.stats)]), self.per_step.view(-1).copy_(totals[len(self.stats):])
+            self.since_log, self.waited = interval["steps"], interval["waited"]
+            self.t_last -= interval["seconds"]
 
     def state_dict(self):
-        return {"skipped_steps": self.skipped, "loss_state": self.loss_state}
+        """What a checkpoint keeps: counters, the smoothed-loss statistics and the log interval in progress (its
+        per-step sums over all ranks: a collective, every rank calls it)."""
+        totals = self.accelerator.reduce(torch.cat([self.stats, self.per_step.flatten()]), "sum")
+        return {"skipped_steps": self.skipped, "bad_in_row": self.bad_in_row, "loss_state": self.loss_state,
+                "interval": {"steps": self.since_log, "totals": totals.tolist(), "waited": self.waited,
+                             "seconds": time.perf_counter() - self.t_last}}
 
     def restart_clock(self):
         """Throughput counts training only: called after validation, FID and checkpoints."""

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-import common
+import config
 import data
 import eval_fid
 import train_ddpm
@@ -62,7 +62,7 @@ def fetch(item, cfg, inception_file):
     if key == "data.source":
         return f"{len(data.open_dataset(cfg.data, item['split'])):,} rows"  # downloaded and prepared
     if key.startswith("encoders."):
-        only = common.Config({"vae": None, "text_encoder": None, "max_tokens": cfg.encoders.max_tokens})
+        only = config.Config({"vae": None, "text_encoder": None, "max_tokens": cfg.encoders.max_tokens})
         only[key.split(".")[1]] = name
         data.load_encoders(only, "cpu")
         return "loaded"
@@ -87,7 +87,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     dry_run = "--dry_run" in argv
     argv = [a for a in argv if a != "--dry_run"]
-    cfg = common.load_config(all_defaults(train_flow_matching.DEFAULTS, train_ddpm.DEFAULTS), argv, "prefetch")
+    cfg = config.load_config(all_defaults(train_flow_matching.DEFAULTS, train_ddpm.DEFAULTS), argv, "prefetch")
     from huggingface_hub import constants
 
     hf_home = Path(constants.HF_HOME)

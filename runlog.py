@@ -91,10 +91,25 @@ def wandb_mode(setting):
 
 class RunLog:
     """metrics.jsonl (every row, events included) and wandb (offline when no key), main process only.
-    Call it with a dict of metrics that has a "step"."""
+    Call it with a dict of metrics that has a "step". A run that starts at `start_step` (resumed from that
+    checkpoint, or 0) first moves the rows logged past it (by a run killed after its last checkpoint) to
+    metrics.after_step_N.jsonl, so metrics.jsonl holds each step once, as an uninterrupted run would."""
 
-    def __init__(self, cfg, run_dir, accelerator):
+    def __init__(self, cfg, run_dir, accelerator, start_step=0):
         self.run_dir, self.main, self.wandb = Path(run_dir), accelerator.is_main_process, None
+        metrics = self.run_dir / "metrics.jsonl"
+        if self.main and metrics.exists():
+            rows = metrics.read_text().splitlines(keepends=True)
+            keep = [r.endswith("\n") and json.loads(r)["step"] <= start_step for r in rows]  # a cut-short line: aside
+            later = [r for r, k in zip(rows, keep) if not k]
+            if later:
+                aside = self.run_dir / f"metrics.after_step_{start_step}.jsonl"
+                with open(aside, "a") as f:
+                    f.writelines(r if r.endswith("\n") else r + "\n" for r in later)
+                metrics.with_suffix(".tmp").write_text("".join(r for r, k in zip(rows, keep) if k))
+                os.replace(metrics.with_suffix(".tmp"), metrics)
+                accelerator.print(f"metrics: {len(later)} rows logged after step {start_step} (past the checkpoint) "
+                                  f"moved to {aside.name}")
         if self.main and cfg.log.wandb != "off":
             import wandb
 

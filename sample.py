@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 import common
+import config
 import eval_fid
 import runlog
 from data import encode_text, load_encoders, readable_names
@@ -112,7 +113,7 @@ def main(argv=None):
     if is_text:
         prompts = read_prompts(args.prompts)
         rows = list(enumerate(prompts))
-        tokenizer, text_encoder = load_encoders(common.Config({**cfg["encoders"], "vae": None}), device)[1:]
+        tokenizer, text_encoder = load_encoders(config.Config({**cfg["encoders"], "vae": None}), device)[1:]
     else:
         rows = pick_classes(args.classes, model.conditioner.num_classes, run_class_ids(args.run, args.checkpoint))
     items = [row for row in rows for _ in range(args.per_class)]
@@ -137,7 +138,7 @@ def main(argv=None):
                         else args.control_guidance_scale)
     out = Path(args.out or Path(args.run) / "sampled" / f"{sampler}{steps}-g{guidance:g}-seed{args.seed}")
     out.mkdir(parents=True, exist_ok=True)
-    vae = load_encoders(common.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
+    vae = load_encoders(config.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
     images = []
     for start in range(0, len(items), args.batch_size):
         idx = list(range(start, min(start + args.batch_size, len(items))))

@@ -22,12 +22,14 @@ metrics, gradient analysis, loss spikes) -> validation (samples, loss on a fixed
 import copy
 import json
 import math
+import sys
 from contextlib import nullcontext
 
 import torch
 from accelerate.utils import set_seed
 
 import common
+import config
 import eval_fid
 import runlog
 from data import (COND_FIELDS, CachedDataset, build_cache, check_cache_shared, decode, drop_conditions, encode_text,
@@ -67,7 +69,9 @@ DEFAULTS = {
         "demo_resolution": 16,
         "cache_dir": "cache",
         "cache_dtype": "float16",
-        "shard_size": 1024,
+        "shard_size": 1024,          # rows per cache shard (part of the cache key)
+        "verify_cache": True,        # check every cached value (checksum, finite) at start, split over processes;
+                                     # False: headers only (for caches too large to read at each start)
         "encode_batch_size": 64,
         "num_workers": 0,
         "prefetch_factor": 2,
@@ -156,6 +160,12 @@ DEFAULTS = {
     "ckpt": {"every": 500, "keep": 3},
 }
 
+# This method's keys, checked at start-up with the shared ones (config.RULES: a range, or the allowed values).
+RULES = {"objective.num_timesteps": ">= 2", "objective.beta_schedule": ("quadratic", "linear", "cosine"),
+         "objective.beta_start": "(0, 1)", "objective.beta_end": "(0, 1)", "objective.zero_terminal_snr": bool,
+         "objective.prediction": ("v", "eps", "x0"), "objective.min_snr_gamma": ">= 0",
+         "val.sampler": ("ddim", "ddpm"), "val.guidance_rescale": "[0, 1]"}
+
 # ----------------------------------------------------------------------------------------------------------
 # The objective: beta schedule, zero terminal SNR, forward process, v / eps / x0 target, Min-SNR weight.
 
@@ -186,18 +196,26 @@ def make_schedule(num_timesteps=1000, beta_schedule="quadratic", beta_start=0.00
 
 
 def check_objective(cfg):
-    """Refuse, at start-up, settings that cannot train or sample."""
-    obj = cfg["objective"]
+    """The objective's and sampler's problems, as a list (config.load_config reports them with the rest at
+    start-up; generate refuses them): e.g. zero terminal SNR with eps prediction."""
+    obj, val, problems = cfg["objective"], cfg["val"], []
     if obj["prediction"] not in ("v", "eps", "x0"):
-        raise ValueError(f"objective.prediction must be 'v', 'eps' or 'x0', got {obj['prediction']!r}")
+        problems.append(f"objective.prediction must be 'v', 'eps' or 'x0', got {obj['prediction']!r}")
     if obj["zero_terminal_snr"] and obj["prediction"] == "eps":
-        raise ValueError(
+        problems.append(
             "objective.zero_terminal_snr=true cannot be combined with objective.prediction='eps': at the last "
             "timestep alpha_bar = 0, so x_t is pure noise, eps is x_t itself, and x0 = (x_t - sqrt(1 - ab) eps) / "
             "sqrt(ab) divides by zero (Lin et al. 2024, sec. 3.2). Set objective.prediction to 'v' or 'x0', or "
             "objective.zero_terminal_snr=false.")
-    if cfg["val"]["sampler"] not in ("ddim", "ddpm"):
-        raise ValueError(f"val.sampler must be 'ddim' or 'ddpm', got {cfg['val']['sampler']!r}")
+    if val["sampler"] not in ("ddim", "ddpm"):
+        problems.append(f"val.sampler must be 'ddim' or 'ddpm', got {val['sampler']!r}")
+    if obj["beta_schedule"] != "cosine" and obj["beta_start"] >= obj["beta_end"]:
+        problems.append(f"objective.beta_start={obj['beta_start']} must be below objective.beta_end={obj['beta_end']}")
+    if not 1 <= val["steps"] <= obj["num_timesteps"]:
+        problems.append(f"val.steps={val['steps']} must be in [1, objective.num_timesteps={obj['num_timesteps']}]")
+    if obj["loss_bins"] > obj["num_timesteps"]:
+        problems.append(f"objective.loss_bins={obj['loss_bins']} must be <= objective.num_timesteps")
+    return problems
 
 
 def shift_schedule(alphas_cumprod, shift):
@@ -333,7 +351,8 @@ def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_s
 def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None, control_guidance_scale=None):
     """Sample as the run `cfg` is configured (its schedule, prediction, val sampler, guidance and rescale),
     with optional overrides. The one entry point that validation, eval_fid.py and the benchmarks call."""
-    check_objective(cfg)
+    if problems := check_objective(cfg):
+        raise config.ConfigError("\n".join(problems))
     val = cfg["val"]
     return sample(model, noise, cond, schedule_of(cfg), steps or val["steps"], cfg["objective"]["prediction"],
                   val["guidance_scale"] if guidance_scale is None else guidance_scale, val["guidance_rescale"],
@@ -345,10 +364,10 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 
 
 def main(argv=None):
-    cfg = common.load_config(DEFAULTS, argv, method="ddpm")
+    signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
+    # Every config problem is reported here, all at once, before any work (config.RULES and this method's RULES).
+    cfg = config.load_config(DEFAULTS, argv, method="ddpm", rules=RULES, check=check_objective)
     data, obj, tr = cfg.data, cfg.objective, cfg.train
-    common.check_config(cfg)  # illegal combinations stop here, before any work
-    check_objective(cfg)  # and the objective's: e.g. zero terminal SNR with eps prediction
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
     accelerator = common.make_accelerator(tr.mixed_precision)  # also on CPU-only machines, TF32 on
@@ -365,8 +384,8 @@ def main(argv=None):
     vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
     encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
     class_ids = read_class_ids(data, train_ds) if data.label_column else None  # saved with the model
-    train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg))
-    val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg))
+    train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg, signals))
+    val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg, signals))
     null_text = val_text = None
     if text_encoder is not None:  # the null condition for guidance (the empty prompt) and the validation prompts
         null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
@@ -398,11 +417,13 @@ def main(argv=None):
                       f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; {obj.beta_schedule} betas, zero terminal SNR "
                       f"{obj.zero_terminal_snr}, {obj.prediction} prediction, min-SNR gamma {obj.min_snr_gamma:g}, "
                       f"resolution shift a = {common.shift_of(cfg):g}")
+    for warning in config.size_warnings(cfg, sum(p.numel() for p in raw_model.parameters()), len(train_set), world):
+        accelerator.print(f"warning: {warning}")  # a model far larger than its data
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
     step = state["step"]
-    log = runlog.RunLog(cfg, run_dir, accelerator)  # metrics.jsonl, wandb
+    log = runlog.RunLog(cfg, run_dir, accelerator, step)  # metrics.jsonl (rows past `step` set aside), wandb
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
@@ -437,7 +458,6 @@ def main(argv=None):
     # ---- Training loop --------------------------------------------------------------------------------------
     batches = iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
                               loader_options(data, device))
-    signals = common.StopSignals()  # preemption: finish this step, checkpoint, exit for a requeue
     model.train()
     while step < tr.max_steps:
         lr = common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
@@ -497,9 +517,13 @@ def main(argv=None):
     # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
     if accelerator.is_main_process:
         accelerator.print(f"exported EMA model to {export(ema, cfg, run_dir, class_ids)}")
+    signals.exit_if_agreed(accelerator, "the export, which is complete (the requeued run writes the report)")
     log.finish(cfg, accelerator)  # report.md and plots, wandb
     return run_dir
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except config.ConfigError as e:  # one clear message, not a traceback
+        sys.exit(str(e))

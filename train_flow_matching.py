@@ -19,12 +19,14 @@ metrics, gradient analysis, loss spikes) -> validation (samples, loss on a fixed
 """
 import copy
 import json
+import sys
 from contextlib import nullcontext
 
 import torch
 from accelerate.utils import set_seed
 
 import common
+import config
 import eval_fid
 import runlog
 from data import (COND_FIELDS, CachedDataset, build_cache, check_cache_shared, decode, drop_conditions, encode_text,
@@ -64,7 +66,9 @@ DEFAULTS = {
         "demo_resolution": 16,
         "cache_dir": "cache",
         "cache_dtype": "float16",
-        "shard_size": 1024,
+        "shard_size": 1024,          # rows per cache shard (part of the cache key)
+        "verify_cache": True,        # check every cached value (checksum, finite) at start, split over processes;
+                                     # False: headers only (for caches too large to read at each start)
         "encode_batch_size": 64,
         "num_workers": 0,
         "prefetch_factor": 2,
@@ -148,6 +152,10 @@ DEFAULTS = {
     "ckpt": {"every": 500, "keep": 3},
 }
 
+# This method's keys, checked at start-up with the shared ones (config.RULES: a range, or the allowed values).
+RULES = {"objective.time_sampling": ("logit_normal", "uniform"), "objective.logit_mean": float,
+         "objective.logit_std": "> 0", "objective.ot_coupling": bool, "val.sampler": ("euler", "heun")}
+
 # ----------------------------------------------------------------------------------------------------------
 # The objective: straight path, velocity target, logit-normal time, resolution shift, optional OT coupling.
 
@@ -230,9 +238,10 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 
 
 def main(argv=None):
-    cfg = common.load_config(DEFAULTS, argv, method="flow_matching")
+    signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
+    # Every config problem is reported here, all at once, before any work (config.RULES and this method's RULES).
+    cfg = config.load_config(DEFAULTS, argv, method="flow_matching", rules=RULES)
     data, obj, tr = cfg.data, cfg.objective, cfg.train
-    common.check_config(cfg)  # illegal combinations stop here, before any work
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
     accelerator = common.make_accelerator(tr.mixed_precision)  # also on CPU-only machines, TF32 on
@@ -248,8 +257,8 @@ def main(argv=None):
     vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
     encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
     class_ids = read_class_ids(data, train_ds) if data.label_column else None  # saved with the model
-    train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg))
-    val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg))
+    train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg, signals))
+    val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg, signals))
     null_text = val_text = None
     if text_encoder is not None:  # the null condition for guidance (the empty prompt) and the validation prompts
         null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
@@ -279,11 +288,13 @@ def main(argv=None):
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; time shift a = {shift:g}")
+    for warning in config.size_warnings(cfg, sum(p.numel() for p in raw_model.parameters()), len(train_set), world):
+        accelerator.print(f"warning: {warning}")  # a model far larger than its data
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
     step = state["step"]
-    log = runlog.RunLog(cfg, run_dir, accelerator)  # metrics.jsonl, wandb
+    log = runlog.RunLog(cfg, run_dir, accelerator, step)  # metrics.jsonl (rows past `step` set aside), wandb
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
@@ -314,7 +325,6 @@ def main(argv=None):
     # ---- Training loop --------------------------------------------------------------------------------------
     batches = iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
                               loader_options(data, device))
-    signals = common.StopSignals()  # preemption: finish this step, checkpoint, exit for a requeue
     model.train()
     while step < tr.max_steps:
         lr = common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
@@ -376,9 +386,13 @@ def main(argv=None):
     # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
     if accelerator.is_main_process:
         accelerator.print(f"exported EMA model to {export(ema, cfg, run_dir, class_ids)}")
+    signals.exit_if_agreed(accelerator, "the export, which is complete (the requeued run writes the report)")
     log.finish(cfg, accelerator)  # report.md and plots, wandb
     return run_dir
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except config.ConfigError as e:  # one clear message, not a traceback
+        sys.exit(str(e))

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-import common  # noqa: E402
+from config import load_config  # noqa: E402
 from data import DEMO_CLASSES  # noqa: E402
 from model import load_exported  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
@@ -130,7 +130,7 @@ def main(argv=None):
     parser.add_argument("--out", default="runs/compare_methods")
     args, extra = parser.parse_known_args(argv)  # the rest: --a.b=value overrides for both trainers
     out, config = Path(args.out).resolve(), str(Path(args.config).resolve())  # the trainers run in ROOT
-    resolution = common.load_config(fm.DEFAULTS, ["--config", config, *extra]).data.resolution
+    resolution = load_config(fm.DEFAULTS, ["--config", config, *extra]).data.resolution
     classifier, acc = train_classifier(steps=args.classifier_steps, resolution=resolution)
     tqdm.write(f"classifier accuracy on held-out real demo images: {acc:.3f}")
     results = {}

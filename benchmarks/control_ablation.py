@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+import config  # noqa: E402
 from data import DEMO_CLASSES  # noqa: E402
 from model import load_exported  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
@@ -49,7 +49,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--per_class", type=int, default=8)
     args, extra = parser.parse_known_args()
-    classifier, acc = train_classifier(resolution=common.load_config(fm.DEFAULTS, extra).data.resolution)
+    classifier, acc = train_classifier(resolution=config.load_config(fm.DEFAULTS, extra).data.resolution)
     print(f"classifier accuracy on held-out real demo images: {acc:.3f}")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

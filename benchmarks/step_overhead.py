@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+import config  # noqa: E402
 from model import build_denoiser  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 
@@ -56,7 +56,7 @@ if __name__ == "__main__":
                      f"--train.batch_size={args.batch_size}", "--log.every=10", "--log.wandb=off",
                      "--val.every=1000000", "--ckpt.every=1000000", "--val.steps=1", "--val.num_samples=1",
                      "--val.loss_samples=1", "--data.num_classes=9", *extra]
-        cfg = common.load_config(fm.DEFAULTS, overrides)
+        cfg = config.load_config(fm.DEFAULTS, overrides)
         bare = bare_loop(cfg, args.steps)
         fm.main(overrides)
         bare += bare_loop(cfg, args.steps)

@@ -1,5 +1,4 @@
 """Config loading, the embedded data, preprocessing and the cache."""
-import json
 
 import numpy as np
 import pytest
@@ -8,48 +7,12 @@ from accelerate import Accelerator
 from PIL import Image
 
 import common
+import config
 from data import CachedDataset, DEMO_COLORS, build_cache, encode_text, iterate_batches, load_encoders, load_image, make_demo_dataset, open_splits, preprocess
 import train_flow_matching as fm
 
 
-CENTER = common.Config(crop="center", min_crop_scale=0.5, random_flip=False)
-
-
-def test_config_layers_and_dotted_overrides(tmp_path):
-    recipe = tmp_path / "recipe.json"
-    recipe.write_text(json.dumps({"train": {"lr": 1e-4, "batch_size": 8}, "data": {"caption_column": None}}))
-    cfg = common.load_config(fm.DEFAULTS, ["--config", str(recipe), "--train.lr=3e-4", "--model.num_layers", "2",
-                                           "--run_dir=/x/y", "--train.betas=[0.9, 0.95]"])
-    assert cfg.train.lr == 3e-4 and cfg.train.batch_size == 8 and cfg.model.num_layers == 2
-    assert cfg.run_dir == "/x/y" and cfg.train.betas == [0.9, 0.95] and cfg.data.caption_column is None
-    assert cfg.train.warmup_steps == fm.DEFAULTS["train"]["warmup_steps"]  # untouched defaults stay
-    assert isinstance(cfg.train.lr, float)
-    assert fm.DEFAULTS["train"]["lr"] == 1e-3  # the defaults themselves are never mutated
-    json.dumps(cfg)  # the resolved config is plain JSON
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--train.lrr=1"], "unknown config key 'train.lrr'"),
-    (["--trian.lr=1"], "unknown config key 'trian'"),
-    (["--train.batch_size=8.5"], "'train.batch_size' .* must be int"),
-    (["--train.compile=1"], "'train.compile' .* must be bool"),
-    (["--train.lr=fast"], "'train.lr' .* must be float"),
-    (["--train=3"], "'train' .* must be a section"),
-    (["--model.num_layers=null"], "'model.num_layers' .* must be int"),
-    (["stray"], "unexpected argument"),
-])
-def test_config_errors_name_the_key(argv, message):
-    with pytest.raises(ValueError, match=message):
-        common.load_config(fm.DEFAULTS, argv)
-
-
-def test_config_errors_in_a_file_name_the_file(tmp_path):
-    recipe = tmp_path / "bad.json"
-    recipe.write_text(json.dumps({"data": {"resolutoin": 64}}))
-    with pytest.raises(ValueError, match=r"unknown config key 'data.resolutoin' \(from .*bad.json\)"):
-        common.load_config(fm.DEFAULTS, ["--config", str(recipe)])
-    with pytest.raises(FileNotFoundError, match="missing.json"):
-        common.load_config(fm.DEFAULTS, ["--config", str(tmp_path / "missing.json")])
+CENTER = config.Config(crop="center", min_crop_scale=0.5, random_flip=False)
 
 
 def test_demo_data_is_deterministic_and_labelled():
@@ -72,7 +35,7 @@ def test_preprocess_any_mode_and_crop_metadata():
         x, _ = preprocess(load_image({"bytes": _png(Image.new(mode, (30, 30)), mode)}), 16, CENTER)
         assert x.shape == (3, 16, 16) and x.min() >= -1 and x.max() <= 1
     with pytest.raises(ValueError, match="data.crop"):
-        preprocess(rgba, 20, common.Config(CENTER, crop="middle"))
+        preprocess(rgba, 20, config.Config(CENTER, crop="middle"))
 
 
 def _png(img, mode=None):
@@ -84,7 +47,7 @@ def _png(img, mode=None):
 
 
 def test_cache_hit_miss_invalidation_and_resume(tmp_path):
-    cfg = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
+    cfg = config.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
                                            "--data.val_holdout=10", "--data.shard_size=32"])
     accelerator = Accelerator(cpu=True)
     train, val = open_splits(cfg.data)
@@ -106,7 +69,7 @@ def test_cache_hit_miss_invalidation_and_resume(tmp_path):
     calls.clear()
     assert build_cache(train, "train", encode, accelerator, cfg) == folder and not calls
     # A changed key (resolution) is a miss in a new folder, never a silent reuse.
-    cfg16 = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
+    cfg16 = config.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
                                              "--data.val_holdout=10", "--data.shard_size=32", "--data.resolution=8"])
     folder16 = build_cache(train, "train", encode, accelerator, cfg16)
     assert folder16 != folder and sum(calls) == 90 and CachedDataset(folder16)[0]["x"].shape == (3, 8, 8)
@@ -149,13 +112,13 @@ def test_ema_warmup_and_lr():
 def test_parquet_source_and_label_columns(tmp_path):
     demo = make_demo_dataset(20, seed=0, resolution=16).rename_column("label", "cls")
     demo.to_parquet(str(tmp_path / "part-0.parquet"))
-    cfg = common.load_config(fm.DEFAULTS, [f"--data.source={tmp_path}", "--data.val_holdout=4",
+    cfg = config.load_config(fm.DEFAULTS, [f"--data.source={tmp_path}", "--data.val_holdout=4",
                                            "--data.label_column=cls"])
     train, val = open_splits(cfg.data)
     assert len(train) == 16 and len(val) == 4 and sorted(list(train["cls"]) + list(val["cls"])) == sorted(demo["cls"])
     x, _ = preprocess(load_image(train[0]["image"]), 16, CENTER)
     assert x.shape == (3, 16, 16)
-    bad = common.load_config(fm.DEFAULTS, [f"--data.source={tmp_path}", "--data.label_column=cls", "--data.caption_column=text"])
+    bad = config.load_config(fm.DEFAULTS, [f"--data.source={tmp_path}", "--data.label_column=cls", "--data.caption_column=text"])
     with pytest.raises(ValueError, match="data.caption_column='text' is not a column"):
         open_splits(bad.data)
 
@@ -166,7 +129,7 @@ def test_t5_text_encoder_gives_masked_mean_pooling(tmp_path, tiny_text_encoder):
     torch.manual_seed(0)
     T5EncoderModel(T5Config(vocab_size=16, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(tiny_text_encoder).save_pretrained(tmp_path)  # any tokenizer will do
-    _, tokenizer, encoder = load_encoders(common.Config(vae=None, text_encoder=str(tmp_path)), "cpu")
+    _, tokenizer, encoder = load_encoders(config.Config(vae=None, text_encoder=str(tmp_path)), "cpu")
     assert type(encoder).__name__ == "T5EncoderModel"
     out = encode_text(tokenizer, encoder, ["a red circle", "a large blue square"], max_tokens=8)
     assert out["text_tokens"].shape == (2, 8, 16) and out["text_mask"].sum(1).tolist() == [5, 6]

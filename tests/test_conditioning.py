@@ -1,20 +1,19 @@
 """The paper's conditioning mechanisms: control schedule, independent dropout, guidance on both, noisy
 replicate padding, true control metadata, and the disentangled vs adaptive-norm baseline."""
-import io
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-import common
+import config
 from data import drop_conditions, preprocess
 from model import build_denoiser, control_weight, guided, load_exported, replicate_padding
 import train_flow_matching as fm
 
 
 def tiny_model(mode="disentangled", controls=("size", "crop", "flip")):
-    cfg = common.load_config(fm.DEFAULTS, [f"--conditioning.mode={mode}", "--model.num_layers=1",
+    cfg = config.load_config(fm.DEFAULTS, [f"--conditioning.mode={mode}", "--model.num_layers=1",
                                            "--data.num_classes=9",
                                            f"--conditioning.controls={list(controls)}".replace("'", '"')])
     torch.manual_seed(0)
@@ -96,7 +95,7 @@ def test_control_metadata_matches_the_crop_applied(crop, flip):
     w, h = 240, 160  # red channel = x coordinate, green = y coordinate
     xs, ys = np.meshgrid(np.arange(w), np.arange(h))
     img = Image.fromarray(np.stack([xs, ys, np.zeros_like(xs)], -1).astype(np.uint8))
-    data = common.Config(crop=crop, min_crop_scale=0.3, random_flip=flip)
+    data = config.Config(crop=crop, min_crop_scale=0.3, random_flip=flip)
     rng = __import__("random").Random(3)
     for _ in range(10):
         x, meta = preprocess(img, 32, data, rng)
@@ -123,7 +122,7 @@ def test_recipes_load_and_a_tiny_version_runs(recipe, trainer, tmp_path, tiny_va
 
     module = __import__(trainer)
     recipe_file = str(ROOT / "configs" / f"{recipe}.json")
-    full = common.load_config(module.DEFAULTS, ["--config", recipe_file], trainer[6:])  # one recipe, both trainers
+    full = config.load_config(module.DEFAULTS, ["--config", recipe_file], trainer[6:])  # one recipe, both trainers
     assert full.train.lr == 1e-4 and full.train.betas == [0.9, 0.999] and full.run_dir.endswith(recipe)
     assert full.train.batch_size * 16 == 2048  # global batch 2048 on 2 nodes x 8 GPUs
     # The same recipe, shrunk: the embedded data and tiny encoders stand in for the hub's.

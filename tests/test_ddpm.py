@@ -13,7 +13,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import resca
 from diffusers.training_utils import compute_snr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+import config  # noqa: E402
 from model import guided, load_exported, rescale_guidance  # noqa: E402
 import train_ddpm as ddpm  # noqa: E402
 
@@ -141,10 +141,10 @@ def test_zero_terminal_snr_with_eps_is_refused(tmp_path):
                    "--log.wandb=off", "--data.demo_samples=96", "--data.val_holdout=16", "--train.max_steps=1",
                    "--train.batch_size=8", "--val.steps=1", "--val.num_samples=1", "--val.loss_samples=8"])
     assert not run_dir.exists()  # refused at start-up, before anything was written
-    cfg = common.load_config(ddpm.DEFAULTS, ["--objective.prediction=eps", "--objective.zero_terminal_snr=false"])
+    cfg = config.load_config(ddpm.DEFAULTS, ["--objective.prediction=eps", "--objective.zero_terminal_snr=false"])
     ddpm.check_objective(cfg)  # eps without zero terminal SNR is fine
     with pytest.raises(ValueError, match="objective.zero_terminal_snr"):
-        ddpm.generate(None, torch.zeros(1, 3, 4, 4), {}, common.load_config(ddpm.DEFAULTS, ["--objective.prediction=eps"]))
+        ddpm.generate(None, torch.zeros(1, 3, 4, 4), {}, config.load_config(ddpm.DEFAULTS, ["--objective.prediction=eps"]))
 
 
 # ---- Samplers ---------------------------------------------------------------------------------------------

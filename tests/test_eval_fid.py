@@ -200,12 +200,35 @@ def test_missing_inception_file_gives_clear_error(tmp_path, monkeypatch):
     def offline(*a, **k):
         raise OSError("network is unreachable")
 
-    monkeypatch.setattr(eval_fid, "DEFAULT_INCEPTION_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(eval_fid.urllib.request, "urlopen", offline)
     with pytest.raises(FileNotFoundError, match="--inception_weights") as err:
         eval_fid.inception_features()
     assert eval_fid.INCEPTION_URL in str(err.value) and "unreachable" in str(err.value)
-    assert not list(tmp_path.iterdir())  # no half-written file left behind
+    assert not list((tmp_path / "minimal-diffusion").iterdir())  # no half-written file left behind
+
+
+def test_inception_file_is_verified_and_downloaded_into_a_per_user_cache(tmp_path, monkeypatch):
+    """A wrong file under the right name (in the cache or given by --inception_weights) is an error naming it;
+    a download lands in $XDG_CACHE_HOME/minimal-diffusion, never /tmp, and only once its sha256 is right."""
+    import hashlib
+    import io
+
+    served = [b"not the inception network"]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(eval_fid.urllib.request, "urlopen", lambda *a, **k: io.BytesIO(served[0]))
+    with pytest.raises(ValueError, match="wrong sha256"):  # a corrupted or substituted download
+        eval_fid.inception_path()
+    assert not list((tmp_path / "xdg" / "minimal-diffusion").iterdir())
+    monkeypatch.setattr(eval_fid, "INCEPTION_SHA256", hashlib.sha256(served[0]).hexdigest())
+    path = eval_fid.inception_path()  # the right bytes this time
+    assert path == tmp_path / "xdg" / "minimal-diffusion" / "inception-2015-12-05.pt" and path.read_bytes() == served[0]
+    path.write_bytes(b"tampered with later")
+    with pytest.raises(ValueError, match=f"{path}: sha256 .* not that of inception-2015-12-05.pt"):
+        eval_fid.inception_path()
+    with pytest.raises(ValueError, match="mine.pt: sha256"):
+        (tmp_path / "mine.pt").write_bytes(b"some other network")
+        eval_fid.inception_features(weights=str(tmp_path / "mine.pt"))
 
 
 def test_local_inception_file_under_any_name_is_loaded_without_download(tmp_path, monkeypatch):
@@ -222,6 +245,7 @@ def test_local_inception_file_under_any_name_is_loaded_without_download(tmp_path
             return self.layers(x / 255)
 
     torch.jit.script(FakeInception()).save(str(tmp_path / "my_inception.pt"))
+    monkeypatch.setattr(eval_fid, "INCEPTION_SHA256", eval_fid.sha256_of(tmp_path / "my_inception.pt"))
     monkeypatch.setattr(eval_fid.urllib.request, "urlopen", None)  # any download attempt would fail loudly
     images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
     for mode in ("clean", "legacy_tensorflow"):

@@ -9,6 +9,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from scipy import stats
 
 import common
+import config
 import train_flow_matching as fm
 
 
@@ -45,7 +46,7 @@ def test_path_and_target_match_diffusers_scale_noise():
 
 def test_logit_normal_time_density():
     torch.manual_seed(0)
-    obj = common.Config(time_sampling="logit_normal", logit_mean=0.5, logit_std=0.8)
+    obj = config.Config(time_sampling="logit_normal", logit_mean=0.5, logit_std=0.8)
     t = fm.sample_time(200_000, obj, 1.0, "cpu").double()
     assert 0 < t.min() and t.max() < 1
     # logit(t) ~ N(m, s)  <=>  t has density  exp(-(logit t - m)^2 / 2 s^2) / (s sqrt(2 pi) t (1 - t)).
@@ -58,7 +59,7 @@ def test_logit_normal_time_density():
 
 def test_uniform_time_and_shift_move_mass_toward_noise():
     torch.manual_seed(0)
-    obj = common.Config(time_sampling="uniform", logit_mean=0.0, logit_std=1.0)
+    obj = config.Config(time_sampling="uniform", logit_mean=0.0, logit_std=1.0)
     t1 = fm.sample_time(100_000, obj, 1.0, "cpu")
     t3 = fm.sample_time(100_000, obj, 3.0, "cpu")
     assert abs(t1.mean().item() - 0.5) < 0.01
@@ -67,7 +68,7 @@ def test_uniform_time_and_shift_move_mass_toward_noise():
     expected = u / (3.0 - 2.0 * u)
     torch.testing.assert_close((t3[:, None] <= u).float().mean(0), expected, atol=0.01, rtol=0)
     with pytest.raises(ValueError, match="time_sampling"):
-        fm.sample_time(4, common.Config(time_sampling="beta"), 1.0, "cpu")
+        fm.sample_time(4, config.Config(time_sampling="beta"), 1.0, "cpu")
 
 
 def test_time_shift_matches_diffusers_and_identity():

@@ -9,6 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import common
+import config
 from model import build_denoiser, load_exported
 from monitor import find_spikes, gradient_flags, group_grad_norms, group_update_ratios, layer_groups
 import train_ddpm as ddpm
@@ -23,7 +24,7 @@ def rows(run):
 
 
 def tiny_denoiser():
-    cfg = common.load_config(fm.DEFAULTS, ["--conditioning.controls", '["size"]', "--data.num_classes=9", *TINY_MODEL])
+    cfg = config.load_config(fm.DEFAULTS, ["--conditioning.controls", '["size"]', "--data.num_classes=9", *TINY_MODEL])
     return build_denoiser(cfg, 3, 8)
 
 
@@ -97,7 +98,7 @@ def test_lr_schedules_and_the_scaling_rule():
     assert common.lr_at(200, 1.0, 10, "cosine", 110) == 0.0
     with pytest.raises(ValueError, match="train.lr_schedule"):
         common.lr_at(0, 1.0, 0, "step", 10)
-    tr = common.load_config(fm.DEFAULTS, ["--train.lr=1e-4", "--train.lr_scaling=sqrt"]).train
+    tr = config.load_config(fm.DEFAULTS, ["--train.lr=1e-4", "--train.lr_scaling=sqrt"]).train
     lr, line = common.scaled_lr(tr, 512)
     assert lr == pytest.approx(1e-4 * 0.5) and "sqrt scaling rule" in line and "(512 / 2048)^0.5" in line
     tr["lr_scaling"] = "linear"

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-import common
+import config
 import prefetch
 from conftest import ROOT
 
 
 def plan_of(recipe, *overrides):
-    cfg = common.load_config(prefetch.all_defaults(prefetch.train_flow_matching.DEFAULTS,
+    cfg = config.load_config(prefetch.all_defaults(prefetch.train_flow_matching.DEFAULTS,
                                                    prefetch.train_ddpm.DEFAULTS),
                              ["--config", str(ROOT / "configs" / f"{recipe}.json"), *overrides], "prefetch")
     return [(item["key"], item["name"], item.get("split"), item["local"]) for item in prefetch.plan(cfg)]
@@ -54,7 +54,7 @@ def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path, monkeypatch, caps
 
 def test_fetch_goes_through_the_trainers_loading_calls(tmp_path, tiny_vae, tiny_text_encoder):
     """Each item is fetched by the call the trainer makes later, so the offline node finds those files."""
-    cfg = common.load_config(prefetch.train_flow_matching.DEFAULTS, ["--data.demo_samples=40"])
+    cfg = config.load_config(prefetch.train_flow_matching.DEFAULTS, ["--data.demo_samples=40"])
     dataset = {"key": "data.source", "name": "embedded", "split": "train"}
     assert prefetch.fetch(dataset, cfg, None) == "40 rows"
     for key, name in (("encoders.vae", tiny_vae), ("encoders.text_encoder", tiny_text_encoder)):
@@ -87,7 +87,7 @@ def test_a_model_that_cannot_be_loaded_is_one_line_naming_the_key():
 
 @pytest.mark.slow
 def test_a_missing_text_encoder_offline_is_one_line_naming_the_key(tmp_path):
-    done = run_offline("import common, data\ndata.load_encoders(common.Config(vae=None, "
+    done = run_offline("import common, data\ndata.load_encoders(config.Config(vae=None, "
                        "text_encoder='nonexistent-org/no-such-encoder', max_tokens=8), 'cpu')", tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if "nonexistent-org" in line]

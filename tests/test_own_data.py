@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import common
+import config
 import train_flow_matching as fm
 from data import load_image, make_demo_dataset, open_splits
 
@@ -26,7 +26,7 @@ def parquet_source(tmp_path, n, labels=None, class_label=True):
 
 
 def data_cfg(*args):
-    return common.load_config(fm.DEFAULTS, list(args)).data
+    return config.load_config(fm.DEFAULTS, list(args)).data
 
 
 # ---- Held-out rows -------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import common
+import config
 import train_ddpm
 import train_flow_matching
 from conftest import ROOT
@@ -55,7 +55,7 @@ def test_the_restated_default_check_sees_nested_keys_and_both_trainers():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 @pytest.mark.parametrize("method", TRAINERS)
 def test_every_recipe_loads_with_both_trainers(path, method):
-    cfg = common.load_config(TRAINERS[method], ["--config", str(path)], method)
+    cfg = config.load_config(TRAINERS[method], ["--config", str(path)], method)
     assert cfg.run_dir == f"runs/{method}_{path.stem}"
     if cfg.init_from:
         assert cfg.init_from.startswith(f"runs/{method}_")
@@ -64,7 +64,7 @@ def test_every_recipe_loads_with_both_trainers(path, method):
 def test_the_single_gpu_recipe_sits_between_the_demo_and_the_paper_model():
     """own_data_256: a DiT-B-shaped MMDiT (12 layers, width 768) on latents of 256 px images, DiT's global
     batch 256 on one GPU; docs/recipes.md derives its memory and step time from these numbers."""
-    cfg = common.load_config(train_flow_matching.DEFAULTS, ["--config", str(ROOT / "configs/own_data_256.json")])
+    cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", str(ROOT / "configs/own_data_256.json")])
     model = cfg.model
     assert (model.num_layers, model.num_attention_heads * model.attention_head_dim, model.patch_size) == (12, 768, 2)
     assert cfg.data.resolution == 256 and cfg.encoders.vae and cfg.train.mixed_precision == "bf16"

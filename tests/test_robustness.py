@@ -16,6 +16,8 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import common
+import runlog
+import config
 from data import CachedDataset, build_cache, open_splits
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
@@ -98,8 +100,9 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     with safe_open(str(shard), "pt") as f:
         meta = f.metadata()
     tensors["x"][::7] = float("nan")  # a few poisoned images: the batches holding them are skipped
-    save_file(tensors, str(shard), metadata=meta)
-    fm.main(tiny_run_args(tmp_path, "nan", steps=8) + ["--ckpt.every=1", "--log.every=1", "--resume=latest"])
+    save_file(tensors, str(shard), metadata=meta)  # (its old checksum: only data.verify_cache would notice)
+    fm.main(tiny_run_args(tmp_path, "nan", steps=8) + ["--ckpt.every=1", "--log.every=1", "--resume=latest",
+                                                       "--data.verify_cache=false"])
     logs = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
     assert logs[-1]["step"] == 8 and logs[-1]["skipped_steps"] >= 3
     for name in ("model", "ema"):
@@ -107,9 +110,10 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     # All poisoned: K bad steps in a row stop the run with a clear error; the last good checkpoint stays.
     tensors["x"][:] = float("nan")
     save_file(tensors, str(shard), metadata=meta)
-    with pytest.raises(FloatingPointError, match="3 optimizer steps in a row"):
+    # (The count of bad steps in a row carries over the resume: the 8-step run ended on bad steps.)
+    with pytest.raises(FloatingPointError, match=r"\d+ optimizer steps in a row"):
         fm.main(tiny_run_args(tmp_path, "nan", steps=20) + ["--ckpt.every=1", "--resume=latest",
-                                                           "--train.max_nonfinite_steps=3"])
+                                                           "--train.max_nonfinite_steps=3", "--data.verify_cache=false"])
     latest = common.find_checkpoint(run, "latest")
     assert all(torch.isfinite(v).all() for v in load_file(str(latest / "model.safetensors")).values())
 
@@ -140,38 +144,118 @@ def test_bad_images_are_reported_and_skipped(tmp_path, capsys):
     assert (run / "export" / "transformer").exists()
 
 
-def test_corrupt_shard_is_rebuilt_and_a_changed_key_is_named(tmp_path, capsys):
+def small_cache(tmp_path, *extra):
+    """A 90-row pixel cache of the demo data in 3 shards, and a counter of the rows encoded."""
     from accelerate import Accelerator
 
-    cfg = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
+    cfg = config.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path / "cache"), "--data.demo_samples=100",
+                                           "--data.val_holdout=10", "--data.shard_size=32", *extra])
+    train, _ = open_splits(cfg.data)
+    calls = []
+
+    def encode(pixels, captions):
+        calls.append(len(pixels))
+        return {"x": pixels}
+
+    return lambda: build_cache(train, "train", encode, Accelerator(cpu=True), cfg), calls
+
+
+def test_damaged_shard_contents_are_detected_and_rebuilt(tmp_path, capsys):
+    build, calls = small_cache(tmp_path)
+    folder = build()
+    shard = folder / "shard_00001.safetensors"
+    original = {k: v.clone() for k, v in load_file(str(shard)).items()}  # not a view of the file
+    header = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
+    damages = {
+        "checksum mismatch": lambda b: b[:header + 100] + bytes(16) + b[header + 116:],  # header intact
+        "unreadable": lambda b: b[:-100],  # truncated
+    }
+    for reason, damage in damages.items():
+        shard.write_bytes(damage(shard.read_bytes()))
+        calls.clear()
+        assert build() == folder
+        out = capsys.readouterr().out
+        assert f"{shard} is damaged ({reason}" in out and "1 (re)built" in out and sum(calls) == 32
+        assert all(torch.equal(original[k], v) for k, v in load_file(str(shard)).items())
+    # NaNs written with a matching checksum, in a folder whose manifest was lost: damage too.
+    from data import tensors_sha256
+
+    poisoned = {k: v.clone() for k, v in original.items()}
+    poisoned["x"][3] = float("nan")
+    save_file(poisoned, str(shard), metadata={"rows": "32", "skipped": "[]", "sha256": tensors_sha256(poisoned)})
+    (folder / "manifest.json").unlink()
+    build()
+    assert "non-finite values in ['x']" in capsys.readouterr().out
+    assert torch.isfinite(load_file(str(shard))["x"]).all()
+    # A sound cache is a hit that encodes nothing.
+    calls.clear()
+    build()
+    assert "cache hit (train)" in capsys.readouterr().out and not calls
+    # An encoder that overflows on some images: those rows are reported and left out, never cached.
+    from accelerate import Accelerator
+
+    cfg = config.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path / "nan"), "--data.demo_samples=100",
                                            "--data.val_holdout=10", "--data.shard_size=32"])
     train, _ = open_splits(cfg.data)
+    overflow = lambda pixels, captions: {"x": pixels / (pixels[:, :1, :1, :1] > -2).float().cumsum(0).ne(5).float()}
+    nan_folder = build_cache(train, "train", overflow, Accelerator(cpu=True), cfg)
+    assert len(CachedDataset(nan_folder)) == 87 and "row 4: encoded to non-finite values" in capsys.readouterr().out
+
+
+def test_unreadable_or_missing_manifest_is_a_miss_that_reuses_finished_shards(tmp_path, capsys):
+    build, calls = small_cache(tmp_path)
+    folder = build()
+    manifest = folder / "manifest.json"
+    good = json.loads(manifest.read_text())
+    for broken in (manifest.read_text()[:40], "", "[1, 2]"):  # truncated, empty, not the manifest's shape
+        manifest.write_text(broken)
+        calls.clear()
+        assert build() == folder and not calls  # every shard verified and reused, nothing encoded
+        assert "manifest.json cannot be read" in capsys.readouterr().out
+        assert json.loads(manifest.read_text()) == good  # written again
+    manifest.unlink()
+    build()
+    assert "reusing 3 finished shards of 3" in capsys.readouterr().out and not calls
+    # Another setting's build is not blocked by a broken cache folder of the same source.
+    (folder / "key.json").write_text("{")
+    small_cache(tmp_path, "--data.resolution=8")[0]()
+
+
+def test_shard_size_changed_mid_build_is_a_new_cache_without_duplicates(tmp_path, capsys):
+    build, _ = small_cache(tmp_path)
+    folder = build()
+    rows = [row["x"] for row in CachedDataset(folder)]
+    (folder / "manifest.json").unlink()
+    (folder / "shard_00002.safetensors").unlink()  # interrupted before its last shard
+    capsys.readouterr()
+    folder16 = small_cache(tmp_path, "--data.shard_size=16")[0]()
+    assert folder16 != folder and "changed shard_size: 32 -> 16" in capsys.readouterr().out
+    resized = CachedDataset(folder16)
+    assert len(resized) == 90 and len(resized.shards) == 6
+    assert all(torch.equal(rows[i], resized[i]["x"]) for i in range(90))  # each row once, in order
+
+
+def test_image_edited_in_place_is_a_miss_that_names_the_source(tmp_path, capsys):
+    from accelerate import Accelerator
+
+    folder = tmp_path / "images" / "train"
+    folder.mkdir(parents=True)
+    for i in range(8):
+        Image.fromarray(np.full((20, 20, 3), 30 * i, np.uint8)).save(folder / f"{i}.png")
+    (folder / "metadata.jsonl").write_text("\n".join(json.dumps({"file_name": f"{i}.png", "label": i % 2}) for i in range(8)))
+    cfg = config.load_config(fm.DEFAULTS, [f"--data.source={tmp_path / 'images'}", "--data.val_holdout=2",
+                                           "--data.num_classes=2", "--data.cache_dir", str(tmp_path / "cache")])
+    train, _ = open_splits(cfg.data)
     encode = lambda pixels, captions: {"x": pixels}
-    folder = build_cache(train, "train", encode, Accelerator(cpu=True), cfg)
-    before = {k: v.clone() for k, v in load_file(str(folder / "shard_00001.safetensors")).items()}
-    shard = folder / "shard_00001.safetensors"
-    shard.write_bytes(shard.read_bytes()[:-100])
-    assert build_cache(train, "train", encode, Accelerator(cpu=True), cfg) == folder
-    assert "corrupt shards ['shard_00001.safetensors']" in capsys.readouterr().out
-    after = load_file(str(shard))
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    cfg2 = common.load_config(fm.DEFAULTS, ["--data.cache_dir", str(tmp_path), "--data.demo_samples=100",
-                                            "--data.val_holdout=10", "--data.shard_size=32", "--data.resolution=8"])
-    build_cache(train, "train", encode, Accelerator(cpu=True), cfg2)
-    assert "changed resolution: 16 -> 8" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--data.resolution=15"], "data.resolution=15 is not divisible by model.patch_size=2"),
-    (["--data.caption_column=caption"], "encoders.text_encoder goes with data.caption_column"),
-    (["--data.label_column=null"], "set data.label_column"),
-    (["--train.mixed_precision=fp8"], "train.mixed_precision='fp8'"),
-    (["--train.grad_accum=0", "--train.batch_size=0"], "train.batch_size=0 must be >= 1\n  train.grad_accum=0"),
-    (['--conditioning.controls=["zoom"]'], "conditioning.controls: unknown \\['zoom'\\]"),
-])
-def test_illegal_configs_are_refused_at_start_up(tmp_path, args, message):
-    with pytest.raises(ValueError, match=message):
-        fm.main(tiny_run_args(tmp_path) + args)
+    before = build_cache(train, "train", encode, Accelerator(cpu=True), cfg)
+    Image.fromarray(np.full((20, 20, 3), 255, np.uint8)).save(folder / "3.png")  # same name, new content
+    stat = (folder / "3.png").stat()
+    os.utime(folder / "3.png", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a coarse-mtime filesystem
+    capsys.readouterr()
+    train, _ = open_splits(cfg.data)
+    after = build_cache(train, "train", encode, Accelerator(cpu=True), cfg)
+    assert after != before and "changed source_files" in capsys.readouterr().out
+    assert any(CachedDataset(after)[i]["x"].min() == 1 for i in range(len(train)))  # the white image is cached
 
 
 def test_vae_factor_enters_the_divisibility_check(tmp_path, tiny_vae):
@@ -200,3 +284,90 @@ def test_resume_with_another_process_count_warns_and_continues(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "written by 2 processes and is resumed by 1" in out and "resumed from" in out
     assert common.find_checkpoint(run, "latest").name == "step_00000004"
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_stop_signal_during_the_cache_build_exits_75_and_the_build_resumes(tmp_path, tiny_vae, processes, capsys):
+    """SIGTERM while the cache is being encoded (to one rank only, with 2 processes launched as the README's
+    SLURM script does, one per task): every rank finishes its shard and exits 75; the next run reuses the
+    finished shards, and the cache ends up identical to one built without interruption."""
+    args = tiny_run_args(tmp_path, "run", steps=1) + ["--encoders.vae", tiny_vae, "--data.resolution=32",
+                                                      "--data.demo_resolution=32", "--data.demo_samples=2000",
+                                                      "--data.shard_size=32", "--log.report=false"]
+    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes),
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if processes > 1 else {} for r in range(processes)]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, env={**env, **r},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in ranks]
+    deadline = time.time() + 300
+    while not list((tmp_path / "cache").glob("*-train-*/shard_*.safetensors")) and time.time() < deadline:
+        time.sleep(0.05)
+    procs[-1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [common.REQUEUE_EXIT_CODE] * processes, outs[0][1][-2000:]
+    assert "stopped by a signal during the cache build (train)" in outs[0][0]
+    folder = next((tmp_path / "cache").glob("*-train-*"))
+    finished = len(list(folder.glob("shard_*.safetensors")))
+    assert 1 <= finished < 61 and not (folder / "manifest.json").exists()
+    run = fm.main(args)  # requeued: resumes the build
+    assert f"reusing {finished} finished shards of 61" in capsys.readouterr().out
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert len(manifest["shards"]) == 61 and len(CachedDataset(folder)) == 2000 - 64
+    if processes == 1:  # the same shards as an uninterrupted build, checksum for checksum
+        fm.main([*args, "--data.cache_dir", str(tmp_path / "straight"), "--run_dir", str(tmp_path / "straight_run")])
+        straight = json.loads(next((tmp_path / "straight").glob("*-train-*/manifest.json")).read_text())
+        assert straight["sha256"] == manifest["sha256"]
+    assert (run / "export").exists()
+
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_the_metrics_of_an_uninterrupted_one(tmp_path, monkeypatch):
+    """Killed while writing the checkpoint of step 4, after the rows of step 4 were logged; the checkpoint of
+    step 3 sits in the middle of the log interval 3-4. On resume the rows of step 4 are set aside (not
+    deleted), and the interval is logged in full again, so every logged statistic equals the uninterrupted
+    run's."""
+    args = ["--log.every=2", "--ckpt.every=3", "--log.grad_every=0", "--log.report=false"]
+    straight = fm.main(tiny_run_args(tmp_path, "straight", steps=4) + args)
+    saves, save_checkpoint = [], common.save_checkpoint
+
+    def killed_in_the_second_checkpoint(*a):
+        saves.append(1)
+        if len(saves) == 2:
+            raise KeyboardInterrupt("killed")
+        return save_checkpoint(*a)
+
+    monkeypatch.setattr(common, "save_checkpoint", killed_in_the_second_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        fm.main(tiny_run_args(tmp_path, "killed", steps=4) + args)
+    monkeypatch.setattr(common, "save_checkpoint", save_checkpoint)
+    killed = fm.main(tiny_run_args(tmp_path, "killed", steps=4) + args + ["--resume=latest"])
+
+    def rows(path):
+        timing = ("images_per_s", "images_per_s_per_device", "data_wait_share", "peak_memory_gb")
+        return [{k: v for k, v in r.items() if k not in timing} for r in map(json.loads, path.read_text().splitlines())]
+
+    assert [r["step"] for r in rows(killed / "metrics.jsonl")] == [2, 4, 4]  # two loss rows and the val_loss row
+    assert rows(killed / "metrics.jsonl") == rows(straight / "metrics.jsonl")
+    aside = rows(killed / "metrics.after_step_3.jsonl")
+    assert [r["step"] for r in aside] == [4, 4] and aside == rows(straight / "metrics.jsonl")[1:]
+
+
+def test_rows_past_the_resumed_step_and_a_cut_short_row_are_set_aside(tmp_path):
+    from types import SimpleNamespace
+
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(rows) + '{"step": 6, "lo')  # killed mid-write
+    cfg = config.Config(log=config.Config(wandb="off"))
+    runlog.RunLog(cfg, tmp_path, SimpleNamespace(is_main_process=True, print=print), start_step=3)
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(rows[:3])
+    assert (tmp_path / "metrics.after_step_3.jsonl").read_text() == "".join(rows[3:]) + '{"step": 6, "lo\n'

@@ -102,9 +102,11 @@ def test_small_fid_during_training_is_logged(tmp_path, monkeypatch):
     asked = []
     monkeypatch.setattr(eval_fid, "inception_features", lambda mode, weights, device, accelerator:
                         asked.append((mode, weights)) or TinyFeatures())
+    weights = tmp_path / "inception.pt"
+    weights.write_bytes(b"")  # the start-up check wants the file to be there
     run = fm.main(tiny_run_args(tmp_path, "fid", steps=4) + ["--val.fid_every=2", "--val.fid_samples=12",
-                                                          "--val.inception_weights=/models/inception.pt"])
+                                                          f"--val.inception_weights={weights}"])
     fids = [m for m in read_metrics(run) if "fid_clean_12" in m]
-    assert [m["step"] for m in fids] == [2, 4] and asked == [("clean", "/models/inception.pt")] * 2
+    assert [m["step"] for m in fids] == [2, 4] and asked == [("clean", str(weights))] * 2
     assert all(m["fid_clean_12"] > 0 and "kid_clean_12" in m for m in fids)
     assert len(list((tmp_path / "cache" / "fid_stats").glob("*.npz"))) == 1  # reference statistics, cached once

@@ -9,6 +9,7 @@ from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid, get_2
 from safetensors.torch import load_file
 
 import common
+import config
 from data import DEMO_CLASSES, class_names, draw_shape, make_demo_dataset, preprocess, read_class_ids
 from model import adapt_state, grid_positions, load_exported, map_classes, resample_pos_embed
 import train_ddpm as ddpm
@@ -63,9 +64,9 @@ def test_shifted_ddpm_schedule_is_monotone_keeps_zero_terminal_snr_and_matches_t
         torch.testing.assert_close(snr_shifted[:-1], snr[:-1] / a ** 2)
         # At equal SNR it is flow matching's time shift: noise_level(shifted) = time_shift(noise_level(ab)).
         torch.testing.assert_close(ddpm.noise_level(shifted), common.time_shift(ddpm.noise_level(ab), a))
-    cfg = common.load_config(ddpm.DEFAULTS, ["--data.resolution=32", "--objective.shift_base_resolution=16"], "ddpm")
+    cfg = config.load_config(ddpm.DEFAULTS, ["--data.resolution=32", "--objective.shift_base_resolution=16"], "ddpm")
     torch.testing.assert_close(ddpm.schedule_of(cfg), ddpm.shift_schedule(ab, 2.0))  # a = 32 / 16, from the config
-    cfg = common.load_config(fm.DEFAULTS, ["--data.resolution=512", "--objective.shift_base_resolution=256"])
+    cfg = config.load_config(fm.DEFAULTS, ["--data.resolution=512", "--objective.shift_base_resolution=256"])
     assert common.shift_of(cfg) == 2.0
 
 
@@ -92,7 +93,7 @@ def test_class_embeddings_are_mapped_by_wordnet_id_from_imagenet_22k_to_1k():
 def test_class_ids_and_captions_come_from_the_datasets_metadata(tmp_path):
     import datasets
 
-    cfg = common.load_config(fm.DEFAULTS, ["--data.num_classes=9"])
+    cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=9"])
     ds = make_demo_dataset(9, seed=0, resolution=8)
     assert read_class_ids(cfg.data, ds) == DEMO_CLASSES  # ClassLabel names
     assert class_names(cfg.data, ds) == DEMO_CLASSES
@@ -104,7 +105,7 @@ def test_class_ids_and_captions_come_from_the_datasets_metadata(tmp_path):
     assert class_names(cfg.data, ds) == ["dog, domestic dog, Canis familiaris", "domestic cat, house cat, "
                                                 "Felis domesticus, Felis catus"]
     with pytest.raises(ValueError, match="data.class_ids: 2 class ids .* but data.num_classes=9"):
-        read_class_ids(common.load_config(fm.DEFAULTS, ["--data.class_ids", str(tmp_path / "ids.txt"),
+        read_class_ids(config.load_config(fm.DEFAULTS, ["--data.class_ids", str(tmp_path / "ids.txt"),
                                                        "--data.num_classes=9"]).data, ds)
     cfg.data.class_ids = None
     plain = datasets.Dataset.from_dict({"label": [0, 1]})  # integer labels without names
@@ -192,8 +193,11 @@ def test_init_from_reports_reshaped_tensors_and_rejects_a_wrong_source(tmp_path,
     reshaped = json.loads((latents / "init_from.json").read_text())["reshaped"]  # 3 pixel channels -> 4 latent
     assert any(r.startswith("transformer.pos_embed.proj.weight: (32, 3, 2, 2) -> (32, 4, 2, 2)") for r in reshaped)
     assert any(r.startswith("transformer.proj_out.weight") for r in reshaped)
-    with pytest.raises(FileNotFoundError, match="init_from: .* is not a run folder"):
+    with pytest.raises(config.ConfigError, match="init_from=.*nowhere': no such run"):  # before any work
         fm.main(tiny_run_args(tmp_path, "bad", steps=2) + ["--init_from", str(tmp_path / "nowhere")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="init_from: .* is not a run folder"):
+        fm.main(tiny_run_args(tmp_path, "bad", steps=2) + ["--init_from", str(tmp_path / "empty")])
 
 
 # ---- crop policy per resolution ------------------------------------------------------------------------------
@@ -205,7 +209,7 @@ def test_crop_metadata_is_in_original_pixels_whatever_the_training_resolution(cr
 
     from PIL import Image
 
-    cfg = common.load_config(fm.DEFAULTS, [f"--data.crop={crop}", "--data.random_flip=true"])
+    cfg = config.load_config(fm.DEFAULTS, [f"--data.crop={crop}", "--data.random_flip=true"])
     img = Image.new("RGB", (300, 200))
     metas = [preprocess(img, res, cfg.data, random.Random(7))[1] for res in (8, 16, 64)]
     for meta in metas[1:]:  # the same control values at 256 and 512 px: what the model learned still applies
@@ -229,7 +233,7 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
     runs = {}
     for recipe, (parent, resolution) in TRANSFER_RECIPES.items():
         recipe_file = str(ROOT / "configs" / f"{recipe}.json")
-        full = common.load_config(trainer.DEFAULTS, ["--config", recipe_file], method)  # one recipe, both trainers
+        full = config.load_config(trainer.DEFAULTS, ["--config", recipe_file], method)  # one recipe, both trainers
         assert full.train.lr == 1e-4 and full.run_dir == f"runs/{method}_{recipe}"
         if parent:
             assert full["init_from"].startswith(f"runs/{method}_")  # resolved in the dict: config.json records it

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import common
+import config
 import monitor
 import runlog
 import train_flow_matching as fm
@@ -22,7 +22,7 @@ def two_logged_steps(interactive, monkeypatch):
     from accelerate import Accelerator
 
     monkeypatch.setattr(monitor, "interactive", lambda: interactive)
-    cfg = common.load_config(fm.DEFAULTS, ["--train.max_steps=4", "--log.every=2", "--log.grad_every=0",
+    cfg = config.load_config(fm.DEFAULTS, ["--train.max_steps=4", "--log.every=2", "--log.grad_every=0",
                                            "--model.num_layers=1", "--data.num_classes=3"])
     rows = []
     mon = monitor.Monitor(cfg, build_denoiser(cfg, 3, 8), Accelerator(cpu=True), rows.append, {"step": 0})
@@ -97,7 +97,7 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, wandb_env, monkeypat
     monkeypatch.setenv("WANDB_SILENT", "true")
     ids = []
     for resume in (None, "latest", None):
-        cfg = common.load_config(fm.DEFAULTS, ["--run_dir", str(tmp_path / "run"), "--log.wandb=auto",
+        cfg = config.load_config(fm.DEFAULTS, ["--run_dir", str(tmp_path / "run"), "--log.wandb=auto",
                                                *(["--resume", resume] if resume else [])])
         log = runlog.RunLog(cfg, runlog.start_run(cfg, Accelerator(cpu=True)), Accelerator(cpu=True))
         log({"step": 1, "loss": 0.5})
@@ -136,13 +136,13 @@ def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_pat
     import datasets
 
     demo = make_demo_dataset(12, seed=0, resolution=8)
-    cfg = common.load_config(fm.DEFAULTS, ["--val.num_samples=11", "--data.num_classes=9"])
+    cfg = config.load_config(fm.DEFAULTS, ["--val.num_samples=11", "--data.num_classes=9"])
     assert validation_prompts(cfg, demo, demo) == DEMO_CLASSES + DEMO_CLASSES[:2]  # classes in order, cycled
     assert readable_names(["n01440764", "n09999999"]) == ["tench, Tinca tinca", "n09999999"]  # unknown: its id
     plain = datasets.Dataset.from_dict({"label": [0, 1, 2]})
-    cfg3 = common.load_config(fm.DEFAULTS, ["--val.num_samples=4", "--data.num_classes=3"])
+    cfg3 = config.load_config(fm.DEFAULTS, ["--val.num_samples=4", "--data.num_classes=3"])
     assert validation_prompts(cfg3, plain, plain) == ["class 0", "class 1", "class 2", "class 0"]
-    text = common.load_config(fm.DEFAULTS, ["--val.num_samples=3", "--data.caption_column=caption",
+    text = config.load_config(fm.DEFAULTS, ["--val.num_samples=3", "--data.caption_column=caption",
                                             "--encoders.text_encoder=some/encoder"])
     assert validation_prompts(text, demo, demo) == demo["caption"][:3]  # the held-out captions
     (tmp_path / "prompts.txt").write_text("a red circle\n\n  a large blue square \n")
@@ -159,7 +159,7 @@ def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_pat
 def test_validation_conditions_are_the_encoded_prompts(tiny_text_encoder):
     from data import encode_text, load_encoders, validation_inputs
 
-    _, tokenizer, encoder = load_encoders(common.Config(vae=None, text_encoder=tiny_text_encoder), "cpu")
+    _, tokenizer, encoder = load_encoders(config.Config(vae=None, text_encoder=tiny_text_encoder), "cpu")
     text = encode_text(tokenizer, encoder, ["a red circle", "a blue square", "a green triangle"], 8)
     rows = [{"x": torch.zeros(3, 4, 4), "text_tokens": torch.zeros(8, 32), "text_mask": torch.zeros(8),
              "text_pooled": torch.zeros(32), "orig_hw": torch.tensor([16 + i, 16])} for i in range(2)]

@@ -1,0 +1,190 @@
+"""The config: layers and overrides, every bad value caught before any work in one message, --help generated
+from the trainers' DEFAULTS and comments, --print_config, and budgets that cannot work."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+import config
+import train_ddpm as ddpm
+import train_flow_matching as fm
+from conftest import ROOT, tiny_run_args
+
+
+def test_config_layers_and_dotted_overrides(tmp_path):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"train": {"lr": 1e-4, "batch_size": 8}, "data": {"caption_column": None}}))
+    cfg = config.load_config(fm.DEFAULTS, ["--config", str(recipe), "--train.lr=3e-4", "--model.num_layers", "2",
+                                           "--run_dir=/x/y", "--train.betas=[0.9, 0.95]"])
+    assert cfg.train.lr == 3e-4 and cfg.train.batch_size == 8 and cfg.model.num_layers == 2
+    assert cfg.run_dir == "/x/y" and cfg.train.betas == [0.9, 0.95] and cfg.data.caption_column is None
+    assert cfg.train.warmup_steps == fm.DEFAULTS["train"]["warmup_steps"]  # untouched defaults stay
+    assert isinstance(cfg.train.lr, float)
+    assert fm.DEFAULTS["train"]["lr"] == 1e-3  # the defaults themselves are never mutated
+    json.dumps(cfg)  # the resolved config is plain JSON
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--train.lrr=1"], "unknown config key 'train.lrr'"),
+    (["--trian.lr=1"], "unknown config key 'trian'"),
+    (["--train.batch_size=8.5"], "'train.batch_size' .* must be int"),
+    (["--train.compile=1"], "'train.compile' .* must be bool"),
+    (["--train.lr=fast"], "'train.lr' .* must be float"),
+    (["--train=3"], "'train' .* must be a section"),
+    (["--model.num_layers=null"], "'model.num_layers' .* must be int"),
+    (["stray"], "unexpected argument"),
+])
+def test_config_errors_name_the_key(argv, message):
+    with pytest.raises(ValueError, match=message):
+        config.load_config(fm.DEFAULTS, argv)
+
+
+def test_config_errors_in_a_file_name_the_file(tmp_path):
+    recipe = tmp_path / "bad.json"
+    recipe.write_text(json.dumps({"data": {"resolutoin": 64}}))
+    with pytest.raises(ValueError, match=r"unknown config key 'data.resolutoin' \(from .*bad.json\)"):
+        config.load_config(fm.DEFAULTS, ["--config", str(recipe)])
+    with pytest.raises(config.ConfigError, match="config file not found: .*missing.json"):
+        config.load_config(fm.DEFAULTS, ["--config", str(tmp_path / "missing.json")])
+
+
+BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test's folder
+    (fm, ["--train.lr=-1"], r"train.lr=-1.0 must be a number >= 0"),
+    (fm, ["--train.betas=[0.9]"], r"train.betas=\[0.9\] must be two numbers"),
+    (fm, ["--data.cache_dtype=float99"], r"data.cache_dtype='float99' must be 'float16' or 'bfloat16' or 'float32'"),
+    (fm, ["--model.patch_size=0"], r"model.patch_size=0 must be a number >= 1"),
+    (fm, ["--log.every=0"], r"log.every=0 must be a number >= 1"),
+    (fm, ["--ckpt.every=0"], r"ckpt.every=0 must be a number >= 1"),
+    (fm, ["--config", "{tmp}/malformed.json"], r"malformed.json: line 2, column 28: malformed JSON"),
+    (fm, ["--config", "{tmp}/list.json"], r"list.json must hold a JSON object of config sections, got a list"),
+    (fm, ["--config", "{tmp}/missing.json"], r"config file not found: .*missing.json"),
+    (fm, ["--data.crop=middle"], r"data.crop='middle' must be 'center' or 'random' or 'random_resized'"),
+    (fm, ["--train.ema_decay=1.5"], r"train.ema_decay=1.5 must be in \[0, 1\]"),
+    (fm, ["--val.steps=0"], r"val.steps=0 must be a number >= 1"),
+    (fm, ["--val.sampler=dpm"], r"val.sampler='dpm' must be 'euler' or 'heun'"),
+    (fm, ["--val.every=0"], r"val.every=0 must be a number >= 1"),
+    (fm, ["--train.max_nonfinite_steps=0"], r"train.max_nonfinite_steps=0 must be a number >= 1"),
+    (fm, ["--data.shard_size=0"], r"data.shard_size=0 must be a number >= 1"),
+    (fm, ["--train.grad_clip=0"], r"train.grad_clip=0.0 must be a number > 0"),
+    (fm, ["--data.min_image_side=0"], r"data.min_image_side=0 must be a number >= 1"),
+    (fm, ["--val.num_samples=0"], r"val.num_samples=0 must be a number >= 1"),
+    (fm, ["--objective.time_sampling=beta"], r"objective.time_sampling='beta' must be 'logit_normal' or 'uniform'"),
+    (fm, ["--data.resolution=15"], r"data.resolution=15 is not divisible by model.patch_size=2"),
+    (fm, ['--conditioning.controls=["zoom"]'], r"conditioning.controls=\['zoom'\] must be 'size' or 'crop' or 'flip'"),
+    (fm, ["--conditioning.semantic_dropout=1.5"], r"conditioning.semantic_dropout=1.5 must be in \[0, 1\]"),
+    (fm, ["--train.lr_schedule=step"], r"train.lr_schedule='step' must be 'constant' or 'cosine' or 'linear'"),
+    (fm, ["--log.wandb=yes"], r"log.wandb='yes' must be 'auto' or 'online' or 'offline' or 'off'"),
+    (fm, ["--data.max_samples=2.5"], r"data.max_samples=2.5 must be a whole number >= 1"),
+    (fm, ["--resume=/nonexistent/step_5"], r"resume='/nonexistent/step_5' must be 'latest' or a checkpoint folder"),
+    (fm, ["--init_from=/nonexistent/run"], r"init_from='/nonexistent/run': no such run"),
+    (fm, ["--model.qk_norm=batch_norm"], r"model.qk_norm='batch_norm' must be 'rms_norm' or 'layer_norm'"),
+    (fm, ["--data.val_split=3"], r"data.val_split=3 must be a string \(or null\)"),
+    (fm, ["--train.warmup_steps=-1"], r"train.warmup_steps=-1 must be a number >= 0"),
+    (fm, ["--data.num_workers=-1"], r"data.num_workers=-1 must be a number >= 0"),
+    (fm, ["--encoders.vae=/nonexistent/vae"], r"encoders.vae='/nonexistent/vae': its config cannot be read"),
+    (fm, ["--data.class_ids=imagenet-99k"], r"data.class_ids='imagenet-99k' must be 'imagenet-1k', 'imagenet-22k' or a file"),
+    (fm, ["--data.label_column=null"], r"set data.label_column \(class-conditional\) or data.caption_column"),
+    (fm, ["--data.caption_column=caption"], r"encoders.text_encoder goes with data.caption_column"),
+    (fm, ["--train.lrr=1"], r"unknown config key 'train.lrr'"),
+    (fm, ["--train.compile=1"], r"'train.compile' .* must be bool"),
+    (fm, ["--val.fid_every=10", "--val.inception_weights=/nonexistent.pt"], r"val.inception_weights='/nonexistent.pt': no such file"),
+    (ddpm, ["--objective.prediction=epsilon"], r"objective.prediction='epsilon' must be 'v' or 'eps' or 'x0'"),
+    (ddpm, ["--objective.prediction=eps"], r"objective.zero_terminal_snr=true cannot be combined"),
+    (ddpm, ["--objective.beta_schedule=sigmoid"], r"objective.beta_schedule='sigmoid' must be 'quadratic'"),
+    (ddpm, ["--val.sampler=euler"], r"val.sampler='euler' must be 'ddim' or 'ddpm'"),
+    (ddpm, ["--val.steps=2000"], r"val.steps=2000 must be in \[1, objective.num_timesteps=1000\]"),
+    (ddpm, ["--objective.beta_start=0.02"], r"objective.beta_start=0.02 must be below objective.beta_end=0.012"),
+    (ddpm, ["--val.guidance_rescale=2"], r"val.guidance_rescale=2.0 must be in \[0, 1\]"),
+]
+if not torch.cuda.is_available():
+    BAD.append((fm, ["--train.mixed_precision=fp16"], r"train.mixed_precision='fp16' needs a CUDA GPU"))
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any step past the config check (accelerator, encoders, data) fails the test."""
+    def work(*args, **kwargs):
+        raise AssertionError("work started before the config was refused")
+
+    for trainer in (fm, ddpm):
+        monkeypatch.setattr(trainer, "open_splits", work)
+        monkeypatch.setattr(trainer, "load_encoders", work)
+    monkeypatch.setattr(common, "make_accelerator", work)
+
+
+@pytest.mark.parametrize("trainer,args,message", BAD, ids=[" ".join(a)[:60] for _, a, _ in BAD])
+def test_every_bad_config_is_refused_before_any_work(tmp_path, no_work, trainer, args, message):
+    assert len(BAD) >= 30
+    (tmp_path / "malformed.json").write_text('{"train": {"lr": 1e-4},\n "data": {"resolution": 32,}}')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    with pytest.raises(config.ConfigError, match=message):
+        trainer.main(tiny_run_args(tmp_path) + args)
+    assert not (tmp_path / "run").exists()  # not even the run folder
+
+
+def test_all_problems_are_reported_at_once(no_work, tmp_path):
+    with pytest.raises(config.ConfigError) as err:
+        fm.main(tiny_run_args(tmp_path) + ["--train.lr=-1", "--data.crop=middle", "--log.every=0", "--train.batch_size=0"])
+    message = str(err.value)
+    assert message.startswith("invalid config (4 problems):")
+    for key in ("train.lr", "data.crop", "log.every", "train.batch_size"):
+        assert f"\n  {key}=" in message
+
+
+def test_every_key_has_a_rule():
+    for trainer in (fm, ddpm):
+        assert set(config.flatten(trainer.DEFAULTS)) - set(config.RULES) - set(trainer.RULES) == set(), trainer.__name__
+
+
+def test_help_lists_every_key_with_its_default_and_comment(capsys):
+    for trainer in (fm, ddpm):
+        with pytest.raises(SystemExit) as exit:
+            trainer.main(["--help"])
+        assert exit.value.code == 0
+        out = capsys.readouterr().out
+        for key, value in config.flatten(trainer.DEFAULTS).items():
+            assert f"--{key}={json.dumps(value)}" in out, key
+        assert '--data.crop="center" [center | random | random_resized]\n      "center", "random" or "random_resized"; ' \
+               'drawn once, when the cache is built' in out
+        # A comment continued on the lines below its key is read whole.
+        assert "new run (256 -> 512 px, 22k -> 1k)" in out.split("--init_from=null")[1].split("--data.")[0]
+        assert "model:  (SD3Transformer2DModel; width = heads x head_dim)" in out
+    assert "[ddim | ddpm]" in out and "[(0, 1)]" in out  # the DDPM trainer's own table
+
+
+def test_print_config_prints_the_resolved_config_and_exits(tmp_path, no_work, capsys):
+    with pytest.raises(SystemExit) as exit:
+        fm.main(["--print_config", "--train.lr=3e-4", "--run_dir", str(tmp_path / "r")])
+    assert exit.value.code == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["train"]["lr"] == 3e-4 and cfg["run_dir"] == str(tmp_path / "r") and not (tmp_path / "r").exists()
+
+
+def test_budgets_that_cannot_work_are_flagged(capsys):
+    cfg = config.load_config(fm.DEFAULTS, ["--train.max_steps=100", "--train.warmup_steps=400", "--val.every=500"],
+                             rules=fm.RULES)
+    out = capsys.readouterr().out
+    assert "warning: train.warmup_steps=400 is longer than the run (train.max_steps=100): the LR never reaches " \
+           "train.lr, only 25% of it" in out
+    assert "warning: val.every=500 is beyond the run" in out and "log.every" not in out
+    assert config.size_warnings(cfg, 2_300_000, 4608, 1) == []  # the demo: fine
+    big = config.size_warnings(cfg, 675_000_000, 300, 1)
+    assert len(big) == 1 and "2,250,000 per image" in big[0]
+    assert "epochs" in config.size_warnings(config.load_config(fm.DEFAULTS, []), 1_000_000, 300, 8)[0]
+
+
+@pytest.mark.slow
+def test_config_errors_print_one_message_without_a_traceback(tmp_path):
+    (tmp_path / "bad.json").write_text('{\n  "train": {"lr": 1e-4}\n  "val": {}\n}')
+    for script, args in (("train_flow_matching.py", ["--train.lr=-1", "--data.crop=middle"]),
+                         ("train_ddpm.py", ["--config", str(tmp_path / "bad.json")])):
+        out = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=tmp_path, capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith("invalid config (")
+    assert "bad.json: line 3, column 3: malformed JSON (Expecting ',' delimiter)" in out.stderr
