@@ -63,7 +63,7 @@ RULES = {
     "train.compile": bool,
     "val.every": ">= 1", "val.num_samples": ">= 1", "val.steps": ">= 1", "val.guidance_scale": ">= 0",
     "val.control_guidance_scale": ">= 0", "val.loss_samples": ">= 1", "val.fid_every": ">= 0", "val.fid_samples": ">= 2",
-    "val.fid_reference": str, "val.inception_weights": str,
+    "val.fid_reference": str, "val.inception_weights": str, "val.prompts": str,
     "log.every": ">= 1", "log.grad_every": ">= 0", "log.grad_flag_ratio": "> 1", "log.spike_threshold": "> 0",
     "log.report": bool, "log.wandb": ("auto", "online", "offline", "off"), "log.project": str,
     "ckpt.every": ">= 1", "ckpt.keep": ">= 1",
@@ -272,6 +272,11 @@ def combination_problems(cfg):
     weights = cfg["val"]["inception_weights"]
     if cfg["val"]["fid_every"] and weights and not Path(weights).is_file():
         problems.append(f"val.inception_weights={weights!r}: no such file")
+    prompts = cfg["val"].get("prompts")
+    if prompts and not Path(prompts).is_file():
+        problems.append(f"val.prompts={prompts!r}: no such file (one validation prompt per line)")
+    elif prompts and not enc["text_encoder"]:
+        problems.append("val.prompts names validation prompts: it needs encoders.text_encoder and data.caption_column")
     return problems
 
 

@@ -99,6 +99,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (ddpm, ["--val.steps=2000"], r"val.steps=2000 must be in \[1, objective.num_timesteps=1000\]"),
     (ddpm, ["--objective.beta_start=0.02"], r"objective.beta_start=0.02 must be below objective.beta_end=0.012"),
     (ddpm, ["--val.guidance_rescale=2"], r"val.guidance_rescale=2.0 must be in \[0, 1\]"),
+    (fm, ["--val.prompts={tmp}/no_prompts.txt"], r"val.prompts=.*no_prompts.txt.*: no such file"),
 ]
 if not torch.cuda.is_available():
     BAD.append((fm, ["--train.mixed_precision=fp16"], r"train.mixed_precision='fp16' needs a CUDA GPU"))
