@@ -238,12 +238,14 @@ def combination_problems(cfg):
         try:
             from diffusers import AutoencoderKL
 
-            factor = 2 ** (len(AutoencoderKL.load_config(enc["vae"])["block_out_channels"]) - 1)
+            from data import from_pretrained
+
+            factor = 2 ** (len(from_pretrained("encoders.vae", AutoencoderKL.load_config, enc["vae"])["block_out_channels"]) - 1)
+        except SystemExit as e:  # data.from_pretrained: a model that cannot be found, in one line
+            problems.append(str(e))
         except Exception as e:
-            hint = (" On a machine with network run `python prefetch.py --config YOUR_CONFIG` and copy the Hugging"
-                    " Face cache it names (HF_HOME) here, or set encoders.vae to a local folder." if isinstance(e, OSError) else "")
             problems.append(f"encoders.vae={enc['vae']!r}: its config cannot be read ({type(e).__name__}: "
-                            f"{str(e).strip().splitlines()[0][:200]}).{hint}")
+                            f"{str(e).strip().splitlines()[0][:200]})")
     if d["resolution"] % (m["patch_size"] * factor):
         problems.append(f"data.resolution={d['resolution']} is not divisible by model.patch_size={m['patch_size']}"
                         f" x the VAE's downsampling factor {factor}")

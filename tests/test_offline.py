@@ -87,7 +87,7 @@ def test_a_model_that_cannot_be_loaded_is_one_line_naming_the_key():
 
 @pytest.mark.slow
 def test_a_missing_text_encoder_offline_is_one_line_naming_the_key(tmp_path):
-    done = run_offline("import common, data\ndata.load_encoders(config.Config(vae=None, "
+    done = run_offline("import config, data\ndata.load_encoders(config.Config(vae=None, "
                        "text_encoder='nonexistent-org/no-such-encoder', max_tokens=8), 'cpu')", tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if "nonexistent-org" in line]
@@ -102,7 +102,7 @@ def test_a_trainer_with_a_missing_vae_offline_stops_with_one_line(tmp_path):
     done = run_offline("import sys, train_flow_matching as t\nsys.argv = ['t', '--encoders.vae=nonexistent-org/"
                        f"no-such-vae', '--log.wandb=off', '--run_dir={tmp_path / 'run'}']\nt.main()", tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    lines = [line for line in done.stderr.splitlines() if "nonexistent-org" in line]
+    lines = [line.strip() for line in done.stderr.splitlines() if "nonexistent-org" in line]  # one problem line
     assert len(lines) == 1 and lines[0].startswith("encoders.vae='nonexistent-org/no-such-vae' cannot be loaded")
     assert "prefetch.py" in lines[0] and not (tmp_path / "cache").exists()  # stopped before any work
 
