@@ -1,18 +1,22 @@
 """Where images come from and how they become cached tensors (the seed's "Data Loading" stage).
 
-    source (embedded demo, hub id, imagefolder, parquet) -> open_splits (train / held-out)
-      -> build_cache: cache check -> hit: load / miss: load_image, preprocess (crop, flip, control metadata),
-         encode (VAE posterior, text features) -> safetensors shards + manifest
+    source (embedded demo, hub id, imagefolder, parquet, webdataset tar stream) -> open_splits (train / held-out)
+      -> build_cache: cache check -> hit: load / miss: DecodedShards in DataLoader workers (load_image,
+         preprocess: crop, flip, control metadata) -> encode in the main process (VAE posterior, text features
+         or token ids) -> safetensors shards + manifest
       -> CachedDataset -> iterate_batches (a pure function of the micro-batch count, for exact resume)
 
 Condition dropout (drop_conditions) is applied when the cache is read, never baked into it.
 """
+import functools
 import hashlib
 import json
 import math
 import os
 import random
 import re
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +95,10 @@ def open_dataset(data, split):
 
 def open_splits(data):
     """(train, held-out) datasets: `data.val_split` if the source has one, else `data.val_holdout` rows
-    drawn at random (seed 0) from the training split and removed from it."""
+    drawn at random (seed 0) from the training split and removed from it. A streamed source (is_stream)
+    gives (the training stream, its held-out rows): see open_stream and stream_heldout."""
+    if is_stream(data):
+        return open_stream(data, data.split), stream_heldout(data)
     train = open_dataset(data, data.split)
     if data.val_split is not None:
         val = open_dataset(data, data.val_split)
@@ -181,6 +188,209 @@ def preprocess(img, resolution, data, rng=random):
                "flip": torch.tensor([int(flip)])}
 
 # ----------------------------------------------------------------------------------------------------------
+# Streaming sources: webdataset tar shards (a local pattern such as /data/cc12m/{00000..01242}.tar, or a hub
+# dataset with data.streaming) read by `datasets` one shard at a time as the cache needs it, never downloaded
+# whole or converted to Arrow. Source shard k becomes cache shard k, so which rows a cache shard holds and how
+# they are cropped depend on k alone, not on the number of nodes, ranks or DataLoader workers.
+
+
+def is_stream(data):
+    return bool(data.get("streaming")) or ".tar" in data.source  # .get: runs saved before streaming existed
+
+
+def expand_braces(pattern):
+    """'/d/{00000..00002}.tar' -> ['/d/00000.tar', '/d/00001.tar', '/d/00002.tar'] (webdataset's shard
+    notation, which `datasets` does not read; globs such as /d/*.tar are left to `datasets`)."""
+    m = re.search(r"\{(\d+)\.\.(\d+)\}", pattern)
+    if not m:
+        return [pattern]
+    first, last = m.groups()
+    return [p for i in range(int(first), int(last) + 1)
+            for p in expand_braces(pattern[:m.start()] + str(i).zfill(len(first)) + pattern[m.end():])]
+
+
+def open_stream(data, split):
+    """Split `split` of a streamed source as one `datasets.IterableDataset` with images undecoded; nothing is
+    read yet but the shard list. The held-out shards are checked here, before any work."""
+    import datasets
+
+    if ".tar" in data.source:
+        ds = datasets.load_dataset("webdataset", data_files={split: expand_braces(data.source)}, split=split,
+                                   streaming=True)
+    else:
+        ds = datasets.load_dataset(data.source, split=split, streaming=True)
+    columns = list(ds.features or ())
+    errors = [f"data.{key}='{data[key]}' is not a column of {data.source} (split '{split}'); its columns are "
+              f"{columns}" for key in ("image_column", "label_column", "caption_column")
+              if data[key] is not None and columns and data[key] not in columns]
+    if data.max_samples is not None:
+        errors.append("data.max_samples does not apply to a streamed source: name fewer shards in data.source")
+    if data.val_split is not None and ".tar" in data.source:
+        errors.append("data.val_split needs a hub dataset with that split; for tar shards hold out data.val_shards")
+    if data.val_split is None:
+        first, stop = data.val_shards or (0, 0)
+        if not 0 <= first < stop <= ds.num_shards or stop - first == ds.num_shards:
+            errors.append(f"data.val_shards={data.val_shards}: a streamed source holds out the source shards "
+                          f"[first, stop) with 0 <= first < stop <= {ds.num_shards} (its shard count), leaving "
+                          f"some to train on, e.g. [{ds.num_shards - 1}, {ds.num_shards}]; or set data.val_split")
+    if errors:
+        raise ValueError("invalid streamed source:\n  " + "\n  ".join(errors))
+    return ds.cast_column(data.image_column, datasets.Image(decode=False))
+
+
+def stream_shards(data, ds, part):
+    """The source shards of `part`: data.val_shards [first, stop) are held out and the training part has the
+    others (with data.val_split, each split is its own stream and has all of its shards)."""
+    if data.val_split is not None:
+        return list(range(ds.num_shards))
+    held = range(*data.val_shards)
+    return list(held) if part == "val" else [k for k in range(ds.num_shards) if k not in held]
+
+
+def shard_of(ds, k):
+    return ds.shard(num_shards=ds.num_shards, index=k)  # source shard k alone (one tar file)
+
+
+def tag_shard(row, k):
+    return {"__shard__": k}
+
+
+def stream_heldout(data):
+    """The held-out rows of a streamed source: the first data.val_holdout samples of data.val_split, or of the
+    source shards data.val_shards, in shard order, as a small in-memory Dataset. They are the same rows for
+    every process count, and eval_fid.py reads the same ones (it calls this)."""
+    import itertools
+
+    import datasets
+
+    val = open_stream(data, data.val_split or data.split)
+    rows = itertools.chain.from_iterable(shard_of(val, k) for k in stream_shards(data, val, "val"))
+    return datasets.Dataset.from_list(list(itertools.islice(rows, data.val_holdout)), features=val.features)
+
+
+def samples_per_shard(ds, shards, size):
+    """Rows of each cache shard, to size the cache and the progress bar. A stream's are estimated as the count
+    of its first shard (webdataset shards are written with equal counts but the last); others are exact."""
+    import datasets
+
+    if not isinstance(ds, datasets.IterableDataset):
+        return {k: min(size, len(ds) - k * size) for k in shards}
+    first = sum(1 for _ in shard_of(ds, shards[0])) if shards else 0
+    return {k: first for k in shards}
+
+
+class DecodedShards(torch.utils.data.IterableDataset):
+    """The rows of cache shards `shards`, decoded, checked and cropped in DataLoader workers (data.num_workers)
+    while the encoders run in the main process. Each worker reads whole shards, one after another, and yields
+    each in batches of data.encode_batch_size tagged with the shard; crops and flips draw from random.Random(k),
+    so cache shard k is the same whatever the number of ranks and workers. Unusable rows (broken image, tiny
+    image, missing caption) are reported in the batch's "skipped" and left out, never crash the build."""
+
+    def __init__(self, ds, shards, data, names=None):
+        self.ds, self.shards, self.data, self.names = ds, shards, data, names
+
+    def rows(self):
+        """(shard, where, row) of this worker's shards, shard after shard. A stream's shards are shared out to
+        the DataLoader workers by `datasets` itself (each worker streams only its own tar files); a map-style
+        dataset's by us, shards[w::W], shard k holding rows [k S, (k + 1) S)."""
+        import datasets
+
+        if isinstance(self.ds, datasets.IterableDataset):
+            if not self.shards:
+                return
+            tagged = [shard_of(self.ds, k).map(functools.partial(tag_shard, k=k)) for k in self.shards]
+            for row in datasets.concatenate_datasets(tagged):
+                yield row["__shard__"], f"{row.get('__url__', 'shard ' + str(row['__shard__']))}:{row.get('__key__')}", row
+            return
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        size = self.data.shard_size
+        for k in self.shards[worker::workers]:
+            columns = self.ds[k * size:(k + 1) * size]
+            for i, values in enumerate(zip(*columns.values())):
+                row = dict(zip(columns, values))
+                yield k, row[self.data.image_column].get("path") or f"row {k * size + i}", row
+
+    def caption(self, row):
+        data = self.data
+        if data.label_captions:  # ImageNet-22k as text-to-image data: the class name is the caption
+            return self.names[row[data.label_column]]
+        if data.caption_column is None:
+            return None
+        if not isinstance(row[data.caption_column], str) or not row[data.caption_column].strip():
+            raise ValueError(f"missing caption (data.caption_column='{data.caption_column}')")
+        return row[data.caption_column]
+
+    def __iter__(self):
+        data, shard, rng, batch = self.data, None, None, None
+        for k, where, row in self.rows():
+            if k != shard:  # a worker reads its shards one after another: the previous one is finished
+                if shard is not None:
+                    yield self.collate(shard, batch, last=True)
+                # Crops and flips depend on the shard, not on the rank, the world size or the worker.
+                shard, rng, batch = k, random.Random(k), {n: [] for n in ("pixels", "metas", "captions", "labels", "skipped")}
+            try:
+                img = load_image(row[data.image_column])
+                if min(img.size) < data.min_image_side:
+                    raise ValueError(f"{img.size[0]}x{img.size[1]} px is below data.min_image_side")
+                caption = self.caption(row)
+                pixel, meta = preprocess(img, data.resolution, data, rng)
+            except Exception as e:  # truncated, empty, not an image, too small, no caption: report, skip
+                batch["skipped"].append(f"{where}: {type(e).__name__}: {e}"[:300])
+                continue
+            batch["pixels"].append(pixel), batch["metas"].append(meta), batch["captions"].append(caption)
+            batch["labels"].append(row[data.label_column] if data.label_column else None)
+            if len(batch["pixels"]) == data.encode_batch_size:
+                yield self.collate(k, batch, last=False)
+                batch = {name: [] for name in batch}
+        if shard is not None:
+            yield self.collate(shard, batch, last=True)
+
+    def collate(self, k, batch, last):
+        data, n = self.data, len(batch["pixels"])
+        return {"shard": k, "last": last, "skipped": batch["skipped"],
+                "pixels": torch.stack(batch["pixels"]) if n else torch.zeros(0, 3, data.resolution, data.resolution),
+                "metas": {name: torch.stack([m[name] for m in batch["metas"]]) for name in (batch["metas"][:1] or [{}])[0]},
+                "captions": batch["captions"] if data.caption_column or data.label_captions else None,
+                "labels": torch.tensor(batch["labels"], dtype=torch.long) if data.label_column and n else None}
+
+
+def encoded_rows(batch, encode, data, text):
+    """One decoded batch -> the tensors its rows add to their cache shard: encoder outputs in data.cache_dtype
+    (token ids stay integers), control metadata and labels."""
+    out = encode(batch["pixels"], batch["captions"], **({"text": text} if text == "tokens" else {}))
+    dtype = getattr(torch, data.cache_dtype)
+    out = {name: value.to("cpu", dtype if value.is_floating_point() else value.dtype) for name, value in out.items()}
+    out.update(batch["metas"])
+    if batch["labels"] is not None:
+        out["label"] = batch["labels"]
+    return out
+
+
+def cache_size(encode, data, text, shard_rows):
+    """(bytes per sample, total bytes) of a cache of shards with `shard_rows` rows each: one blank image goes
+    through the same encode and tensor layout that build_cache writes, so the estimate is the cache's own
+    layout (a shard's safetensors header included); only skipped rows make the real cache smaller."""
+    from safetensors.torch import save
+
+    img = Image.new("RGB", (data.resolution, data.resolution))
+    pixel, meta = preprocess(img, data.resolution, data, random.Random(0))
+    probe = {"pixels": pixel[None], "metas": {k: v[None] for k, v in meta.items()}, "skipped": [],
+             "captions": [""] if data.caption_column or data.label_captions else None,
+             "labels": torch.zeros(1, dtype=torch.long) if data.label_column else None}
+    tensors = encoded_rows(probe, encode, data, text)
+    per_row = sum(t.numel() * t.element_size() for t in tensors.values())
+    header = len(save({n: t.contiguous() for n, t in tensors.items()}, metadata={"rows": "1", "skipped": "[]"})) - per_row
+    return per_row, sum(shard_rows) * per_row + len(shard_rows) * header
+
+
+def human_bytes(n):
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1000
+
+# ----------------------------------------------------------------------------------------------------------
 # Frozen encoders: a diffusers AutoencoderKL (None: pixel space) and a transformers text encoder (None: class
 # labels), by hub id or local path.
 
@@ -219,32 +429,52 @@ def load_encoders(enc, device):
     return vae, tokenizer, text_encoder
 
 
-@torch.no_grad()
+def tokenize(tokenizer, captions, max_tokens):
+    tok = tokenizer(captions, padding="max_length", max_length=max_tokens, truncation=True, return_tensors="pt")
+    return tok.input_ids, tok.attention_mask
+
+
 def encode_text(tokenizer, encoder, captions, max_tokens):
     """Token features for the context stream and a pooled vector (CLIP's pooler, else the masked mean)."""
-    tok = tokenizer(captions, padding="max_length", max_length=max_tokens, truncation=True, return_tensors="pt")
-    tok = tok.to(encoder.device)
-    out = encoder(input_ids=tok.input_ids, attention_mask=tok.attention_mask)
-    mask = tok.attention_mask.float()
+    return encode_tokens(encoder, *tokenize(tokenizer, captions, max_tokens))
+
+
+@torch.no_grad()
+def encode_tokens(encoder, input_ids, attention_mask):
+    input_ids, attention_mask = input_ids.to(encoder.device, torch.long), attention_mask.to(encoder.device, torch.long)
+    out = encoder(input_ids=input_ids, attention_mask=attention_mask)
+    mask = attention_mask.float()
     pooled = getattr(out, "pooler_output", None)
     if pooled is None:
         pooled = (out.last_hidden_state * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
     return {"text_tokens": out.last_hidden_state, "text_mask": mask, "text_pooled": pooled}
 
 
+def text_features(batch, text_encoder):
+    """data.cache_text=false: the cache holds token ids, and the frozen text encoder turns them into the
+    features the cache would have held, here, at each step. A batch that holds features passes unchanged."""
+    if "input_ids" in batch:
+        batch.update(encode_tokens(text_encoder, batch.pop("input_ids"), batch.pop("attention_mask")))
+    return batch
+
+
 def make_encode(vae, tokenizer, text_encoder, max_tokens):
     """The cache's "process" step: pixels in [-1, 1] -> latents (z - shift) * scale with the VAE's own
-    factors, stored as posterior mean and std; captions -> text features."""
+    factors, stored as posterior mean and std; captions -> text features, or with text="tokens" only their
+    token ids and mask (data.cache_text=false: 77 x 5 bytes instead of 77 x 768 x 2 for CLIP-L)."""
 
     @torch.no_grad()
-    def encode(pixels, captions):
+    def encode(pixels, captions, text="features"):
         if vae is None:
             out = {"x": pixels}
         else:
             posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
             scale, shift = vae.config.scaling_factor, vae.config.shift_factor or 0.0
             out = {"x": (posterior.mean - shift) * scale, "x_std": posterior.std * scale}
-        if text_encoder is not None:
+        if text_encoder is not None and text == "tokens":
+            input_ids, attention_mask = tokenize(tokenizer, captions, max_tokens)
+            out.update(input_ids=input_ids.int(), attention_mask=attention_mask.to(torch.uint8))
+        elif text_encoder is not None:
             out.update(encode_text(tokenizer, text_encoder, captions, max_tokens))
         return out
 
@@ -283,6 +513,10 @@ def cache_key(cfg, part, num_rows):
         key["demo"] = [data.demo_samples, data.demo_resolution]
     if data.label_captions:
         key["label_captions"] = data.class_ids
+    if is_stream(data):
+        key["val_shards"] = data.val_shards
+    if part == "train" and not data.cache_text and enc.text_encoder:
+        key["cache_text"] = False  # token ids, not features
     return key
 
 
@@ -301,8 +535,12 @@ def build_cache(ds, part, encode, accelerator, cfg):
     """Cache split `part` ("train" or "val") of `ds`: return its folder, encoding what is missing first.
     `encode(pixels, captions)` maps a batch to a dict of tensors (see make_encode). Unreadable, empty and
     tiny images are reported and skipped; a corrupt shard is detected and rebuilt."""
+    import datasets
+
     data = cfg.data
-    key = cache_key(cfg, part, len(ds))
+    streamed = isinstance(ds, datasets.IterableDataset)
+    shards = stream_shards(data, ds, part) if streamed else list(range(math.ceil(len(ds) / data.shard_size)))
+    key = cache_key(cfg, part, f"{len(shards)} source shards" if streamed else len(ds))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9]+", "-", data.source).strip("-")[-40:]
     folder = Path(data.cache_dir) / f"{slug}-{part}-{digest}"
@@ -318,45 +556,52 @@ def build_cache(ds, part, encode, accelerator, cfg):
             old = json.loads(other.read_text())["key"]
             changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in key.items() if old.get(k) != v]
             accelerator.print(f"cache miss ({part}): vs {other.parent.name}, changed {'; '.join(changed)}")
-        accelerator.print(f"cache miss ({part}): encoding {len(ds)} samples into {folder}")
+        accelerator.print(f"cache miss ({part}): encoding {len(shards)} shards into {folder}")
     folder.mkdir(parents=True, exist_ok=True)
     names = class_names(data, ds) if data.label_captions else None
-    size, rank, world = data.shard_size, accelerator.process_index, accelerator.num_processes
-    mine = [k for k in range(math.ceil(len(ds) / size)) if k % world == rank]
-    for k in tqdm(mine, desc=f"cache {part} (rank {rank})", disable=not accelerator.is_local_main_process):
-        path = folder / f"shard_{k:05d}.safetensors"
-        if path.exists() and shard_ok(path):
-            continue  # finished before an interruption
-        rows = ds[k * size:(k + 1) * size]
-        rng = random.Random(k)  # crops and flips depend on the shard, not on the rank or the world size
-        kept, pixels, metas, skipped = [], [], [], []
-        for i, value in enumerate(rows[data.image_column]):
-            try:
-                img = load_image(value)
-                if min(img.size) < data.min_image_side:
-                    raise ValueError(f"{img.size[0]}x{img.size[1]} px is below data.min_image_side")
-                pixel, meta = preprocess(img, data.resolution, data, rng)
-            except Exception as e:  # truncated, empty, not an image, too small: report and skip, never crash
-                skipped.append(f"{value.get('path') or f'row {k * size + i}'}: {type(e).__name__}: {e}"[:300])
-                continue
-            kept.append(i), pixels.append(pixel), metas.append(meta)
-        tensors = {}
-        captions = [rows[data.caption_column][i] for i in kept] if data.caption_column else None
-        if data.label_captions:  # ImageNet-22k as text-to-image data: the class name is the caption
-            captions = [names[rows[data.label_column][i]] for i in kept]
-        for j in range(0, len(pixels), data.encode_batch_size):
-            out = encode(torch.stack(pixels[j:j + data.encode_batch_size]),
-                         captions[j:j + data.encode_batch_size] if captions else None)
-            for name, value in out.items():
-                tensors.setdefault(name, []).append(value.to("cpu", getattr(torch, data.cache_dtype)))
-        tensors = {name: torch.cat(parts) for name, parts in tensors.items()}
-        tensors.update({name: torch.stack([m[name] for m in metas]) for name in (metas[0] if metas else ())})
-        if data.label_column and kept:
-            tensors["label"] = torch.tensor([rows[data.label_column][i] for i in kept], dtype=torch.long)
-        tmp = path.with_suffix(".tmp")
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
-                  metadata={"rows": str(len(kept)), "skipped": json.dumps(skipped)})
-        os.replace(tmp, path)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    text = "tokens" if part == "train" and not data.cache_text else "features"  # held-out rows keep features
+
+    def path_of(k):
+        return folder / f"shard_{k:05d}.safetensors"
+    missing = [k for k in shards if not (path_of(k).exists() and shard_ok(path_of(k)))]  # resume: finished stay
+    rows = samples_per_shard(ds, missing, data.shard_size)
+    per_row, size = cache_size(encode, data, text, list(rows.values()))
+    free = shutil.disk_usage(folder).free
+    accelerator.print(f"cache ({part}): {len(missing)} of {len(shards)} shards to write, about {sum(rows.values())} "
+                      f"samples x {per_row} bytes = {human_bytes(size)}; {human_bytes(free)} free on {data.cache_dir}")
+    if size > free:
+        raise SystemExit(f"data.cache_dir='{data.cache_dir}' has {human_bytes(free)} free, the {part} cache needs "
+                         f"about {human_bytes(size)}: free space, choose another data.cache_dir, or shrink the cache "
+                         f"(data.cache_text=false keeps token ids instead of text features)")
+    mine = [k for j, k in enumerate(shards) if j % world == rank and k in rows]  # a shard's rank: its position
+    loader = torch.utils.data.DataLoader(DecodedShards(ds, mine, data, names), batch_size=None,
+                                         **loader_options(data, torch.device("cpu")))
+    progress = tqdm(total=sum(rows[k] for k in mine), unit="img", desc=f"cache {part} (rank {rank})",
+                    disable=not accelerator.is_local_main_process)
+    pending, encoded, skipped, start = {}, 0, 0, time.perf_counter()
+    for batch in loader:  # decoded in the workers; encoded here, on the device
+        shard = pending.setdefault(batch["shard"], {"tensors": {}, "skipped": [], "rows": 0})
+        if len(batch["pixels"]):
+            for name, value in encoded_rows(batch, encode, data, text).items():
+                shard["tensors"].setdefault(name, []).append(value)
+        shard["skipped"] += batch["skipped"]
+        shard["rows"] += len(batch["pixels"])
+        encoded, skipped = encoded + len(batch["pixels"]), skipped + len(batch["skipped"])
+        progress.update(len(batch["pixels"]) + len(batch["skipped"]))
+        if batch["last"]:
+            shard = pending.pop(batch["shard"])
+            tmp = path_of(batch["shard"]).with_suffix(".tmp")
+            save_file({name: torch.cat(parts).contiguous() for name, parts in shard["tensors"].items()}, str(tmp),
+                      metadata={"rows": str(shard["rows"]), "skipped": json.dumps(shard["skipped"])})
+            os.replace(tmp, path_of(batch["shard"]))
+    for k in mine:  # a shard with no rows at all never reached the loop: it is finished, and empty
+        if not path_of(k).exists():
+            save_file({}, str(path_of(k)), metadata={"rows": "0", "skipped": "[]"})
+    progress.close()
+    seconds = time.perf_counter() - start
+    print(f"cache {part} rank {rank}: encoded {encoded} images, skipped {skipped}, {len(mine)} shards in "
+          f"{seconds:.1f} s ({encoded / max(seconds, 1e-9):.1f} images/s)", flush=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shards = sorted(p.name for p in folder.glob("shard_*.safetensors"))
@@ -395,8 +640,8 @@ class CachedDataset(torch.utils.data.Dataset):
         if k not in self.handles:  # opened per worker process, lazily: handles do not pickle
             self.handles[k] = safe_open(str(self.folder / self.shards[k]), "pt")
         f, j = self.handles[k], i - self.starts[k]
-        return {name: f.get_slice(name)[j].float() if name != "label" else f.get_slice(name)[j]
-                for name in self.keys}
+        return {name: f.get_slice(name)[j] if name in ("label", "input_ids", "attention_mask")  # stay integers
+                else f.get_slice(name)[j].float() for name in self.keys}
 
     def __getstate__(self):
         return {**self.__dict__, "handles": {}}
