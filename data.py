@@ -151,7 +151,7 @@ def load_image(value):
     """Decode an undecoded `datasets.Image` value to RGB; any mode (L, P, RGBA, CMYK, I;16) is converted."""
     import io
 
-    img = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"])
+    img = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") is not None else value["path"])  # b"": empty
     img.load()
     if img.mode in ("RGBA", "LA", "P"):  # composite transparency on white rather than on black
         img = img.convert("RGBA")
