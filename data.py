@@ -575,7 +575,10 @@ def build_cache(ds, part, encode, accelerator, cfg):
                          f"about {human_bytes(size)}: free space, choose another data.cache_dir, or shrink the cache "
                          f"(data.cache_text=false keeps token ids instead of text features)")
     mine = [k for j, k in enumerate(shards) if j % world == rank and k in rows]  # a shard's rank: its position
+    # Its own generator: a DataLoader with workers otherwise draws their seed from the global RNG, and a run
+    # that built the cache would initialise its model differently from one that found it (no exact resume).
     loader = torch.utils.data.DataLoader(DecodedShards(ds, mine, data, names), batch_size=None,
+                                         generator=torch.Generator().manual_seed(0),
                                          **loader_options(data, torch.device("cpu")))
     progress = tqdm(total=sum(rows[k] for k in mine), unit="img", desc=f"cache {part} (rank {rank})",
                     disable=not accelerator.is_local_main_process)

@@ -412,7 +412,8 @@ def main(argv=None):
     val_noise, val_cond = validation_inputs(val_set, cfg.val.num_samples, data.num_classes, x_shape, cfg.seed, device)
 
     @torch.no_grad()
-    def validate(step):
+    @torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])  # draws nothing from training's RNG
+    def validate(step):                                                        # (padding noise): exact resume
         ema.eval()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(cfg.seed)  # the ancestral sampler's noise: fixed, and the training RNG untouched

@@ -293,7 +293,8 @@ def main(argv=None):
     val_noise, val_cond = validation_inputs(val_set, cfg.val.num_samples, data.num_classes, x_shape, cfg.seed, device)
 
     @torch.no_grad()
-    def validate(step):
+    @torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])  # draws nothing from training's RNG
+    def validate(step):                                                        # (padding noise): exact resume
         ema.eval()
         path = log.samples(decode(vae, generate(ema, val_noise, val_cond, cfg), device), step)
         # Validation loss: every held-out sample at every t_k = (k + 0.5) / K, with fixed noise.
