@@ -227,15 +227,20 @@ def open_stream(data, split):
         errors.append("data.max_samples does not apply to a streamed source: name fewer shards in data.source")
     if data.val_split is not None and ".tar" in data.source:
         errors.append("data.val_split needs a hub dataset with that split; for tar shards hold out data.val_shards")
-    if data.val_split is None:
-        first, stop = data.val_shards or (0, 0)
-        if not 0 <= first < stop <= ds.num_shards or stop - first == ds.num_shards:
-            errors.append(f"data.val_shards={data.val_shards}: a streamed source holds out the source shards "
-                          f"[first, stop) with 0 <= first < stop <= {ds.num_shards} (its shard count), leaving "
-                          f"some to train on, e.g. [{ds.num_shards - 1}, {ds.num_shards}]; or set data.val_split")
+    if data.val_split is None and not 0 < len(val_shard_range(data, ds.num_shards)) < ds.num_shards:
+        errors.append(f"data.val_shards={data.val_shards}: a streamed source holds out the source shards [first, "
+                      f"stop) of its {ds.num_shards} (negative: from the end, as in Python; null stop: to the end), "
+                      f"leaving some to train on, e.g. [-1, null] (the last); or set data.val_split")
     if errors:
         raise ValueError("invalid streamed source:\n  " + "\n  ".join(errors))
     return ds.cast_column(data.image_column, datasets.Image(decode=False))
+
+
+def val_shard_range(data, num_shards):
+    shards = data.val_shards
+    if not (isinstance(shards, list) and len(shards) == 2 and all(v is None or isinstance(v, int) for v in shards)):
+        return range(0)
+    return range(*slice(*shards).indices(num_shards))
 
 
 def stream_shards(data, ds, part):
@@ -243,7 +248,7 @@ def stream_shards(data, ds, part):
     others (with data.val_split, each split is its own stream and has all of its shards)."""
     if data.val_split is not None:
         return list(range(ds.num_shards))
-    held = range(*data.val_shards)
+    held = val_shard_range(data, ds.num_shards)
     return list(held) if part == "val" else [k for k in range(ds.num_shards) if k not in held]
 
 

@@ -49,8 +49,8 @@ DEFAULTS = {
         "split": "train",
         "val_split": None,           # a held-out split of the source; None: hold out val_holdout train rows
         "val_holdout": 256,
-        "val_shards": None,          # streamed: source shards [first, stop) held out; held-out rows = their first
-                                     # val_holdout samples
+        "val_shards": None,          # streamed: source shards [first, stop) held out ([-1, null]: the last one);
+                                     # the held-out rows are their first val_holdout samples
         "image_column": "image",
         "label_column": "label",     # None for text-only data
         "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)

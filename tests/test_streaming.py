@@ -53,7 +53,7 @@ def wds(tmp_path_factory):
 
 def stream_args(wds, tmp_path, workers=0, extra=()):
     return ["--data.cache_dir", str(tmp_path / "cache"), "--data.source", wds, "--data.image_column=jpg",
-            "--data.caption_column=txt", "--data.label_column=null", "--data.val_shards=[6,8]",
+            "--data.caption_column=txt", "--data.label_column=null", "--data.val_shards=[-2,null]",
             "--data.val_holdout=40", "--data.encode_batch_size=8", "--data.crop=random_resized",
             "--data.random_flip=true", f"--data.num_workers={workers}", *extra]
 
@@ -127,8 +127,9 @@ def test_heldout_rows_are_the_first_of_the_named_shards_for_any_process_count(wd
 
 
 @pytest.mark.parametrize("args,message", [
-    ([], r"data.val_shards=None: a streamed source holds out the source shards \[first, stop\) .* <= 8"),
-    (["--data.val_shards=[0,8]"], "leaving some to train on"),
+    ([], r"data.val_shards=None: a streamed source holds out the source shards \[first, stop\) of its 8"),
+    (["--data.val_shards=[0,null]"], "leaving some to train on, e.g. \\[-1, null\\]"),
+    (["--data.val_shards=[3,3]"], "data.val_shards=\\[3, 3\\]"),
     (["--data.val_shards=[6,8]", "--data.max_samples=10"], "data.max_samples does not apply to a streamed source"),
     (["--data.val_shards=[6,8]", "--data.caption_column=caption"], r"data.caption_column='caption' is not a column"),
 ])
