@@ -153,6 +153,8 @@ def test_size_estimate_matches_the_written_cache(wds, tmp_path, tiny_vae, tiny_t
     folder = build(cfg, train, "train", 1, encode)
     written = sum(p.stat().st_size for p in folder.glob("shard_*.safetensors"))
     assert abs(estimate - written) / written < 0.05, (estimate, written)
+    one_shard = cache_size(encode, cfg.data, text, [PER_SHARD])[1]  # shard 0 has no broken member: its size,
+    assert abs(one_shard - (folder / "shard_00000.safetensors").stat().st_size) < 64  # header and all
     assert f"about {2 * PER_SHARD} samples x {per_row} bytes" in capsys.readouterr().out
     keys = CachedDataset(folder).keys
     assert ("text_tokens" in keys) == cache_text and ("input_ids" in keys) == (not cache_text)
