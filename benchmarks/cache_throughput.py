@@ -14,7 +14,6 @@
 """
 import argparse
 import io
-import random
 import sys
 import tarfile
 import tempfile
@@ -28,7 +27,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
-from data import build_cache, cache_size, human_bytes, make_encode, open_splits  # noqa: E402
+from data import CachedDataset, build_cache, cache_size, human_bytes, make_encode, open_splits  # noqa: E402
 from model import build_denoiser  # noqa: E402
 
 WORDS = ["a", "photo", "of", "the", "red", "green", "blue", "dog", "cat", "house", "tree", "on", "in", "street"]
@@ -108,10 +107,7 @@ def throughput(pattern, workers, tmp):
         start = time.perf_counter()
         folder = build_cache(train, "train", encode, OneProcess(), cfg)
         seconds = time.perf_counter() - start
-        rows = sum(1 for _ in folder.glob("shard_*"))
-        from data import CachedDataset
-
-        n = len(CachedDataset(folder))
+        rows, n = sum(1 for _ in folder.glob("shard_*")), len(CachedDataset(folder))
         rates[w] = n / seconds
         print(f"  data.num_workers={w}: {n} images in {seconds:.1f} s = {rates[w]:.1f} images/s ({rows} shards)")
     return rates
@@ -144,10 +140,10 @@ def text_share():
     """CLIP-L forward FLOPs per sample / the cc12m recipe's MMDiT training-step FLOPs per sample."""
     cfg = common.load_config(fm.DEFAULTS, ["--config", str(Path(__file__).resolve().parents[1] / "configs/cc12m.json")])
     shares = {}
-    with torch.device("meta"):
-        clip_l = clip_text(768, 12, 12, 3072)
-        ids = torch.zeros(1, 77, dtype=torch.long)
+    clip_l, ids = clip_text(768, 12, 12, 3072), torch.zeros(1, 77, dtype=torch.long)  # on the CPU: it calls .item()
+    with torch.no_grad():
         text = flops(lambda: clip_l(input_ids=ids, attention_mask=torch.ones(1, 77, dtype=torch.long)))
+    with torch.device("meta"):
         for res in (256, 512):
             model = build_denoiser(cfg, 4, res // 8, (77, 768, 768))
             x, cond = torch.zeros(1, 4, res // 8, res // 8), {
@@ -175,8 +171,9 @@ if __name__ == "__main__":
     per_sample = recipe_bytes()
     for (res, what), n in per_sample.items():
         print(f"  {res} px, {what}: {n} bytes")
-    for name, n in RECIPE_SAMPLES.items():
-        kinds = ["class labels"] + (["text features cached", "token ids cached"] if name != "ImageNet-1k" else [])
+    for name, n in RECIPE_SAMPLES.items():  # ImageNet-22k also as captions (class names, imagenet22k_captions)
+        kinds = {"CC12M": [], "ImageNet-1k": ["class labels"]}.get(name, ["class labels"])
+        kinds += ["text features cached", "token ids cached"] if name != "ImageNet-1k" else []
         print(f"  {name} ({n} samples): " + "; ".join(
             f"{kind} {human_bytes(n * per_sample[(res, kind)])} at {res} px" for kind in kinds for res in (256, 512)))
     print("3. on-the-fly text encoding (CLIP-L forward) vs the cc12m MMDiT training step (forward + backward):")
