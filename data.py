@@ -305,7 +305,8 @@ class DecodedShards(torch.utils.data.IterableDataset):
                 return
             tagged = [shard_of(self.ds, k).map(functools.partial(tag_shard, k=k)) for k in self.shards]
             for row in datasets.concatenate_datasets(tagged):
-                yield row["__shard__"], f"{row.get('__url__', 'shard ' + str(row['__shard__']))}:{row.get('__key__')}", row
+                k = row["__shard__"]
+                yield k, f"{row.get('__url__', f'shard {k}')}:{row.get('__key__')}", row
             return
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
@@ -333,7 +334,8 @@ class DecodedShards(torch.utils.data.IterableDataset):
                 if shard is not None:
                     yield self.collate(shard, batch, last=True)
                 # Crops and flips depend on the shard, not on the rank, the world size or the worker.
-                shard, rng, batch = k, random.Random(k), {n: [] for n in ("pixels", "metas", "captions", "labels", "skipped")}
+                shard, rng = k, random.Random(k)
+                batch = {name: [] for name in ("pixels", "metas", "captions", "labels", "skipped")}
             try:
                 img = load_image(row[data.image_column])
                 if min(img.size) < data.min_image_side:
@@ -355,7 +357,7 @@ class DecodedShards(torch.utils.data.IterableDataset):
         data, n = self.data, len(batch["pixels"])
         return {"shard": k, "last": last, "skipped": batch["skipped"],
                 "pixels": torch.stack(batch["pixels"]) if n else torch.zeros(0, 3, data.resolution, data.resolution),
-                "metas": {name: torch.stack([m[name] for m in batch["metas"]]) for name in (batch["metas"][:1] or [{}])[0]},
+                "metas": {name: torch.stack([m[name] for m in batch["metas"]]) for name in (batch["metas"] or [{}])[0]},
                 "captions": batch["captions"] if data.caption_column or data.label_captions else None,
                 "labels": torch.tensor(batch["labels"], dtype=torch.long) if data.label_column and n else None}
 
@@ -385,7 +387,8 @@ def cache_size(encode, data, text, shard_rows):
              "labels": torch.zeros(1, dtype=torch.long) if data.label_column else None}
     tensors = encoded_rows(probe, encode, data, text)
     per_row = sum(t.numel() * t.element_size() for t in tensors.values())
-    header = len(save({n: t.contiguous() for n, t in tensors.items()}, metadata={"rows": "1", "skipped": "[]"})) - per_row
+    one_row = save({name: t.contiguous() for name, t in tensors.items()}, metadata={"rows": "1", "skipped": "[]"})
+    header = len(one_row) - per_row
     return per_row, sum(shard_rows) * per_row + len(shard_rows) * header
 
 

@@ -57,7 +57,8 @@ def word_tokenizer():
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[BOS]", "[EOS]"] + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[("[BOS]", 2), ("[EOS]", 3)])
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]",
+                                                       special_tokens=[("[BOS]", 2), ("[EOS]", 3)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]",
                                    eos_token="[EOS]")
 
@@ -165,7 +166,8 @@ if __name__ == "__main__":
     print(f"torch threads {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as tmp:
         pattern = write_shards(Path(tmp), args.shards + 1, args.per_shard)  # the last shard is held out
-        print(f"1. cache building, {args.shards} shards x {args.per_shard} JPEGs (512x384) -> 64 px, small VAE, tiny CLIP:")
+        print(f"1. cache building, {args.shards} shards x {args.per_shard} JPEGs (512x384) -> 64 px, "
+              "small VAE, tiny CLIP:")
         throughput(pattern, args.workers, tmp)
     print("2. bytes per sample (SD VAE latents mean + std, fp16; CLIP-L 77 tokens; controls):")
     per_sample = recipe_bytes()

@@ -143,7 +143,8 @@ def test_bad_stream_configs_are_refused_before_any_work(wds, tmp_path, args, mes
 def test_size_estimate_matches_the_written_cache(wds, tmp_path, tiny_vae, tiny_text_encoder, cache_text, capsys):
     cfg = common.load_config(fm.DEFAULTS, stream_args(wds, tmp_path, extra=[
         "--encoders.vae", tiny_vae, "--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8",
-        "--data.resolution=16", f"--data.cache_text={str(cache_text).lower()}", "--data.val_shards=[2,8]", "--data.encode_batch_size=32"]))
+        "--data.resolution=16", f"--data.cache_text={str(cache_text).lower()}", "--data.val_shards=[2,8]",
+        "--data.encode_batch_size=32"]))
     vae, tokenizer, text_encoder = data_module.load_encoders(cfg.encoders, torch.device("cpu"))
     encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
     train, _ = open_splits(cfg.data)
