@@ -1,19 +1,23 @@
 """Where images come from and how they become cached tensors (the seed's "Data Loading" stage).
 
-    source (embedded demo, hub id, imagefolder, parquet) -> open_splits (labels checked against
-      data.num_classes, read from the data when unset; train / held-out rows sized and announced)
-      -> check_cache_shared (every rank sees data.cache_dir) -> build_cache: cache check -> hit: load / miss: load_image, preprocess (crop, flip, control metadata),
-         encode (VAE posterior, text features) -> safetensors shards + manifest
+    source (embedded demo, hub id, imagefolder, parquet, webdataset tar stream) -> open_splits (labels checked
+      against data.num_classes, read from the data when unset; train / held-out rows sized and announced)
+      -> check_cache_shared (every rank sees data.cache_dir) -> build_cache: cache check (checksums) -> hit:
+         load / miss: DecodedShards in DataLoader workers (load_image, preprocess: crop, flip, control metadata)
+         -> encode in the main process (VAE posterior, text features or token ids) -> safetensors shards + manifest
       -> CachedDataset -> iterate_batches (a pure function of the micro-batch count, for exact resume)
 
 Condition dropout (drop_conditions) is applied when the cache is read, never baked into it.
 """
+import functools
+import glob
 import hashlib
 import json
 import math
 import os
 import random
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -23,7 +27,9 @@ from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from monitor import progress
+from tqdm.auto import tqdm
+
+from monitor import interactive
 
 # ----------------------------------------------------------------------------------------------------------
 # Embedded demo data: coloured shapes, generated deterministically, offline, in about a second.
@@ -102,7 +108,12 @@ def open_splits(data, log=print):
     The held-out rows are `data.val_split` if the source has one; else rows drawn at random (seed 0) from the
     training split and removed from it: data.val_holdout of them, or, unset (None), 10% of the rows and at
     most 256 (4,864 demo rows: 256; a 300-image folder: 30). An explicit hold-out must leave at least as many
-    rows to train on as it holds out, else it is an error naming data.val_holdout."""
+    rows to train on as it holds out, else it is an error naming data.val_holdout.
+
+    A streamed source (is_stream) gives (the training stream, its held-out rows): see open_stream and
+    stream_heldout."""
+    if is_stream(data):
+        return open_stream(data, data.split), stream_heldout(data)
     train = open_dataset(data, data.split)
     classes = data.label_column and (not data.caption_column or data.label_captions)  # labels are the condition
     if data.label_column and data.num_classes is None and (classes or class_id_list(data, train)):
@@ -243,7 +254,7 @@ def load_image(value):
     transparency (RGBA, LA, PA, a palette's transparent index) is composited on white, not on black."""
     import io
 
-    img = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"])
+    img = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") is not None else value["path"])  # b"": empty
     img.load()
     if img.mode.startswith("I") or img.mode.startswith("F"):  # I;16, I;16B, I, F: not 8-bit
         img = Image.fromarray(to_8bit(np.asarray(img), img.mode))
@@ -300,6 +311,219 @@ def preprocess(img, resolution, data, rng=random):
                "flip": torch.tensor([int(flip)])}
 
 # ----------------------------------------------------------------------------------------------------------
+# Streaming sources: webdataset tar shards (a local pattern such as /data/cc12m/{00000..01242}.tar, or a hub
+# dataset with data.streaming) read by `datasets` one shard at a time as the cache needs it, never downloaded
+# whole or converted to Arrow. Source shard k becomes cache shard k, so which rows a cache shard holds and how
+# they are cropped depend on k alone, not on the number of nodes, ranks or DataLoader workers.
+
+
+def is_stream(data):
+    if data.source == "embedded":  # the demo data is generated, never streamed (a recipe run on it in the tests)
+        return False
+    return bool(data.get("streaming")) or ".tar" in data.source  # .get: runs saved before streaming existed
+
+
+def expand_braces(pattern):
+    """'/d/{00000..00002}.tar' -> ['/d/00000.tar', '/d/00001.tar', '/d/00002.tar'] (webdataset's shard
+    notation, which `datasets` does not read; globs such as /d/*.tar are left to `datasets`)."""
+    m = re.search(r"\{(\d+)\.\.(\d+)\}", pattern)
+    if not m:
+        return [pattern]
+    first, last = m.groups()
+    return [p for i in range(int(first), int(last) + 1)
+            for p in expand_braces(pattern[:m.start()] + str(i).zfill(len(first)) + pattern[m.end():])]
+
+
+def open_stream(data, split):
+    """Split `split` of a streamed source as one `datasets.IterableDataset` with images undecoded; nothing is
+    read yet but the shard list. The held-out shards are checked here, before any work."""
+    import datasets
+
+    if ".tar" in data.source:
+        ds = datasets.load_dataset("webdataset", data_files={split: expand_braces(data.source)}, split=split,
+                                   streaming=True)
+    else:
+        ds = datasets.load_dataset(data.source, split=split, streaming=True)
+    columns = list(ds.features or ())
+    errors = [f"data.{key}='{data[key]}' is not a column of {data.source} (split '{split}'); its columns are "
+              f"{columns}" for key in ("image_column", "label_column", "caption_column")
+              if data[key] is not None and columns and data[key] not in columns]
+    if data.max_samples is not None:
+        errors.append("data.max_samples does not apply to a streamed source: name fewer shards in data.source")
+    if data.val_split is not None and ".tar" in data.source:
+        errors.append("data.val_split needs a hub dataset with that split; for tar shards hold out data.val_shards")
+    if data.val_split is None and not 0 < len(val_shard_range(data, ds.num_shards)) < ds.num_shards:
+        errors.append(f"data.val_shards={data.val_shards}: a streamed source holds out the source shards [first, "
+                      f"stop) of its {ds.num_shards} (negative: from the end, as in Python; null stop: to the end), "
+                      f"leaving some to train on, e.g. [-1, null] (the last); or set data.val_split")
+    if errors:
+        raise ValueError("invalid streamed source:\n  " + "\n  ".join(errors))
+    return ds.cast_column(data.image_column, datasets.Image(decode=False))
+
+
+def val_shard_range(data, num_shards):
+    shards = data.val_shards
+    if not (isinstance(shards, list) and len(shards) == 2 and all(v is None or isinstance(v, int) for v in shards)):
+        return range(0)
+    return range(*slice(*shards).indices(num_shards))
+
+
+def stream_shards(data, ds, part):
+    """The source shards of `part`: data.val_shards [first, stop) are held out and the training part has the
+    others (with data.val_split, each split is its own stream and has all of its shards)."""
+    if data.val_split is not None:
+        return list(range(ds.num_shards))
+    held = val_shard_range(data, ds.num_shards)
+    return list(held) if part == "val" else [k for k in range(ds.num_shards) if k not in held]
+
+
+def shard_of(ds, k):
+    return ds.shard(num_shards=ds.num_shards, index=k)  # source shard k alone (one tar file)
+
+
+def tag_shard(row, k):
+    return {"__shard__": k}
+
+
+def stream_heldout(data):
+    """The held-out rows of a streamed source: the first data.val_holdout samples of data.val_split, or of the
+    source shards data.val_shards (unset: 256), in shard order, as a small in-memory Dataset. They are the same rows for
+    every process count, and eval_fid.py reads the same ones (it calls this)."""
+    import itertools
+
+    import datasets
+
+    val = open_stream(data, data.val_split or data.split)
+    rows = itertools.chain.from_iterable(shard_of(val, k) for k in stream_shards(data, val, "val"))
+    return datasets.Dataset.from_list(list(itertools.islice(rows, data.val_holdout or HOLDOUT_MAX)), features=val.features)
+
+
+def samples_per_shard(ds, shards, size):
+    """Rows of each cache shard, to size the cache and the progress bar. A stream's are estimated as the count
+    of its first shard (webdataset shards are written with equal counts but the last); others are exact."""
+    import datasets
+
+    if not isinstance(ds, datasets.IterableDataset):
+        return {k: min(size, len(ds) - k * size) for k in shards}
+    first = sum(1 for _ in shard_of(ds, shards[0])) if shards else 0
+    return {k: first for k in shards}
+
+
+class DecodedShards(torch.utils.data.IterableDataset):
+    """The rows of cache shards `shards`, decoded, checked and cropped in DataLoader workers (data.num_workers)
+    while the encoders run in the main process. Each worker reads whole shards, one after another, and yields
+    each in batches of data.encode_batch_size tagged with the shard; crops and flips draw from random.Random(k),
+    so cache shard k is the same whatever the number of ranks and workers. Unusable rows (broken image, tiny
+    image, missing caption) are reported in the batch's "skipped" and left out, never crash the build."""
+
+    def __init__(self, ds, shards, data, names=None):
+        self.ds, self.shards, self.data, self.names = ds, shards, data, names
+
+    def rows(self):
+        """(shard, where, row) of this worker's shards, shard after shard. A stream's shards are shared out to
+        the DataLoader workers by `datasets` itself (each worker streams only its own tar files); a map-style
+        dataset's by us, shards[w::W], shard k holding rows [k S, (k + 1) S)."""
+        import datasets
+
+        if isinstance(self.ds, datasets.IterableDataset):
+            if not self.shards:
+                return
+            tagged = [shard_of(self.ds, k).map(functools.partial(tag_shard, k=k)) for k in self.shards]
+            for row in datasets.concatenate_datasets(tagged):
+                k = row["__shard__"]
+                yield k, f"{row.get('__url__', f'shard {k}')}:{row.get('__key__')}", row
+            return
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        size = self.data.shard_size
+        for k in self.shards[worker::workers]:
+            columns = self.ds[k * size:(k + 1) * size]
+            for i, values in enumerate(zip(*columns.values())):
+                row = dict(zip(columns, values))
+                yield k, row[self.data.image_column].get("path") or f"row {k * size + i}", row
+
+    def caption(self, row):
+        data = self.data
+        if data.label_captions:  # ImageNet-22k as text-to-image data: the class name is the caption
+            return self.names[row[data.label_column]]
+        if data.caption_column is None:
+            return None
+        if not isinstance(row[data.caption_column], str) or not row[data.caption_column].strip():
+            raise ValueError(f"missing caption (data.caption_column='{data.caption_column}')")
+        return row[data.caption_column]
+
+    def __iter__(self):
+        data, shard, rng, batch = self.data, None, None, None
+        for k, where, row in self.rows():
+            if k != shard:  # a worker reads its shards one after another: the previous one is finished
+                if shard is not None:
+                    yield self.collate(shard, batch, last=True)
+                # Crops and flips depend on the shard, not on the rank, the world size or the worker.
+                shard, rng = k, random.Random(k)
+                batch = {name: [] for name in ("pixels", "metas", "captions", "labels", "skipped")}
+            try:
+                img = load_image(row[data.image_column])
+                if min(img.size) < data.min_image_side:
+                    raise ValueError(f"{img.size[0]}x{img.size[1]} px is below data.min_image_side")
+                caption = self.caption(row)
+                pixel, meta = preprocess(img, data.resolution, data, rng)
+            except Exception as e:  # truncated, empty, not an image, too small, no caption: report, skip
+                batch["skipped"].append(f"{where}: {type(e).__name__}: {e}"[:300])
+                continue
+            batch["pixels"].append(pixel), batch["metas"].append(meta), batch["captions"].append(caption)
+            batch["labels"].append(row[data.label_column] if data.label_column else None)
+            if len(batch["pixels"]) == data.encode_batch_size:
+                yield self.collate(k, batch, last=False)
+                batch = {name: [] for name in batch}
+        if shard is not None:
+            yield self.collate(shard, batch, last=True)
+
+    def collate(self, k, batch, last):
+        data, n = self.data, len(batch["pixels"])
+        return {"shard": k, "last": last, "skipped": batch["skipped"],
+                "pixels": torch.stack(batch["pixels"]) if n else torch.zeros(0, 3, data.resolution, data.resolution),
+                "metas": {name: torch.stack([m[name] for m in batch["metas"]]) for name in (batch["metas"] or [{}])[0]},
+                "captions": batch["captions"] if data.caption_column or data.label_captions else None,
+                "labels": torch.tensor(batch["labels"], dtype=torch.long) if data.label_column and n else None}
+
+
+def encoded_rows(batch, encode, data, text):
+    """One decoded batch -> the tensors its rows add to their cache shard: encoder outputs in data.cache_dtype
+    (token ids stay integers), control metadata and labels."""
+    out = encode(batch["pixels"], batch["captions"], **({"text": text} if text == "tokens" else {}))
+    dtype = getattr(torch, data.cache_dtype)
+    out = {name: value.to("cpu", dtype if value.is_floating_point() else value.dtype) for name, value in out.items()}
+    out.update(batch["metas"])
+    if batch["labels"] is not None:
+        out["label"] = batch["labels"]
+    return out
+
+
+def cache_size(encode, data, text, shard_rows):
+    """(bytes per sample, total bytes) of a cache of shards with `shard_rows` rows each: one blank image goes
+    through the same encode and tensor layout that build_cache writes, so the estimate is the cache's own
+    layout (a shard's safetensors header included); only skipped rows make the real cache smaller."""
+    from safetensors.torch import save
+
+    img = Image.new("RGB", (data.resolution, data.resolution))
+    pixel, meta = preprocess(img, data.resolution, data, random.Random(0))
+    probe = {"pixels": pixel[None], "metas": {k: v[None] for k, v in meta.items()}, "skipped": [],
+             "captions": [""] if data.caption_column or data.label_captions else None,
+             "labels": torch.zeros(1, dtype=torch.long) if data.label_column else None}
+    tensors = encoded_rows(probe, encode, data, text)
+    per_row = sum(t.numel() * t.element_size() for t in tensors.values())
+    one_row = save({name: t.contiguous() for name, t in tensors.items()}, metadata={"rows": "1", "skipped": "[]"})
+    header = len(one_row) - per_row
+    return per_row, sum(shard_rows) * per_row + len(shard_rows) * header
+
+
+def human_bytes(n):
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1000
+
+# ----------------------------------------------------------------------------------------------------------
 # Frozen encoders: a diffusers AutoencoderKL (None: pixel space) and a transformers text encoder (None: class
 # labels), by hub id or local path.
 
@@ -338,32 +562,52 @@ def load_encoders(enc, device):
     return vae, tokenizer, text_encoder
 
 
-@torch.no_grad()
+def tokenize(tokenizer, captions, max_tokens):
+    tok = tokenizer(captions, padding="max_length", max_length=max_tokens, truncation=True, return_tensors="pt")
+    return tok.input_ids, tok.attention_mask
+
+
 def encode_text(tokenizer, encoder, captions, max_tokens):
     """Token features for the context stream and a pooled vector (CLIP's pooler, else the masked mean)."""
-    tok = tokenizer(captions, padding="max_length", max_length=max_tokens, truncation=True, return_tensors="pt")
-    tok = tok.to(encoder.device)
-    out = encoder(input_ids=tok.input_ids, attention_mask=tok.attention_mask)
-    mask = tok.attention_mask.float()
+    return encode_tokens(encoder, *tokenize(tokenizer, captions, max_tokens))
+
+
+@torch.no_grad()
+def encode_tokens(encoder, input_ids, attention_mask):
+    input_ids, attention_mask = input_ids.to(encoder.device, torch.long), attention_mask.to(encoder.device, torch.long)
+    out = encoder(input_ids=input_ids, attention_mask=attention_mask)
+    mask = attention_mask.float()
     pooled = getattr(out, "pooler_output", None)
     if pooled is None:
         pooled = (out.last_hidden_state * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
     return {"text_tokens": out.last_hidden_state, "text_mask": mask, "text_pooled": pooled}
 
 
+def text_features(batch, text_encoder):
+    """data.cache_text=false: the cache holds token ids, and the frozen text encoder turns them into the
+    features the cache would have held, here, at each step. A batch that holds features passes unchanged."""
+    if "input_ids" in batch:
+        batch.update(encode_tokens(text_encoder, batch.pop("input_ids"), batch.pop("attention_mask")))
+    return batch
+
+
 def make_encode(vae, tokenizer, text_encoder, max_tokens):
     """The cache's "process" step: pixels in [-1, 1] -> latents (z - shift) * scale with the VAE's own
-    factors, stored as posterior mean and std; captions -> text features."""
+    factors, stored as posterior mean and std; captions -> text features, or with text="tokens" only their
+    token ids and mask (data.cache_text=false: 77 x 5 bytes instead of 77 x 768 x 2 for CLIP-L)."""
 
     @torch.no_grad()
-    def encode(pixels, captions):
+    def encode(pixels, captions, text="features"):
         if vae is None:
             out = {"x": pixels}
         else:
             posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
             scale, shift = vae.config.scaling_factor, vae.config.shift_factor or 0.0
             out = {"x": (posterior.mean - shift) * scale, "x_std": posterior.std * scale}
-        if text_encoder is not None:
+        if text_encoder is not None and text == "tokens":
+            input_ids, attention_mask = tokenize(tokenizer, captions, max_tokens)
+            out.update(input_ids=input_ids.int(), attention_mask=attention_mask.to(torch.uint8))
+        elif text_encoder is not None:
             out.update(encode_text(tokenizer, text_encoder, captions, max_tokens))
         return out
 
@@ -400,9 +644,13 @@ def source_fingerprint(data, ds):
     if data.source == "embedded":
         return None
     root = Path(data.source)
-    if not root.exists():
-        return {"dataset_fingerprint": ds._fingerprint}
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    if is_stream(data) and ".tar" in data.source:  # local tar shards: the files the pattern names
+        root = Path("/")
+        files = sorted(Path(f).resolve() for pattern in expand_braces(data.source) for f in glob.glob(pattern))
+    elif not root.exists():
+        return {"dataset_fingerprint": getattr(ds, "_fingerprint", None)}  # hub data (a stream has none)
+    else:
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     digest, total = hashlib.sha256(), 0
     for path in files:
         stat = path.stat()
@@ -411,12 +659,12 @@ def source_fingerprint(data, ds):
     return {"files": len(files), "bytes": total, "sha256": digest.hexdigest()[:16]}
 
 
-def cache_key(cfg, part, ds):
+def cache_key(cfg, part, ds, rows):
     """Everything that changes what the shards of split `part` hold (shard_size too: it decides which rows a
     shard file holds, so resuming a build under another size would duplicate or drop rows)."""
     data, enc = cfg.data, cfg.encoders
     key = {"source": data.source, "part": part, "split": data.split, "val_split": data.val_split,
-           "val_holdout": data.val_holdout, "rows": len(ds), "resolution": data.resolution,
+           "val_holdout": data.val_holdout, "rows": rows, "resolution": data.resolution,
            "crop": [data.crop, data.min_crop_scale, data.random_flip],
            "columns": [data.image_column, data.label_column, data.caption_column], "vae": enc.vae,
            "text_encoder": enc.text_encoder, "max_tokens": enc.max_tokens if enc.text_encoder else None,
@@ -426,6 +674,10 @@ def cache_key(cfg, part, ds):
         key["demo"] = [data.demo_samples, data.demo_resolution]
     if data.label_captions:
         key["label_captions"] = data.class_ids
+    if is_stream(data):
+        key["val_shards"] = data.val_shards
+    if part == "train" and not data.cache_text and enc.text_encoder:
+        key["cache_text"] = False  # token ids, not features
     return key
 
 
@@ -504,52 +756,82 @@ def read_json(path):
         return None, f"{type(e).__name__}: {e}"
 
 
-def encode_shard(rows, first_row, encode, data, names, seed):
-    """One shard's tensors: load, preprocess and encode each image; unusable images (unreadable, empty, tiny,
-    or encoded to non-finite values) are left out and listed in `skipped`."""
-    rng = random.Random(seed)  # crops and flips depend on the shard, not on the rank or the world size
-    kept, pixels, metas, skipped = [], [], [], []
-    for i, value in enumerate(rows[data.image_column]):
-        try:
-            img = load_image(value)
-            if min(img.size) < data.min_image_side:
-                raise ValueError(f"{img.size[0]}x{img.size[1]} px is below data.min_image_side")
-            pixel, meta = preprocess(img, data.resolution, data, rng)
-        except Exception as e:  # truncated, empty, not an image, too small: report and skip, never crash
-            skipped.append(f"{value.get('path') or f'row {first_row + i}'}: {type(e).__name__}: {e}"[:300])
-            continue
-        kept.append(i), pixels.append(pixel), metas.append(meta)
-    encoded = {}
-    captions = [rows[data.caption_column][i] for i in kept] if data.caption_column else None
-    if data.label_captions:  # ImageNet-22k as text-to-image data: the class name is the caption
-        captions = [names[rows[data.label_column][i]] for i in kept]
-    for j in range(0, len(pixels), data.encode_batch_size):
-        out = encode(torch.stack(pixels[j:j + data.encode_batch_size]),
-                     captions[j:j + data.encode_batch_size] if captions else None)
-        for name, value in out.items():
-            encoded.setdefault(name, []).append(value.to("cpu", getattr(torch, data.cache_dtype)))
-    tensors = {name: torch.cat(parts) for name, parts in encoded.items()}
-    tensors.update({name: torch.stack([m[name] for m in metas]) for name in (metas[0] if metas else ())})
-    if data.label_column and kept:
-        tensors["label"] = torch.tensor([rows[data.label_column][i] for i in kept], dtype=torch.long)
-    finite = torch.ones(len(kept), dtype=torch.bool)  # an encoder overflow (fp16 VAE) is damage, not data
-    for t in tensors.values():
-        if t.is_floating_point():
-            finite &= torch.isfinite(t.flatten(1).float()).all(1)
-    for j in torch.nonzero(~finite).flatten().tolist():
-        value = rows[data.image_column][kept[j]]
-        skipped.append(f"{value.get('path') or f'row {first_row + kept[j]}'}: encoded to non-finite values")
-    return {name: t[finite] for name, t in tensors.items()}, int(finite.sum()), skipped
+def write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator, part, signals, rounds):
+    """Decode this rank's shards `todo` in DataLoader workers, encode them here, and write each one atomically
+    with the checksum of its tensors. Rows an encoder turns non-finite (an fp16 VAE overflow) are damage, not
+    data: left out and reported. After each shard the ranks agree on a stop signal; every rank takes part in
+    `rounds` such agreements (the most shards any rank writes), so they all leave after the same round."""
+    # Its own generator: a DataLoader with workers otherwise draws their seed from the global RNG, and a run
+    # that built the cache would initialise its model differently from one that found it (no exact resume).
+    loader = torch.utils.data.DataLoader(DecodedShards(ds, todo, data, names), batch_size=None,
+                                         generator=torch.Generator().manual_seed(0),
+                                         **loader_options(data, torch.device("cpu")))
+    rank = accelerator.process_index
+    bar = tqdm(total=sum(rows[k] for k in todo), unit="img", desc=f"cache {part} (rank {rank})",
+               disable=not accelerator.is_local_main_process, mininterval=0.1 if interactive() else 60)
+    pending, done, encoded, skipped, start = {}, 0, 0, 0, time.perf_counter()
+
+    def agree():
+        if signals is not None:
+            signals.exit_if_agreed(accelerator, f"the cache build ({part}); the next run resumes from its finished shards")
+
+    for batch in loader:  # decoded in the workers; encoded here, on the device
+        shard = pending.setdefault(batch["shard"], {"tensors": {}, "skipped": [], "rows": 0})
+        if len(batch["pixels"]):
+            out = encoded_rows(batch, encode, data, text)
+            finite = torch.ones(len(batch["pixels"]), dtype=torch.bool)
+            for t in out.values():
+                if t.is_floating_point():
+                    finite &= torch.isfinite(t.flatten(1).float()).all(1)
+            for i in torch.nonzero(~finite).flatten().tolist():
+                shard["skipped"].append(f"shard {batch['shard']}, row {shard['rows'] + i}: encoded to non-finite values")
+            for name, value in out.items():
+                shard["tensors"].setdefault(name, []).append(value[finite])
+            shard["rows"] += int(finite.sum())
+        shard["skipped"] += batch["skipped"]
+        encoded, skipped = encoded + len(batch["pixels"]), skipped + len(batch["skipped"])
+        bar.update(len(batch["pixels"]) + len(batch["skipped"]))
+        if batch["last"]:
+            shard = pending.pop(batch["shard"])
+            save_shard(path_of(batch["shard"]), {n: torch.cat(parts) for n, parts in shard["tensors"].items()},
+                       shard["rows"], shard["skipped"])
+            done += 1
+            agree()
+    for k in todo:  # a shard with no rows at all never reached the loop: it is finished, and empty
+        if not path_of(k).exists():
+            save_shard(path_of(k), {}, 0, [])
+    bar.close()
+    seconds = time.perf_counter() - start
+    print(f"cache {part} rank {rank}: encoded {encoded} images, skipped {skipped}, {len(todo)} shards in "
+          f"{seconds:.1f} s ({encoded / max(seconds, 1e-9):.1f} images/s)", flush=True)
+    for _ in range(rounds - done):
+        agree()
+
+
+def save_shard(path, tensors, rows, skipped):
+    """Atomically: written to a temporary name, renamed when complete, with its row count, the skipped rows
+    and the checksum of its tensors in the header."""
+    tmp = path.with_suffix(".tmp")
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
+              metadata={"rows": str(rows), "skipped": json.dumps(skipped), "sha256": tensors_sha256(tensors)})
+    os.replace(tmp, path)
 
 
 def build_cache(ds, part, encode, accelerator, cfg, signals=None):
     """Cache split `part` ("train" or "val") of `ds`: return its folder, encoding what is missing first.
-    `encode(pixels, captions)` maps a batch to a dict of tensors (see make_encode). Every shard is checked
-    before it is used (data.verify_cache: its checksum and finite values too), by the rank that would write
-    it; a missing or damaged one is (re)built. `signals` (common.StopSignals): a stop signal ends the build
-    after the shards in progress, exiting for a requeue; the next run resumes from the finished shards."""
+    `encode(pixels, captions)` maps a batch to a dict of tensors (see make_encode). Images are decoded and
+    cropped in DataLoader workers (DecodedShards) while the encoders run here; a streamed source's shard k is
+    cache shard k. Every shard is checked before it is used (data.verify_cache: its checksum and finite values
+    too) by the rank that would write it; a missing or damaged one is (re)built. `signals` (common.StopSignals):
+    the ranks agree on a stop after each shard they write, so a stop signal ends the build after the shards in
+    progress, exiting for a requeue; the next run resumes from the finished shards."""
+    import datasets
+    from accelerate.utils import gather_object
+
     data = cfg.data
-    key = cache_key(cfg, part, ds)
+    streamed = isinstance(ds, datasets.IterableDataset)
+    shards = stream_shards(data, ds, part) if streamed else list(range(math.ceil(len(ds) / data.shard_size)))
+    key = cache_key(cfg, part, ds, f"{len(shards)} source shards" if streamed else len(ds))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9]+", "-", data.source).strip("-")[-40:]
     folder = Path(data.cache_dir) / f"{slug}-{part}-{digest}"
@@ -558,49 +840,55 @@ def build_cache(ds, part, encode, accelerator, cfg, signals=None):
         accelerator.print(f"warning: cache ({part}): {folder / 'manifest.json'} cannot be read ({problem or 'no checksums'}); "
                           f"treating the folder as a miss: finished shards are verified and reused, the rest encoded")
         manifest = None
-    size, rank, world = data.shard_size, accelerator.process_index, accelerator.num_processes
-    num_shards = math.ceil(len(ds) / size)
+    rank, world = accelerator.process_index, accelerator.num_processes
     found = len(list(folder.glob("shard_*.safetensors")))
     if manifest is not None:
         accelerator.print(f"cache check ({part}): {folder}, {len(manifest['shards'])} shards"
                           + (" (verifying checksums)" if data.verify_cache else ""))
     elif found:
-        accelerator.print(f"cache miss ({part}): reusing {found} finished shards of {num_shards} in {folder} "
+        accelerator.print(f"cache miss ({part}): reusing {found} finished shards of {len(shards)} in {folder} "
                           f"(each verified first), encoding the rest")
     else:
         explain_miss(folder, key, part, accelerator)
-        accelerator.print(f"cache miss ({part}): encoding {len(ds)} samples into {folder}")
+        accelerator.print(f"cache miss ({part}): encoding {len(shards)} shards into {folder}")
     if accelerator.is_main_process:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "key.json").write_text(json.dumps(key, indent=1))  # names what changed for a later miss
     accelerator.wait_for_everyone()
     names = class_names(data, ds) if data.label_captions else None
     expected = manifest["sha256"] if manifest else {}
-    built = 0
-    # Round r: rank i takes shard r * world + i. Every rank runs the same rounds, so a stop signal is agreed on
-    # (one all-reduce per round) and all ranks leave after the same round.
-    for r in progress(range(math.ceil(num_shards / world)), f"cache {part} (rank {rank})",
-                      accelerator.is_local_main_process):
-        if signals is not None:
-            signals.exit_if_agreed(accelerator, f"the cache build ({part}); the next run resumes from its finished shards")
-        k = r * world + rank
-        path = folder / f"shard_{k:05d}.safetensors"
-        if k >= num_shards:
-            continue
-        if path.exists():
-            damage = shard_damage(path, data.verify_cache, expected.get(path.name))
+    text = "tokens" if part == "train" and not data.cache_text else "features"  # held-out rows keep features
+
+    def path_of(k):
+        return folder / f"shard_{k:05d}.safetensors"
+
+    # The shard at position j of `shards` is rank j % world's to check and, if missing or damaged, to write.
+    todo = []
+    for k in [k for j, k in enumerate(shards) if j % world == rank]:
+        if path_of(k).exists():
+            damage = shard_damage(path_of(k), data.verify_cache, expected.get(path_of(k).name))
             if damage is None:
                 continue  # finished before, and sound
-            print(f"cache ({part}): {path} is damaged ({damage}): rebuilding it", flush=True)
-        tensors, rows, skipped = encode_shard(ds[k * size:(k + 1) * size], k * size, encode, data, names, seed=k)
-        tmp = path.with_suffix(".tmp")
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
-                  metadata={"rows": str(rows), "skipped": json.dumps(skipped), "sha256": tensors_sha256(tensors)})
-        os.replace(tmp, path)
-        built += 1
-    built = int(accelerator.reduce(torch.tensor(built, device=accelerator.device), "sum"))
+            print(f"cache ({part}): {path_of(k)} is damaged ({damage}): rebuilding it", flush=True)
+        todo.append(k)
+    todo_by_rank = gather_object([todo]) if world > 1 else [todo]
+    missing = sorted(k for t in todo_by_rank for k in t)
+    if missing:
+        rows = samples_per_shard(ds, missing, data.shard_size)
+        per_row, size = cache_size(encode, data, text, list(rows.values()))
+        free = shutil.disk_usage(folder).free
+        accelerator.print(f"cache ({part}): {len(missing)} of {len(shards)} shards to write, about "
+                          f"{sum(rows.values())} samples x {per_row} bytes = {human_bytes(size)}; {human_bytes(free)} "
+                          f"free on {data.cache_dir}")
+        if size > free:
+            raise SystemExit(f"data.cache_dir='{data.cache_dir}' has {human_bytes(free)} free, the {part} cache needs "
+                             f"about {human_bytes(size)}: free space, choose another data.cache_dir, or shrink the "
+                             f"cache (data.cache_text=false keeps token ids instead of text features)")
+        write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator, part, signals,
+                     rounds=max(len(t) for t in todo_by_rank))
+    built = len(missing)
     if accelerator.is_main_process:
-        shards, sums, skipped = [f"shard_{k:05d}.safetensors" for k in range(num_shards)], {}, []
+        shards, sums, skipped = [path_of(k).name for k in shards], {}, []
         for name in shards:
             with safe_open(str(folder / name), "pt") as f:
                 skipped += json.loads(f.metadata().get("skipped", "[]"))
@@ -611,7 +899,7 @@ def build_cache(ds, part, encode, accelerator, cfg, signals=None):
             tmp = folder / "manifest.tmp"
             tmp.write_text(json.dumps({"key": key, "shards": shards, "sha256": sums, "skipped": skipped}, indent=1))
             os.replace(tmp, folder / "manifest.json")
-        accelerator.print(f"cache {'hit' if not built else 'ready'} ({part}): {folder}, {num_shards} shards"
+        accelerator.print(f"cache {'hit' if not built else 'ready'} ({part}): {folder}, {len(shards)} shards"
                           + (f", {built} (re)built" if built else ", all sound"))
     accelerator.wait_for_everyone()
     return folder
@@ -650,8 +938,8 @@ class CachedDataset(torch.utils.data.Dataset):
         if k not in self.handles:  # opened per worker process, lazily: handles do not pickle
             self.handles[k] = safe_open(str(self.folder / self.shards[k]), "pt")
         f, j = self.handles[k], i - self.starts[k]
-        return {name: f.get_slice(name)[j].float() if name != "label" else f.get_slice(name)[j]
-                for name in self.keys}
+        return {name: f.get_slice(name)[j] if name in ("label", "input_ids", "attention_mask")  # stay integers
+                else f.get_slice(name)[j].float() for name in self.keys}
 
     def __getstate__(self):
         return {**self.__dict__, "handles": {}}

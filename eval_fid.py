@@ -38,7 +38,8 @@ from PIL import Image
 
 import common
 import config
-from data import decode, encode_text, load_encoders, load_image, open_dataset, open_splits, preprocess
+from data import (decode, encode_text, is_stream, load_encoders, load_image, open_dataset, open_splits, preprocess,
+                  stream_heldout)
 from model import build_denoiser, load_exported
 from monitor import progress
 
@@ -143,8 +144,11 @@ def to_uint8(x):
 
 
 def heldout(data):
-    """The rows the trainer validated on: data.val_split when set (opened alone, so no CC12M-sized train
-    split is read), else open_splits' seeded hold-out of the training split."""
+    """The rows the trainer validated on: a streamed source's first held-out samples (the trainer's own
+    function), data.val_split when set (opened alone, so no CC12M-sized train split is read), else
+    open_splits' seeded hold-out of the training split."""
+    if is_stream(data):
+        return stream_heldout(data)
     return open_dataset(data, data.val_split) if data.val_split else open_splits(data)[1]
 
 

@@ -31,7 +31,7 @@ import eval_fid
 import runlog
 from data import (COND_FIELDS, CachedDataset, build_cache, check_cache_shared, decode, drop_conditions, encode_text,
                   heldout_batches, iterate_batches, load_encoders, loader_options, make_encode, open_splits,
-                  read_class_ids, validation_inputs, validation_prompts)
+                  read_class_ids, text_features, validation_inputs, validation_prompts)
 from model import build_for_run, export, guided, init_from
 from monitor import Monitor
 
@@ -45,10 +45,14 @@ DEFAULTS = {
     "init_from": None,               # another run's folder, checkpoint or export: its weights and EMA start this
                                      # new run (256 -> 512 px, 22k -> 1k); "{method}" in it: this trainer's name
     "data": {
-        "source": "embedded",        # "embedded" (generated demo), a hub id, an imagefolder or parquet path
+        "source": "embedded",        # "embedded" (generated demo), a hub id, an imagefolder or parquet path, or
+                                     # webdataset tar shards "/data/cc12m/{00000..01242}.tar" (streamed)
+        "streaming": False,          # stream a hub dataset's shards instead of downloading and converting it
         "split": "train",
         "val_split": None,           # a held-out split of the source; None: hold out val_holdout train rows
         "val_holdout": None,         # held-out rows drawn from split; None: 10% of the rows, at most 256
+        "val_shards": None,          # streamed: source shards [first, stop) held out ([-1, null]: the last one);
+                                     # the held-out rows are their first val_holdout samples
         "image_column": "image",
         "label_column": "label",     # None for text-only data
         "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
@@ -66,6 +70,7 @@ DEFAULTS = {
         "demo_resolution": 16,
         "cache_dir": "cache",
         "cache_dtype": "float16",
+        "cache_text": True,          # cache text features; False: token ids only, encoded at each step (lean)
         "shard_size": 1024,          # rows per cache shard (part of the cache key)
         "verify_cache": True,        # check every cached value (checksum, finite) at start, split over processes;
                                      # False: headers only (for caches too large to read at each start)
@@ -263,7 +268,8 @@ def main(argv=None):
     if text_encoder is not None:  # the null condition for guidance (the empty prompt) and the validation prompts
         null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
         val_text = encode_text(tokenizer, text_encoder, val_prompts, cfg.encoders.max_tokens)
-        text_encoder.cpu()  # encoders leave the GPU once the cache is built
+        text_encoder.to("cpu" if data.cache_text else device)  # off the GPU once the cache is built,
+                                                                # unless it encodes at each step (cache_text=false)
     if vae is not None:
         vae.cpu()
 
@@ -302,7 +308,8 @@ def main(argv=None):
                                             val_text)
 
     @torch.no_grad()
-    def validate(step):
+    @torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])  # draws nothing from training's RNG
+    def validate(step):                                                        # (padding noise): exact resume
         ema.eval()
         path = log.samples(decode(vae, generate(ema, val_noise, val_cond, cfg), device), step, val_prompts)
         # Validation loss: every held-out sample at every t_k = (k + 0.5) / K, with fixed noise.
@@ -331,7 +338,7 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr
         for micro in range(tr.grad_accum):
-            batch = monitor.next_batch(batches, device)
+            batch = text_features(monitor.next_batch(batches, device), text_encoder)  # cache_text=false: encode
             x0 = batch["x"] + batch["x_std"] * torch.randn_like(batch["x"]) if "x_std" in batch else batch["x"]
             cond = {k: v for k, v in batch.items() if k in COND_FIELDS}
             # Semantic and control conditions are dropped independently, for guidance on each.
