@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from data import CachedDataset, build_cache, cache_size, human_bytes, make_encode, open_splits  # noqa: E402
 from model import build_denoiser  # noqa: E402
@@ -99,7 +99,7 @@ def throughput(pattern, workers, tmp):
     encode = make_encode(sd_vae(small=True), word_tokenizer(), clip_text(64, 2, 2, 128, vocab=32), 16)
     rates = {}
     for w in workers:
-        cfg = common.load_config(fm.DEFAULTS, [
+        cfg = config.load_config(fm.DEFAULTS, [
             "--data.source", pattern, "--data.cache_dir", f"{tmp}/cache_{w}", "--data.image_column=jpg",
             "--data.caption_column=txt", "--data.label_column=null", "--data.val_shards=[-1,null]",
             "--data.resolution=64", "--data.crop=random_resized", "--data.encode_batch_size=32",
@@ -120,11 +120,11 @@ def recipe_bytes():
     tok = word_tokenizer()
     out = {}
     for res in (256, 512):
-        cfg = common.load_config(fm.DEFAULTS, ["--data.resolution", str(res), "--data.label_column=null",
+        cfg = config.load_config(fm.DEFAULTS, ["--data.resolution", str(res), "--data.label_column=null",
                                                "--data.caption_column=txt"])
         for text, name in (("features", "text features cached"), ("tokens", "token ids cached")):
             out[(res, name)] = cache_size(make_encode(vae, tok, clip_l, 77), cfg.data, text, [1])[0]
-        cfg = common.load_config(fm.DEFAULTS, ["--data.resolution", str(res)])  # class labels, no text
+        cfg = config.load_config(fm.DEFAULTS, ["--data.resolution", str(res)])  # class labels, no text
         out[(res, "class labels")] = cache_size(make_encode(vae, None, None, 77), cfg.data, "features", [1])[0]
     return out
 
@@ -139,7 +139,7 @@ def flops(fn):
 
 def text_share():
     """CLIP-L forward FLOPs per sample / the cc12m recipe's MMDiT training-step FLOPs per sample."""
-    cfg = common.load_config(fm.DEFAULTS, ["--config", str(Path(__file__).resolve().parents[1] / "configs/cc12m.json")])
+    cfg = config.load_config(fm.DEFAULTS, ["--config", str(Path(__file__).resolve().parents[1] / "configs/cc12m.json")])
     shares = {}
     clip_l, ids = clip_text(768, 12, 12, 3072), torch.zeros(1, 77, dtype=torch.long)  # on the CPU: it calls .item()
     with torch.no_grad():

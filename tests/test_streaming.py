@@ -3,7 +3,6 @@ by 1 or 2 processes and 0 or 2 DataLoader workers, hold the same rows either way
 size themselves before any work, and train with text encoded on the fly (data.cache_text=false)."""
 import io
 import json
-import random
 import re
 import tarfile
 from pathlib import Path
@@ -15,10 +14,11 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import common
+import config
 import data as data_module
 import eval_fid
 import train_flow_matching as fm
-from conftest import DEMO_WORDS, ROOT, tiny_run_args
+from conftest import DEMO_WORDS, tiny_run_args
 from data import CachedDataset, build_cache, cache_size, encode_text, make_encode, open_splits, samples_per_shard
 
 SHARDS, PER_SHARD = 8, 32  # 256 samples
@@ -90,8 +90,8 @@ def assert_same_shards(a, b):
 
 
 def test_streamed_cache_is_the_same_for_1_and_2_processes_and_workers_and_resumes(wds, tmp_path, capsys):
-    cfg1 = common.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "one", workers=0))
-    cfg2 = common.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "two", workers=2))
+    cfg1 = config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "one", workers=0))
+    cfg2 = config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "two", workers=2))
     train, _ = open_splits(cfg1.data)
     one, two = build(cfg1, train, "train", 1), build(cfg2, train, "train", 2)
     assert_same_shards(shard_tensors(one), shard_tensors(two))
@@ -103,7 +103,7 @@ def test_streamed_cache_is_the_same_for_1_and_2_processes_and_workers_and_resume
         assert f"{s:05d}{i:04d}" in skipped
     assert "missing caption" in skipped and "UnidentifiedImageError" in skipped and "FileNotFound" not in skipped
     out = capsys.readouterr().out
-    assert re.search(rf"cache train rank 1: encoded \d+ images, skipped \d+, 3 shards", out)
+    assert re.search(r"cache train rank 1: encoded \d+ images, skipped \d+, 3 shards", out)
     # An interrupted build resumes: only the missing shard is encoded again, to the same rows.
     before = shard_tensors(two)
     (two / "shard_00003.safetensors").unlink()
@@ -115,13 +115,13 @@ def test_streamed_cache_is_the_same_for_1_and_2_processes_and_workers_and_resume
 
 
 def test_heldout_rows_are_the_first_of_the_named_shards_for_any_process_count(wds, tmp_path):
-    cfg = common.load_config(fm.DEFAULTS, stream_args(wds, tmp_path))
+    cfg = config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path))
     _, val = open_splits(cfg.data)
     # The first 40 samples of shards 6 and 7, in order (the broken ones among them are skipped in the cache).
     assert val["__key__"] == [f"{6 + n // PER_SHARD:05d}{n % PER_SHARD:04d}" for n in range(40)]
     assert eval_fid.heldout(cfg.data)["__key__"] == val["__key__"]  # eval_fid.py reads the same rows
-    one = build(common.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "one")), val, "val", 1)
-    two = build(common.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "two", workers=2)), val, "val", 2)
+    one = build(config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "one")), val, "val", 1)
+    two = build(config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "two", workers=2)), val, "val", 2)
     assert_same_shards(shard_tensors(one), shard_tensors(two))
     assert len(CachedDataset(one)) == 40 - sum(1 for s, i in BROKEN if 0 <= (s - 6) * PER_SHARD + i < 40)
 
@@ -136,12 +136,12 @@ def test_heldout_rows_are_the_first_of_the_named_shards_for_any_process_count(wd
 def test_bad_stream_configs_are_refused_before_any_work(wds, tmp_path, args, message):
     argv = [a for a in stream_args(wds, tmp_path) if not a.startswith("--data.val_shards")] + args
     with pytest.raises(ValueError, match=message):
-        open_splits(common.load_config(fm.DEFAULTS, argv).data)
+        open_splits(config.load_config(fm.DEFAULTS, argv).data)
 
 
 @pytest.mark.parametrize("cache_text", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_size_estimate_matches_the_written_cache(wds, tmp_path, tiny_vae, tiny_text_encoder, cache_text, capsys):
-    cfg = common.load_config(fm.DEFAULTS, stream_args(wds, tmp_path, extra=[
+    cfg = config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path, extra=[
         "--encoders.vae", tiny_vae, "--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8",
         "--data.resolution=16", f"--data.cache_text={str(cache_text).lower()}", "--data.val_shards=[2,8]",
         "--data.encode_batch_size=32"]))
@@ -162,7 +162,7 @@ def test_size_estimate_matches_the_written_cache(wds, tmp_path, tiny_vae, tiny_t
 
 
 def test_a_cache_that_cannot_fit_is_refused_before_any_work(wds, tmp_path, monkeypatch):
-    cfg = common.load_config(fm.DEFAULTS, stream_args(wds, tmp_path))
+    cfg = config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path))
     train, _ = open_splits(cfg.data)
     monkeypatch.setattr(data_module.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
     with pytest.raises(SystemExit, match=r"data.cache_dir='.*' has 1.0 KB free, the train cache needs about"):
@@ -172,7 +172,7 @@ def test_a_cache_that_cannot_fit_is_refused_before_any_work(wds, tmp_path, monke
 
 def test_text_features_at_each_step_equal_the_cached_features(tiny_text_encoder):
     # data.cache_text=false: token ids from the cache, encoded at the step, give what encode_text would have cached.
-    _, tokenizer, encoder = data_module.load_encoders(common.Config({"vae": None, "text_encoder": tiny_text_encoder}),
+    _, tokenizer, encoder = data_module.load_encoders(config.Config({"vae": None, "text_encoder": tiny_text_encoder}),
                                                       torch.device("cpu"))
     captions = ["a small red circle", "large blue", "green square triangle a"]
     encode = make_encode(None, tokenizer, encoder, 8)
@@ -212,7 +212,7 @@ def test_exact_resume_on_a_streamed_cache(wds, tmp_path, tiny_text_encoder, proc
     launch(args("resumed", 4) + ["--resume=latest"], processes, tmp_path)
     assert_same_checkpoint(tmp_path / "straight", tmp_path / "resumed", 4)
     # The cache those ranks wrote holds the same rows as one built here by one process without workers.
-    cfg = common.load_config(fm.DEFAULTS, args("here", 1) + ["--data.cache_dir", str(tmp_path / "here"),
+    cfg = config.load_config(fm.DEFAULTS, args("here", 1) + ["--data.cache_dir", str(tmp_path / "here"),
                                                              "--data.num_workers=0"])
     _, tokenizer, text_encoder = data_module.load_encoders(cfg.encoders, torch.device("cpu"))
     train, _ = open_splits(cfg.data)
