@@ -13,7 +13,6 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-import common
 import config
 import data as data_module
 import eval_fid
