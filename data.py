@@ -512,7 +512,7 @@ def cache_size(encode, data, text, shard_rows):
              "labels": torch.zeros(1, dtype=torch.long) if data.label_column else None}
     tensors = encoded_rows(probe, encode, data, text)
     per_row = sum(t.numel() * t.element_size() for t in tensors.values())
-    one_row = save({name: t.contiguous() for name, t in tensors.items()}, metadata={"rows": "1", "skipped": "[]"})
+    one_row = save({name: t.contiguous() for name, t in tensors.items()}, metadata={"rows": "1", "skipped": "[]", "sha256": "0" * 64})
     header = len(one_row) - per_row
     return per_row, sum(shard_rows) * per_row + len(shard_rows) * header
 
@@ -851,8 +851,8 @@ def build_cache(ds, part, encode, accelerator, cfg, signals=None):
     else:
         explain_miss(folder, key, part, accelerator)
         accelerator.print(f"cache miss ({part}): encoding {len(shards)} shards into {folder}")
+    folder.mkdir(parents=True, exist_ok=True)
     if accelerator.is_main_process:
-        folder.mkdir(parents=True, exist_ok=True)
         (folder / "key.json").write_text(json.dumps(key, indent=1))  # names what changed for a later miss
     accelerator.wait_for_everyone()
     names = class_names(data, ds) if data.label_captions else None
