@@ -3,6 +3,7 @@ exit codes), never on how the loop is written: accumulation, the EMA on real opt
 non-finite step, exact resume of the DDPM trainer, preemption of one of two ranks, DataLoader workers under
 SIGTERM. All are end-to-end runs: the slow tier.
 """
+import contextlib
 import json
 import os
 import re
@@ -157,14 +158,20 @@ def wait_for_training(metrics, proc, rows=2, timeout=300):
         time.sleep(0.2)
 
 
-def test_one_rank_signalled_both_stop_at_the_same_step_with_one_checkpoint(tmp_path):
-    args = tiny_run_args(tmp_path, "ddp", steps=10_000) + ["--log.every=1"]
-    marker = f"bookkeeping-{os.getpid()}-{tmp_path.name}"
-    proc = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                             str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "TEST_MARKER": marker},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_for_training(tmp_path / "ddp" / "metrics.jsonl", proc)
+@contextlib.contextmanager
+def killed_at_exit(proc):
+    """A run that hangs (the bug some of these tests exist for) is killed with its process group."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def signal_rank_one(proc, marker, metrics):
+    """SIGUSR1 to rank 1 of an `accelerate launch` (found by its RANK and our marker), once it trains."""
+    wait_for_training(metrics, proc)
 
     def rank_of(p):
         try:
@@ -176,7 +183,18 @@ def test_one_rank_signalled_both_stop_at_the_same_step_with_one_checkpoint(tmp_p
     ranks = {rank_of(p): p for p in psutil.Process(proc.pid).children(recursive=True)}
     assert {0, 1} <= set(ranks), ranks
     ranks[1].send_signal(signal.SIGUSR1)  # rank 1 only
-    stdout, stderr = proc.communicate(timeout=300)
+    return proc.communicate(timeout=180)
+
+
+def test_one_rank_signalled_both_stop_at_the_same_step_with_one_checkpoint(tmp_path):
+    args = tiny_run_args(tmp_path, "ddp", steps=10_000) + ["--log.every=1"]
+    marker = f"bookkeeping-{os.getpid()}-{tmp_path.name}"
+    proc = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                             str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "TEST_MARKER": marker},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    with killed_at_exit(proc):
+        stdout, stderr = signal_rank_one(proc, marker, tmp_path / "ddp" / "metrics.jsonl")
     stopped = re.search(r"stopped by a signal at step (\d+)", stdout)  # printed by rank 0, which was not signalled
     assert stopped, stderr[-3000:]
     step = int(stopped[1])
@@ -184,8 +202,8 @@ def test_one_rank_signalled_both_stop_at_the_same_step_with_one_checkpoint(tmp_p
     assert folders == [f"step_{step:08d}"]  # exactly one checkpoint, at the step where both stopped
     assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints" / folders[0]).glob("rng_*")) == ["rng_0.pt", "rng_1.pt"]
     assert train_rows(tmp_path / "ddp")[-1]["step"] == step
-    # Both ranks exited with the requeue code (torchrun reports each failed rank's exit code).
-    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
+    # torchrun reports the first rank to exit (and then stops the other): with the requeue code.
+    codes = [int(c) for c in re.findall(r"exitcode\W+(-?\d+)", stderr)]
     assert codes and set(codes) == {common.REQUEUE_EXIT_CODE}, stderr[-3000:]
 
 
@@ -196,11 +214,12 @@ def test_dataloader_workers_ignore_sigterm_and_the_run_checkpoints_and_exits_75(
     proc = subprocess.Popen([sys.executable, str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_for_training(tmp_path / "workers" / "metrics.jsonl", proc)
-    workers = psutil.Process(proc.pid).children(recursive=True)
-    assert len(workers) >= 2  # the DataLoader's worker processes are alive
-    os.killpg(proc.pid, signal.SIGTERM)  # the trainer and its workers, as a scheduler does
-    stdout, stderr = proc.communicate(timeout=300)
+    with killed_at_exit(proc):
+        wait_for_training(tmp_path / "workers" / "metrics.jsonl", proc)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert len(workers) >= 2  # the DataLoader's worker processes are alive
+        os.killpg(proc.pid, signal.SIGTERM)  # the trainer and its workers, as a scheduler does
+        stdout, stderr = proc.communicate(timeout=180)
     assert proc.returncode == common.REQUEUE_EXIT_CODE, stderr[-3000:]
     step = int(re.search(r"stopped by a signal at step (\d+)", stdout)[1])
     assert common.find_checkpoint(tmp_path / "workers", "latest").name == f"step_{step:08d}"
