@@ -160,13 +160,16 @@ def wait_for_training(metrics, proc, rows=2, timeout=300):
 
 @contextlib.contextmanager
 def killed_at_exit(proc):
-    """A run that hangs (the bug some of these tests exist for) is killed with its process group."""
+    """A run that hangs (the bug some of these tests exist for) is killed, with every process it started
+    (torchrun puts each rank in a session of its own)."""
     try:
         yield
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.communicate(timeout=60)
 
 
 def signal_rank_one(proc, marker, metrics):
@@ -183,7 +186,7 @@ def signal_rank_one(proc, marker, metrics):
     ranks = {rank_of(p): p for p in psutil.Process(proc.pid).children(recursive=True)}
     assert {0, 1} <= set(ranks), ranks
     ranks[1].send_signal(signal.SIGUSR1)  # rank 1 only
-    return proc.communicate(timeout=180)
+    return proc.communicate(timeout=120)
 
 
 def test_one_rank_signalled_both_stop_at_the_same_step_with_one_checkpoint(tmp_path):
