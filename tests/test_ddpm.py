@@ -284,6 +284,7 @@ def test_generate_reads_a_plain_dict_config():
 # ---- End to end ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tiny_run_resumes_and_exports(tmp_path):
     run_dir = tmp_path / "run"
     args = ["--data.demo_samples=320", "--data.val_holdout=64", "--train.batch_size=16", "--val.steps=2",

@@ -88,6 +88,7 @@ def test_size_tags():
 # ---- End to end: generation, reference, report -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fid_of_samples_against_themselves_is_zero_and_report_is_complete(run, tmp_path):
     feature_fn = TinyFeatures()
     out = tmp_path / "eval"
@@ -114,6 +115,7 @@ def test_fid_of_samples_against_themselves_is_zero_and_report_is_complete(run, t
     assert np.array_equal(arr[7], pngs(out / "samples")["000007.png"])
 
 
+@pytest.mark.slow
 def test_checkpoint_raw_weights_against_dataset_reference(run, tmp_path):
     report = eval_fid.main(["--run", str(run), "--checkpoint", "latest", "--weights", "raw", "--num_samples", "8",
                             *GEN, "--out_dir", str(tmp_path / "e"), "--stats_cache", str(tmp_path / "stats"),
@@ -127,6 +129,7 @@ def test_checkpoint_raw_weights_against_dataset_reference(run, tmp_path):
     assert np.isfinite(report["metrics"]["fid_clean_8"]) and "kid_clean_8" in report["metrics"]
 
 
+@pytest.mark.slow
 def test_reference_stats_are_cached_and_invalidated_by_preprocessing(run, tmp_path):
     from accelerate import Accelerator
 
@@ -146,6 +149,7 @@ def test_reference_stats_are_cached_and_invalidated_by_preprocessing(run, tmp_pa
     assert len(list(cache.glob("*.npz"))) == 2
 
 
+@pytest.mark.slow
 def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
     args = ["--run", str(run), "--num_samples", "10", "--steps", "2", "--batch_size", "3",
             "--features", "tests.test_eval_fid:TinyFeatures"]
@@ -175,6 +179,7 @@ def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
     assert two_report["metrics"] == pytest.approx(one_report["metrics"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_fid_during_training(run, tmp_path):
     from accelerate import Accelerator
 
@@ -256,6 +261,7 @@ def make_tiny_clip(folder):
     CLIPModel(config).save_pretrained(folder)
 
 
+@pytest.mark.slow
 def test_clip_score_for_a_text_model(tmp_path):
     clip = tmp_path / "clip"
     make_tiny_clip(clip)
