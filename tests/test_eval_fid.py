@@ -167,8 +167,12 @@ def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
     assert one_report["num_processes"] == 1 and two_report["num_processes"] == 2
     one, two = pngs(tmp_path / "one" / "samples"), pngs(tmp_path / "two" / "samples")
     assert len(one) == 10 and one.keys() == two.keys()
+    # Not bitwise: the parent runs with its default thread count, the ranks with OMP_NUM_THREADS=1, and CPU
+    # matrix kernels block (and so round) by thread count. Float differences of ~1e-6 can flip a rounding
+    # to uint8; a different seed per rank or a wrong sample order would change most pixels by far more.
     for name in one:
-        assert np.array_equal(one[name], two[name]), name
+        diff = np.abs(one[name].astype(int) - two[name].astype(int))
+        assert diff.max() <= 1 and (diff > 0).mean() < 0.01, name
     assert not np.array_equal(one["000000.png"], one["000001.png"])  # every sample has its own noise
     one_stats, two_stats = (np.load(next((tmp_path / d).glob("*.npz"))) for d in ("s1", "s2"))
     for name in one_stats.files:  # the same reference statistics, up to float32 batch-split rounding
@@ -176,22 +180,37 @@ def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
             np.testing.assert_allclose(one_stats[name], two_stats[name], rtol=1e-6, atol=1e-7)
         else:
             assert one_stats[name].tolist() == two_stats[name].tolist(), name
-    assert two_report["metrics"] == pytest.approx(one_report["metrics"], rel=1e-6)
+    assert two_report["metrics"] == pytest.approx(one_report["metrics"], rel=1e-3)  # from those near-equal images
 
 
 @pytest.mark.slow
 def test_fid_during_training(run, tmp_path):
+    """The value against the closed form on the same features, and the batch size changing the images only
+    at float rounding (CPU matrix kernels block by batch size: bitwise equality is not a claim to make)."""
     from accelerate import Accelerator
 
     model, cfg = eval_fid.load_model(run)[:2]
     metrics = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, None, feature_fn=TinyFeatures(),
                                            stats_cache=str(tmp_path / "stats"), steps=2, batch_size=6)
-    assert set(metrics) == {"fid_clean_12", "kid_clean_12"} and np.isfinite(metrics["fid_clean_12"])
+    assert set(metrics) == {"fid_clean_12", "kid_clean_12"}
+    assert not model.training
+    # Closed form: ||mu - mu_r||^2 + Tr(S + S_r - 2 sqrtm(S S_r)) of the same 12 samples' features.
+    cond = eval_fid.make_condition(cfg, model, None, "cpu", eval_fid.make_controls(cfg, "heldout"))
+    images = {b: np.concatenate([eval_fid.sample_batch(model, cfg, cond, idx, 0, 2)
+                                 for idx in eval_fid.my_batches(12, b, 0, 1)]) for b in (6, 4)}
+    feats = TinyFeatures()(list(images[6]))
     stats_file = next((tmp_path / "stats").glob("*.npz"))  # our cached statistics also serve as a reference
+    with np.load(stats_file) as ref:
+        mu, sigma = ref["mu"], ref["sigma"]
+    s1 = np.cov(feats, rowvar=False)
+    expected = np.sum((feats.mean(0) - mu) ** 2) + np.trace(s1 + sigma - 2 * scipy.linalg.sqrtm(s1 @ sigma).real)
+    assert metrics["fid_clean_12"] == pytest.approx(expected, rel=1e-6)
+    # Another batch size: the same images up to a rounding flip of a pixel, and the same FID to float accuracy.
+    diff = np.abs(images[6].astype(int) - images[4].astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
     again = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, str(stats_file), feature_fn=TinyFeatures(),
                                          steps=2, batch_size=4)
-    assert again == pytest.approx(metrics, rel=1e-9)  # and the batch size does not change the images
-    assert not model.training
+    assert again == pytest.approx(metrics, rel=1e-3)
 
 
 # ---- Offline Inception ---------------------------------------------------------------------------------------
