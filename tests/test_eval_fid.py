@@ -255,6 +255,44 @@ def test_local_inception_file_under_any_name_is_loaded_without_download(tmp_path
         assert feature_fn.name == f"inception-2015-12-05/{mode}" and feature_fn.path.endswith("my_inception.pt")
 
 
+class FakeInceptionLayers(torch.nn.Module):
+    """clean-fid's InceptionV3W interface on a tiny fixed net: base(x, return_features) and base.layers,
+    2048 features (as InceptionV3W reshapes them) of rank <= 48."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(48, 2048))
+
+    def forward(self, x, return_features: bool = False):
+        return self.layers(x / 255)
+
+
+@pytest.mark.slow
+def test_fid_end_to_end_equals_clean_fids_own_compute_fid(run, tmp_path, monkeypatch):
+    """The same two image folders, scored by eval_fid.py (its PNGs, resizer, features, statistics) and by
+    clean-fid's compute_fid with the same feature network: the same FID to 1e-6 relative."""
+    from cleanfid import fid
+    from cleanfid.inception_torchscript import InceptionV3W
+
+    monkeypatch.setattr(eval_fid.urllib.request, "urlopen", None)  # any download attempt would fail loudly
+    weights = tmp_path / "inception" / eval_fid.INCEPTION_FILE
+    weights.parent.mkdir()
+    torch.jit.script(FakeInceptionLayers()).save(str(weights))
+    reference = tmp_path / "reference"
+    eval_fid.main(["--run", str(run), "--num_samples", "24", *GEN, "--seed", "1", "--out_dir", str(reference),
+                   "--generate_only"])
+    report = eval_fid.main(["--run", str(run), "--num_samples", "24", *GEN, "--out_dir", str(tmp_path / "ours"),
+                            "--reference", str(reference / "samples"), "--inception_weights", str(weights),
+                            "--stats_cache", str(tmp_path / "stats")])
+    network = InceptionV3W(str(weights.parent), download=False, resize_inside=False)
+    theirs = fid.compute_fid(str(tmp_path / "ours" / "samples"), str(reference / "samples"), mode="clean",
+                             custom_feat_extractor=network, device=torch.device("cpu"), num_workers=0,
+                             batch_size=8, verbose=False)
+    assert report["metrics"]["fid_clean_24"] == pytest.approx(theirs, rel=1e-6)
+    assert theirs > 1e-3  # two different sample sets: a real distance, not 0 = 0
+
+
 # ---- Text-to-image: CLIP score through a tiny local CLIP ----------------------------------------------------
 
 
