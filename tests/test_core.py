@@ -290,3 +290,24 @@ def test_sampling_a_text_model_twice_from_the_same_noise_gives_identical_images(
     model.train()
     x, t = torch.randn(2, 3, 8, 8), torch.full((2,), 500.0)
     assert not torch.equal(model(x, t, text_cond()), model(x, t, text_cond()))
+
+
+@pytest.mark.slow
+def test_a_shifted_ddpm_run_feeds_the_time_of_the_noise_in_training_and_validation(tmp_path, monkeypatch):
+    """Every forward pass of a run with shift 2 (training, validation samples, validation loss): the time
+    input, read on the unshifted schedule, names the noise level that the conditioner is given."""
+    from conftest import tiny_run_args
+
+    seen, build = [], ddpm.build_for_run
+
+    def recording_build(*args, **kwargs):
+        model = build(*args, **kwargs)  # the EMA is a deep copy: it records too
+        model.register_forward_pre_hook(lambda module, inputs: seen.append((inputs[1].detach(), inputs[3].detach())))
+        return model
+
+    monkeypatch.setattr(ddpm, "build_for_run", recording_build)
+    ddpm.main(tiny_run_args(tmp_path, "shifted", steps=1) + ["--objective.time_shift=2", "--log.report=false"])
+    assert len(seen) > 3  # a training step, the sampler's steps, the validation loss bins
+    for timestep, noise_level in seen:
+        snr = ((1 - noise_level.double()) / noise_level.double()) ** 2  # noise_level = sigma / (alpha + sigma)
+        torch.testing.assert_close(alpha_bar_read_off(timestep).log(), (snr / (1 + snr)).log(), rtol=1e-4, atol=1e-4)
