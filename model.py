@@ -45,12 +45,14 @@ def replicate_padding(tokens, mask, noise_std):
     """Noisy replicate padding (Berrada et al. 2024): padded positions j >= n take a copy of real token
     j mod n plus Gaussian noise, instead of the encoder's pad embeddings, so attention over the padding
     carries the prompt rather than an uninformative constant. The noise std is noise_std x the RMS of the
-    sample's real tokens, so one setting suits CLIP and T5 features alike. Real tokens are left untouched."""
+    sample's real tokens, so one setting suits CLIP and T5 features alike. Real tokens are left untouched.
+    noise_std = 0: the copies alone (the Conditioner's eval mode), and no random number is drawn."""
     n = mask.sum(1).long().clamp(min=1)
     source = torch.arange(tokens.shape[1], device=tokens.device)[None] % n[:, None]
     copies = tokens.gather(1, source[..., None].expand_as(tokens))
     rms = ((tokens.float().pow(2) * mask[..., None]).sum((1, 2)) / (n * tokens.shape[2])).sqrt()
-    copies = copies + noise_std * rms[:, None, None].to(tokens.dtype) * torch.randn_like(copies)
+    if noise_std:
+        copies = copies + noise_std * rms[:, None, None].to(tokens.dtype) * torch.randn_like(copies)
     return torch.where(mask[..., None].bool(), tokens, copies)
 
 
@@ -94,8 +96,11 @@ class Conditioner(nn.Module):
             tokens = torch.where(drop[:, None, None], self.null_tokens.to(cond["text_tokens"]), cond["text_tokens"])
             pooled = torch.where(drop[:, None], self.null_pooled.to(cond["text_pooled"]), cond["text_pooled"])
             if self.padding_noise is not None:
+                # The noise is a training-time regulariser: in eval mode (validation, sampling, FID) the copies
+                # come without it, so sampling is deterministic, both guidance branches see the same padding,
+                # and the validation loss does not depend on the training RNG.
                 mask = torch.where(drop[:, None], self.null_mask.to(cond["text_mask"]), cond["text_mask"])
-                tokens = replicate_padding(tokens, mask, self.padding_noise)
+                tokens = replicate_padding(tokens, mask, self.padding_noise if self.training else 0.0)
             context = tokens
         else:
             label = torch.where(drop, self.num_classes, cond["label"])

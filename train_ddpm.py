@@ -10,8 +10,10 @@ Conventions (tests/test_ddpm.py checks each against diffusers' DDPMScheduler and
     x_t = sqrt(ab_t) x0 + sqrt(1 - ab_t) eps (Ho et al. 2020, eq. 4). SNR_t = ab_t / (1 - ab_t).
   * The model predicts v = sqrt(ab) eps - sqrt(1 - ab) x0 (Salimans & Ho 2022; diffusers' "v_prediction"),
     or eps ("epsilon"), or x0 ("sample"), as objective.prediction says.
-  * The MMDiT sees the integer timestep t as a float in [0, T-1]: diffusers' SD3 transformer expects [0, 1000].
-    The control schedule w of the conditioner reads the flow-matching time of equal SNR (noise_level below).
+  * The MMDiT sees the timestep t as a float in [0, T-1]: diffusers' SD3 transformer expects [0, 1000]. Under
+    a resolution shift it sees the fractional timestep of the unshifted schedule with the same noise level
+    (time_input below), so its time input always means the same noise. The control schedule w of the
+    conditioner reads the flow-matching time of equal SNR (noise_level below).
   * Pixels are in [-1, 1]; latents are (z - shift) * scale with the VAE's own factors.
 
 Pipeline: config -> accelerator and seeds -> data (open, cache check, hit/miss, batches) -> model, EMA,
@@ -25,6 +27,7 @@ import math
 import sys
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 from accelerate.utils import set_seed
 
@@ -115,8 +118,11 @@ DEFAULTS = {
         "zero_terminal_snr": True,   # rescale so ab_{T-1} = 0 (Lin et al. 2024); needs prediction v or x0
         "prediction": "v",           # "v", "eps" or "x0"
         "min_snr_gamma": 5.0,        # Min-SNR-gamma loss weight (Hang et al. 2023); 0 = off (weight 1)
+        "min_snr_form": "plus_one",  # "plus_one": min(SNR + 1, g) in x0 space, weight 1 at SNR = 0 (zero terminal
+                                     # SNR trains the last step); "paper": min(SNR, g), 0 there (min_snr_weight)
         "time_shift": 1.0,           # a: SNR / a^2, i.e. alpha_bar' = ab / (ab + a^2 (1 - ab)) (more noise at
-                                     # higher resolution; flow matching's time shift at equal SNR)
+                                     # higher resolution; flow matching's time shift at equal SNR); the model's
+                                     # time input keeps meaning the noise level (time_input)
         "shift_base_resolution": None,  # if set, a = data.resolution / this (overrides time_shift)
         "loss_bins": 5,              # loss is also logged per timestep bin [kT/K, (k+1)T/K)
     },
@@ -169,6 +175,7 @@ DEFAULTS = {
 RULES = {"objective.num_timesteps": ">= 2", "objective.beta_schedule": ("quadratic", "linear", "cosine"),
          "objective.beta_start": "(0, 1)", "objective.beta_end": "(0, 1)", "objective.zero_terminal_snr": bool,
          "objective.prediction": ("v", "eps", "x0"), "objective.min_snr_gamma": ">= 0",
+         "objective.min_snr_form": ("plus_one", "paper"),
          "val.sampler": ("ddim", "ddpm"), "val.guidance_rescale": "[0, 1]"}
 
 # ----------------------------------------------------------------------------------------------------------
@@ -220,6 +227,8 @@ def check_objective(cfg):
         problems.append(f"val.steps={val['steps']} must be in [1, objective.num_timesteps={obj['num_timesteps']}]")
     if obj["loss_bins"] > obj["num_timesteps"]:
         problems.append(f"objective.loss_bins={obj['loss_bins']} must be <= objective.num_timesteps")
+    if obj.get("min_snr_form", "plus_one") not in ("plus_one", "paper"):  # .get: configs saved before the key
+        problems.append(f"objective.min_snr_form must be 'plus_one' or 'paper', got {obj['min_snr_form']!r}")
     return problems
 
 
@@ -234,9 +243,34 @@ def shift_schedule(alphas_cumprod, shift):
 def schedule_of(cfg):
     """The run's alpha_bar with its resolution shift, from its config (a plain dict works: eval_fid.py passes
     config.json), so training, validation and every sampler of a saved model use the same schedule."""
+    return shift_schedule(base_schedule_of(cfg), common.shift_of(cfg))
+
+
+def base_schedule_of(cfg):
     obj = cfg["objective"]
-    return shift_schedule(make_schedule(obj["num_timesteps"], obj["beta_schedule"], obj["beta_start"],
-                                        obj["beta_end"], obj["zero_terminal_snr"]), common.shift_of(cfg))
+    return make_schedule(obj["num_timesteps"], obj["beta_schedule"], obj["beta_start"], obj["beta_end"],
+                         obj["zero_terminal_snr"])
+
+
+def time_input(base_alphas_cumprod, shift):
+    """What the MMDiT sees as time at each timestep of the shifted schedule: the fractional timestep of the
+    unshifted schedule that has the same noise level, linear in log-SNR between its integer timesteps. The
+    shift then changes how often each noise level is visited, never what the time input means, so a model
+    pre-trained at 256 px keeps reading its noise level off the timestep at 512 px (as flow matching, whose
+    model sees the shifted t). log SNR' = log SNR - 2 log a (shift_schedule). a = 1: exactly 0 .. T-1.
+    Only with zero terminal SNR: pure noise (log SNR = -inf) is T-1, and the one or two shifted steps below
+    the last finite log-SNR (ab < 1e-6) get that last finite timestep, the inverse of the interpolation."""
+    log_snr = (base_alphas_cumprod.log() - (-base_alphas_cumprod).log1p()).double()  # decreasing in t
+    finite = log_snr[torch.isfinite(log_snr)]
+    target = log_snr - 2 * math.log(shift)
+    tau = np.interp(-target.numpy(), -finite.numpy(), np.arange(len(finite), dtype=np.float64))  # clamps at the ends
+    tau[np.isneginf(target.numpy())] = len(log_snr) - 1
+    return torch.from_numpy(tau)
+
+
+def time_input_of(cfg):
+    """The run's time input per timestep (time_input), from its config, like schedule_of."""
+    return time_input(base_schedule_of(cfg), common.shift_of(cfg))
 
 
 def _coefs(alphas_cumprod, t, like):
@@ -258,18 +292,28 @@ def target_of(x0, noise, t, alphas_cumprod, prediction):
     return {"v": a * noise - s * x0, "eps": noise, "x0": x0}[prediction]
 
 
-def min_snr_weight(snr, prediction, gamma):
-    """Min-SNR-gamma (Hang et al. 2023): weight the x0-space loss by min(SNR, gamma). Expressed on the
-    chosen target, since ||eps err||^2 = SNR ||x0 err||^2 and ||v err||^2 = (SNR + 1) ||x0 err||^2:
-      x0: min(SNR, g)    eps: min(SNR, g) / SNR = min(1, g / SNR)    v: min(SNR, g) / (SNR + 1).
-    Finite at every t: eps uses the min(1, g / SNR) form, which is 1 at SNR = 0 (not 0 / 0). gamma <= 0: 1."""
+def min_snr_weight(snr, prediction, gamma, form="plus_one"):
+    """Min-SNR-gamma (Hang et al. 2023): weight the x0-space loss by min(SNR, gamma), expressed on the chosen
+    target, since ||eps err||^2 = SNR ||x0 err||^2 and ||v err||^2 = (SNR + 1) ||x0 err||^2:
+      form "paper":    x0: min(SNR, g)      eps: min(SNR, g) / SNR = min(1, g / SNR)    v: min(SNR, g) / (SNR + 1)
+      form "plus_one": x0: min(SNR + 1, g)  eps: as "paper"                            v: min(SNR + 1, g) / (SNR + 1)
+    The paper's x0 and v weights are 0 at SNR = 0: under zero terminal SNR the last timestep, where every
+    sample starts and the model must predict the data mean from pure noise, gets no gradient, and about 160
+    of 1000 timesteps (265 with a shift of 2) get less than 0.01. "plus_one" gives weight 1 there and the
+    paper's value where SNR >> 1 (where min(., g) = g). eps keeps the paper's form, already 1 at SNR -> 0
+    (min(SNR + 1, g) / SNR would be unbounded). gamma <= 0: weight 1 everywhere."""
     if gamma <= 0:
         return torch.ones_like(snr)
-    if prediction == "x0":
-        return snr.clamp(max=gamma)
     if prediction == "eps":
         return (gamma / snr).clamp(max=1.0)  # gamma / 0 = inf -> 1
-    return snr.clamp(max=gamma) / (snr + 1)
+    x0_weight = (snr + 1 if form == "plus_one" else snr).clamp(max=gamma)
+    return x0_weight if prediction == "x0" else x0_weight / (snr + 1)
+
+
+def loss_weight_of(cfg):
+    """The run's Min-SNR weight per timestep, on its shifted schedule (float64)."""
+    obj, ab = cfg["objective"], schedule_of(cfg)
+    return min_snr_weight(ab / (1 - ab), obj["prediction"], obj["min_snr_gamma"], obj.get("min_snr_form", "plus_one"))
 
 
 def noise_level(ab):
@@ -279,13 +323,16 @@ def noise_level(ab):
     return (1 - ab).sqrt() / (ab.sqrt() + (1 - ab).sqrt())
 
 
-def ddpm_loss(model, x0, cond, t, noise, alphas_cumprod, prediction, min_snr_gamma):
+def ddpm_loss(model, x0, cond, t, noise, alphas_cumprod, prediction, loss_weight=None, time_input=None):
     """Per-sample weighted MSE on the target (Ho et al. 2020, eq. 14, with Min-SNR weights): the number that
-    is trained on, logged as loss and val_loss. t: LongTensor in [0, T-1]; the model sees it as a float."""
+    is trained on, logged as loss and val_loss. t: LongTensor in [0, T-1]; loss_weight and time_input are
+    per-timestep tables (loss_weight_of, time_input_of; None: weight 1, the model sees t itself)."""
     ab = alphas_cumprod.to(x0.device)[t]
-    out = model(add_noise(x0, noise, t, alphas_cumprod), t.float(), cond, noise_level(ab).float())
+    timestep = t.float() if time_input is None else time_input.to(x0.device, torch.float32)[t]
+    out = model(add_noise(x0, noise, t, alphas_cumprod), timestep, cond, noise_level(ab).float())
     mse = (out.float() - target_of(x0, noise, t, alphas_cumprod, prediction).float()).pow(2)
-    return mse.mean(dim=tuple(range(1, x0.dim()))) * min_snr_weight(ab / (1 - ab), prediction, min_snr_gamma).float()
+    mse = mse.mean(dim=tuple(range(1, x0.dim())))
+    return mse if loss_weight is None else mse * loss_weight.to(x0.device, torch.float32)[t]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -330,9 +377,10 @@ def ddpm_step(x0, x, ab, ab_prev, noise):
 
 @torch.no_grad()
 def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_scale=1.0, guidance_rescale=0.0,
-           method="ddim", control_guidance_scale=0.0, generator=None):
+           method="ddim", control_guidance_scale=0.0, generator=None, time_input=None):
     """From x = noise at t = T-1 down the trailing grid to x0. Guidance w = 1 is the plain conditional model.
-    The ancestral sampler draws its fresh noise from `generator` (None: the global RNG)."""
+    The ancestral sampler draws its fresh noise from `generator` (None: the global RNG). time_input: the
+    model's time per timestep, as in training (time_input_of; None: t itself)."""
     if method not in ("ddim", "ddpm"):
         raise ValueError(f"val.sampler must be 'ddim' or 'ddpm', got {method!r}")
     ts, n = timestep_grid(len(alphas_cumprod), steps), len(noise)
@@ -341,7 +389,8 @@ def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_s
         ab = alphas_cumprod[t].item()
         ab_prev = alphas_cumprod[ts[i + 1]].item() if i + 1 < len(ts) else 1.0  # past the grid: data, ab = 1
         # Guidance on semantics and controls (model.guided), then the rescale (Lin et al. 2024, sec. 3.4).
-        out = guided(model, x, torch.full((n,), float(t), device=x.device), cond, guidance_scale,
+        timestep = float(t) if time_input is None else time_input[t].item()
+        out = guided(model, x, torch.full((n,), timestep, device=x.device), cond, guidance_scale,
                             control_guidance_scale, noise_level(torch.full((n,), ab, device=x.device)),
                             rescale=guidance_rescale)
         x0, eps = predict_x0_eps(out, x, ab, prediction)
@@ -354,15 +403,17 @@ def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_s
 
 
 def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None, control_guidance_scale=None):
-    """Sample as the run `cfg` is configured (its schedule, prediction, val sampler, guidance and rescale),
-    with optional overrides. The one entry point that validation, eval_fid.py and the benchmarks call."""
+    """Sample as the run `cfg` is configured (its shifted schedule and time input, prediction, val sampler,
+    guidance and rescale), with optional overrides. The one entry point that validation, eval_fid.py and the
+    benchmarks call."""
     if problems := check_objective(cfg):
         raise config.ConfigError("\n".join(problems))
     val = cfg["val"]
     return sample(model, noise, cond, schedule_of(cfg), steps or val["steps"], cfg["objective"]["prediction"],
                   val["guidance_scale"] if guidance_scale is None else guidance_scale, val["guidance_rescale"],
                   sampler or val["sampler"],
-                  val["control_guidance_scale"] if control_guidance_scale is None else control_guidance_scale)
+                  val["control_guidance_scale"] if control_guidance_scale is None else control_guidance_scale,
+                  time_input=time_input_of(cfg))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -379,6 +430,7 @@ def main(argv=None):
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     set_seed(cfg.seed + rank)  # different noise and times on each rank
     alphas_cumprod = schedule_of(cfg).to(device, torch.float32)  # float32 on the device: MPS has no float64
+    loss_weight, model_time = loss_weight_of(cfg).to(device, torch.float32), time_input_of(cfg).to(device, torch.float32)
     T = obj.num_timesteps
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
@@ -421,7 +473,7 @@ def main(argv=None):
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; {obj.beta_schedule} betas, zero terminal SNR "
-                      f"{obj.zero_terminal_snr}, {obj.prediction} prediction, min-SNR gamma {obj.min_snr_gamma:g}, "
+                      f"{obj.zero_terminal_snr}, {obj.prediction} prediction, min-SNR gamma {obj.min_snr_gamma:g} ({obj.min_snr_form}), "
                       f"resolution shift a = {common.shift_of(cfg):g}")
     for warning in config.size_warnings(cfg, sum(p.numel() for p in raw_model.parameters()), len(train_set), world):
         accelerator.print(f"warning: {warning}")  # a model far larger than its data
@@ -450,8 +502,8 @@ def main(argv=None):
             for k in range(obj.loss_bins):
                 t = torch.full((len(x0),), int((k + 0.5) * T / obj.loss_bins), device=device)
                 with accelerator.autocast():
-                    losses[k] += ddpm_loss(ema, x0, cond, t, noise, alphas_cumprod, obj.prediction,
-                                           obj.min_snr_gamma).sum().cpu()
+                    losses[k] += ddpm_loss(ema, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight,
+                                           model_time).sum().cpu()
         losses /= n
         log({"step": step, "val_loss": losses.mean().item(), **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
         accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
@@ -481,7 +533,7 @@ def main(argv=None):
             t = torch.randint(0, T, (len(x0),), device=device)  # uniform over the T timesteps (Ho et al. 2020)
             # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
             with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
-                loss = ddpm_loss(forward, x0, cond, t, noise, alphas_cumprod, obj.prediction, obj.min_snr_gamma)
+                loss = ddpm_loss(forward, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight, model_time)
                 accelerator.backward(loss.mean() / tr.grad_accum)
             monitor.micro_batch(loss, t * obj.loss_bins // T)
         # Everything below happens once per real optimizer step, never per micro-batch.

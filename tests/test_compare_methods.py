@@ -3,6 +3,7 @@ import json
 import math
 import sys
 
+import pytest
 import torch.nn as nn
 from conftest import ROOT, tiny_run_args
 
@@ -12,6 +13,7 @@ import compare_methods  # noqa: E402
 SET_BY_BENCHMARK = ("--run_dir", "--data.cache_dir", "--train.max_steps", "--val.every", "--ckpt.every", "--log.wandb")
 
 
+@pytest.mark.slow
 def test_compare_methods_tiny(tmp_path, capsys, monkeypatch):
     # The demo classifier's data alone takes ~7 s to draw; an untrained CNN keeps the test under a minute
     # (the two trainers' start-up, importing diffusers, is most of the rest).

@@ -115,6 +115,7 @@ def test_control_metadata_matches_the_crop_applied(crop, flip):
             assert meta["crop_box"].tolist() == [0, 40, 160, 160]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["train_flow_matching", "train_ddpm"])
 @pytest.mark.parametrize("recipe", ["imagenet256", "cc12m"])
 def test_recipes_load_and_a_tiny_version_runs(recipe, trainer, tmp_path, tiny_vae, tiny_text_encoder):

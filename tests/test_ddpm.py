@@ -83,7 +83,7 @@ def test_snr_and_min_snr_weights_match_diffusers(prediction, zero_snr):
     snr = ab / (1 - ab)
     torch.testing.assert_close(snr.float(), snr_theirs, rtol=5e-5, atol=1e-9)
     gamma = 5.0
-    weight = ddpm.min_snr_weight(snr, prediction, gamma)
+    weight = ddpm.min_snr_weight(snr, prediction, gamma, "paper")
     assert torch.isfinite(weight).all() and (weight >= 0).all()
     # diffusers' examples/text_to_image/train_text_to_image.py, where SNR > 0 (0/0 is nan there)
     ref = torch.stack([snr_theirs, gamma * torch.ones_like(snr_theirs)], dim=1).min(dim=1)[0]
@@ -94,7 +94,8 @@ def test_snr_and_min_snr_weights_match_diffusers(prediction, zero_snr):
         assert snr[-1].item() == 0.0
         assert weight[-1].item() == {"eps": 1.0, "v": 0.0, "x0": 0.0}[prediction]
     # off: weight 1 everywhere
-    assert torch.equal(ddpm.min_snr_weight(snr, prediction, 0.0), torch.ones_like(snr))
+    for form in ("paper", "plus_one"):
+        assert torch.equal(ddpm.min_snr_weight(snr, prediction, 0.0, form), torch.ones_like(snr))
 
 
 @pytest.mark.parametrize("name", ["quadratic", "linear", "cosine"])
@@ -103,8 +104,9 @@ def test_snr_and_min_snr_weights_match_diffusers(prediction, zero_snr):
 def test_weights_finite_everywhere(name, prediction, gamma):
     for zero_snr in (True, False):
         ab = schedule(name, zero_snr)
-        w = ddpm.min_snr_weight(ab / (1 - ab), prediction, gamma)
-        assert torch.isfinite(w).all(), (name, prediction, gamma, zero_snr)
+        for form in ("paper", "plus_one"):
+            w = ddpm.min_snr_weight(ab / (1 - ab), prediction, gamma, form)
+            assert torch.isfinite(w).all(), (name, prediction, gamma, zero_snr, form)
 
 
 @pytest.mark.parametrize("prediction", ["v", "x0"])
@@ -119,7 +121,8 @@ def test_ddpm_loss_matches_a_diffusers_built_loss(prediction):
         seen["t"], seen["noise_level"] = timestep, noise_level
         return 0.3 * x + timestep.view(-1, 1, 1, 1) / 1000
 
-    loss = ddpm.ddpm_loss(model, x0, {}, t, noise, ab, prediction, 5.0)
+    loss = ddpm.ddpm_loss(model, x0, {}, t, noise, ab, prediction, ddpm.min_snr_weight(ab / (1 - ab), prediction, 5.0,
+                                                                                    "paper"))
     assert seen["t"].dtype == torch.float32 and torch.equal(seen["t"], t.float())  # the model sees t in [0, T-1]
     torch.testing.assert_close(seen["noise_level"], ddpm.noise_level(ab[t]).float())
     x_t = sched.add_noise(x0, noise, t)
@@ -130,7 +133,7 @@ def test_ddpm_loss_matches_a_diffusers_built_loss(prediction):
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-6)
     # a perfect model has zero loss
     perfect = ddpm.ddpm_loss(lambda x, tt, c, nl: ddpm.target_of(x0, noise, t, ab, prediction), x0, {}, t, noise, ab,
-                             prediction, 5.0)
+                             prediction, ddpm.min_snr_weight(ab / (1 - ab), prediction, 5.0))
     assert perfect.abs().max().item() == 0.0
 
 
@@ -281,6 +284,7 @@ def test_generate_reads_a_plain_dict_config():
 # ---- End to end ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tiny_run_resumes_and_exports(tmp_path):
     run_dir = tmp_path / "run"
     args = ["--data.demo_samples=320", "--data.val_holdout=64", "--train.batch_size=16", "--val.steps=2",

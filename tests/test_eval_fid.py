@@ -88,6 +88,7 @@ def test_size_tags():
 # ---- End to end: generation, reference, report -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fid_of_samples_against_themselves_is_zero_and_report_is_complete(run, tmp_path):
     feature_fn = TinyFeatures()
     out = tmp_path / "eval"
@@ -114,6 +115,7 @@ def test_fid_of_samples_against_themselves_is_zero_and_report_is_complete(run, t
     assert np.array_equal(arr[7], pngs(out / "samples")["000007.png"])
 
 
+@pytest.mark.slow
 def test_checkpoint_raw_weights_against_dataset_reference(run, tmp_path):
     report = eval_fid.main(["--run", str(run), "--checkpoint", "latest", "--weights", "raw", "--num_samples", "8",
                             *GEN, "--out_dir", str(tmp_path / "e"), "--stats_cache", str(tmp_path / "stats"),
@@ -127,6 +129,7 @@ def test_checkpoint_raw_weights_against_dataset_reference(run, tmp_path):
     assert np.isfinite(report["metrics"]["fid_clean_8"]) and "kid_clean_8" in report["metrics"]
 
 
+@pytest.mark.slow
 def test_reference_stats_are_cached_and_invalidated_by_preprocessing(run, tmp_path):
     from accelerate import Accelerator
 
@@ -146,6 +149,7 @@ def test_reference_stats_are_cached_and_invalidated_by_preprocessing(run, tmp_pa
     assert len(list(cache.glob("*.npz"))) == 2
 
 
+@pytest.mark.slow
 def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
     args = ["--run", str(run), "--num_samples", "10", "--steps", "2", "--batch_size", "3",
             "--features", "tests.test_eval_fid:TinyFeatures"]
@@ -163,8 +167,12 @@ def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
     assert one_report["num_processes"] == 1 and two_report["num_processes"] == 2
     one, two = pngs(tmp_path / "one" / "samples"), pngs(tmp_path / "two" / "samples")
     assert len(one) == 10 and one.keys() == two.keys()
+    # Not bitwise: the parent runs with its default thread count, the ranks with OMP_NUM_THREADS=1, and CPU
+    # matrix kernels block (and so round) by thread count. Float differences of ~1e-6 can flip a rounding
+    # to uint8; a different seed per rank or a wrong sample order would change most pixels by far more.
     for name in one:
-        assert np.array_equal(one[name], two[name]), name
+        diff = np.abs(one[name].astype(int) - two[name].astype(int))
+        assert diff.max() <= 1 and (diff > 0).mean() < 0.01, name
     assert not np.array_equal(one["000000.png"], one["000001.png"])  # every sample has its own noise
     one_stats, two_stats = (np.load(next((tmp_path / d).glob("*.npz"))) for d in ("s1", "s2"))
     for name in one_stats.files:  # the same reference statistics, up to float32 batch-split rounding
@@ -172,21 +180,37 @@ def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
             np.testing.assert_allclose(one_stats[name], two_stats[name], rtol=1e-6, atol=1e-7)
         else:
             assert one_stats[name].tolist() == two_stats[name].tolist(), name
-    assert two_report["metrics"] == pytest.approx(one_report["metrics"], rel=1e-6)
+    assert two_report["metrics"] == pytest.approx(one_report["metrics"], rel=1e-3)  # from those near-equal images
 
 
+@pytest.mark.slow
 def test_fid_during_training(run, tmp_path):
+    """The value against the closed form on the same features, and the batch size changing the images only
+    at float rounding (CPU matrix kernels block by batch size: bitwise equality is not a claim to make)."""
     from accelerate import Accelerator
 
     model, cfg = eval_fid.load_model(run)[:2]
     metrics = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, None, feature_fn=TinyFeatures(),
                                            stats_cache=str(tmp_path / "stats"), steps=2, batch_size=6)
-    assert set(metrics) == {"fid_clean_12", "kid_clean_12"} and np.isfinite(metrics["fid_clean_12"])
+    assert set(metrics) == {"fid_clean_12", "kid_clean_12"}
+    assert not model.training
+    # Closed form: ||mu - mu_r||^2 + Tr(S + S_r - 2 sqrtm(S S_r)) of the same 12 samples' features.
+    cond = eval_fid.make_condition(cfg, model, None, "cpu", eval_fid.make_controls(cfg, "heldout"))
+    images = {b: np.concatenate([eval_fid.sample_batch(model, cfg, cond, idx, 0, 2)
+                                 for idx in eval_fid.my_batches(12, b, 0, 1)]) for b in (6, 4)}
+    feats = TinyFeatures()(list(images[6]))
     stats_file = next((tmp_path / "stats").glob("*.npz"))  # our cached statistics also serve as a reference
+    with np.load(stats_file) as ref:
+        mu, sigma = ref["mu"], ref["sigma"]
+    s1 = np.cov(feats, rowvar=False)
+    expected = np.sum((feats.mean(0) - mu) ** 2) + np.trace(s1 + sigma - 2 * scipy.linalg.sqrtm(s1 @ sigma).real)
+    assert metrics["fid_clean_12"] == pytest.approx(expected, rel=1e-6)
+    # Another batch size: the same images up to a rounding flip of a pixel, and the same FID to float accuracy.
+    diff = np.abs(images[6].astype(int) - images[4].astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
     again = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, str(stats_file), feature_fn=TinyFeatures(),
                                          steps=2, batch_size=4)
-    assert again == pytest.approx(metrics, rel=1e-9)  # and the batch size does not change the images
-    assert not model.training
+    assert again == pytest.approx(metrics, rel=1e-3)
 
 
 # ---- Offline Inception ---------------------------------------------------------------------------------------
@@ -255,6 +279,44 @@ def test_local_inception_file_under_any_name_is_loaded_without_download(tmp_path
         assert feature_fn.name == f"inception-2015-12-05/{mode}" and feature_fn.path.endswith("my_inception.pt")
 
 
+class FakeInceptionLayers(torch.nn.Module):
+    """clean-fid's InceptionV3W interface on a tiny fixed net: base(x, return_features) and base.layers,
+    2048 features (as InceptionV3W reshapes them) of rank <= 48."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(48, 2048))
+
+    def forward(self, x, return_features: bool = False):
+        return self.layers(x / 255)
+
+
+@pytest.mark.slow
+def test_fid_end_to_end_equals_clean_fids_own_compute_fid(run, tmp_path, monkeypatch):
+    """The same two image folders, scored by eval_fid.py (its PNGs, resizer, features, statistics) and by
+    clean-fid's compute_fid with the same feature network: the same FID to 1e-6 relative."""
+    from cleanfid import fid
+    from cleanfid.inception_torchscript import InceptionV3W
+
+    monkeypatch.setattr(eval_fid.urllib.request, "urlopen", None)  # any download attempt would fail loudly
+    weights = tmp_path / "inception" / eval_fid.INCEPTION_FILE
+    weights.parent.mkdir()
+    torch.jit.script(FakeInceptionLayers()).save(str(weights))
+    reference = tmp_path / "reference"
+    eval_fid.main(["--run", str(run), "--num_samples", "24", *GEN, "--seed", "1", "--out_dir", str(reference),
+                   "--generate_only"])
+    report = eval_fid.main(["--run", str(run), "--num_samples", "24", *GEN, "--out_dir", str(tmp_path / "ours"),
+                            "--reference", str(reference / "samples"), "--inception_weights", str(weights),
+                            "--stats_cache", str(tmp_path / "stats")])
+    network = InceptionV3W(str(weights.parent), download=False, resize_inside=False)
+    theirs = fid.compute_fid(str(tmp_path / "ours" / "samples"), str(reference / "samples"), mode="clean",
+                             custom_feat_extractor=network, device=torch.device("cpu"), num_workers=0,
+                             batch_size=8, verbose=False)
+    assert report["metrics"]["fid_clean_24"] == pytest.approx(theirs, rel=1e-6)
+    assert theirs > 1e-3  # two different sample sets: a real distance, not 0 = 0
+
+
 # ---- Text-to-image: CLIP score through a tiny local CLIP ----------------------------------------------------
 
 
@@ -280,6 +342,7 @@ def make_tiny_clip(folder):
     CLIPModel(config).save_pretrained(folder)
 
 
+@pytest.mark.slow
 def test_clip_score_for_a_text_model(tmp_path):
     clip = tmp_path / "clip"
     make_tiny_clip(clip)

@@ -107,6 +107,7 @@ def test_lr_schedules_and_the_scaling_rule():
     assert common.scaled_lr(tr, 64)[0] == 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", [fm, ddpm])
 def test_a_run_logs_gradient_analysis_clipping_and_writes_its_report(trainer, tmp_path, capsys):
     run = trainer.main(tiny_run_args(tmp_path, "run", steps=6) + TINY_MODEL + [
@@ -130,6 +131,7 @@ def test_a_run_logs_gradient_analysis_clipping_and_writes_its_report(trainer, tm
         assert f"report/{png}.png" in report and (run / "report" / f"{png}.png").stat().st_size > 5000
 
 
+@pytest.mark.slow
 def test_update_ratio_is_logged_for_real_optimizer_steps_only(tmp_path):
     """With accumulation, per optimizer step, equal to the change between consecutive checkpoints; a skipped
     (non-finite) step has gradient norms (and an exploding flag) but no update ratio."""

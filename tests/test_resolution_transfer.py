@@ -3,11 +3,14 @@ import json
 import math
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+@pytest.mark.slow
 def test_resolution_transfer_benchmark_runs_every_variant(tmp_path, capsys):
     import resolution_transfer
 

@@ -49,6 +49,7 @@ def launch(args, processes, cwd, check=True):
     return out
 
 
+@pytest.mark.slow
 def test_exact_resume_with_accumulation_mid_epoch_on_two_processes(tmp_path):
     # 320 - 64 held out = 256 rows; 2 ranks x batch 16 x accumulation 2: 4 optimizer steps per epoch, so a
     # stop at step 3 is mid-epoch and the run crosses an epoch boundary after it.
@@ -59,6 +60,7 @@ def test_exact_resume_with_accumulation_mid_epoch_on_two_processes(tmp_path):
     assert_same_checkpoint(tmp_path / "straight", tmp_path / "resumed", 6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer,sig", [("train_flow_matching", signal.SIGTERM), ("train_ddpm", signal.SIGUSR1)])
 def test_preemption_signal_checkpoints_and_exits_for_requeue_then_resumes(tmp_path, trainer, sig):
     args = tiny_run_args(tmp_path, "preempted", steps=10_000) + ["--log.every=1"]
@@ -80,6 +82,7 @@ def test_preemption_signal_checkpoints_and_exits_for_requeue_then_resumes(tmp_pa
     assert steps == list(range(1, stopped + 3))
 
 
+@pytest.mark.slow
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
     run = fm.main(tiny_run_args(tmp_path, "ckpt", steps=4) + ["--ckpt.every=1", "--ckpt.keep=2"])
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003", "step_00000004"]
@@ -92,6 +95,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
         common.find_checkpoint(run, str(run / "checkpoints" / "step_00000004"))
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     run = fm.main(tiny_run_args(tmp_path, "nan", steps=2) + ["--ckpt.every=1", "--log.every=1"])
     shard = next((tmp_path / "cache").glob("embedded-train-*/shard_00000.safetensors"))
@@ -118,6 +122,7 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     assert all(torch.isfinite(v).all() for v in load_file(str(latest / "model.safetensors")).values())
 
 
+@pytest.mark.slow
 def test_bad_images_are_reported_and_skipped(tmp_path, capsys):
     folder = tmp_path / "images" / "train"
     folder.mkdir(parents=True)
@@ -276,6 +281,7 @@ def test_safe_loading_only():
         assert "pickle.load" not in source and "use_safetensors=False" not in source, path.name
 
 
+@pytest.mark.slow
 def test_resume_with_another_process_count_warns_and_continues(tmp_path, capsys):
     run = fm.main(tiny_run_args(tmp_path, "world", steps=2) + ["--ckpt.every=2"])
     ckpt = run / "checkpoints" / "step_00000002"

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from diffusers import SD3Transformer2DModel
 from safetensors.torch import load_file
@@ -19,6 +20,7 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_everything_and_resumes_exactly(tmp_path):
     args = tiny_run_args(tmp_path, "straight", steps=6) + ["--ckpt.every=3", "--val.every=3", "--log.every=1"]
     run = fm.main(args)
@@ -55,6 +57,7 @@ def test_tiny_run_writes_everything_and_resumes_exactly(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
+@pytest.mark.slow
 def test_latent_space_text_to_image_run(tmp_path, tiny_vae, tiny_text_encoder):
     args = tiny_run_args(tmp_path, "t2i", steps=2) + [
         "--encoders.vae", tiny_vae, "--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8",
@@ -77,6 +80,7 @@ def test_caption_column_without_text_encoder_is_refused(tmp_path):
         fm.main(tiny_run_args(tmp_path) + ["--data.caption_column=caption"])
 
 
+@pytest.mark.slow
 def test_two_processes(tmp_path):
     args = tiny_run_args(tmp_path, "ddp", steps=2) + ["--train.grad_accum=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -93,6 +97,7 @@ def test_two_processes(tmp_path):
         ["rng_0.pt", "rng_1.pt"]
 
 
+@pytest.mark.slow
 def test_small_fid_during_training_is_logged(tmp_path, monkeypatch):
     # The trainer calls eval_fid.py's own code; a 16-dimensional random-conv extractor stands in for
     # Inception (whose 2048 x 2048 matrix square root alone takes a minute on 2 CPU cores at small N).

@@ -126,6 +126,7 @@ def _wnid_imagefolder(root, wnids, per_class=12, seed=0):
     return str(root)
 
 
+@pytest.mark.slow
 def test_init_from_a_22k_run_maps_each_class_to_its_wordnet_id(tmp_path):
     """End to end: a 'pre-training' run on 4 WordNet classes, then a new run on 3 classes (two shared, one
     new); every class embedding of the new run lands where its id says. Ids come from the imagefolders'
@@ -152,6 +153,7 @@ def test_init_from_a_22k_run_maps_each_class_to_its_wordnet_id(tmp_path):
 # ---- init_from vs resume, across resolutions ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", [fm, ddpm])
 def test_init_from_starts_fresh_and_resume_continues(trainer, tmp_path, capsys):
     low = trainer.main(tiny_run_args(tmp_path, "low", steps=4) + TINY_MODEL + ["--data.resolution=8"])
@@ -186,6 +188,7 @@ def test_init_from_starts_fresh_and_resume_continues(trainer, tmp_path, capsys):
     assert "resumed from" in out and "step_00000003 at step 3" in out and f"init_from {low}" not in out
 
 
+@pytest.mark.slow
 def test_init_from_reports_reshaped_tensors_and_rejects_a_wrong_source(tmp_path, tiny_vae):
     pixels = fm.main(tiny_run_args(tmp_path, "pixels", steps=2) + TINY_MODEL)
     latents = fm.main(tiny_run_args(tmp_path, "latents", steps=2) + TINY_MODEL + [
@@ -227,6 +230,7 @@ TRANSFER_RECIPES = {  # recipe: (the recipe it starts from, resolution of its ti
     "cc12m_512": ("cc12m_from22k", 32)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", [fm, ddpm])
 def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, tmp_path, tiny_vae, tiny_text_encoder):
     method = "flow_matching" if trainer is fm else "ddpm"
