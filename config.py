@@ -30,9 +30,17 @@ class Config(dict):
         self[key] = value
 
 
+def shard_range(key, value):
+    """data.val_shards: [first, stop) of a streamed source's shards, each a whole number or null (as a slice)."""
+    if not (isinstance(value, list) and len(value) == 2 and all(v is None or type(v) is int for v in value)):
+        return f"{key}={value!r} must be [first, stop): two whole numbers or null, e.g. [-1, null] (the last shard)"
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # What each key may hold. A string is a numeric range ("int" first: whole numbers only), a tuple the allowed
-# values (for a list, of each element), `str` any string, `bool` / `float` any value of the default's type
+# values (for a list, of each element), `str` any string, `bool` / `float` any value of the default's type, a
+# function a check of its own (shard_range)
 # (listed so that every key has its line: tests/test_config.py checks it). The type of a key whose default is not None is
 # also enforced by the merge. A trainer passes the same kind of table for its method's keys.
 
@@ -44,7 +52,8 @@ RULES = {
     "data.crop": ("center", "random", "random_resized"), "data.min_crop_scale": "(0, 1]", "data.random_flip": bool,
     "data.min_image_side": ">= 1", "data.max_samples": "int >= 1", "data.demo_samples": ">= 1",
     "data.demo_resolution": ">= 8", "data.cache_dir": str, "data.cache_dtype": ("float16", "bfloat16", "float32"),
-    "data.shard_size": ">= 1", "data.verify_cache": bool, "data.encode_batch_size": ">= 1", "data.num_workers": ">= 0",
+    "data.shard_size": ">= 1", "data.verify_cache": bool, "data.streaming": bool, "data.cache_text": bool,
+    "data.val_shards": shard_range, "data.encode_batch_size": ">= 1", "data.num_workers": ">= 0",
     "data.prefetch_factor": ">= 1",
     "encoders.vae": str, "encoders.text_encoder": str, "encoders.max_tokens": ">= 1",
     "model.patch_size": ">= 1", "model.num_layers": ">= 1", "model.num_attention_heads": ">= 1",
@@ -86,6 +95,8 @@ def rule_problem(key, value, rule):
     """What is wrong with `value` for `key` under `rule`, or None."""
     if value is None or rule in (bool, float):  # null: a switched-off setting; bool, float: the merge's check
         return None
+    if callable(rule) and rule is not str:  # a check of its own (a list with structure)
+        return rule(key, value)
     for item in value if isinstance(value, list) else [value]:
         if rule is str and not isinstance(item, str):
             return f"{key}={value!r} must be a string (or null)"

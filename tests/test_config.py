@@ -85,7 +85,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--data.val_split=3"], r"data.val_split=3 must be a string \(or null\)"),
     (fm, ["--train.warmup_steps=-1"], r"train.warmup_steps=-1 must be a number >= 0"),
     (fm, ["--data.num_workers=-1"], r"data.num_workers=-1 must be a number >= 0"),
-    (fm, ["--encoders.vae=/nonexistent/vae"], r"encoders.vae='/nonexistent/vae': its config cannot be read"),
+    (fm, ["--encoders.vae=/nonexistent/vae"], r"encoders.vae='/nonexistent/vae' cannot be loaded"),
     (fm, ["--data.class_ids=imagenet-99k"], r"data.class_ids='imagenet-99k' must be 'imagenet-1k', 'imagenet-22k' or a file"),
     (fm, ["--data.label_column=null"], r"set data.label_column \(class-conditional\) or data.caption_column"),
     (fm, ["--data.caption_column=caption"], r"encoders.text_encoder goes with data.caption_column"),
@@ -100,6 +100,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (ddpm, ["--objective.beta_start=0.02"], r"objective.beta_start=0.02 must be below objective.beta_end=0.012"),
     (ddpm, ["--val.guidance_rescale=2"], r"val.guidance_rescale=2.0 must be in \[0, 1\]"),
     (fm, ["--val.prompts={tmp}/no_prompts.txt"], r"val.prompts=.*no_prompts.txt.*: no such file"),
+    (fm, ["--data.val_shards=[-1]"], r"data.val_shards=\[-1\] must be \[first, stop\)"),
 ]
 if not torch.cuda.is_available():
     BAD.append((fm, ["--train.mixed_precision=fp16"], r"train.mixed_precision='fp16' needs a CUDA GPU"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
-import common
+import config
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from model import build_denoiser
@@ -102,7 +102,7 @@ def cond3():
 @pytest.mark.parametrize("shift_args", [["--objective.time_shift=3"],
                                         ["--data.resolution=48", "--objective.shift_base_resolution=16"]])
 def test_flow_matching_generate_uses_the_runs_shift(shift_args):
-    cfg = common.load_config(fm.DEFAULTS, shift_args + ["--val.steps=6", "--val.guidance_scale=2.5"])
+    cfg = config.load_config(fm.DEFAULTS, shift_args + ["--val.steps=6", "--val.guidance_scale=2.5"])
     noise = torch.randn(3, 3, 4, 4, generator=torch.Generator().manual_seed(3))
     ours = fm.generate(smooth_field, noise, cond3(), cfg)
     sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
@@ -136,7 +136,7 @@ def alpha_bar_read_off(time_input):
 def test_ddpm_generate_equals_ddim_on_the_shifted_schedule(shift_args):
     """diffusers' DDIMScheduler with the betas of the shifted alpha_bar', guidance and its rescale; the model
     is given the timestep of equal noise level on the unshifted schedule (found here by bisection)."""
-    cfg = common.load_config(ddpm.DEFAULTS, shift_args + ["--val.steps=8"])
+    cfg = config.load_config(ddpm.DEFAULTS, shift_args + ["--val.steps=8"])
     ab = ddpm.shift_schedule(ddpm.make_schedule(), 2.0)
     betas = torch.cat([1 - ab[:1], 1 - ab[1:] / ab[:-1]]).float()
     sched = DDIMScheduler(num_train_timesteps=T, trained_betas=betas.numpy(), timestep_spacing="trailing",
@@ -176,7 +176,7 @@ def test_default_min_snr_weight_keeps_every_timestep_above_a_floor(prediction, s
     """Defaults (quadratic, zero terminal SNR, gamma 5): every timestep, the last included, gets a weight of
     at least WEIGHT_FLOOR; the last (pure noise, where every sample starts) exactly 1. The paper's form gives
     it 0 (kept selectable, and checked against diffusers in test_ddpm.py)."""
-    cfg = common.load_config(ddpm.DEFAULTS, [f"--objective.time_shift={shift}", f"--objective.prediction={prediction}"])
+    cfg = config.load_config(ddpm.DEFAULTS, [f"--objective.time_shift={shift}", f"--objective.prediction={prediction}"])
     assert cfg.objective.min_snr_form == "plus_one"
     w = ddpm.loss_weight_of(cfg)
     assert w.shape == (T,) and torch.isfinite(w).all()
@@ -227,7 +227,7 @@ def test_a_denoiser_that_reads_its_noise_level_from_the_time_samples_correctly_u
     """The issue's measurement: with shift 2 and the integer index as time input, DDIM at 1000 steps samples
     std 0.4640 instead of 0.4895 (the sampler's own limit; 0.5 is the data's). The time-reading denoiser must
     sample exactly as the oracle told the true noise level does, and both as the closed form of DDIM on it."""
-    cfg = common.load_config(ddpm.DEFAULTS, ["--objective.time_shift=2", "--val.steps=50", "--val.guidance_scale=1",
+    cfg = config.load_config(ddpm.DEFAULTS, ["--objective.time_shift=2", "--val.steps=50", "--val.guidance_scale=1",
                                              "--val.guidance_rescale=0"])
     noise = torch.randn(512, 1, 2, 2, generator=torch.Generator().manual_seed(5))
     cond = {"label": torch.zeros(512, dtype=torch.long), "drop": torch.zeros(512, dtype=torch.bool)}
@@ -244,7 +244,7 @@ def test_a_denoiser_that_reads_its_noise_level_from_the_time_samples_correctly_u
 
 def test_ddpm_loss_feeds_the_time_of_the_noise_it_added():
     """Training: the model's time input, read on the unshifted schedule, is the noise level of x_t."""
-    cfg = common.load_config(ddpm.DEFAULTS, ["--objective.time_shift=2"])
+    cfg = config.load_config(ddpm.DEFAULTS, ["--objective.time_shift=2"])
     ab, tau = ddpm.schedule_of(cfg), ddpm.time_input_of(cfg)
     t = torch.tensor([0, 100, 500, 900, 990])
     seen = {}
@@ -262,7 +262,7 @@ def test_ddpm_loss_feeds_the_time_of_the_noise_it_added():
 
 
 def tiny_text_model(padding_noise=0.5):
-    cfg = common.load_config(fm.DEFAULTS, [f"--conditioning.padding_noise={padding_noise}", "--model.num_layers=1",
+    cfg = config.load_config(fm.DEFAULTS, [f"--conditioning.padding_noise={padding_noise}", "--model.num_layers=1",
                                            "--model.num_attention_heads=2", "--model.attention_head_dim=8"])
     torch.manual_seed(0)
     return build_denoiser(cfg, 3, 8, text_dims=(6, 16, 16))
@@ -280,7 +280,7 @@ def test_sampling_a_text_model_twice_from_the_same_noise_gives_identical_images(
     model = tiny_text_model()
     for p in model.parameters():  # a trained-looking model: every layer passes signal (diffusers zero-inits some)
         torch.nn.init.normal_(p, std=0.2)
-    cfg = common.load_config(trainer.DEFAULTS, ["--val.steps=3", "--val.guidance_scale=3"])
+    cfg = config.load_config(trainer.DEFAULTS, ["--val.steps=3", "--val.guidance_scale=3"])
     noise = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(7))
     model.eval()
     first = trainer.generate(model, noise, text_cond(), cfg)
