@@ -112,10 +112,14 @@ def load_config(defaults, argv=None, method="run"):
 def make_accelerator(mixed_precision):
     """The Accelerator every script uses. cpu=True without CUDA: `accelerate launch --multi_gpu` then forms
     one gloo group of CPU processes; otherwise accelerate 1.x lets each process silently train alone, which
-    is also refused here. TF32 matmuls and convolutions on Ampere and newer."""
-    from accelerate import Accelerator
+    is also refused here. TF32 matmuls and convolutions on Ampere and newer (fp32 work at tensor-core speed).
+    DDP: gradients are views into its all-reduce buckets (no second copy of the gradients in memory). Its
+    static_graph stays off: it fails under no_sync accumulation (an internal assert in the reducer), and with
+    find_unused_parameters off DDP already skips the per-step search for unused parameters."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
 
-    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+    ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(), kwargs_handlers=[ddp])
     world = accelerator.num_processes
     if world != int(os.environ.get("WORLD_SIZE", world)):
         raise RuntimeError(f"launched {os.environ['WORLD_SIZE']} processes but accelerate formed a group of {world}")

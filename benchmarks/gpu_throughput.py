@@ -16,6 +16,7 @@ next to it.
 """
 import argparse
 import copy
+import gc
 import json
 import math
 import platform
@@ -93,7 +94,10 @@ def count_flops(fn):
 
 
 def measure_training(cfg, x0, cond, text_dims, device, compile, checkpointing, steps, warmup, bf16):
-    """images/s and peak memory (GB) of `steps` training steps after `warmup` (which includes compilation)."""
+    """Seconds per step and peak memory (GB) of `steps` training steps after `warmup` (compilation happens
+    there). Everything it builds is gone when it returns, so the next variant's peak is its own."""
+    torch._dynamo.reset()  # compiled graphs hold the previous variant's model
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -110,7 +114,7 @@ def measure_training(cfg, x0, cond, text_dims, device, compile, checkpointing, s
     synchronize(device)
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return seconds, peak, ema
+    return seconds, peak
 
 
 def main(argv=None):
@@ -149,15 +153,29 @@ def main(argv=None):
                                                                          cond, guidance))
     del probe
 
-    rows, ema = [], None
+    result = {"config": args.config, "overrides": overrides,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
+              "peak_bf16_tflops": peak, "torch": torch.__version__, "mixed_precision": cfg.train.mixed_precision,
+              "parameters_m": params / 1e6, "resolution": cfg.data.resolution, "latent": list(x0.shape[1:]),
+              "tokens_per_image": tokens, "batch_per_gpu": batch, "train_step_tflop": train_flops / 1e12,
+              "train": [], "sampling": {"steps": args.sample_steps, "guidance_scale": guidance, "batch": batch}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every measurement, so a run cut short still leaves its table
+        result["seconds"] = time.perf_counter() - started
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        out.write_text(markdown(result))
+
+    rows = result["train"]
     for variant in args.variants.split(","):
         row = {"variant": variant}
         if time.perf_counter() - started > args.budget_s:
             rows.append({**row, "error": f"skipped: past the {args.budget_s:g} s budget"})
             continue
         try:
-            seconds, memory, ema = measure_training(cfg, x0, cond, text_dims, device, "compile" in variant,
-                                                    "checkpointing" in variant, args.steps, args.warmup, bf16)
+            seconds, memory = measure_training(cfg, x0, cond, text_dims, device, "compile" in variant,
+                                               "checkpointing" in variant, args.steps, args.warmup, bf16)
             tflops = train_flops / seconds / 1e12
             row.update(images_per_s=batch / seconds, step_ms=1e3 * seconds, tflops=tflops,
                        mfu=tflops / peak if peak else None, peak_memory_gb=memory)
@@ -165,18 +183,20 @@ def main(argv=None):
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
+        save()
 
-    # Sampling: 50 Euler steps with guidance, from the EMA weights of the last variant, as validation does.
-    sampling = {"steps": args.sample_steps, "guidance_scale": guidance, "batch": batch}
+    # Sampling: 50 Euler steps with guidance (eval_fid.py's bf16 autocast), from an fp32 model as the EMA is.
+    sampling = result["sampling"]
+    torch._dynamo.reset()
+    gc.collect()
     try:
-        ema = ema if ema is not None else build(cfg, x0, text_dims, device, checkpointing=False)
-        ema.eval()
-        run = lambda: fm.sample(ema, torch.randn_like(x0), cond, args.sample_steps, common.shift_of(cfg), guidance)
+        ema = build(cfg, x0, text_dims, device, checkpointing=False).eval()
+        run = lambda steps: fm.sample(ema, torch.randn_like(x0), cond, steps, common.shift_of(cfg), guidance)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            run()  # warm-up
+            run(2)  # warm-up
             synchronize(device)
             start = time.perf_counter()
-            run()
+            run(args.sample_steps)
             synchronize(device)
         seconds = time.perf_counter() - start
         tflops = sample_flops / seconds / 1e12
@@ -185,16 +205,7 @@ def main(argv=None):
     except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
         sampling["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
-    result = {"config": args.config, "overrides": overrides,
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
-              "peak_bf16_tflops": peak, "torch": torch.__version__, "mixed_precision": cfg.train.mixed_precision,
-              "parameters_m": params / 1e6, "resolution": cfg.data.resolution, "latent": list(x0.shape[1:]),
-              "tokens_per_image": tokens, "batch_per_gpu": batch, "train_step_tflop": train_flops / 1e12,
-              "train": rows, "sampling": sampling, "seconds": time.perf_counter() - started}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.write_text(markdown(result))
+    save()
     print(markdown(result))
     return result
 
@@ -216,7 +227,7 @@ def markdown(r):
                          f"{fmt(row['mfu'], '.1%')} | {fmt(row['peak_memory_gb'], '.1f')} |")
     s = r["sampling"]
     lines += ["", f"Sampling ({s['steps']} Euler steps, guidance {s['guidance_scale']:g}: two model passes per step, "
-                  f"batch {s['batch']}): " + (s["error"] if "error" in s else
+                  f"batch {s['batch']}): " + (s.get("error", "not measured") if "images_per_s" not in s else
                   f"{s['images_per_s']:.2f} images/s ({s['seconds_per_batch']:.1f} s per batch), "
                   f"{s['tflops']:.3g} TFLOP/s, MFU {fmt(s['mfu'], '.1%')}."), ""]
     return "\n".join(lines)

@@ -110,3 +110,71 @@ def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
     assert optimizer.state_dict()["state"][0]["step"] == 2
     assert not torch.equal(before[0]["0.weight"], model.state_dict()["0.weight"])
     assert not torch.equal(before[1]["0.weight"], ema.state_dict()["0.weight"])
+
+
+def tiny_model_and_batch(checkpointing=False):
+    cfg = common.load_config(__import__("train_flow_matching").DEFAULTS,
+                             ["--model.num_layers=2", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+                              '--conditioning.controls=["size", "crop", "flip"]', f"--train.gradient_checkpointing={str(checkpointing).lower()}"])
+    from model import build_for_run
+    torch.manual_seed(0)
+    model = build_for_run(cfg, (3, 16, 16)).train()
+    g = torch.Generator().manual_seed(1)
+    b = 4
+    cond = {"label": torch.randint(0, 9, (b,), generator=g), "drop": torch.tensor([False, True, False, False]),
+            "drop_controls": torch.tensor([False, False, True, False]), "orig_hw": torch.rand(b, 2, generator=g) * 64,
+            "crop_box": torch.rand(b, 4, generator=g) * 16, "flip": torch.tensor([[0.], [1.], [0.], [1.]])}
+    x0, noise, t = torch.randn(b, 3, 16, 16, generator=g), torch.randn(b, 3, 16, 16, generator=g), torch.rand(b, generator=g)
+    return model, (x0, cond, t, noise)
+
+
+def loss_and_grads(model, forward, batch):
+    import train_flow_matching as fm
+    loss = fm.flow_matching_loss(forward, *batch).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_gives_identical_loss_and_gradients():
+    """Checkpointing recomputes each block's forward in the backward pass: the same numbers, less memory. The
+    conditioner's adaptive-norm addition (a forward hook) and the control weights must survive the recompute."""
+    plain, batch = tiny_model_and_batch()
+    checkpointed, _ = tiny_model_and_batch(checkpointing=True)
+    assert checkpointed.transformer.gradient_checkpointing and not plain.transformer.gradient_checkpointing
+    loss_a, grads_a = loss_and_grads(plain, plain, batch)
+    loss_b, grads_b = loss_and_grads(checkpointed, checkpointed, batch)
+    assert torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys()
+    assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+
+
+@pytest.mark.slow
+def test_compiled_model_gives_the_same_loss_and_gradients():
+    """torch.compile (train.compile) fuses kernels: the same loss and gradients up to float rounding."""
+    model, batch = tiny_model_and_batch()
+    loss_a, grads_a = loss_and_grads(model, model, batch)
+    model.zero_grad(set_to_none=True)
+    loss_b, grads_b = loss_and_grads(model, torch.compile(model), batch)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.slow
+def test_gpu_throughput_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
+    import json
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_throughput
+
+    out = tmp_path / "throughput.md"
+    result = gpu_throughput.main(["--config", str(ROOT / "configs" / "imagenet256.json"), "--out", str(out), "--steps=2",
+                                  "--warmup=1", "--sample_steps=2", "--variants=eager,checkpointing",
+                                  "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+                                  "--train.batch_size=2", "--data.resolution=32"])
+    assert json.loads(out.with_suffix(".json").read_text()) == json.loads(json.dumps(result))
+    assert [r["variant"] for r in result["train"]] == ["eager", "checkpointing"]
+    assert all(r["images_per_s"] > 0 and r["tflops"] > 0 and r["mfu"] is None for r in result["train"])
+    assert result["tokens_per_image"] == (32 // 8 // 2) ** 2 and result["sampling"]["images_per_s"] > 0
+    assert "| eager |" in out.read_text() and "| checkpointing |" in out.read_text()
