@@ -114,7 +114,7 @@ DEFAULTS = {
     "train": {
         "max_steps": 600,            # optimizer steps
         "batch_size": 64,            # per device and micro-batch; global = batch x processes x grad_accum
-        "grad_accum": 1,
+        "grad_accum": 1,             # micro-batches per step; the recipes use 2 to fit an 80 GB A100 (performance.md)
         "lr": 1e-3,                  # the paper: 1e-4 at batch 2048; the tiny demo model likes more
         "lr_schedule": "constant",   # after warm-up: "constant" (the paper's), "cosine" or "linear" decay to 0
         "lr_scaling": "none",        # "sqrt" or "linear": lr x (global batch / lr_reference_batch)^(1/2 or 1)
@@ -124,10 +124,13 @@ DEFAULTS = {
         "warmup_steps": 50,
         "grad_clip": 1.0,
         "max_nonfinite_steps": 20,   # a NaN/inf loss or gradient skips the step; this many in a row stop the run
-        "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32)
+        "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32); the
+                                     # recipes: bf16, tensor-core speed with fp32's range, so no loss scaling
         "ema_decay": 0.999,
-        "gradient_checkpointing": False,
-        "compile": False,
+        "gradient_checkpointing": False,  # recompute activations in backward: far less memory for ~1/3 more FLOPs;
+                                     # off in the recipes, where grad_accum fits the batch at no FLOP cost
+        "compile": False,            # torch.compile the model: fused kernels, faster steps after a minute or two
+                                     # of compiling (docs/performance.md); on in the paper recipes
     },
     "val": {
         "every": 200,                # and at the last step

@@ -5,7 +5,8 @@ and peak memory. Self-contained: random weights, synthetic latents and condition
     python benchmarks/gpu_throughput.py --config configs/imagenet256.json --out docs/gpu_throughput.md
 
 The training step is the trainers' (bf16 autocast, fused AdamW with the device-side non-finite skip, gradient
-clipping, fp32 EMA) on the recipe's model at its resolution and per-GPU batch (train.batch_size). FLOPs are
+clipping, fp32 EMA) on the recipe's model at its resolution and per-GPU batch (train.batch_size images in
+each of train.grad_accum micro-batches). FLOPs are
 counted with torch.utils.flop_counter.FlopCounterMode on one eager step, not guessed; MFU uses the model's
 FLOPs (forward + backward), so gradient checkpointing's recomputed forward counts as cost, not as work.
 Sampling: 50 Euler steps with classifier-free guidance (two model passes per step) from the EMA model.
@@ -70,12 +71,13 @@ def build(cfg, x0, text_dims, device, checkpointing):
     return model
 
 
-def train_step(model, forward, optimizer, ema, x0, cond, step, bf16):
-    """One step as the trainers take it: bf16 autocast forward, fp32 loss, backward, clip, fused AdamW with the
-    device-side non-finite skip, EMA."""
-    with torch.autocast(x0.device.type, dtype=torch.bfloat16, enabled=bf16):
-        loss = fm.flow_matching_loss(forward, x0, cond, torch.rand(len(x0), device=x0.device), torch.randn_like(x0))
-    loss.mean().backward()
+def train_step(model, forward, optimizer, ema, x0, cond, step, bf16, accum=1):
+    """One step as the trainers take it: `accum` micro-batches of bf16 autocast forward, fp32 loss and backward,
+    then clip, fused AdamW with the device-side non-finite skip, EMA."""
+    for _ in range(accum):
+        with torch.autocast(x0.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = fm.flow_matching_loss(forward, x0, cond, torch.rand(len(x0), device=x0.device), torch.randn_like(x0))
+        (loss.mean() / accum).backward()
     finite = torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
     common.step_unless_nonfinite(optimizer, finite)
     optimizer.zero_grad(set_to_none=True)
@@ -106,11 +108,11 @@ def measure_training(cfg, x0, cond, text_dims, device, compile, checkpointing, s
     optimizer = common.make_optimizer(model, cfg.train)
     forward = torch.compile(model) if compile else model
     for i in range(warmup):
-        train_step(model, forward, optimizer, ema, x0, cond, i, bf16)
+        train_step(model, forward, optimizer, ema, x0, cond, i, bf16, cfg.train.grad_accum)
     synchronize(device)
     start = time.perf_counter()
     for i in range(steps):
-        train_step(model, forward, optimizer, ema, x0, cond, warmup + i, bf16)
+        train_step(model, forward, optimizer, ema, x0, cond, warmup + i, bf16, cfg.train.grad_accum)
     synchronize(device)
     seconds = (time.perf_counter() - start) / steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -157,7 +159,8 @@ def main(argv=None):
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
               "peak_bf16_tflops": peak, "torch": torch.__version__, "mixed_precision": cfg.train.mixed_precision,
               "parameters_m": params / 1e6, "resolution": cfg.data.resolution, "latent": list(x0.shape[1:]),
-              "tokens_per_image": tokens, "batch_per_gpu": batch, "train_step_tflop": train_flops / 1e12,
+              "tokens_per_image": tokens, "batch_per_gpu": batch, "grad_accum": cfg.train.grad_accum,
+              "train_step_tflop": train_flops * cfg.train.grad_accum / 1e12,
               "train": [], "sampling": {"steps": args.sample_steps, "guidance_scale": guidance, "batch": batch}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,8 +179,8 @@ def main(argv=None):
         try:
             seconds, memory = measure_training(cfg, x0, cond, text_dims, device, "compile" in variant,
                                                "checkpointing" in variant, args.steps, args.warmup, bf16)
-            tflops = train_flops / seconds / 1e12
-            row.update(images_per_s=batch / seconds, step_ms=1e3 * seconds, tflops=tflops,
+            tflops = train_flops * cfg.train.grad_accum / seconds / 1e12
+            row.update(images_per_s=batch * cfg.train.grad_accum / seconds, step_ms=1e3 * seconds, tflops=tflops,
                        mfu=tflops / peak if peak else None, peak_memory_gb=memory)
         except (torch.cuda.OutOfMemoryError, RuntimeError) as e:  # OOM or a compile failure: report, go on
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
@@ -214,7 +217,8 @@ def markdown(r):
     fmt = lambda v, spec: "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
     lines = [f"# Throughput: {r['config']} on {r['device']}", "",
              f"{r['parameters_m']:.1f}M parameters, {r['resolution']} px (latent {r['latent']}), "
-             f"{r['tokens_per_image']} tokens per image, batch {r['batch_per_gpu']} per GPU, {r['mixed_precision']}; "
+             f"{r['tokens_per_image']} tokens per image, batch {r['batch_per_gpu']} x {r['grad_accum']} micro-batches per GPU, "
+             f"{r['mixed_precision']}; "
              f"one training step = {r['train_step_tflop']:.3g} TFLOP (FlopCounterMode, forward + backward); "
              f"peak {fmt(r['peak_bf16_tflops'], '.0f')} TFLOP/s dense bf16; torch {r['torch']}.", "",
              "| training step | images/s | step (ms) | TFLOP/s | MFU | peak memory (GB) |",

@@ -148,10 +148,12 @@ def test_gradient_checkpointing_gives_identical_loss_and_gradients():
 
 
 @pytest.mark.slow
-def test_compiled_model_gives_the_same_loss_and_gradients():
-    """torch.compile (train.compile) fuses kernels: the same loss and gradients up to float rounding."""
+def test_compiled_and_checkpointed_model_gives_the_same_loss_and_gradients():
+    """torch.compile (train.compile) fuses kernels: the same loss and gradients up to float rounding, also with
+    gradient checkpointing inside the compiled graph."""
     model, batch = tiny_model_and_batch()
     loss_a, grads_a = loss_and_grads(model, model, batch)
+    model.transformer.enable_gradient_checkpointing()
     model.zero_grad(set_to_none=True)
     loss_b, grads_b = loss_and_grads(model, torch.compile(model), batch)
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
