@@ -3,9 +3,10 @@ forward-backward-optimizer loop on the same model, batch size and optimizer (fus
 
     python benchmarks/step_overhead.py [--steps 60] [--batch_size 64] [extra --key=value trainer overrides]
 
-The two alternate: after each of the trainer's logged 10-step intervals (its own images/s, in metrics.jsonl)
-the bare loop runs 10 steps, and the trainer's clock restarts after it. A shared machine's load then falls on
-both alike; the ratio of the medians is the overhead (the first, warm-up interval of each is dropped). The
+The two alternate step by step: each trainer step is followed by a bare step, which the trainer's clock skips,
+so each logged 10-step interval gives the trainer's images/s (metrics.jsonl) and the bare loop's over the same
+minutes. A shared machine's load then falls on both alike; the ratio of the medians, and the median of the
+intervals' ratios, is the overhead (the first, warm-up interval of each is dropped). The
 trainer runs with its defaults, the gradient analysis included (every log.grad_every = 50 steps).
 """
 import argparse
@@ -26,7 +27,7 @@ import train_flow_matching as fm  # noqa: E402
 
 
 def bare_loop(cfg):
-    """A function that runs 10 steps of forward, loss, backward and Adam step alone, returning images/s."""
+    """A function that runs one step of forward, loss, backward and Adam step alone, returning its seconds."""
     torch.manual_seed(0)
     model = build_denoiser(cfg, 3, cfg.data.resolution)
     opt = common.make_optimizer(model, cfg.train)
@@ -34,15 +35,14 @@ def bare_loop(cfg):
     x0, noise = torch.randn(b, 3, r, r), torch.randn(b, 3, r, r)
     cond = {"label": torch.randint(0, cfg.data.num_classes, (b,)), "drop": torch.zeros(b, dtype=torch.bool)}
 
-    def ten_steps():
+    def one_step():
         start = time.perf_counter()
-        for _ in range(10):
-            loss = fm.flow_matching_loss(model, x0, cond, torch.rand(b), noise).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return 10 * b / (time.perf_counter() - start)
-    return ten_steps
+        loss = fm.flow_matching_loss(model, x0, cond, torch.rand(b), noise).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+    return one_step
 
 
 if __name__ == "__main__":
@@ -56,15 +56,19 @@ if __name__ == "__main__":
                      "--val.every=1000000", "--ckpt.every=1000000", "--val.steps=1", "--val.num_samples=1",
                      "--val.loss_samples=1", *extra]
         cfg = common.load_config(fm.DEFAULTS, overrides)
-        ten_bare_steps, bare = bare_loop(cfg), []
-        log_interval = monitor.Monitor.log_interval
+        bare_step, bare_seconds, bare = bare_loop(cfg), [], []
+        after_update, log_interval = monitor.Monitor.after_update, monitor.Monitor.log_interval
 
-        def log_then_bare(self, step, lr):  # the trainer's interval, then the bare loop's, then the clock restarts
-            metrics = log_interval(self, step, lr)
-            bare.append(ten_bare_steps())
-            self.restart_clock()
-            return metrics
-        monitor.Monitor.log_interval = log_then_bare
+        def then_a_bare_step(self, *args):  # each trainer step is followed by a bare one, off the trainer's clock
+            after_update(self, *args)
+            bare_seconds.append(bare_step())
+            self.t_last += bare_seconds[-1]
+
+        def log_and_bare_rate(self, step, lr):  # the bare loop's images/s over the same interval
+            bare.append(len(bare_seconds) * cfg.train.batch_size / sum(bare_seconds))
+            bare_seconds.clear()
+            return log_interval(self, step, lr)
+        monitor.Monitor.after_update, monitor.Monitor.log_interval = then_a_bare_step, log_and_bare_rate
         fm.main(overrides)
         logs = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
         trainer = [m["images_per_s"] for m in logs if "images_per_s" in m][1:]
@@ -72,6 +76,7 @@ if __name__ == "__main__":
     bare = bare[1:]
     print(f"bare loop: median {statistics.median(bare):.1f}, best {max(bare):.1f} images/s; trainer: median "
           f"{statistics.median(trainer):.1f}, best {max(trainer):.1f} images/s (data wait {wait:.1%})")
-    print(f"ratio trainer / bare: medians {statistics.median(trainer) / statistics.median(bare):.3f}, "
-          f"best {max(trainer) / max(bare):.3f}, means {statistics.mean(trainer) / statistics.mean(bare):.3f} "
-          f"({len(trainer)} alternated intervals)")
+    ratios = [t / b for t, b in zip(trainer, bare)]
+    print(f"ratio trainer / bare: medians {statistics.median(trainer) / statistics.median(bare):.3f}, median of "
+          f"the {len(ratios)} intervals' ratios {statistics.median(ratios):.3f} (each {', '.join(f'{r:.3f}' for r in ratios)}), "
+          f"best {max(trainer) / max(bare):.3f}")
