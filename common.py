@@ -221,11 +221,10 @@ def ema_update(ema, model, decay, num_updates, applied=None):
     samples from what it learned rather than from a blend with the random initialisation. `applied` (0-dim bool
     tensor): the step's update happened; when False the EMA moves by 0, decided on the device."""
     d = min(decay, (1 + num_updates) / (10 + num_updates))
-    weight = 1 - d if applied is None else (1 - d) * applied.float()
     ema_p = list(ema.parameters())
-    delta = torch._foreach_sub([p.detach().float() for p in model.parameters()], ema_p)
-    torch._foreach_mul_(delta, weight)  # a tensor weight is read on the device (foreach lerp's would sync)
-    torch._foreach_add_(ema_p, delta)
+    # A list of device tensors as weights: one tensor alone would be read on the host (a sync) by foreach lerp.
+    weight = 1 - d if applied is None else [(1 - d) * applied.float()] * len(ema_p)
+    torch._foreach_lerp_(ema_p, [p.detach().float() for p in model.parameters()], weight)
 
 
 def lr_at(step, base_lr, warmup_steps, schedule="constant", max_steps=1):
