@@ -26,10 +26,14 @@ from safetensors.torch import save_file
 def make_accelerator(mixed_precision):
     """The Accelerator every script uses. cpu=True without CUDA: `accelerate launch --multi_gpu` then forms
     one gloo group of CPU processes; otherwise accelerate 1.x lets each process silently train alone, which
-    is also refused here. TF32 matmuls and convolutions on Ampere and newer."""
-    from accelerate import Accelerator
+    is also refused here. TF32 matmuls and convolutions on Ampere and newer (fp32 work at tensor-core speed).
+    DDP: gradients are views into its all-reduce buckets (no second copy of the gradients in memory). Its
+    static_graph stays off: it fails under no_sync accumulation (an internal assert in the reducer), and with
+    find_unused_parameters off DDP already skips the per-step search for unused parameters."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
 
-    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+    ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(), kwargs_handlers=[ddp])
     world = accelerator.num_processes
     if world != int(os.environ.get("WORLD_SIZE", world)):
         raise RuntimeError(f"launched {os.environ['WORLD_SIZE']} processes but accelerate formed a group of {world}")
@@ -81,13 +85,34 @@ def exit_for_requeue(accelerator, step):
     sys.exit(REQUEUE_EXIT_CODE)
 
 
+def make_optimizer(model, tr):
+    """Adam(W) (weight_decay 0 = Adam, as in the paper), fused: one kernel for all weights per step on CUDA, and
+    the kernel that takes a skip decision on the device (step_unless_nonfinite). Fused runs on CPU too, so the
+    tests exercise the same optimizer as a GPU run."""
+    return torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay,
+                             fused=True)
+
+
+def step_unless_nonfinite(optimizer, finite, fp16=False):
+    """optimizer.step(), skipped on the device when `finite` (0-dim bool tensor) is False, so the host never waits
+    to read it: the fused AdamW reads `found_inf` (torch's GradScaler mechanism), leaves weights and moments as
+    they were and takes back its step-count increment. Under fp16 the grad scaler sets found_inf itself (its own
+    check of the unscaled gradients) and lowers its scale; accelerate then reads the scale, a sync fp16 keeps."""
+    if not fp16:
+        getattr(optimizer, "optimizer", optimizer).found_inf = (~finite).float()  # inside accelerate's wrapper
+    optimizer.step()
+
+
 @torch.no_grad()
-def ema_update(ema, model, decay, num_updates):
+def ema_update(ema, model, decay, num_updates, applied=None):
     """ema <- d * ema + (1 - d) * model with the warm-up d = min(decay, (1 + n) / (10 + n)), so a short run
-    samples from what it learned rather than from a blend with the random initialisation."""
+    samples from what it learned rather than from a blend with the random initialisation. `applied` (0-dim bool
+    tensor): the step's update happened; when False the EMA moves by 0, decided on the device."""
     d = min(decay, (1 + num_updates) / (10 + num_updates))
     ema_p = list(ema.parameters())
-    torch._foreach_lerp_(ema_p, [p.detach().float() for p in model.parameters()], 1 - d)
+    # A list of device tensors as weights: one tensor alone would be read on the host (a sync) by foreach lerp.
+    weight = 1 - d if applied is None else [(1 - d) * applied.float()] * len(ema_p)
+    torch._foreach_lerp_(ema_p, [p.detach().float() for p in model.parameters()], weight)
 
 
 def lr_at(step, base_lr, warmup_steps, schedule="constant", max_steps=1):

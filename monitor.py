@@ -95,8 +95,8 @@ def find_spikes(losses, state, threshold, warmup=100, decay=0.99):
 
 
 class Monitor:
-    """Interval statistics of a training run. The per-step losses and gradient norms stay on the device and
-    come over in one all-reduce per log interval, so an ordinary step adds no host-device sync of its own."""
+    """Interval statistics of a training run. The per-step losses, gradient norms and skip flags stay on the
+    device and come over in one all-reduce per log interval, so an ordinary step adds no host-device sync."""
 
     def __init__(self, cfg, model, accelerator, log, state=None):
         self.cfg, self.accelerator, self.log = cfg, accelerator, log
@@ -104,7 +104,7 @@ class Monitor:
         self.groups = layer_groups(model)  # for the gradient analysis
         device = accelerator.device
         self.stats = torch.zeros(2 * self.k_bins, device=device)  # loss sums and counts per time bin
-        self.per_step = torch.zeros(cfg.log.every, 3, device=device)  # loss sum, count, grad norm per step since the log
+        self.per_step = torch.zeros(cfg.log.every, 4, device=device)  # loss sum, count, grad norm, skipped, per step
         state = state or {}
         self.skipped, self.bad_in_row = state.get("skipped_steps", 0), state.get("bad_in_row", 0)
         self.loss_state = state.get("loss_state", {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0})  # smoothed loss, spikes
@@ -154,21 +154,23 @@ class Monitor:
         self.stats[self.k_bins:].index_add_(0, bins, torch.ones_like(loss))
 
     def before_update(self, step, grad_norm, finite):
-        """On a gradient-analysis step (every log.grad_every, main process): the per-group gradient norms before
-        clipping, and the weights before the update for the update / weight ratio."""
+        """On a gradient-analysis step (every log.grad_every, main process; it syncs, an ordinary step does not):
+        the per-group gradient norms before clipping, and the weights before the update for the update ratio."""
         every = self.cfg.log.grad_every
         self.analysis = None
         if every and (step + 1) % every == 0 and self.accelerator.is_main_process:
             norms = group_grad_norms(self.groups, grad_norm, self.cfg.train.grad_clip)
+            finite = bool(finite)
             before = {g: [p.detach().clone() for p in ps] for g, ps in self.groups.items()} if finite else None
-            self.analysis = (norms, before)
+            self.analysis = (norms, before, finite)
 
     def after_update(self, step, grad_norm, finite, optimizer_skipped=False):
-        """Record the step's gradient norm, finish the analysis, count skipped steps; too many non-finite steps
-        in a row stop the run (train.max_nonfinite_steps)."""
+        """Record the step's gradient norm and whether it was skipped (`finite`: 0-dim bool tensor), on the
+        device; finish the analysis on a gradient-analysis step."""
         self.per_step[self.since_log, 2] = grad_norm.detach().float()
+        self.per_step[self.since_log, 3] = ~finite
         if self.analysis is not None:  # the update / weight ratio only for an update that happened
-            norms, before = self.analysis
+            norms, before, finite = self.analysis
             metrics = {"step": step + 1, "grad_norm_step": float(grad_norm), **{f"grad_norm/{g}": v for g, v in norms.items()}}
             if finite and not optimizer_skipped:
                 metrics.update({f"update_ratio/{g}": v for g, v in group_update_ratios(self.groups, before).items()})
@@ -176,21 +178,23 @@ class Monitor:
             for g, kind in gradient_flags(norms, self.cfg.log.grad_flag_ratio):
                 self.log({"step": step + 1, "event": kind, "group": g, "grad_norm": norms[g]})
                 self.accelerator.print(f"step {step + 1}: {kind.replace('_', ' ')} in {g} (norm {norms[g]:.3g})")
-        self.skipped, self.bad_in_row = self.skipped + (not finite), 0 if finite else self.bad_in_row + 1
-        if self.bad_in_row >= self.cfg.train.max_nonfinite_steps:
-            raise FloatingPointError(f"{self.bad_in_row} optimizer steps in a row had a non-finite loss or gradient "
-                                     f"(last at step {step + 1}); the last good checkpoint is in "
-                                     f"{self.cfg.run_dir}/checkpoints (train.max_nonfinite_steps)")
         self.since_log += 1
         self.progress.update(1)
 
     def log_interval(self, step, lr):
-        """Average the interval's statistics over steps and processes (the one sync), find loss spikes, log."""
+        """Average the interval's statistics over steps and processes (the one sync), count skipped steps (too
+        many non-finite steps in a row stop the run, train.max_nonfinite_steps), find loss spikes, log."""
         tr, k_bins = self.cfg.train, self.k_bins
         totals = self.accelerator.reduce(torch.cat([self.stats, self.per_step.flatten()]), "sum")
         n_steps, self.since_log = self.since_log, 0
         elapsed = time.perf_counter() - self.t_last
-        steps = totals[len(self.stats):].view(-1, 3)[:n_steps].tolist()
+        steps = totals[len(self.stats):].view(-1, 4)[:n_steps].tolist()
+        for i, s in enumerate(steps):  # the skip flag is the same on every rank: s[3] is 0 or world
+            self.skipped, self.bad_in_row = self.skipped + (s[3] > 0), self.bad_in_row + 1 if s[3] > 0 else 0
+            if self.bad_in_row >= tr.max_nonfinite_steps:
+                raise FloatingPointError(f"{self.bad_in_row} optimizer steps in a row had a non-finite loss or "
+                                         f"gradient (last at step {step - n_steps + 1 + i}); the last good checkpoint "
+                                         f"is in {self.cfg.run_dir}/checkpoints (train.max_nonfinite_steps)")
         loss_avg = sum(s[0] for s in steps) / sum(s[1] for s in steps)
         losses = [s[0] / max(s[1], 1) for s in steps]
         norms = [s[2] / self.world for s in steps]  # the same all-reduced norm on every rank

@@ -129,7 +129,7 @@ DEFAULTS = {
     "train": {
         "max_steps": 600,            # optimizer steps
         "batch_size": 64,            # per device and micro-batch; global = batch x processes x grad_accum
-        "grad_accum": 1,
+        "grad_accum": 1,             # micro-batches per step; the recipes use 2 to fit an 80 GB A100 (performance.md)
         "lr": 1e-3,                  # the paper: 1e-4 at batch 2048; the tiny demo model likes more
         "lr_schedule": "constant",   # after warm-up: "constant" (the paper's), "cosine" or "linear" decay to 0
         "lr_scaling": "none",        # "sqrt" or "linear": lr x (global batch / lr_reference_batch)^(1/2 or 1)
@@ -139,10 +139,13 @@ DEFAULTS = {
         "warmup_steps": 50,
         "grad_clip": 1.0,
         "max_nonfinite_steps": 20,   # a NaN/inf loss or gradient skips the step; this many in a row stop the run
-        "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32)
+        "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32); the
+                                     # recipes: bf16, tensor-core speed with fp32's range, so no loss scaling
         "ema_decay": 0.999,
-        "gradient_checkpointing": False,
-        "compile": False,
+        "gradient_checkpointing": False,  # recompute activations in backward: far less memory for ~1/3 more FLOPs;
+                                     # off in the recipes, where grad_accum fits the batch at no FLOP cost
+        "compile": False,            # torch.compile the model: fused kernels, faster steps after a minute or two
+                                     # of compiling (docs/performance.md); on in the paper recipes
     },
     "val": {
         "every": 200,                # and at the last step
@@ -463,8 +466,7 @@ def main(argv=None):
         report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print)
         if accelerator.is_main_process:
             (run_dir / "init_from.json").write_text(json.dumps(report, indent=1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas),
-                                  weight_decay=tr.weight_decay)  # weight_decay 0 = Adam, as in the paper
+    optimizer = common.make_optimizer(model, tr)  # fused AdamW; weight_decay 0 = Adam, as in the paper
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
     ema.to(device)
@@ -538,28 +540,29 @@ def main(argv=None):
             monitor.micro_batch(loss, t * obj.loss_bins // T)
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip)
-        # A non-finite loss or gradient skips the update (weights and EMA untouched). The norm is of the
-        # all-reduced gradients, so every rank takes the same decision. The step still counts: the data
-        # position and the LR stay pure functions of it.
-        finite = bool(torch.isfinite(grad_norm))
+        # A non-finite loss or gradient skips the update (weights, EMA and optimizer state untouched), decided on
+        # the device so the host never waits for it. The norm is of the all-reduced gradients, so every rank
+        # decides the same. The step still counts: the data position and the LR stay pure functions of it.
+        finite = torch.isfinite(grad_norm)
         monitor.before_update(step, grad_norm, finite)
-        if finite or tr.mixed_precision == "fp16":
-            optimizer.step()  # under fp16 the grad scaler skips a non-finite step itself and lowers its scale
+        common.step_unless_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.zero_grad(set_to_none=True)
-        if finite:
-            common.ema_update(ema, raw_model, tr.ema_decay, step)
+        common.ema_update(ema, raw_model, tr.ema_decay, step, applied=finite)
         monitor.after_update(step, grad_norm, finite, accelerator.optimizer_step_was_skipped)
         step += 1
 
-        if step % cfg.log.every == 0 or step == tr.max_steps:
-            monitor.log_interval(step, lr)  # the only sync: the interval's statistics in one all-reduce
+        # Up to here nothing waits for the device. The host syncs at log steps (one all-reduce of the interval's
+        # statistics, the skipped-step check, the preemption check), validation, FID and checkpoints.
+        log_step = step % cfg.log.every == 0 or step == tr.max_steps
+        if log_step:
+            monitor.log_interval(step, lr)
         if step % cfg.val.every == 0 or step == tr.max_steps:
             if accelerator.is_main_process:
                 with monitor.phase("validation", step):
                     validate(step)
             accelerator.wait_for_everyone()
             monitor.restart_clock()  # validation, FID and checkpoints are not training throughput
-        stop = signals.agreed(accelerator)
+        stop = log_step and signals.agreed(accelerator)  # a signal stops the run within log.every - 1 steps
         if cfg.val.fid_every and (step % cfg.val.fid_every == 0 or step == tr.max_steps):
             with monitor.phase(f"FID ({cfg.val.fid_samples} samples)", step):
                 metrics = eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, text=null_text is not None)

@@ -1,12 +1,13 @@
 """What does the trainer's bookkeeping cost? Ratio of train_flow_matching.py's images/s to a bare
-forward-backward-optimizer loop on the same model and batch size, measured in one process, one run.
+forward-backward-optimizer loop on the same model, batch size and optimizer (fused AdamW), in one process, one run.
 
     python benchmarks/step_overhead.py [--steps 60] [--batch_size 64] [extra --key=value trainer overrides]
 
-Both speeds are taken per 10 steps: the trainer's from its logged intervals after the first (warm-up) in
-metrics.jsonl, the bare loop's from 10-step chunks measured before and after the trainer. On a shared machine
-single intervals swing by 20%, so the ratio is printed for the medians and for the best intervals (the speed
-each reaches when undisturbed).
+The two alternate step by step: each trainer step is followed by a bare step, which the trainer's clock skips,
+so each logged 10-step interval gives the trainer's images/s (metrics.jsonl) and the bare loop's over the same
+minutes. A shared machine's load then falls on both alike; the ratio of the medians, and the median of the
+intervals' ratios, is the overhead (the first, warm-up interval of each is dropped). The
+trainer runs with its defaults, the gradient analysis included (every log.grad_every = 50 steps).
 """
 import argparse
 import json
@@ -19,31 +20,30 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
 import config  # noqa: E402
+import monitor  # noqa: E402
 from model import build_denoiser  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 
 
-def bare_loop(cfg, steps):
-    """images/s of forward, loss, backward and Adam step alone, per 10-step chunk."""
+def bare_loop(cfg):
+    """A function that runs one step of forward, loss, backward and Adam step alone, returning its seconds."""
     torch.manual_seed(0)
     model = build_denoiser(cfg, 3, cfg.data.resolution)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    opt = common.make_optimizer(model, cfg.train)
     b, r = cfg.train.batch_size, cfg.data.resolution
     x0, noise = torch.randn(b, 3, r, r), torch.randn(b, 3, r, r)
     cond = {"label": torch.randint(0, cfg.data.num_classes, (b,)), "drop": torch.zeros(b, dtype=torch.bool)}
-    rates = []
-    for i in range(steps + 3):
-        if i >= 3 and (i - 3) % 10 == 0:
-            start = time.perf_counter()
-        t = torch.rand(b)
-        loss = fm.flow_matching_loss(model, x0, cond, t, noise).mean()
+
+    def one_step():
+        start = time.perf_counter()
+        loss = fm.flow_matching_loss(model, x0, cond, torch.rand(b), noise).mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if i >= 3 and (i - 3) % 10 == 9:
-            rates.append(10 * b / (time.perf_counter() - start))
-    return rates
+        return time.perf_counter() - start
+    return one_step
 
 
 if __name__ == "__main__":
@@ -53,17 +53,31 @@ if __name__ == "__main__":
     args, extra = parser.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [f"--run_dir={tmp}/run", f"--data.cache_dir={tmp}/cache", f"--train.max_steps={args.steps}",
-                     f"--train.batch_size={args.batch_size}", "--log.every=10", "--log.wandb=off",
+                     f"--train.batch_size={args.batch_size}", "--log.every=10", "--log.wandb=off", "--log.report=false",
                      "--val.every=1000000", "--ckpt.every=1000000", "--val.steps=1", "--val.num_samples=1",
                      "--val.loss_samples=1", "--data.num_classes=9", *extra]
         cfg = config.load_config(fm.DEFAULTS, overrides)
-        bare = bare_loop(cfg, args.steps)
+        bare_step, bare_seconds, bare = bare_loop(cfg), [], []
+        after_update, log_interval = monitor.Monitor.after_update, monitor.Monitor.log_interval
+
+        def then_a_bare_step(self, *args):  # each trainer step is followed by a bare one, off the trainer's clock
+            after_update(self, *args)
+            bare_seconds.append(bare_step())
+            self.t_last += bare_seconds[-1]
+
+        def log_and_bare_rate(self, step, lr):  # the bare loop's images/s over the same interval
+            bare.append(len(bare_seconds) * cfg.train.batch_size / sum(bare_seconds))
+            bare_seconds.clear()
+            return log_interval(self, step, lr)
+        monitor.Monitor.after_update, monitor.Monitor.log_interval = then_a_bare_step, log_and_bare_rate
         fm.main(overrides)
-        bare += bare_loop(cfg, args.steps)
         logs = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-        trainer = [m["images_per_s"] for m in logs if "images_per_s" in m and m["step"] > 10]
-        wait = statistics.median(m["data_wait_share"] for m in logs if "images_per_s" in m and m["step"] > 10)
+        trainer = [m["images_per_s"] for m in logs if "images_per_s" in m][1:]
+        wait = statistics.median(m["data_wait_share"] for m in logs if "images_per_s" in m)
+    bare = bare[1:]
     print(f"bare loop: median {statistics.median(bare):.1f}, best {max(bare):.1f} images/s; trainer: median "
           f"{statistics.median(trainer):.1f}, best {max(trainer):.1f} images/s (data wait {wait:.1%})")
-    print(f"ratio trainer / bare: medians {statistics.median(trainer) / statistics.median(bare):.3f}, "
+    ratios = [t / b for t, b in zip(trainer, bare)]
+    print(f"ratio trainer / bare: medians {statistics.median(trainer) / statistics.median(bare):.3f}, median of "
+          f"the {len(ratios)} intervals' ratios {statistics.median(ratios):.3f} (each {', '.join(f'{r:.3f}' for r in ratios)}), "
           f"best {max(trainer) / max(bare):.3f}")

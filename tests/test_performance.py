@@ -1,0 +1,182 @@
+"""A loop that never waits on the device: zero host-device reads and collectives on an ordinary step (counted
+with a dispatch mode on CPU), the non-finite skip decided on the device, and the GPU options (compile,
+gradient checkpointing) giving the same results as without them."""
+import copy
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import common
+import monitor
+from conftest import tiny_run_args
+
+
+class SyncCounter(TorchDispatchMode):
+    """Records every device-to-host read (.item(), bool(), float(), int() all reach aten._local_scalar_dense;
+    .tolist(), .numpy(), .cpu() are counted by the test's patches) and every collective, each under the training
+    step it happened in (the loop's first call, common.lr_at, marks a step's start)."""
+
+    def __init__(self):
+        super().__init__()
+        self.step, self.paused, self.events = None, False, {}
+
+    def record(self, what):
+        if self.step is not None and not self.paused:
+            self.events.setdefault(self.step, []).append(what)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.record("item")
+        return func(*args, **(kwargs or {}))
+
+
+def count_syncs(monkeypatch, counter):
+    def counted(name, original):
+        def wrapper(*args, **kwargs):
+            counter.record(name)
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name in ("tolist", "numpy", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    for name in ("reduce", "gather", "wait_for_everyone"):
+        monkeypatch.setattr(Accelerator, name, counted(name, getattr(Accelerator, name)))
+    for name in ("all_reduce", "all_gather", "broadcast", "barrier", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        monkeypatch.setattr(torch.distributed, name, counted(name, getattr(torch.distributed, name)))
+    monkeypatch.setattr(common.StopSignals, "agreed", counted("stop_signal_reduce", common.StopSignals.agreed))
+    lr_at = common.lr_at
+
+    def step_start(step, *args, **kwargs):
+        counter.step = step
+        return lr_at(step, *args, **kwargs)
+    monkeypatch.setattr(common, "lr_at", step_start)
+    next_batch = monitor.Monitor.next_batch
+
+    def host_data(self, batches, device):  # reading host data in the loader is not a device sync (on a GPU it
+        counter.paused = True               # runs in the loader's workers); the copy to the device is async
+        try:
+            return next_batch(self, batches, device)
+        finally:
+            counter.paused = False
+    monkeypatch.setattr(monitor.Monitor, "next_batch", host_data)
+
+
+@pytest.mark.parametrize("trainer,extra", [("train_flow_matching", ["--train.grad_accum=2"]),
+                                           ("train_ddpm", ["--train.mixed_precision=bf16"])])
+def test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer, extra):
+    counter = SyncCounter()
+    count_syncs(monkeypatch, counter)
+    args = tiny_run_args(tmp_path, steps=8) + ["--train.batch_size=8", "--log.every=4", "--log.grad_every=3",
+                                               "--log.report=false", *extra]
+    with counter:
+        __import__(trainer).main(args)
+    # Step s (0-based) ends at optimizer step s + 1: a log step at 4 and 8, gradient analysis at 3 and 6.
+    special = [s for s in range(8) if (s + 1) % 4 == 0 or (s + 1) % 3 == 0]
+    ordinary = [s for s in range(8) if s not in special]
+    assert {s: counter.events.get(s, []) for s in ordinary} == {s: [] for s in ordinary}
+    # The counter sees the syncs where they belong: the log steps' all-reduce, reads and stop-signal check.
+    assert all(counter.events.get(s) for s in special)
+    assert "stop_signal_reduce" in counter.events[3] and "reduce" in counter.events[7]
+
+
+def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
+    tr = common.Config(lr=1e-2, betas=[0.9, 0.999], weight_decay=0.01)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    ema = copy.deepcopy(model)
+    optimizer = common.make_optimizer(model, tr)
+
+    def train_step(step, poison):
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        if poison:
+            model[1].weight.grad[0, 0] = float("nan")
+        finite = torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        common.step_unless_nonfinite(optimizer, finite)
+        optimizer.zero_grad(set_to_none=True)
+        common.ema_update(ema, model, 0.9, step, applied=finite)
+
+    train_step(0, poison=False)
+    before = copy.deepcopy((model.state_dict(), ema.state_dict(), optimizer.state_dict()["state"]))
+    train_step(1, poison=True)
+    after = (model.state_dict(), ema.state_dict(), optimizer.state_dict()["state"])
+    for b, a in zip(before[:2], after[:2]):
+        assert all(torch.equal(b[k], a[k]) for k in b)
+    for i in before[2]:
+        assert all(torch.equal(before[2][i][k], after[2][i][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert after[2][0]["step"] == 1  # Adam's step count (its bias correction) did not advance
+    train_step(2, poison=False)  # the flag is per step: the next finite step updates everything again
+    assert optimizer.state_dict()["state"][0]["step"] == 2
+    assert not torch.equal(before[0]["0.weight"], model.state_dict()["0.weight"])
+    assert not torch.equal(before[1]["0.weight"], ema.state_dict()["0.weight"])
+
+
+def tiny_model_and_batch(checkpointing=False):
+    cfg = common.load_config(__import__("train_flow_matching").DEFAULTS,
+                             ["--model.num_layers=2", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+                              '--conditioning.controls=["size", "crop", "flip"]', f"--train.gradient_checkpointing={str(checkpointing).lower()}"])
+    from model import build_for_run
+    torch.manual_seed(0)
+    model = build_for_run(cfg, (3, 16, 16)).train()
+    g = torch.Generator().manual_seed(1)
+    b = 4
+    cond = {"label": torch.randint(0, 9, (b,), generator=g), "drop": torch.tensor([False, True, False, False]),
+            "drop_controls": torch.tensor([False, False, True, False]), "orig_hw": torch.rand(b, 2, generator=g) * 64,
+            "crop_box": torch.rand(b, 4, generator=g) * 16, "flip": torch.tensor([[0.], [1.], [0.], [1.]])}
+    x0, noise, t = torch.randn(b, 3, 16, 16, generator=g), torch.randn(b, 3, 16, 16, generator=g), torch.rand(b, generator=g)
+    return model, (x0, cond, t, noise)
+
+
+def loss_and_grads(model, forward, batch):
+    import train_flow_matching as fm
+    loss = fm.flow_matching_loss(forward, *batch).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_gives_identical_loss_and_gradients():
+    """Checkpointing recomputes each block's forward in the backward pass: the same numbers, less memory. The
+    conditioner's adaptive-norm addition (a forward hook) and the control weights must survive the recompute."""
+    plain, batch = tiny_model_and_batch()
+    checkpointed, _ = tiny_model_and_batch(checkpointing=True)
+    assert checkpointed.transformer.gradient_checkpointing and not plain.transformer.gradient_checkpointing
+    loss_a, grads_a = loss_and_grads(plain, plain, batch)
+    loss_b, grads_b = loss_and_grads(checkpointed, checkpointed, batch)
+    assert torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys()
+    assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+
+
+@pytest.mark.slow
+def test_compiled_and_checkpointed_model_gives_the_same_loss_and_gradients():
+    """torch.compile (train.compile) fuses kernels: the same loss and gradients up to float rounding, also with
+    gradient checkpointing inside the compiled graph."""
+    model, batch = tiny_model_and_batch()
+    loss_a, grads_a = loss_and_grads(model, model, batch)
+    model.transformer.enable_gradient_checkpointing()
+    model.zero_grad(set_to_none=True)
+    loss_b, grads_b = loss_and_grads(model, torch.compile(model), batch)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.slow
+def test_gpu_throughput_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
+    import json
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_throughput
+
+    out = tmp_path / "throughput.md"
+    result = gpu_throughput.main(["--config", str(ROOT / "configs" / "imagenet256.json"), "--out", str(out), "--steps=2",
+                                  "--warmup=1", "--sample_steps=2", "--variants=eager,checkpointing",
+                                  "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+                                  "--train.batch_size=2", "--data.resolution=32"])
+    assert json.loads(out.with_suffix(".json").read_text()) == json.loads(json.dumps(result))
+    assert [r["variant"] for r in result["train"]] == ["eager", "checkpointing"]
+    assert all(r["images_per_s"] > 0 and r["tflops"] > 0 and r["mfu"] is None for r in result["train"])
+    assert result["tokens_per_image"] == (32 // 8 // 2) ** 2 and result["sampling"]["images_per_s"] > 0
+    assert "| eager |" in out.read_text() and "| checkpointing |" in out.read_text()
