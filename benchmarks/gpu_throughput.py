@@ -30,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from model import build_denoiser  # noqa: E402
 
@@ -132,7 +133,7 @@ def main(argv=None):
     parser.add_argument("--latent_channels", type=int, default=4)
     args, overrides = parser.parse_known_args(argv)
     started = time.perf_counter()
-    cfg = common.load_config(fm.DEFAULTS, ["--config", args.config, *overrides])
+    cfg = config.load_config(fm.DEFAULTS, ["--config", args.config, *overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as make_accelerator
     bf16 = cfg.train.mixed_precision == "bf16"

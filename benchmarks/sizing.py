@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from gpu_throughput import build, count_flops, model_inputs  # noqa: E402
 
@@ -33,7 +33,7 @@ def activation_bytes(cfg, layers, batch):
     per image). About what a GPU holds at the peak of a step, the gradients' transients aside."""
     saved = {}
     for n in (1, 2):
-        small = common.load_config(fm.DEFAULTS, ["--config", cfg.config_path, f"--model.num_layers={n}"])
+        small = config.load_config(fm.DEFAULTS, ["--config", cfg.config_path, f"--model.num_layers={n}"])
         for b in (1, 2):
             x0, cond, text_dims = model_inputs(small, b, torch.device("cpu"))
             model, storages = build(small, x0, text_dims, torch.device("cpu"), checkpointing=False), {}
@@ -51,7 +51,7 @@ def activation_bytes(cfg, layers, batch):
 
 
 def size_recipe(name, gpus, mfu):
-    cfg = common.load_config(fm.DEFAULTS, ["--config", f"configs/{name}.json"])
+    cfg = config.load_config(fm.DEFAULTS, ["--config", f"configs/{name}.json"])
     cfg.config_path, batch = f"configs/{name}.json", cfg.train.batch_size
     x0, cond, text_dims = model_inputs(cfg, 1, torch.device("meta"))
     model = build(cfg, x0, text_dims, torch.device("meta"), checkpointing=False)

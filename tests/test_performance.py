@@ -9,6 +9,7 @@ from accelerate import Accelerator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
+import config
 import monitor
 from conftest import tiny_run_args
 
@@ -82,7 +83,7 @@ def test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer,
 
 
 def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
-    tr = common.Config(lr=1e-2, betas=[0.9, 0.999], weight_decay=0.01)
+    tr = config.Config(lr=1e-2, betas=[0.9, 0.999], weight_decay=0.01)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
     ema = copy.deepcopy(model)
@@ -113,8 +114,8 @@ def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
 
 
 def tiny_model_and_batch(checkpointing=False):
-    cfg = common.load_config(__import__("train_flow_matching").DEFAULTS,
-                             ["--model.num_layers=2", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+    cfg = config.load_config(__import__("train_flow_matching").DEFAULTS,
+                             ["--data.num_classes=9", "--model.num_layers=2", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
                               '--conditioning.controls=["size", "crop", "flip"]', f"--train.gradient_checkpointing={str(checkpointing).lower()}"])
     from model import build_for_run
     torch.manual_seed(0)
