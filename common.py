@@ -115,6 +115,12 @@ def ema_update(ema, model, decay, num_updates, applied=None):
     torch._foreach_lerp_(ema_p, [p.detach().float() for p in model.parameters()], weight)
 
 
+def due(step, every, last):
+    """Whether periodic work (log, validation, FID, checkpoint every `every` steps; 0: never) falls on `step`;
+    the last step always gets it."""
+    return bool(every) and (step % every == 0 or step == last)
+
+
 def lr_at(step, base_lr, warmup_steps, schedule="constant", max_steps=1):
     """Linear warm-up to base_lr, then constant (the paper trains at a constant 1e-4), or a decay to 0 at
     max_steps: cosine (Loshchilov & Hutter 2017) or linear. A pure function of the optimizer step, so resuming

@@ -1046,3 +1046,32 @@ def heldout_batches(val_set, num_samples, batch_size, seed, device):
         x0 = batch["x"] + batch["x_std"] * torch.randn(batch["x"].shape, generator=gen) if "x_std" in batch else batch["x"]
         noise = torch.randn(x0.shape, generator=gen)
         yield x0.to(device), noise.to(device), conditions_of(batch, device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The data stage of a run, as both trainers take it.
+
+
+def prepare_data(cfg, train_ds, val_ds, accelerator, signals=None):
+    """Cache check -> hit: load / miss: encode and write, for the training and held-out rows; then the
+    encoders leave the GPU (the text encoder stays when it encodes at each step, data.cache_text=false).
+    Returns the cached datasets, the frozen encoders, the empty prompt's encoding (the null condition of
+    guidance), the validation grid's prompts or class names and their encoding, and the class ids."""
+    from types import SimpleNamespace
+
+    data, device = cfg.data, accelerator.device
+    check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
+    vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
+    encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
+    out = SimpleNamespace(vae=vae, text_encoder=text_encoder, null_text=None, val_text=None,
+                          val_prompts=validation_prompts(cfg, train_ds, val_ds),  # what each grid cell shows
+                          class_ids=read_class_ids(data, train_ds) if data.label_column else None)  # kept with the model
+    out.train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg, signals))
+    out.val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg, signals))
+    if text_encoder is not None:
+        out.null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
+        out.val_text = encode_text(tokenizer, text_encoder, out.val_prompts, cfg.encoders.max_tokens)
+        text_encoder.to("cpu" if data.cache_text else device)
+    if vae is not None:
+        vae.cpu()
+    return out

@@ -450,9 +450,10 @@ def clip_scores(model_id, images, captions, device):
 # In training: a small-N FID every M steps, in memory (no PNGs), on all ranks.
 
 
-def fid_of_run(ema, cfg, accelerator, val_set, vae=None, text=False):
+def fid_of_run(ema, cfg, accelerator, val_set, vae=None, text=False, log=None, step=None):
     """Small-N FID/KID during training (val.fid_every): fid_during_training with the run's settings; text runs
-    take their conditions from the held-out cache's caption features. Every rank takes part."""
+    take their conditions from the held-out cache's caption features. Every rank takes part. With `log` (a
+    runlog.RunLog), the metrics are logged at `step` and printed."""
     val, n = cfg["val"], min(cfg["val"]["fid_samples"], len(val_set))
     conditions = None if not text else {
         k: torch.stack([val_set[i][k] for i in range(n)]) for k in ("text_tokens", "text_mask", "text_pooled")}
@@ -464,6 +465,9 @@ def fid_of_run(ema, cfg, accelerator, val_set, vae=None, text=False):
                                   batch_size=cfg["train"]["batch_size"])
     if vae is not None:
         vae.cpu()
+    if log is not None:
+        log({"step": step, **metrics})
+        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
     return metrics
 
 

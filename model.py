@@ -220,6 +220,22 @@ def build_for_run(cfg, x_shape, null_text=None):
     return model
 
 
+def prepare_model(cfg, x_shape, null_text, class_ids, run_dir, accelerator):
+    """The run's model and its fp32 EMA (also on the GPU), and the checkpoint to resume, if any. Resume (same
+    run) continues a checkpoint of run_dir; init_from (a new run) only takes another run's weights, so a
+    preempted fine-tuning run resumes its own checkpoint and init_from applies to a fresh start only."""
+    import copy
+
+    model = build_for_run(cfg, x_shape, null_text)
+    ema = copy.deepcopy(model).requires_grad_(False).float()
+    ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
+    if cfg.init_from and ckpt is None:
+        report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print)
+        if accelerator.is_main_process:
+            (Path(run_dir) / "init_from.json").write_text(json.dumps(report, indent=1))
+    return model, ema, ckpt
+
+
 def export(ema, cfg, run_dir, class_ids=None):
     """The fp32 EMA model: transformer/ loadable with SD3Transformer2DModel.from_pretrained (safetensors),
     conditioner.safetensors, the run's config.json and, for init_from's class mapping, class_ids.json."""

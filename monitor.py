@@ -7,6 +7,7 @@
 Nothing here changes what is trained: the loop's forward, loss, accumulation, optimizer step and EMA are the
 trainers' own.
 """
+import contextlib
 import datetime
 import math
 import re
@@ -233,6 +234,16 @@ class Monitor:
         return (f"step {step}/{total} ({100 * step / total:.0f}%) | loss {metrics['loss']:.4f} | smoothed loss "
                 f"{metrics['loss_smoothed']:.4f} | lr {metrics['lr']:.2e} | {metrics['images_per_s']:.1f} images/s | "
                 f"ETA {eta}")
+
+    def pause(self, work, step, name=None, main_only=False):
+        """Validation, FID or a checkpoint at `step`: `work(step)` on every rank (or the main process only, the
+        others waiting), announced in the log when named, and kept out of the training throughput."""
+        if self.accelerator.is_main_process or not main_only:
+            with self.phase(name, step) if name else contextlib.nullcontext():
+                work(step)
+        if main_only:
+            self.accelerator.wait_for_everyone()
+        self.restart_clock()
 
     def phase(self, name, step):
         """A pause of training (validation, FID) announced in the log, with its duration when done."""

@@ -21,7 +21,6 @@ init_from (another run's weights) -> optimizer -> resume -> loop (forward, loss,
 metrics, gradient analysis, loss spikes) -> validation (samples, loss on a fixed timestep grid) -> checkpoints
 -> export -> report.
 """
-import copy
 import json
 import math
 import sys
@@ -35,10 +34,9 @@ import common
 import config
 import eval_fid
 import runlog
-from data import (COND_FIELDS, CachedDataset, build_cache, check_cache_shared, decode, drop_conditions, encode_text,
-                  heldout_batches, iterate_batches, load_encoders, loader_options, make_encode, open_splits,
-                  read_class_ids, text_features, validation_inputs, validation_prompts)
-from model import build_for_run, export, guided, init_from
+from data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options, open_splits,
+                  prepare_data, text_features, validation_inputs)
+from model import export, guided, prepare_model
 from monitor import Monitor
 
 # ----------------------------------------------------------------------------------------------------------
@@ -438,34 +436,14 @@ def main(argv=None):
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
     train_ds, val_ds = open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
-    val_prompts = validation_prompts(cfg, train_ds, val_ds)  # what each validation grid cell shows
     run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
-    check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
-    vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
-    encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
-    class_ids = read_class_ids(data, train_ds) if data.label_column else None  # saved with the model
-    train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg, signals))
-    val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg, signals))
-    null_text = val_text = None
-    if text_encoder is not None:  # the null condition for guidance (the empty prompt) and the validation prompts
-        null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
-        val_text = encode_text(tokenizer, text_encoder, val_prompts, cfg.encoders.max_tokens)
-        text_encoder.to("cpu" if data.cache_text else device)  # off the GPU once the cache is built,
-                                                                # unless it encodes at each step (cache_text=false)
-    if vae is not None:
-        vae.cpu()
+    d = prepare_data(cfg, train_ds, val_ds, accelerator, signals)  # cached sets, encoders, null and grid prompts
+    train_set, val_set, vae, text_encoder = d.train_set, d.val_set, d.vae, d.text_encoder
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
     x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
-    model = build_for_run(cfg, x_shape, null_text)
-    ema = copy.deepcopy(model).requires_grad_(False).float()  # fp32 EMA, also on the GPU
-    # Resume (same run) continues a checkpoint of this run_dir; init_from (new run) only takes another run's
-    # weights. A preempted fine-tuning run resumes its own checkpoint: init_from applies to a fresh start only.
-    ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
-    if cfg.init_from and ckpt is None:
-        report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print)
-        if accelerator.is_main_process:
-            (run_dir / "init_from.json").write_text(json.dumps(report, indent=1))
+    # fp32 EMA; the checkpoint to resume, else another run's weights when init_from names one
+    model, ema, ckpt = prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
     optimizer = common.make_optimizer(model, tr)  # fused AdamW; weight_decay 0 = Adam, as in the paper
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
@@ -487,8 +465,8 @@ def main(argv=None):
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
-    val_noise, val_cond = validation_inputs(val_set, len(val_prompts), data.num_classes, x_shape, cfg.seed, device,
-                                            val_text)
+    val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,
+                                            device, d.val_text)
 
     @torch.no_grad()
     @torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])  # draws nothing from training's RNG
@@ -497,7 +475,7 @@ def main(argv=None):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(cfg.seed)  # the ancestral sampler's noise: fixed, and the training RNG untouched
             x = generate(ema, val_noise, val_cond, cfg)
-        path = log.samples(decode(vae, x, device), step, val_prompts)
+        path = log.samples(decode(vae, x, device), step, d.val_prompts)
         # Validation loss: every held-out sample at every t_k = floor((k + 0.5) T / K), with fixed noise.
         losses, n = torch.zeros(obj.loss_bins), min(cfg.val.loss_samples, len(val_set))
         for x0, noise, cond in heldout_batches(val_set, n, tr.batch_size, cfg.seed + 1, device):
@@ -512,9 +490,12 @@ def main(argv=None):
 
     def checkpoint(step):
         state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
-                 "class_ids": class_ids, **monitor.state_dict()}
+                 "class_ids": d.class_ids, **monitor.state_dict()}
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
+
+    def fid(step):  # every rank samples its share
+        eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, d.null_text is not None, log, step)
 
     # ---- Training loop --------------------------------------------------------------------------------------
     batches = iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
@@ -553,32 +534,23 @@ def main(argv=None):
 
         # Up to here nothing waits for the device. The host syncs at log steps (one all-reduce of the interval's
         # statistics, the skipped-step check, the preemption check), validation, FID and checkpoints.
-        log_step = step % cfg.log.every == 0 or step == tr.max_steps
-        if log_step:
+        stop = False
+        if common.due(step, cfg.log.every, tr.max_steps):
             monitor.log_interval(step, lr)
-        if step % cfg.val.every == 0 or step == tr.max_steps:
-            if accelerator.is_main_process:
-                with monitor.phase("validation", step):
-                    validate(step)
-            accelerator.wait_for_everyone()
-            monitor.restart_clock()  # validation, FID and checkpoints are not training throughput
-        stop = log_step and signals.agreed(accelerator)  # a signal stops the run within log.every - 1 steps
-        if cfg.val.fid_every and (step % cfg.val.fid_every == 0 or step == tr.max_steps):
-            with monitor.phase(f"FID ({cfg.val.fid_samples} samples)", step):
-                metrics = eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, text=null_text is not None)
-            log({"step": step, **metrics})
-            accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-            monitor.restart_clock()
-        if step % cfg.ckpt.every == 0 or step == tr.max_steps or stop:
-            checkpoint(step)
-            monitor.restart_clock()
+            stop = signals.agreed(accelerator)  # a signal stops the run within log.every - 1 steps
+        if common.due(step, cfg.val.every, tr.max_steps):  # (pauses are not counted as training throughput)
+            monitor.pause(validate, step, "validation", main_only=True)
+        if common.due(step, cfg.val.fid_every, tr.max_steps):
+            monitor.pause(fid, step, f"FID ({cfg.val.fid_samples} samples)")
+        if common.due(step, cfg.ckpt.every, tr.max_steps) or stop:
+            monitor.pause(checkpoint, step)
         if stop:
             common.exit_for_requeue(accelerator, step)
     monitor.close()
 
     # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
     if accelerator.is_main_process:
-        accelerator.print(f"exported EMA model to {export(ema, cfg, run_dir, class_ids)}")
+        accelerator.print(f"exported EMA model to {export(ema, cfg, run_dir, d.class_ids)}")
     signals.exit_if_agreed(accelerator, "the export, which is complete (the requeued run writes the report)")
     log.finish(cfg, accelerator)  # report.md and plots, wandb
     return run_dir

@@ -10,6 +10,7 @@ import torch
 
 import common
 import config
+import data
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
@@ -114,7 +115,7 @@ def no_work(monkeypatch):
 
     for trainer in (fm, ddpm):
         monkeypatch.setattr(trainer, "open_splits", work)
-        monkeypatch.setattr(trainer, "load_encoders", work)
+    monkeypatch.setattr(data, "load_encoders", work)
     monkeypatch.setattr(common, "make_accelerator", work)
 
 
