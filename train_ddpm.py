@@ -34,8 +34,9 @@ import common
 import config
 import eval_fid
 import runlog
-from data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options, open_splits,
-                  prepare_data, text_features, validation_inputs)
+from cache import prepare_data
+from data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options,
+                  open_splits, text_features, validation_inputs)
 from model import export, guided, prepare_model
 from monitor import Monitor
 

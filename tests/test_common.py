@@ -8,7 +8,9 @@ from PIL import Image
 
 import common
 import config
-from data import CachedDataset, DEMO_COLORS, build_cache, encode_text, iterate_batches, load_encoders, load_image, make_demo_dataset, open_splits, preprocess
+from cache import CachedDataset, build_cache
+from data import (DEMO_COLORS, encode_text, iterate_batches, load_encoders, load_image, make_demo_dataset,
+                  open_splits, preprocess)
 import train_flow_matching as fm
 
 
@@ -59,7 +61,7 @@ def test_cache_hit_miss_invalidation_and_resume(tmp_path):
         return {"x": pixels}
 
     folder = build_cache(train, "train", encode, accelerator, cfg)
-    probe = 1  # before a build, the size estimate encodes one blank image (data.cache_size)
+    probe = 1  # before a build, the size estimate encodes one blank image (cache.cache_size)
     assert sum(calls) == 90 + probe and len(list(folder.glob("shard_*.safetensors"))) == 3
     ds = CachedDataset(folder)
     row = ds[40]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import common
+import cache
 import config
-import data
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
@@ -115,7 +115,7 @@ def no_work(monkeypatch):
 
     for trainer in (fm, ddpm):
         monkeypatch.setattr(trainer, "open_splits", work)
-    monkeypatch.setattr(data, "load_encoders", work)
+    monkeypatch.setattr(cache, "load_encoders", work)  # what prepare_data calls
     monkeypatch.setattr(common, "make_accelerator", work)
 
 

@@ -209,7 +209,7 @@ import os, sys
 sys.path.insert(0, sys.argv[1])
 import common, data, train_flow_matching
 accelerator = common.make_accelerator("no")
-data.check_cache_shared(sys.argv[2], accelerator)  # one folder that both ranks see: passes
+cache.check_cache_shared(sys.argv[2], accelerator)  # one folder that both ranks see: passes
 print(f"rank {accelerator.process_index}: shared cache seen", flush=True)
 os.chdir(os.path.join(sys.argv[3], f"node{accelerator.process_index}"))  # node-local disks: one path, two folders
 train_flow_matching.main(sys.argv[4:])

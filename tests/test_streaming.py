@@ -13,12 +13,14 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import cache
 import config
 import data as data_module
 import eval_fid
 import train_flow_matching as fm
 from conftest import DEMO_WORDS, tiny_run_args
-from data import CachedDataset, build_cache, cache_size, encode_text, make_encode, open_splits, samples_per_shard
+from cache import CachedDataset, build_cache, cache_size, samples_per_shard
+from data import encode_text, make_encode, open_splits
 
 SHARDS, PER_SHARD = 8, 32  # 256 samples
 BROKEN = {(1, 5): "jpg", (2, 9): "txt", (4, 0): "empty", (6, 31): "jpg"}  # (shard, index) -> what is wrong
@@ -163,7 +165,7 @@ def test_size_estimate_matches_the_written_cache(wds, tmp_path, tiny_vae, tiny_t
 def test_a_cache_that_cannot_fit_is_refused_before_any_work(wds, tmp_path, monkeypatch):
     cfg = config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path))
     train, _ = open_splits(cfg.data)
-    monkeypatch.setattr(data_module.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
     with pytest.raises(SystemExit, match=r"data.cache_dir='.*' has 1.0 KB free, the train cache needs about"):
         build(cfg, train, "train", 1)
     assert not list((tmp_path / "cache").glob("*/shard_*"))

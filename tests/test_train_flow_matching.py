@@ -10,7 +10,7 @@ import torch
 from diffusers import SD3Transformer2DModel
 from safetensors.torch import load_file
 
-from data import CachedDataset
+from cache import CachedDataset
 from model import load_exported
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args

@@ -1,0 +1,504 @@
+"""How decoded images become cached tensors, and the data stage of a run (the seed's "cache check -> hit:
+load / miss: process -> cache results"):
+
+    prepare_data: check_cache_shared -> build_cache for the training and held-out rows: cache check (key,
+      manifest, checksums) -> hit: load / miss: DecodedShards (decode, crop in DataLoader workers) -> encode
+      here -> write_shards (atomic, checksummed) -> manifest -> CachedDataset
+
+Where the rows come from (sources, streams, preprocessing, encoders) is data.py's.
+"""
+import functools
+import glob
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from data import (class_names, encode_text, expand_braces, is_stream, load_encoders, load_image, loader_options, make_encode, preprocess, read_class_ids, shard_of, stream_shards, tag_shard, validation_prompts)
+from monitor import interactive
+
+# ----------------------------------------------------------------------------------------------------------
+# Streams and map-style sources alike: decode in DataLoader workers, encode here, estimate the size.
+
+def samples_per_shard(ds, shards, size):
+    """Rows of each cache shard, to size the cache and the progress bar. A stream's are estimated as the count
+    of its first shard (webdataset shards are written with equal counts but the last); others are exact."""
+    import datasets
+
+    if not isinstance(ds, datasets.IterableDataset):
+        return {k: min(size, len(ds) - k * size) for k in shards}
+    first = sum(1 for _ in shard_of(ds, shards[0])) if shards else 0
+    return {k: first for k in shards}
+
+
+class DecodedShards(torch.utils.data.IterableDataset):
+    """The rows of cache shards `shards`, decoded, checked and cropped in DataLoader workers (data.num_workers)
+    while the encoders run in the main process. Each worker reads whole shards, one after another, and yields
+    each in batches of data.encode_batch_size tagged with the shard; crops and flips draw from random.Random(k),
+    so cache shard k is the same whatever the number of ranks and workers. Unusable rows (broken image, tiny
+    image, missing caption) are reported in the batch's "skipped" and left out, never crash the build."""
+
+    def __init__(self, ds, shards, data, names=None):
+        self.ds, self.shards, self.data, self.names = ds, shards, data, names
+
+    def rows(self):
+        """(shard, where, row) of this worker's shards, shard after shard. A stream's shards are shared out to
+        the DataLoader workers by `datasets` itself (each worker streams only its own tar files); a map-style
+        dataset's by us, shards[w::W], shard k holding rows [k S, (k + 1) S)."""
+        import datasets
+
+        if isinstance(self.ds, datasets.IterableDataset):
+            if not self.shards:
+                return
+            tagged = [shard_of(self.ds, k).map(functools.partial(tag_shard, k=k)) for k in self.shards]
+            for row in datasets.concatenate_datasets(tagged):
+                k = row["__shard__"]
+                yield k, f"{row.get('__url__', f'shard {k}')}:{row.get('__key__')}", row
+            return
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        size = self.data.shard_size
+        for k in self.shards[worker::workers]:
+            columns = self.ds[k * size:(k + 1) * size]
+            for i, values in enumerate(zip(*columns.values())):
+                row = dict(zip(columns, values))
+                yield k, row[self.data.image_column].get("path") or f"row {k * size + i}", row
+
+    def caption(self, row):
+        data = self.data
+        if data.label_captions:  # ImageNet-22k as text-to-image data: the class name is the caption
+            return self.names[row[data.label_column]]
+        if data.caption_column is None:
+            return None
+        if not isinstance(row[data.caption_column], str) or not row[data.caption_column].strip():
+            raise ValueError(f"missing caption (data.caption_column='{data.caption_column}')")
+        return row[data.caption_column]
+
+    def __iter__(self):
+        data, shard, rng, batch = self.data, None, None, None
+        for k, where, row in self.rows():
+            if k != shard:  # a worker reads its shards one after another: the previous one is finished
+                if shard is not None:
+                    yield self.collate(shard, batch, last=True)
+                # Crops and flips depend on the shard, not on the rank, the world size or the worker.
+                shard, rng = k, random.Random(k)
+                batch = {name: [] for name in ("pixels", "metas", "captions", "labels", "skipped")}
+            try:
+                img = load_image(row[data.image_column])
+                if min(img.size) < data.min_image_side:
+                    raise ValueError(f"{img.size[0]}x{img.size[1]} px is below data.min_image_side")
+                caption = self.caption(row)
+                pixel, meta = preprocess(img, data.resolution, data, rng)
+            except Exception as e:  # truncated, empty, not an image, too small, no caption: report, skip
+                batch["skipped"].append(f"{where}: {type(e).__name__}: {e}"[:300])
+                continue
+            batch["pixels"].append(pixel), batch["metas"].append(meta), batch["captions"].append(caption)
+            batch["labels"].append(row[data.label_column] if data.label_column else None)
+            if len(batch["pixels"]) == data.encode_batch_size:
+                yield self.collate(k, batch, last=False)
+                batch = {name: [] for name in batch}
+        if shard is not None:
+            yield self.collate(shard, batch, last=True)
+
+    def collate(self, k, batch, last):
+        data, n = self.data, len(batch["pixels"])
+        return {"shard": k, "last": last, "skipped": batch["skipped"],
+                "pixels": torch.stack(batch["pixels"]) if n else torch.zeros(0, 3, data.resolution, data.resolution),
+                "metas": {name: torch.stack([m[name] for m in batch["metas"]]) for name in (batch["metas"] or [{}])[0]},
+                "captions": batch["captions"] if data.caption_column or data.label_captions else None,
+                "labels": torch.tensor(batch["labels"], dtype=torch.long) if data.label_column and n else None}
+
+
+def encoded_rows(batch, encode, data, text):
+    """One decoded batch -> the tensors its rows add to their cache shard: encoder outputs in data.cache_dtype
+    (token ids stay integers), control metadata and labels."""
+    out = encode(batch["pixels"], batch["captions"], **({"text": text} if text == "tokens" else {}))
+    dtype = getattr(torch, data.cache_dtype)
+    out = {name: value.to("cpu", dtype if value.is_floating_point() else value.dtype) for name, value in out.items()}
+    out.update(batch["metas"])
+    if batch["labels"] is not None:
+        out["label"] = batch["labels"]
+    return out
+
+
+def cache_size(encode, data, text, shard_rows):
+    """(bytes per sample, total bytes) of a cache of shards with `shard_rows` rows each: one blank image goes
+    through the same encode and tensor layout that build_cache writes, so the estimate is the cache's own
+    layout (a shard's safetensors header included); only skipped rows make the real cache smaller."""
+    from safetensors.torch import save
+
+    img = Image.new("RGB", (data.resolution, data.resolution))
+    pixel, meta = preprocess(img, data.resolution, data, random.Random(0))
+    probe = {"pixels": pixel[None], "metas": {k: v[None] for k, v in meta.items()}, "skipped": [],
+             "captions": [""] if data.caption_column or data.label_captions else None,
+             "labels": torch.zeros(1, dtype=torch.long) if data.label_column else None}
+    tensors = encoded_rows(probe, encode, data, text)
+    per_row = sum(t.numel() * t.element_size() for t in tensors.values())
+    one_row = save({name: t.contiguous() for name, t in tensors.items()}, metadata={"rows": "1", "skipped": "[]", "sha256": "0" * 64})
+    header = len(one_row) - per_row
+    return per_row, sum(shard_rows) * per_row + len(shard_rows) * header
+
+
+def human_bytes(n):
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1000
+
+# ----------------------------------------------------------------------------------------------------------
+# Cache: "cache check -> hit: load / miss: process -> cache results" (training_pipeline.txt).
+# Each shard k holds dataset rows [k * S, (k + 1) * S) and is written by rank k % world_size, atomically, with
+# a checksum of its tensors in its header. A shard counts as finished only once it verifies (header, checksum,
+# finite values), so a damaged shard is rebuilt like a missing one and an interrupted extraction resumes at the
+# shards still missing. The folder is named by a hash of everything that changes the content, so a changed key
+# is a miss that names what changed, never a silent reuse.
+
+
+def source_fingerprint(data, ds):
+    """A cheap fingerprint of the source's content, so that data changed under the same name is a miss: the
+    relative path, size and modification time of every file of a local source (an image edited in place
+    changes it), the dataset's own fingerprint for hub data (its revision and files), None for the demo
+    (its parameters are in the key)."""
+    if data.source == "embedded":
+        return None
+    root = Path(data.source)
+    if is_stream(data) and ".tar" in data.source:  # local tar shards: the files the pattern names
+        root = Path("/")
+        files = sorted(Path(f).resolve() for pattern in expand_braces(data.source) for f in glob.glob(pattern))
+    elif not root.exists():
+        return {"dataset_fingerprint": getattr(ds, "_fingerprint", None)}  # hub data (a stream has none)
+    else:
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    digest, total = hashlib.sha256(), 0
+    for path in files:
+        stat = path.stat()
+        total += stat.st_size
+        digest.update(f"{path.relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return {"files": len(files), "bytes": total, "sha256": digest.hexdigest()[:16]}
+
+
+def cache_key(cfg, part, ds, rows):
+    """Everything that changes what the shards of split `part` hold (shard_size too: it decides which rows a
+    shard file holds, so resuming a build under another size would duplicate or drop rows)."""
+    data, enc = cfg.data, cfg.encoders
+    key = {"source": data.source, "part": part, "split": data.split, "val_split": data.val_split,
+           "val_holdout": data.val_holdout, "rows": rows, "resolution": data.resolution,
+           "crop": [data.crop, data.min_crop_scale, data.random_flip],
+           "columns": [data.image_column, data.label_column, data.caption_column], "vae": enc.vae,
+           "text_encoder": enc.text_encoder, "max_tokens": enc.max_tokens if enc.text_encoder else None,
+           "dtype": data.cache_dtype, "min_image_side": data.min_image_side, "shard_size": data.shard_size,
+           "source_files": source_fingerprint(data, ds), "format": 4}
+    if data.source == "embedded":
+        key["demo"] = [data.demo_samples, data.demo_resolution]
+    if data.label_captions:
+        key["label_captions"] = data.class_ids
+    if is_stream(data):
+        key["val_shards"] = data.val_shards
+    if part == "train" and not data.cache_text and enc.text_encoder:
+        key["cache_text"] = False  # token ids, not features
+    return key
+
+
+def check_cache_shared(cache_dir, accelerator, retries=5):
+    """Every rank must see the same data.cache_dir: the ranks split the encoding between them and read each
+    other's shards and the main process's manifest, so node-local disks would fail the second node after
+    hours of encoding. Rank 0 writes a marker with a fresh token; every rank reads it (retrying a few times
+    for a network file system's attribute cache); all ranks stop at once, with the same message, if any
+    rank cannot see it."""
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    if accelerator.num_processes == 1:
+        return
+    token = [os.urandom(8).hex() if accelerator.is_main_process else None]
+    broadcast_object_list(token)
+    marker = Path(cache_dir) / f".rank0_marker_{token[0]}"
+    if accelerator.is_main_process:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token[0])
+    accelerator.wait_for_everyone()
+    for attempt in range(retries):
+        seen = marker.is_file() and marker.read_text() == token[0]
+        if seen or attempt == retries - 1:
+            break
+        time.sleep(1)
+    blind = [r for r, ok in enumerate(gather_object([seen])) if not ok]
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        marker.unlink()
+    if blind:
+        raise RuntimeError(f"data.cache_dir='{cache_dir}' is not shared: rank(s) {blind} of {accelerator.num_processes} "
+                           f"do not see the marker that rank 0 wrote to {Path(cache_dir).resolve()}. The ranks "
+                           f"write and read each other's cache shards: put data.cache_dir on storage every node "
+                           f"mounts at the same path (a shared file system), not on a node-local disk")
+
+
+def tensors_sha256(tensors):
+    """sha256 of a shard's tensors (names, dtypes, shapes and bytes), independent of the file layout."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def shard_damage(path, verify=True, expected=None):
+    """None if the shard at `path` is sound, else what is wrong with it. Always: it opens and its tensors hold
+    the rows its header claims (safetensors itself rejects a truncated file). With `verify`: its tensors match
+    the checksum written with them, and every cached value is finite. `expected`: the manifest's checksum."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta, names = f.metadata(), list(f.keys())
+            rows = int(meta["rows"])
+            if any(f.get_slice(name).get_shape()[0] != rows for name in names):
+                return f"its tensors do not hold the {rows} rows its header claims"
+            if expected is not None and meta.get("sha256") != expected:
+                return "its checksum is not the one the manifest recorded"
+            if not verify:
+                return None
+            tensors = {name: f.get_tensor(name) for name in names}
+    except Exception as e:
+        return f"unreadable ({type(e).__name__}: {e})"[:200]
+    if tensors_sha256(tensors) != meta.get("sha256"):
+        return "checksum mismatch: its contents changed after it was written"
+    # One float64 sum per tensor: finite exactly when every value is (and 2x faster than isfinite on fp16).
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t.sum(dtype=torch.float64))]
+    return f"non-finite values in {bad}" if bad else None
+
+
+def read_json(path):
+    """A JSON file's contents, or None with the reason if it cannot be read (truncated, empty, not JSON)."""
+    try:
+        return json.loads(Path(path).read_text()), None
+    except (OSError, ValueError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator, part, signals, rounds):
+    """Decode this rank's shards `todo` in DataLoader workers, encode them here, and write each one atomically
+    with the checksum of its tensors. Rows an encoder turns non-finite (an fp16 VAE overflow) are damage, not
+    data: left out and reported. After each shard the ranks agree on a stop signal; every rank takes part in
+    `rounds` such agreements (the most shards any rank writes), so they all leave after the same round."""
+    # Its own generator: a DataLoader with workers otherwise draws their seed from the global RNG, and a run
+    # that built the cache would initialise its model differently from one that found it (no exact resume).
+    loader = torch.utils.data.DataLoader(DecodedShards(ds, todo, data, names), batch_size=None,
+                                         generator=torch.Generator().manual_seed(0),
+                                         **loader_options(data, torch.device("cpu")))
+    rank = accelerator.process_index
+    bar = tqdm(total=sum(rows[k] for k in todo), unit="img", desc=f"cache {part} (rank {rank})",
+               disable=not accelerator.is_local_main_process, mininterval=0.1 if interactive() else 60)
+    pending, done, encoded, skipped, start = {}, 0, 0, 0, time.perf_counter()
+
+    def agree():
+        if signals is not None:
+            signals.exit_if_agreed(accelerator, f"the cache build ({part}); the next run resumes from its finished shards")
+
+    for batch in loader:  # decoded in the workers; encoded here, on the device
+        shard = pending.setdefault(batch["shard"], {"tensors": {}, "skipped": [], "rows": 0})
+        if len(batch["pixels"]):
+            out = encoded_rows(batch, encode, data, text)
+            finite = torch.ones(len(batch["pixels"]), dtype=torch.bool)
+            for t in out.values():
+                if t.is_floating_point():
+                    finite &= torch.isfinite(t.flatten(1).float()).all(1)
+            for i in torch.nonzero(~finite).flatten().tolist():
+                shard["skipped"].append(f"shard {batch['shard']}, row {shard['rows'] + i}: encoded to non-finite values")
+            for name, value in out.items():
+                shard["tensors"].setdefault(name, []).append(value[finite])
+            shard["rows"] += int(finite.sum())
+        shard["skipped"] += batch["skipped"]
+        encoded, skipped = encoded + len(batch["pixels"]), skipped + len(batch["skipped"])
+        bar.update(len(batch["pixels"]) + len(batch["skipped"]))
+        if batch["last"]:
+            shard = pending.pop(batch["shard"])
+            save_shard(path_of(batch["shard"]), {n: torch.cat(parts) for n, parts in shard["tensors"].items()},
+                       shard["rows"], shard["skipped"])
+            done += 1
+            agree()
+    for k in todo:  # a shard with no rows at all never reached the loop: it is finished, and empty
+        if not path_of(k).exists():
+            save_shard(path_of(k), {}, 0, [])
+    bar.close()
+    seconds = time.perf_counter() - start
+    print(f"cache {part} rank {rank}: encoded {encoded} images, skipped {skipped}, {len(todo)} shards in "
+          f"{seconds:.1f} s ({encoded / max(seconds, 1e-9):.1f} images/s)", flush=True)
+    for _ in range(rounds - done):
+        agree()
+
+
+def save_shard(path, tensors, rows, skipped):
+    """Atomically: written to a temporary name, renamed when complete, with its row count, the skipped rows
+    and the checksum of its tensors in the header."""
+    tmp = path.with_suffix(".tmp")
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
+              metadata={"rows": str(rows), "skipped": json.dumps(skipped), "sha256": tensors_sha256(tensors)})
+    os.replace(tmp, path)
+
+
+def build_cache(ds, part, encode, accelerator, cfg, signals=None):
+    """Cache split `part` ("train" or "val") of `ds`: return its folder, encoding what is missing first.
+    `encode(pixels, captions)` maps a batch to a dict of tensors (see make_encode). Images are decoded and
+    cropped in DataLoader workers (DecodedShards) while the encoders run here; a streamed source's shard k is
+    cache shard k. Every shard is checked before it is used (data.verify_cache: its checksum and finite values
+    too) by the rank that would write it; a missing or damaged one is (re)built. `signals` (common.StopSignals):
+    the ranks agree on a stop after each shard they write, so a stop signal ends the build after the shards in
+    progress, exiting for a requeue; the next run resumes from the finished shards."""
+    import datasets
+    from accelerate.utils import gather_object
+
+    data = cfg.data
+    streamed = isinstance(ds, datasets.IterableDataset)
+    shards = stream_shards(data, ds, part) if streamed else list(range(math.ceil(len(ds) / data.shard_size)))
+    key = cache_key(cfg, part, ds, f"{len(shards)} source shards" if streamed else len(ds))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", data.source).strip("-")[-40:]
+    folder = Path(data.cache_dir) / f"{slug}-{part}-{digest}"
+    manifest, problem = read_json(folder / "manifest.json") if (folder / "manifest.json").exists() else (None, None)
+    if problem or (manifest is not None and not (isinstance(manifest, dict) and isinstance(manifest.get("sha256"), dict))):
+        accelerator.print(f"warning: cache ({part}): {folder / 'manifest.json'} cannot be read ({problem or 'no checksums'}); "
+                          f"treating the folder as a miss: finished shards are verified and reused, the rest encoded")
+        manifest = None
+    rank, world = accelerator.process_index, accelerator.num_processes
+    found = len(list(folder.glob("shard_*.safetensors")))
+    if manifest is not None:
+        accelerator.print(f"cache check ({part}): {folder}, {len(manifest['shards'])} shards"
+                          + (" (verifying checksums)" if data.verify_cache else ""))
+    elif found:
+        accelerator.print(f"cache miss ({part}): reusing {found} finished shards of {len(shards)} in {folder} "
+                          f"(each verified first), encoding the rest")
+    else:
+        explain_miss(folder, key, part, accelerator)
+        accelerator.print(f"cache miss ({part}): encoding {len(shards)} shards into {folder}")
+    folder.mkdir(parents=True, exist_ok=True)
+    if accelerator.is_main_process:
+        (folder / "key.json").write_text(json.dumps(key, indent=1))  # names what changed for a later miss
+    accelerator.wait_for_everyone()
+    names = class_names(data, ds) if data.label_captions else None
+    expected = manifest["sha256"] if manifest else {}
+    text = "tokens" if part == "train" and not data.cache_text else "features"  # held-out rows keep features
+
+    def path_of(k):
+        return folder / f"shard_{k:05d}.safetensors"
+
+    # The shard at position j of `shards` is rank j % world's to check and, if missing or damaged, to write.
+    todo = []
+    for k in [k for j, k in enumerate(shards) if j % world == rank]:
+        if path_of(k).exists():
+            damage = shard_damage(path_of(k), data.verify_cache, expected.get(path_of(k).name))
+            if damage is None:
+                continue  # finished before, and sound
+            print(f"cache ({part}): {path_of(k)} is damaged ({damage}): rebuilding it", flush=True)
+        todo.append(k)
+    todo_by_rank = gather_object([todo]) if world > 1 else [todo]
+    missing = sorted(k for t in todo_by_rank for k in t)
+    if missing:
+        rows = samples_per_shard(ds, missing, data.shard_size)
+        per_row, size = cache_size(encode, data, text, list(rows.values()))
+        free = shutil.disk_usage(folder).free
+        accelerator.print(f"cache ({part}): {len(missing)} of {len(shards)} shards to write, about "
+                          f"{sum(rows.values())} samples x {per_row} bytes = {human_bytes(size)}; {human_bytes(free)} "
+                          f"free on {data.cache_dir}")
+        if size > free:
+            raise SystemExit(f"data.cache_dir='{data.cache_dir}' has {human_bytes(free)} free, the {part} cache needs "
+                             f"about {human_bytes(size)}: free space, choose another data.cache_dir, or shrink the "
+                             f"cache (data.cache_text=false keeps token ids instead of text features)")
+        write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator, part, signals,
+                     rounds=max(len(t) for t in todo_by_rank))
+    built = len(missing)
+    if accelerator.is_main_process:
+        shards, sums, skipped = [path_of(k).name for k in shards], {}, []
+        for name in shards:
+            with safe_open(str(folder / name), "pt") as f:
+                skipped += json.loads(f.metadata().get("skipped", "[]"))
+                sums[name] = f.metadata()["sha256"]
+        if built and skipped:
+            accelerator.print(f"cache ({part}): skipped {len(skipped)} unusable images, first: " + "; ".join(skipped[:5]))
+        if manifest is None or built:
+            tmp = folder / "manifest.tmp"
+            tmp.write_text(json.dumps({"key": key, "shards": shards, "sha256": sums, "skipped": skipped}, indent=1))
+            os.replace(tmp, folder / "manifest.json")
+        accelerator.print(f"cache {'hit' if not built else 'ready'} ({part}): {folder}, {len(shards)} shards"
+                          + (f", {built} (re)built" if built else ", all sound"))
+    accelerator.wait_for_everyone()
+    return folder
+
+
+def explain_miss(folder, key, part, accelerator):
+    """Say why a new cache folder is a miss: the settings that changed against the newest folder of the same
+    source and split (a finished one or an interrupted build)."""
+    others = sorted(folder.parent.glob(f"{folder.name.rsplit('-', 1)[0]}-*/key.json"), key=lambda p: p.stat().st_mtime)
+    old = read_json(others[-1])[0] if others else None
+    if isinstance(old, dict):
+        changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in key.items() if old.get(k) != v]
+        accelerator.print(f"cache miss ({part}): vs {others[-1].parent.name}, changed {'; '.join(changed)}")
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """Rows of a finished cache, read lazily from memory-mapped shards (ImageNet latents do not fit in RAM
+    once per GPU). Returns float32 tensors; a latent cache holds the posterior mean and std, and a sample
+    x0 = mean + std * n is drawn at train time, so each epoch sees a fresh draw."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        manifest = json.loads((self.folder / "manifest.json").read_text())
+        self.shards, self.starts, self.keys = manifest["shards"], [0], []
+        for name in self.shards:
+            with safe_open(str(self.folder / name), "pt") as f:
+                self.starts.append(self.starts[-1] + int(f.metadata()["rows"]))
+                self.keys = list(f.keys()) if self.starts[-1] > self.starts[-2] else self.keys
+        self.handles = {}
+
+    def __len__(self):
+        return self.starts[-1]
+
+    def __getitem__(self, i):
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        if k not in self.handles:  # opened per worker process, lazily: handles do not pickle
+            self.handles[k] = safe_open(str(self.folder / self.shards[k]), "pt")
+        f, j = self.handles[k], i - self.starts[k]
+        return {name: f.get_slice(name)[j] if name in ("label", "input_ids", "attention_mask")  # stay integers
+                else f.get_slice(name)[j].float() for name in self.keys}
+
+    def __getstate__(self):
+        return {**self.__dict__, "handles": {}}
+
+# ----------------------------------------------------------------------------------------------------------
+# The data stage of a run, as both trainers take it.
+
+
+def prepare_data(cfg, train_ds, val_ds, accelerator, signals=None):
+    """Cache check -> hit: load / miss: encode and write, for the training and held-out rows; then the
+    encoders leave the GPU (the text encoder stays when it encodes at each step, data.cache_text=false).
+    Returns the cached datasets, the frozen encoders, the empty prompt's encoding (the null condition of
+    guidance), the validation grid's prompts or class names and their encoding, and the class ids."""
+    from types import SimpleNamespace
+
+    data, device = cfg.data, accelerator.device
+    check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
+    vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
+    encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
+    out = SimpleNamespace(vae=vae, text_encoder=text_encoder, null_text=None, val_text=None,
+                          val_prompts=validation_prompts(cfg, train_ds, val_ds),  # what each grid cell shows
+                          class_ids=read_class_ids(data, train_ds) if data.label_column else None)  # kept with the model
+    out.train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg, signals))
+    out.val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg, signals))
+    if text_encoder is not None:
+        out.null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
+        out.val_text = encode_text(tokenizer, text_encoder, out.val_prompts, cfg.encoders.max_tokens)
+        text_encoder.to("cpu" if data.cache_text else device)
+    if vae is not None:
+        vae.cpu()
+    return out
+
