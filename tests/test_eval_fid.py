@@ -303,6 +303,7 @@ def test_fid_end_to_end_equals_clean_fids_own_compute_fid(run, tmp_path, monkeyp
     weights = tmp_path / "inception" / eval_fid.INCEPTION_FILE
     weights.parent.mkdir()
     torch.jit.script(FakeInceptionLayers()).save(str(weights))
+    monkeypatch.setattr(eval_fid, "INCEPTION_SHA256", eval_fid.sha256_of(weights))  # the stand-in's own digest
     reference = tmp_path / "reference"
     eval_fid.main(["--run", str(run), "--num_samples", "24", *GEN, "--seed", "1", "--out_dir", str(reference),
                    "--generate_only"])

@@ -99,8 +99,9 @@ def test_a_missing_text_encoder_offline_is_one_line_naming_the_key(tmp_path):
 @pytest.mark.slow
 def test_a_trainer_with_a_missing_vae_offline_stops_with_one_line(tmp_path):
     """The trainer reads the VAE's config in its start-up checks: that is where the line must come from."""
-    done = run_offline("import sys, train_flow_matching as t\nsys.argv = ['t', '--encoders.vae=nonexistent-org/"
-                       f"no-such-vae', '--log.wandb=off', '--run_dir={tmp_path / 'run'}']\nt.main()", tmp_path)
+    done = run_offline("import runpy, sys\nsys.argv = ['train_flow_matching.py', '--encoders.vae=nonexistent-org/"
+                       f"no-such-vae', '--log.wandb=off', '--run_dir={tmp_path / 'run'}']\n"  # as `python train_...`
+                       f"runpy.run_path({str(ROOT / 'train_flow_matching.py')!r}, run_name='__main__')", tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     lines = [line.strip() for line in done.stderr.splitlines() if "nonexistent-org" in line]  # one problem line
     assert len(lines) == 1 and lines[0].startswith("encoders.vae='nonexistent-org/no-such-vae' cannot be loaded")

@@ -242,7 +242,7 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
         if parent:
             assert full["init_from"].startswith(f"runs/{method}_")  # resolved in the dict: config.json records it
         if full.data.resolution == 512:
-            assert full.train.batch_size * 16 == 384 and common.shift_of(full) == 2.0  # 16 GPUs; a = 512 / 256
+            assert full.train.batch_size * full.train.grad_accum * 16 == 384 and common.shift_of(full) == 2.0  # 16 GPUs; a = 512 / 256
             assert full.model.pos_embed_transfer == "resample"
         if "22k" in recipe and not recipe.endswith("from22k"):
             assert full.data.num_classes == len(read_class_ids(full.data, None)) == 21841
