@@ -207,7 +207,7 @@ def test_colour_modes_palette_cmyk_and_alpha():
 NODE_LOCAL = '''
 import os, sys
 sys.path.insert(0, sys.argv[1])
-import common, data, train_flow_matching
+import cache, common, train_flow_matching
 accelerator = common.make_accelerator("no")
 cache.check_cache_shared(sys.argv[2], accelerator)  # one folder that both ranks see: passes
 print(f"rank {accelerator.process_index}: shared cache seen", flush=True)
