@@ -226,3 +226,43 @@ def test_dataloader_workers_ignore_sigterm_and_the_run_checkpoints_and_exits_75(
     assert proc.returncode == common.REQUEUE_EXIT_CODE, stderr[-3000:]
     step = int(re.search(r"stopped by a signal at step (\d+)", stdout)[1])
     assert common.find_checkpoint(tmp_path / "workers", "latest").name == f"step_{step:08d}"
+
+
+# ---- Two processes: disjoint rows, averaged gradients ---------------------------------------------------------
+
+TWO_RANKS = '''
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import train_flow_matching as fm
+original = fm.flow_matching_loss
+
+def loss(model, x0, cond, t, noise):  # noise and time are functions of the row (see row_determined_loss)
+    return original(model, x0, cond, torch.sigmoid(3 * x0.mean(dim=tuple(range(1, x0.dim())))), torch.sin(7 * x0 + 1.0))
+
+fm.flow_matching_loss = loss
+fm.main(sys.argv[2:])
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_train_on_disjoint_rows_and_average_their_gradients(tmp_path, monkeypatch):
+    """2 ranks x batch 16 x accumulation 2 against 1 process x batch 32 x accumulation 2: each micro-batch of
+    the single process holds exactly the rows the two ranks hold together, so the weights after one step are the
+    same only if the ranks' rows are disjoint (overlapping rows average 16 rows, not 32) and their gradients are
+    averaged (without the all-reduce, rank 0 steps on its own half)."""
+    row_determined_loss(monkeypatch)
+    args = ["--log.every=1", "--log.report=false", "--train.grad_accum=2"] + NO_DROPOUT
+    one = fm.main(tiny_run_args(tmp_path, "one", steps=1) + args + ["--train.batch_size=32"])
+    (tmp_path / "two_ranks.py").write_text(TWO_RANKS)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           str(tmp_path / "two_ranks.py"), str(ROOT),
+                           *tiny_run_args(tmp_path, "two", steps=1), *args, "--train.batch_size=16"],
+                          cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    norms = [train_rows(run)[0]["grad_norm"] for run in (one, tmp_path / "two")]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4)
+    lr = 1e-3 / 2  # step 1 of a 2-step warm-up; Adam's first step is about lr per entry (see the test above)
+    a, b = ckpt(one, 1, "model"), ckpt(tmp_path / "two", 1, "model")
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    assert diff.max().item() < 0.1 * lr and (diff > 1e-6).float().mean().item() < 1e-3
