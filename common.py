@@ -72,15 +72,17 @@ class StopSignals:
     def exit_if_agreed(self, accelerator, during):
         """At a safe point outside the loop (nothing to checkpoint): exit for a requeue if any rank got a signal."""
         if self.agreed(accelerator):
-            accelerator.print(f"stopped by a signal during {during}: exiting with code {REQUEUE_EXIT_CODE} so the "
-                              f"scheduler can requeue (--resume latest continues)")
-            accelerator.end_training()
-            sys.exit(REQUEUE_EXIT_CODE)
+            requeue(accelerator, f"during {during}:")
 
 
 def exit_for_requeue(accelerator, step):
-    accelerator.print(f"stopped by a signal at step {step}: checkpoint written; exiting with code "
-                      f"{REQUEUE_EXIT_CODE} so the scheduler can requeue (--resume latest continues)")
+    """In the loop, once the checkpoint of `step` is written."""
+    requeue(accelerator, f"at step {step}: checkpoint written;")
+
+
+def requeue(accelerator, when):
+    accelerator.print(f"stopped by a signal {when} exiting with code {REQUEUE_EXIT_CODE} so the scheduler can "
+                      f"requeue (--resume latest continues)")
     accelerator.end_training()
     sys.exit(REQUEUE_EXIT_CODE)
 
