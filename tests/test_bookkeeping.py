@@ -205,9 +205,10 @@ def test_one_rank_signalled_both_stop_at_the_same_step_with_one_checkpoint(tmp_p
     assert folders == [f"step_{step:08d}"]  # exactly one checkpoint, at the step where both stopped
     assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints" / folders[0]).glob("rng_*")) == ["rng_0.pt", "rng_1.pt"]
     assert train_rows(tmp_path / "ddp")[-1]["step"] == step
-    # torchrun reports the first rank to exit (and then stops the other): with the requeue code.
+    # torchrun reports the first rank to exit with the requeue code, then stops the other with SIGTERM: that
+    # rank, if torchrun's signal reaches it before its own exit, is reported with 15 (seen once in CI).
     codes = [int(c) for c in re.findall(r"exitcode\W+(-?\d+)", stderr)]
-    assert codes and set(codes) == {common.REQUEUE_EXIT_CODE}, stderr[-3000:]
+    assert common.REQUEUE_EXIT_CODE in codes and set(codes) <= {common.REQUEUE_EXIT_CODE, 15, -15}, stderr[-3000:]
 
 
 def test_dataloader_workers_ignore_sigterm_and_the_run_checkpoints_and_exits_75(tmp_path):
