@@ -83,8 +83,23 @@ def exit_for_requeue(accelerator, step):
 def requeue(accelerator, when):
     accelerator.print(f"stopped by a signal {when} exiting with code {REQUEUE_EXIT_CODE} so the scheduler can "
                       f"requeue (--resume latest continues)")
-    accelerator.end_training()
+    end_processes(accelerator)
     sys.exit(REQUEUE_EXIT_CODE)
+
+
+def end_processes(accelerator):
+    """The last step of a run on every rank: wait for the others, then close the process group.
+
+    The barrier makes the ranks leave together (no rank exits while rank 0 still writes the export or report),
+    and it is also what keeps a multi-process CPU (gloo) run from aborting at exit. Once torch._dynamo is
+    imported the gloo group outlives destroy_process_group, and its worker thread frees each finished
+    collective's tensors only after taking the GIL; if the interpreter is already shutting down by then, the
+    thread is killed inside a C++ destructor and the process dies with SIGABRT ("terminate called without an
+    active exception"; seen in about 1 in 60 two-process test runs on 2 busy cores, core dump in
+    docs/robustness.md). Waiting in the barrier releases the GIL for that thread, and the barrier's own tensors
+    have no Python objects to free."""
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 def make_optimizer(model, tr):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from PIL import Image
 
+import common
+
 # ----------------------------------------------------------------------------------------------------------
 # Image grids: validation samples and sample.py's output, each cell labelled with its class name or prompt.
 
@@ -150,4 +152,4 @@ class RunLog:
                 accelerator.print(f"warning: the run report failed ({type(e).__name__}: {e}); python report.py {self.run_dir}")
         if self.wandb is not None:
             self.wandb.finish()
-        accelerator.end_training()
+        common.end_processes(accelerator)

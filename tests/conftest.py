@@ -1,5 +1,6 @@
 """Shared fixtures: tiny run arguments and tiny frozen encoders, built offline and saved with save_pretrained
 so that the trainers load them through the same code path as hub ids."""
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +9,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# The trainers the tests launch as subprocesses print every thread's Python stack if they crash in C++ (an
+# abort or a segfault), so a failure in CI says where it happened.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 DEMO_WORDS = ["a", "small", "large", "red", "green", "blue", "circle", "square", "triangle"]
 

@@ -260,7 +260,7 @@ def test_two_ranks_train_on_disjoint_rows_and_average_their_gradients(tmp_path, 
                            *tiny_run_args(tmp_path, "two", steps=1), *args, "--train.batch_size=16"],
                           cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
     norms = [train_rows(run)[0]["grad_norm"] for run in (one, tmp_path / "two")]
     assert norms[0] == pytest.approx(norms[1], rel=1e-4)
     lr = 1e-3 / 2  # step 1 of a 2-step warm-up; Adam's first step is about lr per entry (see the test above)

@@ -138,3 +138,34 @@ def test_t5_text_encoder_gives_masked_mean_pooling(tmp_path, tiny_text_encoder):
     assert out["text_tokens"].shape == (2, 8, 16) and out["text_mask"].sum(1).tolist() == [5, 6]
     n = int(out["text_mask"][0].sum())
     torch.testing.assert_close(out["text_pooled"][0], out["text_tokens"][0, :n].mean(0))
+
+
+class RecordingAccelerator:
+    """Stands in for an Accelerator at the end of a run: records the calls that close it."""
+    is_main_process = False
+
+    def __init__(self):
+        self.calls = []
+
+    def wait_for_everyone(self):
+        self.calls.append("barrier")
+
+    def end_training(self):
+        self.calls.append("end_training")
+
+    def print(self, *args):
+        pass
+
+
+def test_a_run_ends_with_a_barrier_before_the_process_group_closes(tmp_path):
+    """The barrier before end_training is what keeps a gloo run from aborting at exit (common.end_processes):
+    both ways a run ends, the finished run and the requeue, go through it."""
+    from runlog import RunLog
+
+    finished, requeued = RecordingAccelerator(), RecordingAccelerator()
+    cfg = config.load_config(fm.DEFAULTS, ["--log.wandb=off"])
+    RunLog(cfg, tmp_path, finished).finish(cfg, finished)
+    with pytest.raises(SystemExit) as stop:
+        common.exit_for_requeue(requeued, 10)
+    assert stop.value.code == common.REQUEUE_EXIT_CODE
+    assert finished.calls == requeued.calls == ["barrier", "end_training"]

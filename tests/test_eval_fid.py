@@ -162,7 +162,7 @@ def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
                            str(ROOT / "eval_fid.py"), *args, "--out_dir", str(tmp_path / "two"),
                            "--stats_cache", str(tmp_path / "s2")],  # reference features split over 2 ranks too
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
     two_report = json.loads((tmp_path / "two" / "report.json").read_text())
     assert one_report["num_processes"] == 1 and two_report["num_processes"] == 2
     one, two = pngs(tmp_path / "one" / "samples"), pngs(tmp_path / "two" / "samples")

@@ -46,7 +46,7 @@ def launch(args, processes, cwd, check=True):
          str(ROOT / "train_flow_matching.py"), *args]
     out = subprocess.run(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=900)
-    assert not check or out.returncode == 0, out.stderr[-3000:]
+    assert not check or out.returncode == 0, out.stdout[-1500:] + out.stderr[-3000:]
     return out
 
 

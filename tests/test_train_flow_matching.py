@@ -87,7 +87,7 @@ def test_two_processes(tmp_path):
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                           str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-3000:]
     assert "global batch 16 x 2 processes x 2 accumulation = 64" in out.stdout
     metrics = read_metrics(tmp_path / "ddp")
     assert [m["step"] for m in metrics if "loss" in m] == [2]
