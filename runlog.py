@@ -7,6 +7,7 @@ import math
 import os
 from pathlib import Path
 
+import torch
 from PIL import Image
 
 import common
@@ -22,6 +23,8 @@ def save_image_grid(images, path, nrow, labels=None):
     from torchvision.utils import make_grid
 
     grid = make_grid(images.float().clamp(-1, 1).add(1).mul(127.5).round().byte().cpu(), nrow=nrow, padding=2)
+    if len(images) == 1:  # make_grid returns a single image as it is: pad it like any grid's cell
+        grid = torch.nn.functional.pad(grid, (2, 2, 2, 2))
     img = Image.fromarray(grid.permute(1, 2, 0).numpy())
     factor = math.ceil(64 / images.shape[-1]) if images.shape[-1] < 64 else 1
     if factor > 1:  # small images (the demo's 16 px) are enlarged, pixel for pixel, to be seen

@@ -133,6 +133,14 @@ def test_grid_cells_carry_their_labels_under_them_and_in_a_text_file(tmp_path):
     assert lines[1] == "1\trow 1, column 2\ta very long prompt that cannot fit under a cell" and len(lines) == 5
 
 
+def test_a_grid_of_one_image_is_padded_and_labelled_like_any_other(tmp_path):
+    """make_grid returns one image unpadded; the labelled grid (val.num_samples=1) must still fit its band."""
+    one = runlog.save_image_grid(torch.full((1, 3, 16, 16), 1.0), tmp_path / "one.png", nrow=1, labels=["red"])
+    cell = 18 * 4
+    assert one.width == cell + 2 * 4 and one.height > cell  # 16 px + 2 px padding each side, enlarged 4x
+    assert (np.asarray(one.convert("L"))[cell:, 2:cell] < 128).any()  # the label under the cell
+
+
 def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_path):
     from data import DEMO_CLASSES, make_demo_dataset, readable_names, validation_prompts
     import datasets
