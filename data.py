@@ -488,10 +488,12 @@ def decode(vae, x, device=None):
         vae.cpu()
     return out
 
+
 def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs):
-    """Micro-batches forever, starting at micro-batch `start`. Epoch e visits a permutation seeded by
-    seed + e, split across ranks; so the data position is a pure function of the micro-batch count and a
-    resumed run continues exactly where it stopped, with nothing seen twice or skipped."""
+    """Micro-batches forever, starting at micro-batch `start`; `dataset[list of rows]` is one micro-batch
+    (CachedDataset). Epoch e visits a permutation seeded by seed + e, split across ranks; so the data position
+    is a pure function of the micro-batch count and a resumed run continues exactly where it stopped, with
+    nothing seen twice or skipped."""
     per_epoch = len(dataset) // world // batch_size
     if per_epoch == 0:
         raise ValueError(f"the dataset has {len(dataset)} samples, fewer than train.batch_size ({batch_size})"
@@ -500,11 +502,13 @@ def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs
     while True:
         perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch))
         mine = perm[rank::world][:per_epoch * batch_size].tolist()
+        # Whole micro-batches: the dataset reads a list of rows at once (CachedDataset: one gather per tensor),
+        # so the loader neither reads row by row nor collates (batch_size=None).
+        rows = torch.utils.data.BatchSampler(mine[offset * batch_size:], batch_size, drop_last=True)
         # Its own generator: a DataLoader otherwise draws its worker seed from the global RNG, which would
         # make the training noise depend on when the loader was created (and break exact resume).
-        yield from torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=mine[offset * batch_size:],
-                                               drop_last=True, generator=torch.Generator().manual_seed(seed + epoch),
-                                               **loader_kwargs)
+        yield from torch.utils.data.DataLoader(dataset, batch_size=None, sampler=rows,
+                                               generator=torch.Generator().manual_seed(seed + epoch), **loader_kwargs)
         epoch, offset = epoch + 1, 0
 
 
@@ -512,7 +516,6 @@ def drop_conditions(batch_size, rate, device, generator=None):
     """Bernoulli(rate) mask of samples whose condition is replaced by the null one (CFG training,
     Ho & Salimans 2022). Applied when the cache is read, never baked into it."""
     return torch.rand(batch_size, device=device, generator=generator) < rate
-
 
 
 def loader_options(data, device):

@@ -85,7 +85,7 @@ def test_cache_hit_miss_invalidation_and_resume(tmp_path):
 
 
 def test_iterate_batches_resumes_at_any_micro_batch():
-    ds = list(range(50))
+    ds = torch.arange(50)  # indexed with a list of rows, as CachedDataset is
     full = iterate_batches(ds, 0, 4, seed=3, rank=0, world=1, loader_kwargs={})
     seq = [next(full).tolist() for _ in range(30)]  # 12 batches per epoch: crosses two epoch boundaries
     assert sorted(sum(seq[:12], [])) == sorted(set(sum(seq[:12], [])))  # no repeats within an epoch
