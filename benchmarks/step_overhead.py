@@ -46,6 +46,51 @@ def bare_loop(cfg):
     return one_step
 
 
+def parts(cfg, train_set, repeats=20):
+    """Where the trainer's extra time goes: each part of a step the bare loop does not have, timed alone on the
+    same model and batch (median of `repeats`, interleaved so that load falls on all parts alike), in ms."""
+    import copy
+    from data import iterate_batches
+
+    torch.manual_seed(0)
+    model = build_denoiser(cfg, 3, cfg.data.resolution)
+    ema, opt, b, r = copy.deepcopy(model), common.make_optimizer(model, cfg.train), cfg.train.batch_size, cfg.data.resolution
+    x0, noise = torch.randn(b, 3, r, r), torch.randn(b, 3, r, r)
+    cond = {"label": torch.randint(0, cfg.data.num_classes, (b,)), "drop": torch.zeros(b, dtype=torch.bool)}
+    batches = iterate_batches(train_set, 0, b, 0, 0, 1, {})
+    finite = torch.tensor(True)
+
+    def forward_backward():
+        fm.flow_matching_loss(model, x0, cond, torch.rand(b), noise).mean().backward()
+
+    steps = {
+        "forward + backward (both loops)": forward_backward,
+        "fused AdamW step, device-side skip (both loops)": lambda: common.step_unless_nonfinite(opt, finite),
+        "gradient clipping (norm, then scale)": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+        "EMA (foreach lerp, the skip flag as weight)": lambda: common.ema_update(ema, model, 0.9999, 1000, finite),
+        "reading a micro-batch from the cache": lambda: next(batches),
+        "noise, time sampling, condition dropout": lambda: (torch.randn_like(x0), fm.sample_time(b, cfg.objective, 1.0, "cpu"),
+                                                             torch.rand(b) < 0.1, torch.rand(b) < 0.1),
+    }
+    from accelerate import Accelerator
+    records = monitor.Monitor(cfg, model, Accelerator(cpu=True), log=lambda row: None)
+    losses, bins, norm = torch.rand(b), torch.randint(0, cfg.objective.loss_bins, (b,)), torch.tensor(1.0)
+
+    def monitor_records():  # what the monitor writes into its device buffers on an ordinary step
+        records.since_log = 0
+        records.micro_batch(losses, bins)
+        records.before_update(0, norm, finite)
+        records.after_update(0, norm, finite)
+    steps["the monitor's per-step records"] = monitor_records
+    seconds = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, work in steps.items():
+            start = time.perf_counter()
+            work()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(s) for name, s in seconds.items()}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
@@ -72,6 +117,9 @@ if __name__ == "__main__":
         monitor.Monitor.after_update, monitor.Monitor.log_interval = then_a_bare_step, log_and_bare_rate
         fm.main(overrides)
         logs = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        monitor.Monitor.after_update, monitor.Monitor.log_interval = after_update, log_interval  # unpatched
+        from cache import CachedDataset
+        ms = parts(cfg, CachedDataset(next(Path(tmp, "cache").glob("*-train-*"))))
         trainer = [m["images_per_s"] for m in logs if "images_per_s" in m][1:]
         wait = statistics.median(m["data_wait_share"] for m in logs if "images_per_s" in m)
     bare = bare[1:]
@@ -81,3 +129,7 @@ if __name__ == "__main__":
     print(f"ratio trainer / bare: medians {statistics.median(trainer) / statistics.median(bare):.3f}, median of "
           f"the {len(ratios)} intervals' ratios {statistics.median(ratios):.3f} (each {', '.join(f'{r:.3f}' for r in ratios)}), "
           f"best {max(trainer) / max(bare):.3f}")
+    step = ms["forward + backward (both loops)"]
+    print("part of a step (median of 20, interleaved) | ms | share of forward + backward")
+    for name, t in ms.items():
+        print(f"{name} | {t:.2f} | {t / step:.2%}")
