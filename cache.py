@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from data import (class_names, encode_text, expand_braces, is_stream, load_encoders, load_image, loader_options, make_encode, preprocess, read_class_ids, shard_of, stream_shards, tag_shard, validation_prompts)
+from data import (class_names, encode_text, expand_braces, is_stream, label_problem, labels_are_the_condition, load_encoders, load_image, loader_options, make_encode, preprocess, read_class_ids, shard_of, stream_shards, tag_shard, validation_prompts)
 from monitor import interactive
 
 # ----------------------------------------------------------------------------------------------------------
@@ -52,6 +52,9 @@ class DecodedShards(torch.utils.data.IterableDataset):
 
     def __init__(self, ds, shards, data, names=None):
         self.ds, self.shards, self.data, self.names = ds, shards, data, names
+        # A map-style dataset's labels were all checked when it was opened (open_splits); a stream's are checked
+        # here, as its rows are read: a label that is not a class stops the build, naming the member.
+        self.check_labels = labels_are_the_condition(data) and is_stream(data)
 
     def rows(self):
         """(shard, where, row) of this worker's shards, shard after shard. A stream's shards are shared out to
@@ -95,6 +98,9 @@ class DecodedShards(torch.utils.data.IterableDataset):
                 # Crops and flips depend on the shard, not on the rank, the world size or the worker.
                 shard, rng = k, random.Random(k)
                 batch = {name: [] for name in ("pixels", "metas", "captions", "labels", "skipped")}
+            if self.check_labels and (problem := label_problem(row[data.label_column], data.num_classes)):
+                raise ValueError(f"{where}: {problem} (data.label_column='{data.label_column}'); nothing of this "
+                                 f"shard is cached, the shards before it are kept")
             try:
                 img = load_image(row[data.image_column])
                 if min(img.size) < data.min_image_side:

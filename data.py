@@ -98,13 +98,17 @@ def open_splits(data, log=print):
 
     A streamed source (is_stream) gives (the training stream, its held-out rows): see open_stream and
     stream_heldout."""
-    if is_stream(data):
-        return open_stream(data, data.split), stream_heldout(data)
-    train = open_dataset(data, data.split)
-    classes = data.label_column and (not data.caption_column or data.label_captions)  # labels are the condition
+    stream = is_stream(data)
+    train = open_stream(data, data.split) if stream else open_dataset(data, data.split)
+    classes = labels_are_the_condition(data)
     if data.label_column and data.num_classes is None and (classes or class_id_list(data, train)):
         data.num_classes, origin = class_count(data, train)  # text runs: only if named (kept with the model)
         log(f"data: data.num_classes={data.num_classes}, read from {origin}")
+    if stream:  # its training labels are checked row by row as the cache is built (DecodedShards)
+        val = stream_heldout(data)
+        if classes:
+            check_labels(data, val, data.val_split or data.split)
+        return train, val
     if classes:
         check_labels(data, train, data.split)
     if data.val_split is not None:
@@ -138,16 +142,36 @@ def open_splits(data, log=print):
     return train, val
 
 
+def labels_are_the_condition(data):
+    """Class-conditional training (ImageNet-22k captions from class names count too): the labels must be classes."""
+    return bool(data.label_column and (not data.caption_column or data.label_captions))
+
+
+def label_problem(label, k):
+    """Why `label` is not one of the classes 0 .. k - 1 (None when it is one)."""
+    if isinstance(label, (bool, str, bytes)) or not isinstance(label, (int, float, np.number)) or label != round(label):
+        return f"label {label!r} is not a class index 0, 1, 2, ..."
+    if not 0 <= label < k:
+        hint = (f"label {k} would train as the guidance null class; 1-based labels: subtract 1, or set "
+                f"data.num_classes={k + 1}" if label == k else "with more classes, set data.num_classes to their number")
+        return f"label {label:g} is not a class 0 .. {k - 1} (data.num_classes={k}; {hint})"
+    return None
+
+
 def class_count(data, ds):
     """(number of classes, where it was read) for an unset data.num_classes: the names of a ClassLabel label
     column (an imagefolder's class folders become one), else the ids of data.class_ids."""
     import datasets
 
-    feature = ds.features.get(data.label_column)
+    feature = (ds.features or {}).get(data.label_column)
     if isinstance(feature, datasets.ClassLabel):
         return feature.num_classes, f"the ClassLabel names of column '{data.label_column}'"
     if data.class_ids is not None:
         return len(class_id_list(data, ds)), f"data.class_ids={data.class_ids!r}"
+    if is_stream(data):  # counting its labels would read the whole stream
+        raise ValueError(f"data.num_classes is unset and column '{data.label_column}' of the streamed source "
+                         f"{data.source} has no class names: set data.num_classes (labels run 0 .. "
+                         f"data.num_classes - 1), or data.class_ids to a file with one class name per line")
     labels = ds.with_format("numpy", columns=[data.label_column])[:][data.label_column]
     found = f"; its labels run from {labels.min():g} to {labels.max():g}" if len(labels) else ""
     raise ValueError(f"data.num_classes is unset and column '{data.label_column}' of {data.source} has no class "
@@ -191,7 +215,7 @@ def class_id_list(data, ds):
     import datasets
 
     if data.class_ids is None:
-        feature = ds.features.get(data.label_column) if data.label_column else None
+        feature = (ds.features or {}).get(data.label_column) if data.label_column else None
         return list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
     if Path(data.class_ids).is_file():
         return Path(data.class_ids).read_text().split()

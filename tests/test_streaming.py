@@ -140,6 +140,49 @@ def test_bad_stream_configs_are_refused_before_any_work(wds, tmp_path, args, mes
         open_splits(config.load_config(fm.DEFAULTS, argv).data)
 
 
+def write_labelled_shards(folder, labels):
+    """Tar shards of key.jpg + key.cls (the webdataset class member), one shard per list of labels."""
+    rng = np.random.default_rng(0)
+    for s, shard in enumerate(labels):
+        with tarfile.open(folder / f"{s:05d}.tar", "w") as tar:
+            for i, label in enumerate(shard):
+                buf = io.BytesIO()
+                Image.fromarray(rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)).save(buf, "JPEG")
+                for ext, payload in (("jpg", buf.getvalue()), ("cls", str(label).encode())):
+                    info = tarfile.TarInfo(f"{s:05d}{i:04d}.{ext}")
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+    return str(folder / f"{{00000..{len(labels) - 1:05d}}}.tar")
+
+
+def test_streamed_class_labels_are_checked_before_they_are_cached(tmp_path):
+    """A stream's labels cannot be read up front: data.num_classes must be given (or named by class ids), the
+    held-out rows are checked when they are opened, and a training row whose label is not a class stops the
+    cache build at that row, naming it; never cached, never trained on."""
+    good = [[0, 1, 2, 0, 1, 2, 0, 1]] * 3
+    args = ["--data.image_column=jpg", "--data.label_column=cls", "--data.caption_column=null",
+            "--data.val_shards=[-1,null]", "--data.val_holdout=8", "--data.encode_batch_size=4",
+            "--data.cache_dir", str(tmp_path / "cache")]
+    (tmp_path / "good").mkdir()
+    source = write_labelled_shards(tmp_path / "good", good)
+    with pytest.raises(ValueError, match="data.num_classes is unset and column 'cls' of the streamed source"):
+        open_splits(config.load_config(fm.DEFAULTS, args + ["--data.source", source]).data)
+    cfg = config.load_config(fm.DEFAULTS, args + ["--data.source", source, "--data.num_classes=3"])
+    train, _ = open_splits(cfg.data)
+    assert CachedDataset(build(cfg, train, "train", 1))[list(range(16))]["label"].tolist() == good[0] * 2
+
+    (tmp_path / "bad").mkdir()
+    source = write_labelled_shards(tmp_path / "bad", [good[0], [0, 1, 2, 3, 0, 1, 2, 0], good[0]])  # shard 1, row 3
+    cfg = config.load_config(fm.DEFAULTS, args + ["--data.source", source, "--data.num_classes=3"])
+    train, _ = open_splits(cfg.data)
+    with pytest.raises(ValueError, match=r"00001.tar:000010003: label 3 is not a class 0 \.\. 2 \(data.num_classes=3"):
+        build(cfg, train, "train", 1)
+    # A bad label among the held-out rows (the last shard) is found when they are opened, before any work.
+    source = write_labelled_shards(tmp_path / "bad", [good[0], good[0], [0, 1, -1, 0, 1, 2, 0, 1]])
+    with pytest.raises(ValueError, match=r"rows 2 \(label -1, 000020002.jpg\)\. The labels found run -1 \.\. 2"):
+        open_splits(config.load_config(fm.DEFAULTS, args + ["--data.source", source, "--data.num_classes=3"]).data)
+
+
 @pytest.mark.parametrize("cache_text", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_size_estimate_matches_the_written_cache(wds, tmp_path, tiny_vae, tiny_text_encoder, cache_text, capsys):
     cfg = config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path, extra=[
