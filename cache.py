@@ -26,7 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from data import (class_names, encode_text, expand_braces, is_stream, label_problem, labels_are_the_condition, load_encoders, load_image, loader_options, make_encode, preprocess, read_class_ids, shard_of, stream_shards, tag_shard, validation_prompts)
+from classes import class_names, label_problem, labels_are_the_condition, read_class_ids
+from data import (encode_text, expand_braces, is_stream, load_encoders, load_image, loader_options, make_encode, preprocess, shard_of, stream_shards, tag_shard, validation_prompts)
 from monitor import interactive
 
 # ----------------------------------------------------------------------------------------------------------

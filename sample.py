@@ -24,7 +24,8 @@ import common
 import config
 import eval_fid
 import runlog
-from data import encode_text, load_encoders, readable_names
+from classes import readable_names
+from data import encode_text, load_encoders
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. None means "as the run was configured".

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 import common
 import config
-from data import DEMO_CLASSES, class_names, draw_shape, make_demo_dataset, preprocess, read_class_ids
+from classes import class_names, read_class_ids
+from data import DEMO_CLASSES, draw_shape, make_demo_dataset, preprocess
 from model import adapt_state, grid_positions, load_exported, map_classes, resample_pos_embed
 import train_ddpm as ddpm
 import train_flow_matching as fm

@@ -142,7 +142,8 @@ def test_a_grid_of_one_image_is_padded_and_labelled_like_any_other(tmp_path):
 
 
 def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_path):
-    from data import DEMO_CLASSES, make_demo_dataset, readable_names, validation_prompts
+    from classes import readable_names
+    from data import DEMO_CLASSES, make_demo_dataset, validation_prompts
     import datasets
 
     demo = make_demo_dataset(12, seed=0, resolution=8)
