@@ -27,18 +27,22 @@ from model import build_denoiser  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 
 
-def bare_loop(cfg):
-    """A function that runs one step of forward, loss, backward and Adam step alone, returning its seconds."""
+def same_model_and_batch(cfg):
+    """The model, fused AdamW, batch and condition that both the bare loop and the part-by-part timing use."""
     torch.manual_seed(0)
     model = build_denoiser(cfg, 3, cfg.data.resolution)
-    opt = common.make_optimizer(model, cfg.train)
     b, r = cfg.train.batch_size, cfg.data.resolution
-    x0, noise = torch.randn(b, 3, r, r), torch.randn(b, 3, r, r)
     cond = {"label": torch.randint(0, cfg.data.num_classes, (b,)), "drop": torch.zeros(b, dtype=torch.bool)}
+    return model, common.make_optimizer(model, cfg.train), torch.randn(b, 3, r, r), torch.randn(b, 3, r, r), cond
+
+
+def bare_loop(cfg):
+    """A function that runs one step of forward, loss, backward and Adam step alone, returning its seconds."""
+    model, opt, x0, noise, cond = same_model_and_batch(cfg)
 
     def one_step():
         start = time.perf_counter()
-        loss = fm.flow_matching_loss(model, x0, cond, torch.rand(b), noise).mean()
+        loss = fm.flow_matching_loss(model, x0, cond, torch.rand(len(x0)), noise).mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -50,38 +54,35 @@ def parts(cfg, train_set, repeats=20):
     """Where the trainer's extra time goes: each part of a step the bare loop does not have, timed alone on the
     same model and batch (median of `repeats`, interleaved so that load falls on all parts alike), in ms."""
     import copy
+
+    from accelerate import Accelerator
     from data import iterate_batches
 
-    torch.manual_seed(0)
-    model = build_denoiser(cfg, 3, cfg.data.resolution)
-    ema, opt, b, r = copy.deepcopy(model), common.make_optimizer(model, cfg.train), cfg.train.batch_size, cfg.data.resolution
-    x0, noise = torch.randn(b, 3, r, r), torch.randn(b, 3, r, r)
-    cond = {"label": torch.randint(0, cfg.data.num_classes, (b,)), "drop": torch.zeros(b, dtype=torch.bool)}
+    model, opt, x0, noise, cond = same_model_and_batch(cfg)
+    ema, b, tr, finite = copy.deepcopy(model), len(x0), cfg.train, torch.tensor(True)
     batches = iterate_batches(train_set, 0, b, 0, 0, 1, {})
-    finite = torch.tensor(True)
+    records = monitor.Monitor(cfg, model, Accelerator(cpu=True), log=lambda row: None)
+    losses, bins, norm = torch.rand(b), torch.randint(0, cfg.objective.loss_bins, (b,)), torch.tensor(1.0)
 
     def forward_backward():
         fm.flow_matching_loss(model, x0, cond, torch.rand(b), noise).mean().backward()
-
-    steps = {
-        "forward + backward (both loops)": forward_backward,
-        "fused AdamW step, device-side skip (both loops)": lambda: common.step_unless_nonfinite(opt, finite),
-        "gradient clipping (norm, then scale)": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
-        "EMA (foreach lerp, the skip flag as weight)": lambda: common.ema_update(ema, model, 0.9999, 1000, finite),
-        "reading a micro-batch from the cache": lambda: next(batches),
-        "noise, time sampling, condition dropout": lambda: (torch.randn_like(x0), fm.sample_time(b, cfg.objective, 1.0, "cpu"),
-                                                             torch.rand(b) < 0.1, torch.rand(b) < 0.1),
-    }
-    from accelerate import Accelerator
-    records = monitor.Monitor(cfg, model, Accelerator(cpu=True), log=lambda row: None)
-    losses, bins, norm = torch.rand(b), torch.randint(0, cfg.objective.loss_bins, (b,)), torch.tensor(1.0)
 
     def monitor_records():  # what the monitor writes into its device buffers on an ordinary step
         records.since_log = 0
         records.micro_batch(losses, bins)
         records.before_update(0, norm, finite)
         records.after_update(0, norm, finite)
-    steps["the monitor's per-step records"] = monitor_records
+
+    steps = {
+        "forward + backward (both loops)": forward_backward,
+        "fused AdamW step, device-side skip (both loops)": lambda: common.step_unless_nonfinite(opt, finite),
+        "gradient clipping (norm, then scale)": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), tr.grad_clip),
+        "EMA (foreach lerp, the skip flag as weight)": lambda: common.ema_update(ema, model, tr.ema_decay, 1000, finite),
+        "reading a micro-batch from the cache": lambda: next(batches),
+        "noise, time sampling, condition dropout": lambda: (torch.randn_like(x0), fm.sample_time(b, cfg.objective, 1.0, "cpu"),
+                                                             torch.rand(b) < 0.1, torch.rand(b) < 0.1),
+        "the monitor's per-step records": monitor_records,
+    }
     seconds = {name: [] for name in steps}
     for _ in range(repeats):
         for name, work in steps.items():
