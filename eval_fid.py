@@ -37,11 +37,11 @@ from accelerate.utils import gather_object
 from PIL import Image
 
 import common
-import config
-from data import (decode, encode_text, is_stream, load_encoders, load_image, open_dataset, open_splits, preprocess,
+from training import config
+from training.data import (decode, encode_text, is_stream, load_encoders, load_image, open_dataset, open_splits, preprocess,
                   stream_heldout)
-from model import build_denoiser, load_exported
-from monitor import progress
+from training.model import build_denoiser, load_exported
+from training.monitor import progress
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. Every default is here; None means "as the run was configured". Reported numbers: 50k samples.

@@ -21,11 +21,11 @@ import torch
 from PIL import Image
 
 import common
-import config
+from training import config
 import eval_fid
-import runlog
-from classes import readable_names
-from data import encode_text, load_encoders
+from training import runlog
+from training.classes import readable_names
+from training.data import encode_text, load_encoders
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. None means "as the run was configured".

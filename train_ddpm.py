@@ -31,14 +31,14 @@ import torch
 from accelerate.utils import set_seed
 
 import common
-import config
+from training import config
 import eval_fid
-import runlog
-from cache import prepare_data
-from data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options,
+from training import runlog
+from training.cache import prepare_data
+from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options,
                   open_splits, text_features, validation_inputs)
-from model import export, guided, prepare_model
-from monitor import Monitor
+from training.model import export, guided, prepare_model
+from training.monitor import Monitor
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. Every default is here; a recipe (configs/*.json) names only what it changes.
@@ -166,7 +166,7 @@ DEFAULTS = {
         "grad_every": 50,            # gradient norm and update / weight ratio per layer group (0: off)
         "grad_flag_ratio": 100.0,    # flag a group whose gradient norm is this far below / above the median group's
         "spike_threshold": 6.0,      # a loss spike: this many running standard deviations above the running mean
-        "report": True,              # report.md and PNG plots in run_dir at the end (python report.py RUN_DIR)
+        "report": True,              # report.md and PNG plots in run_dir at the end (python -m training.report RUN_DIR)
         "wandb": "auto",             # auto (online with WANDB_API_KEY, else offline), online, offline, off
         "project": "minimal-diffusion",
     },

@@ -25,11 +25,11 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import config  # noqa: E402
+from training import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
-from cache import CachedDataset, build_cache, cache_size, human_bytes  # noqa: E402
-from data import make_encode, open_splits  # noqa: E402
-from model import build_denoiser  # noqa: E402
+from training.cache import CachedDataset, build_cache, cache_size, human_bytes  # noqa: E402
+from training.data import make_encode, open_splits  # noqa: E402
+from training.model import build_denoiser  # noqa: E402
 
 WORDS = ["a", "photo", "of", "the", "red", "green", "blue", "dog", "cat", "house", "tree", "on", "in", "street"]
 RECIPE_SAMPLES = {"CC12M": 12_423_374, "ImageNet-1k": 1_281_167, "ImageNet-22k": 14_197_122}

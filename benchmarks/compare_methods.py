@@ -40,9 +40,9 @@ from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-from config import load_config  # noqa: E402
-from data import DEMO_CLASSES  # noqa: E402
-from model import load_exported  # noqa: E402
+from training.config import load_config  # noqa: E402
+from training.data import DEMO_CLASSES  # noqa: E402
+from training.model import load_exported  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from demo_quality import train_classifier  # noqa: E402
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import config  # noqa: E402
-from data import DEMO_CLASSES  # noqa: E402
-from model import load_exported  # noqa: E402
+from training import config  # noqa: E402
+from training.data import DEMO_CLASSES  # noqa: E402
+from training.model import load_exported  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from demo_quality import train_classifier  # noqa: E402
 

@@ -19,8 +19,8 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data import DEMO_CLASSES, DEMO_SHAPES, make_demo_dataset  # noqa: E402
-from model import load_exported  # noqa: E402
+from training.data import DEMO_CLASSES, DEMO_SHAPES, make_demo_dataset  # noqa: E402
+from training.model import load_exported  # noqa: E402
 
 
 def demo_images(num_samples, seed, resolution=32):

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import config  # noqa: E402
+from training import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from gpu_throughput import build, count_flops, model_inputs  # noqa: E402
 

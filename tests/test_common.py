@@ -7,9 +7,9 @@ from accelerate import Accelerator
 from PIL import Image
 
 import common
-import config
-from cache import CachedDataset, build_cache
-from data import (DEMO_COLORS, encode_text, iterate_batches, load_encoders, load_image, make_demo_dataset,
+from training import config
+from training.cache import CachedDataset, build_cache
+from training.data import (DEMO_COLORS, encode_text, iterate_batches, load_encoders, load_image, make_demo_dataset,
                   open_splits, preprocess)
 import train_flow_matching as fm
 
@@ -160,7 +160,7 @@ class RecordingAccelerator:
 def test_a_run_ends_with_a_barrier_before_the_process_group_closes(tmp_path):
     """The barrier before end_training is what keeps a gloo run from aborting at exit (common.end_processes):
     both ways a run ends, the finished run and the requeue, go through it."""
-    from runlog import RunLog
+    from training.runlog import RunLog
 
     finished, requeued = RecordingAccelerator(), RecordingAccelerator()
     cfg = config.load_config(fm.DEFAULTS, ["--log.wandb=off"])

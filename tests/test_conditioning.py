@@ -6,9 +6,9 @@ import pytest
 import torch
 from PIL import Image
 
-import config
-from data import drop_conditions, preprocess
-from model import build_denoiser, control_weight, guided, load_exported, replicate_padding
+from training import config
+from training.data import drop_conditions, preprocess
+from training.model import build_denoiser, control_weight, guided, load_exported, replicate_padding
 import train_flow_matching as fm
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import common
-import cache
-import config
+from training import cache
+from training import config
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args

@@ -14,11 +14,11 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
-import config
-import model as model_module
+from training import config
+from training import model as model_module
 import train_ddpm as ddpm
 import train_flow_matching as fm
-from model import build_denoiser
+from training.model import build_denoiser
 
 T = 1000
 

@@ -326,7 +326,7 @@ def make_tiny_clip(folder):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, PreTrainedTokenizerFast
 
-    from data import DEMO_CLASSES
+    from training.data import DEMO_CLASSES
 
     words = sorted({w for c in DEMO_CLASSES for w in c.split()} | {"a", "small", "large"})
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]", *words])}

@@ -9,7 +9,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from scipy import stats
 
 import common
-import config
+from training import config
 import train_flow_matching as fm
 
 

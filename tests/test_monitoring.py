@@ -9,9 +9,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import common
-import config
-from model import build_denoiser, load_exported
-from monitor import find_spikes, gradient_flags, group_grad_norms, group_update_ratios, layer_groups
+from training import config
+from training.model import build_denoiser, load_exported
+from training.monitor import find_spikes, gradient_flags, group_grad_norms, group_update_ratios, layer_groups
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import tiny_run_args

@@ -7,9 +7,11 @@ import sys
 
 import pytest
 
-import config
-import prefetch
+from training import config
 from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import prefetch  # noqa: E402
 
 
 def plan_of(recipe, *overrides):
@@ -81,7 +83,7 @@ def test_a_model_that_cannot_be_loaded_is_one_line_naming_the_key():
     message = str(stop.value)
     assert "\n" not in message and message.startswith("encoders.vae='org/vae' cannot be loaded: org/vae does not "
                                                       "appear to have a file named config.json")
-    assert "python prefetch.py --config" in message and "set encoders.vae to a local folder" in message
+    assert "python tools/prefetch.py --config" in message and "set encoders.vae to a local folder" in message
     assert prefetch.data.from_pretrained("k", lambda name, **kw: (name, kw), "x", a=1) == ("x", {"a": 1})
 
 
@@ -93,7 +95,7 @@ def test_a_missing_text_encoder_offline_is_one_line_naming_the_key(tmp_path):
     lines = [line for line in done.stderr.splitlines() if "nonexistent-org" in line]
     assert len(lines) == 1 and lines[0].startswith("encoders.text_encoder='nonexistent-org/no-such-encoder' "
                                                    "cannot be loaded")
-    assert "HF_HUB_OFFLINE=1" in lines[0] and "python prefetch.py --config" in lines[0]
+    assert "HF_HUB_OFFLINE=1" in lines[0] and "python tools/prefetch.py --config" in lines[0]
 
 
 @pytest.mark.slow

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import config
+from training import config
 import train_flow_matching as fm
-from data import load_image, make_demo_dataset, open_splits
+from training.data import load_image, make_demo_dataset, open_splits
 
 
 def parquet_source(tmp_path, n, labels=None, class_label=True):
@@ -207,7 +207,8 @@ def test_colour_modes_palette_cmyk_and_alpha():
 NODE_LOCAL = '''
 import os, sys
 sys.path.insert(0, sys.argv[1])
-import cache, common, train_flow_matching
+import common, train_flow_matching
+from training import cache
 accelerator = common.make_accelerator("no")
 cache.check_cache_shared(sys.argv[2], accelerator)  # one folder that both ranks see: passes
 print(f"rank {accelerator.process_index}: shared cache seen", flush=True)

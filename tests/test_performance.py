@@ -9,8 +9,8 @@ from accelerate import Accelerator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
-import config
-import monitor
+from training import config
+from training import monitor
 from conftest import tiny_run_args
 
 
@@ -117,7 +117,7 @@ def tiny_model_and_batch(checkpointing=False):
     cfg = config.load_config(__import__("train_flow_matching").DEFAULTS,
                              ["--data.num_classes=9", "--model.num_layers=2", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
                               '--conditioning.controls=["size", "crop", "flip"]', f"--train.gradient_checkpointing={str(checkpointing).lower()}"])
-    from model import build_for_run
+    from training.model import build_for_run
     torch.manual_seed(0)
     model = build_for_run(cfg, (3, 16, 16)).train()
     g = torch.Generator().manual_seed(1)

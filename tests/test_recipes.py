@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import config
+from training import config
 import train_ddpm
 import train_flow_matching
 from conftest import ROOT

@@ -16,10 +16,10 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import common
-import runlog
-import config
-from cache import CachedDataset, build_cache
-from data import open_splits
+from training import runlog
+from training import config
+from training.cache import CachedDataset, build_cache
+from training.data import open_splits
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 
@@ -184,7 +184,7 @@ def test_damaged_shard_contents_are_detected_and_rebuilt(tmp_path, capsys):
         assert f"{shard} is damaged ({reason}" in out and "1 (re)built" in out and sum(calls) == 32 + 1  # + the size estimate's probe
         assert all(torch.equal(original[k], v) for k, v in load_file(str(shard)).items())
     # NaNs written with a matching checksum, in a folder whose manifest was lost: damage too.
-    from cache import tensors_sha256
+    from training.cache import tensors_sha256
 
     poisoned = {k: v.clone() for k, v in original.items()}
     poisoned["x"][3] = float("nan")

@@ -13,14 +13,14 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-import cache
-import config
-import data as data_module
+from training import cache
+from training import config
+from training import data as data_module
 import eval_fid
 import train_flow_matching as fm
 from conftest import DEMO_WORDS, tiny_run_args
-from cache import CachedDataset, build_cache, cache_size, samples_per_shard
-from data import encode_text, make_encode, open_splits
+from training.cache import CachedDataset, build_cache, cache_size, samples_per_shard
+from training.data import encode_text, make_encode, open_splits
 
 SHARDS, PER_SHARD = 8, 32  # 256 samples
 BROKEN = {(1, 5): "jpg", (2, 9): "txt", (4, 0): "empty", (6, 31): "jpg"}  # (shard, index) -> what is wrong

@@ -9,10 +9,10 @@ from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid, get_2
 from safetensors.torch import load_file
 
 import common
-import config
-from classes import class_names, read_class_ids
-from data import DEMO_CLASSES, draw_shape, make_demo_dataset, preprocess
-from model import adapt_state, grid_positions, load_exported, map_classes, resample_pos_embed
+from training import config
+from training.classes import class_names, read_class_ids
+from training.data import DEMO_CLASSES, draw_shape, make_demo_dataset, preprocess
+from training.model import adapt_state, grid_positions, load_exported, map_classes, resample_pos_embed
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-import config
-import monitor
-import runlog
+from training import config
+from training import monitor
+from training import runlog
 import train_flow_matching as fm
-from model import build_denoiser
+from training.model import build_denoiser
 
 LINE = re.compile(r"^step 2/4 \(50%\) \| loss (\d\.\d{4}) \| smoothed loss (\d\.\d{4}) \| lr 5\.00e-04 \| "
                   r"(\d+\.\d) images/s \| ETA (\d+:\d\d:\d\d)$")
@@ -142,8 +142,8 @@ def test_a_grid_of_one_image_is_padded_and_labelled_like_any_other(tmp_path):
 
 
 def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_path):
-    from classes import readable_names
-    from data import DEMO_CLASSES, make_demo_dataset, validation_prompts
+    from training.classes import readable_names
+    from training.data import DEMO_CLASSES, make_demo_dataset, validation_prompts
     import datasets
 
     demo = make_demo_dataset(12, seed=0, resolution=8)
@@ -168,7 +168,7 @@ def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_pat
 
 
 def test_validation_conditions_are_the_encoded_prompts(tiny_text_encoder):
-    from data import encode_text, load_encoders, validation_inputs
+    from training.data import encode_text, load_encoders, validation_inputs
 
     _, tokenizer, encoder = load_encoders(config.Config(vae=None, text_encoder=tiny_text_encoder), "cpu")
     text = encode_text(tokenizer, encoder, ["a red circle", "a blue square", "a green triangle"], 8)

@@ -26,9 +26,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from classes import class_names, label_problem, labels_are_the_condition, read_class_ids
-from data import (encode_text, expand_braces, is_stream, load_encoders, load_image, loader_options, make_encode, preprocess, shard_of, stream_shards, tag_shard, validation_prompts)
-from monitor import interactive
+from training.classes import class_names, label_problem, labels_are_the_condition, read_class_ids
+from training.data import (encode_text, expand_braces, is_stream, load_encoders, load_image, loader_options, make_encode, preprocess, shard_of, stream_shards, tag_shard, validation_prompts)
+from training.monitor import interactive
 
 # ----------------------------------------------------------------------------------------------------------
 # Streams and map-style sources alike: decode in DataLoader workers, encode here, estimate the size.

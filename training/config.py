@@ -249,7 +249,7 @@ def combination_problems(cfg):
         try:
             from diffusers import AutoencoderKL
 
-            from data import from_pretrained
+            from training.data import from_pretrained
 
             factor = 2 ** (len(from_pretrained("encoders.vae", AutoencoderKL.load_config, enc["vae"])["block_out_channels"]) - 1)
         except SystemExit as e:  # data.from_pretrained: a model that cannot be found, in one line

@@ -1,8 +1,8 @@
 """Fetch everything a config needs into the Hugging Face cache, on a machine with network, for nodes without.
 
-    python prefetch.py --config configs/cc12m.json                   # fetch, then say what to copy and set
-    python prefetch.py --config configs/cc12m.json --dry_run         # only the plan: what would be fetched
-    python prefetch.py --config configs/own_data_256.json --data.source=/data/pets   # overrides as in training
+    python tools/prefetch.py --config configs/cc12m.json                   # fetch, then say what to copy and set
+    python tools/prefetch.py --config configs/cc12m.json --dry_run         # only the plan: what would be fetched
+    python tools/prefetch.py --config configs/own_data_256.json --data.source=/data/pets   # overrides as in training
 
 A config needs: its dataset (data.source, the split and the held-out split), the VAE (encoders.vae), the text
 encoder and tokenizer (encoders.text_encoder), the CLIP model of eval_fid.py's CLIP score for text-to-image
@@ -20,11 +20,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-import config
-import data
-import eval_fid
-import train_ddpm
-import train_flow_matching
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the trainers and the package
+
+from training import config  # noqa: E402
+from training import data  # noqa: E402
+import eval_fid  # noqa: E402
+import train_ddpm  # noqa: E402
+import train_flow_matching  # noqa: E402
 
 
 def all_defaults(a, b):

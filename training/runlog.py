@@ -148,11 +148,11 @@ class RunLog:
         """The run report (a plotting problem must not fail a finished run), then close the sinks."""
         if self.main and cfg.log.report:
             try:
-                import report
+                from training import report
 
                 accelerator.print(f"report: {report.write_report(self.run_dir)}")
             except Exception as e:
-                accelerator.print(f"warning: the run report failed ({type(e).__name__}: {e}); python report.py {self.run_dir}")
+                accelerator.print(f"warning: the run report failed ({type(e).__name__}: {e}); python -m training.report {self.run_dir}")
         if self.wandb is not None:
             self.wandb.finish()
         common.end_processes(accelerator)

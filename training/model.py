@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import common
-import config
+from training import config
 
 # ----------------------------------------------------------------------------------------------------------
 # Conditioning: class tokens or text tokens go to the MMDiT's context stream (attention); the pooled

@@ -1,6 +1,6 @@
 """Run summary: report.md and PNG plots for any run folder, written after training or on demand.
 
-    python report.py runs/flow_matching_demo [runs/ddpm_demo ...]     # prints the paths of the reports
+    python -m training.report runs/flow_matching_demo [runs/ddpm_demo ...]     # prints the paths of the reports
 
 Reads run_dir/config.json and run_dir/metrics.jsonl (the trainers' log(): training, gradient-analysis,
 validation, quality and event rows) and writes run_dir/report/*.png plus run_dir/report.md, which embeds them

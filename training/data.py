@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from classes import check_labels, class_count, class_id_list, class_names, labels_are_the_condition, read_class_ids, readable_names
+from training.classes import check_labels, class_count, class_id_list, class_names, labels_are_the_condition, read_class_ids, readable_names
 
 # ----------------------------------------------------------------------------------------------------------
 # Embedded demo data: coloured shapes, generated deterministically, offline, in about a second.
@@ -310,7 +310,7 @@ def from_pretrained(key, load, name, **kwargs):
 
         why = str(e).strip().splitlines()[0].rstrip(".") + (" (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "")
         raise SystemExit(f"{key}='{name}' cannot be loaded: {why}. On a machine with network run `python "
-                         f"prefetch.py --config YOUR_CONFIG` and copy the Hugging Face cache it names (HF_HOME) "
+                         f"tools/prefetch.py --config YOUR_CONFIG` and copy the Hugging Face cache it names (HF_HOME) "
                          f"here, or set {key} to a local folder.") from None
 
 
