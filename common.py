@@ -96,7 +96,7 @@ def end_processes(accelerator):
     collective's tensors only after taking the GIL; if the interpreter is already shutting down by then, the
     thread is killed inside a C++ destructor and the process dies with SIGABRT ("terminate called without an
     active exception"; seen in about 1 in 60 two-process test runs on 2 busy cores, core dump in
-    docs/robustness.md). Waiting in the barrier releases the GIL for that thread, and the barrier's own tensors
+    docs/tests.md). Waiting in the barrier releases the GIL for that thread, and the barrier's own tensors
     have no Python objects to free."""
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -1,4 +1,4 @@
-"""How fast is the cache built from local webdataset shards, and how big is it? (docs/data-at-scale.md)
+"""How fast is the cache built from local webdataset shards, and how big is it? (docs/data.md)
 
     python benchmarks/cache_throughput.py [--shards 8] [--per_shard 64] [--workers 0 2 4]
 

@@ -63,7 +63,7 @@ def test_every_recipe_loads_with_both_trainers(path, method):
 
 def test_the_single_gpu_recipe_sits_between_the_demo_and_the_paper_model():
     """own_data_256: a DiT-B-shaped MMDiT (12 layers, width 768) on latents of 256 px images, DiT's global
-    batch 256 on one GPU; docs/recipes.md derives its memory and step time from these numbers."""
+    batch 256 on one GPU; docs/paper.md derives its memory and step time from these numbers."""
     cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", str(ROOT / "configs/own_data_256.json")])
     model = cfg.model
     assert (model.num_layers, model.num_attention_heads * model.attention_head_dim, model.patch_size) == (12, 768, 2)
