@@ -52,15 +52,15 @@ class Objective(BaseModel, extra="forbid", strict=True):
     """beta schedule, zero terminal SNR, prediction target, Min-SNR weight, resolution shift"""
     num_timesteps: int = Field(1000, ge=2, description="T")
     beta_schedule: Literal["quadratic", "linear", "cosine"] = Field("quadratic", description="quadratic: SD's scaled_linear")
-    beta_start: float = Field(0.00085, gt=0, lt=1, description="beta_0 of the quadratic and linear schedules (the paper's)")
-    beta_end: float = Field(0.012, gt=0, lt=1, description="beta_{T-1} of the quadratic and linear schedules")
-    zero_terminal_snr: bool = Field(True, description="rescale so ab_{T-1} = 0 (Lin et al. 2024); needs prediction v or x0")
+    beta_start: float = Field(0.00085, gt=0, lt=1, description="beta_0 of quadratic and linear (the paper's)")
+    beta_end: float = Field(0.012, gt=0, lt=1, description="beta_{T-1} of quadratic and linear (the paper's)")
+    zero_terminal_snr: bool = Field(True, description="rescale so ab_{T-1} = 0 (Lin et al. 2024); needs v or x0")
     prediction: Literal["v", "eps", "x0"] = Field("v", description="what the model predicts")
-    min_snr_gamma: float = Field(5.0, ge=0, description="Min-SNR-gamma loss weight (Hang et al. 2023); 0: off (weight 1)")
-    min_snr_form: Literal["plus_one", "paper"] = Field("plus_one", description="min(SNR + 1, g) in x0 space, weight 1 at "
-                                                       "SNR = 0 (trains the last step); paper: min(SNR, g) (min_snr_weight)")
-    time_shift: float = Field(1.0, gt=0, description="a: SNR / a^2 (flow matching's time shift at equal SNR; time_input)")
-    shift_base_resolution: int | None = Field(None, ge=1, description="if set, a = data.resolution / this (not time_shift)")
+    min_snr_gamma: float = Field(5.0, ge=0, description="Min-SNR-gamma loss weight (Hang et al. 2023); 0: off")
+    min_snr_form: Literal["plus_one", "paper"] = Field("plus_one", description="min(SNR + 1, g) in x0 space: weight 1 "
+                                                       "at SNR = 0, trains the last step; paper: min(SNR, g)")
+    time_shift: float = Field(1.0, gt=0, description="a: SNR / a^2, flow matching's time shift at equal SNR")
+    shift_base_resolution: int | None = Field(None, ge=1, description="if set, a = data.resolution / this")
     loss_bins: int = Field(5, ge=1, description="the loss is also logged per timestep bin [kT/K, (k+1)T/K)")
 
 

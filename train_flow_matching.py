@@ -45,10 +45,10 @@ from training.monitor import Monitor
 class Objective(BaseModel, extra="forbid", strict=True):
     """straight path, velocity target, logit-normal time, resolution shift, optional OT coupling"""
     time_sampling: Literal["logit_normal", "uniform"] = Field("logit_normal", description="t ~ logit-normal or uniform")
-    logit_mean: float = Field(0.0, description="m in t = sigmoid(m + s n), n ~ N(0, 1) (SD3's rf/lognorm(0.00, 1.00))")
+    logit_mean: float = Field(0.0, description="m in t = sigmoid(m + s n), n ~ N(0, 1) (SD3: m = 0, s = 1)")
     logit_std: float = Field(1.0, gt=0, description="s in t = sigmoid(m + s n)")
     time_shift: float = Field(1.0, gt=0, description="a in t' = a t / (1 + (a - 1) t)")
-    shift_base_resolution: int | None = Field(None, ge=1, description="if set, a = data.resolution / this (not time_shift)")
+    shift_base_resolution: int | None = Field(None, ge=1, description="if set, a = data.resolution / this")
     ot_coupling: bool = Field(False, description="minibatch OT pairing of noise and data (Tong et al. 2023)")
     loss_bins: int = Field(5, ge=1, description="the loss is also logged per time bin [k/K, (k+1)/K)")
 

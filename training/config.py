@@ -39,8 +39,8 @@ Str, Int = str | None, int | None  # None: a setting left unset (each key says w
 
 
 class Data(BaseModel, extra="forbid", strict=True):
-    source: str = Field("embedded", description='"embedded" (the generated demo), a hub id, an imagefolder or '
-                        'parquet path, or webdataset shards "/data/cc12m/{00000..01242}.tar" (streamed)')
+    source: str = Field("embedded", description='"embedded" (the demo), a hub id, an imagefolder or parquet path, '
+                        'or webdataset shards "/data/cc12m/{00000..01242}.tar" (streamed)')
     streaming: bool = Field(False, description="stream a hub dataset's shards instead of downloading it whole")
     split: str = Field("train", description="the training split")
     val_split: Str = Field(None, description="a held-out split of the source; None: hold out val_holdout rows")
@@ -51,7 +51,7 @@ class Data(BaseModel, extra="forbid", strict=True):
     label_column: Str = Field("label", description="the column of the class labels; None for text-only data")
     caption_column: Str = Field(None, description='e.g. "caption" for text-to-image (needs encoders.text_encoder)')
     num_classes: Int = Field(None, ge=0, description="None: the label column's class names (ClassLabel, folders)")
-    class_ids: Str = Field(None, description="WordNet ids of the labels (init_from's class mapping): None: the "
+    class_ids: Str = Field(None, description="the labels' WordNet ids (init_from's class mapping): None: the "
                            'ClassLabel names; "imagenet-1k", "imagenet-22k" or a file')
     label_captions: bool = Field(False, description="text-to-image on class data: the caption is the class name")
     resolution: int = Field(16, ge=8, description="training resolution (pixels per side)")
@@ -85,8 +85,8 @@ class Model(BaseModel, extra="forbid", strict=True):
     attention_head_dim: int = Field(32, ge=1, description="width of a head")
     class_tokens: int = Field(1, ge=1, description="context tokens per class label")
     qk_norm: Literal["rms_norm", "layer_norm"] | None = Field(None, description='"rms_norm" for large models')
-    pos_embed_transfer: Literal["resample", "extend"] = Field("resample", description="init_from at another grid: "
-                                                              "resample the positions (the paper's) or extend them")
+    pos_embed_transfer: Literal["resample", "extend"] = Field("resample", description="init_from at another token "
+                                                              "grid: resample the positions (the paper's) or extend")
 
 
 class ControlPower(BaseModel, extra="forbid", strict=True):
@@ -96,9 +96,8 @@ class ControlPower(BaseModel, extra="forbid", strict=True):
 
 
 class Conditioning(BaseModel, extra="forbid", strict=True):
-    mode: Literal["disentangled", "adanorm"] = Field("disentangled", description="semantics through attention, "
-                                                     "controls through the adaptive norm x w(t) (the paper's); "
-                                                     "adanorm: both in the adaptive norm (DiT / SDXL)")
+    mode: Literal["disentangled", "adanorm"] = Field("disentangled", description="semantics by attention, controls "
+                                                     "x w(t) in the adaptive norm (the paper's); adanorm: DiT / SDXL")
     controls: list[Literal["size", "crop", "flip"]] = Field([], description="the control conditions used")
     control_power: ControlPower = Field(default_factory=ControlPower)
     semantic_dropout: float = Field(0.1, ge=0, le=1, description="dropped independently, for guidance on each")
@@ -160,8 +159,8 @@ class Run(BaseModel, extra="forbid", strict=True):
     run_dir: Str = Field(None, description="None: runs/{method}_{config name}, runs/{method}_demo without one")
     seed: int = Field(0, ge=0, description="each rank adds its index")
     resume: Str = Field(None, description='"latest" (this run_dir\'s newest checkpoint) or a checkpoint folder')
-    init_from: Str = Field(None, description="another run's folder, checkpoint or export, whose weights start this "
-                           'run (256 -> 512 px, 22k -> 1k); "{method}": the trainer')
+    init_from: Str = Field(None, description="a run, checkpoint or export whose weights and EMA start this run "
+                           '(256 -> 512 px, 22k -> 1k); "{method}": the trainer')
     data: Data = Field(default_factory=Data, description="the source, held-out rows, preprocessing, the cache")
     encoders: Encoders = Field(default_factory=Encoders, description="the frozen VAE and text encoder")
     model: Model = Field(default_factory=Model, description="SD3Transformer2DModel")
@@ -174,21 +173,20 @@ class Run(BaseModel, extra="forbid", strict=True):
 
 
 def schema(objective, sampler):
-    """A trainer's whole config: the shared sections, its `objective` section and its `sampler` keys in val."""
+    """A trainer's whole config: the shared sections with its `objective` section and its `sampler` keys in val."""
     val = create_model("Val", __base__=Val, **{k: (f.annotation, f) for k, f in sampler.model_fields.items()})
-    return create_model("Run", __base__=Run, objective=(objective, Field(default_factory=objective, description=objective.__doc__)),
-                        val=(val, Field(default_factory=val, description=Run.model_fields["val"].description)))
+    about = Run.model_fields["val"].description
+    return create_model("Run", __base__=Run, val=(val, Field(default_factory=val, description=about)),
+                        objective=(objective, Field(default_factory=objective, description=objective.__doc__)))
 
 
 def defaults(model, changes):
-    """Every key's default as a Config, with `changes` ({"val.steps": 32}: the defaults a trainer changes)."""
-    cfg = as_config(model().model_dump())
+    """Every key's default as a Config, with the `changes` a trainer makes to them ({"val.steps": 32})."""
+    problems, cfg = [], as_config(model().model_dump())
     for key, value in changes.items():
-        *sections, last = key.split(".")
-        section = cfg
-        for name in sections:
-            section = section[name]
-        section[last] = value
+        cfg = _merge(cfg, nest(key, value), "a trainer's changed defaults", problems, {})
+    if problems:
+        raise ConfigError("\n".join(problems))
     return cfg
 
 
@@ -203,31 +201,37 @@ def fields(model, prefix=""):
 
 
 def allowed(s, whole=True, inner=False):
-    """What a key's JSON schema allows, in words: "'a' or 'b'", 'a number >= 0', 'in [0, 1)', 'a string (or null)'."""
+    """What a key's JSON schema allows, in words: "'a' or 'b'", 'a number >= 0', 'in [0, 1)', 'a string (or null)'
+    (`whole`: say "a whole number" for an integer, where the type and not only the range is wrong)."""
     if "anyOf" in s:
         words = " or ".join(allowed(x, whole, True) for x in s["anyOf"] if x.get("type") != "null")
         return words + (" or null" if inner else " (or null)") * any(x.get("type") == "null" for x in s["anyOf"])
     if "enum" in s or "const" in s:
         return " or ".join(map(repr, s.get("enum", [s.get("const")])))
-    kind = s.get("type")
-    if kind == "array":
-        n = s.get("minItems") if s.get("minItems") == s.get("maxItems") else None
-        return f"{n} values, each {allowed(s['items'], whole, True)}" if n else f"{allowed(s['items'], whole, True)} (each)"
-    if kind in ("integer", "number"):
-        low = f"[{s['minimum']}" if "minimum" in s else f"({s['exclusiveMinimum']}" if "exclusiveMinimum" in s else None
-        high = f"{s['maximum']}]" if "maximum" in s else f"{s['exclusiveMaximum']})" if "exclusiveMaximum" in s else None
-        noun = "a whole number" if kind == "integer" and whole else "a number"
-        bound = f">= {low[1:]}" if low and low[0] == "[" else f"> {low[1:]}" if low else ""
-        return f"in {low}, {high}" if low and high else f"{noun} {bound}".strip()
-    return {"boolean": "true or false", "string": "a string", "object": "a section"}.get(kind, str(kind))
+    if s.get("type") == "array":
+        each = allowed(s["items"], whole, True)
+        return f"{s['minItems']} values, each {each}" if s.get("minItems", -1) == s.get("maxItems") else f"{each} (each)"
+    if s.get("type") in ("integer", "number"):
+        low = f"[{s['minimum']}" if "minimum" in s else f"({s['exclusiveMinimum']}" if "exclusiveMinimum" in s else ""
+        high = f"{s['maximum']}]" if "maximum" in s else f"{s['exclusiveMaximum']})" if "exclusiveMaximum" in s else ""
+        noun = "a whole number" if s["type"] == "integer" and whole else "a number"
+        bound = f" {'>=' if low[:1] == '[' else '>'} {low[1:]}" if low else ""
+        return f"in {low}, {high}" if low and high else noun + bound
+    return {"boolean": "true or false", "string": "a string"}.get(s.get("type"), "a section")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Loading: merge the layers (unknown keys refused, naming where they came from), then validate the result.
+# Loading: merge the layers (unknown keys refused, naming the layer), then validate the result against the models.
 
 
 def as_config(d):
     return Config({k: as_config(v) if isinstance(v, dict) else v for k, v in d.items()})
+
+
+def nest(key, value):  # "train.lr", 3e-4 -> {"train": {"lr": 3e-4}}
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
 
 
 def _merge(base, override, where, problems, origin, prefix=""):
@@ -242,28 +246,28 @@ def _merge(base, override, where, problems, origin, prefix=""):
             problems.append(f"config key '{name}' ({where}) must be a section (dict), got {value!r}")
         elif isinstance(default, dict):
             out[key] = _merge(default, value, where, problems, origin, name + ".")
-        else:  # a whole number where the default is a float is that float (3 -> 3.0), as the schema reads it
+        else:  # a whole number where the default is a float is that float (3 -> 3.0), as JSON means it
             out[key], origin[name] = float(value) if type(default) is float and type(value) is int else value, where
     return out
 
 
 def read_config_file(path, problems):
-    """A --config file's JSON object; a missing file, malformed JSON (with its line and column) or anything but
-    an object is a problem naming the file."""
-    if not Path(path).is_file():
-        return problems.append(f"config file not found: {path}") or {}
+    """A --config file's JSON object; a missing file, malformed JSON (its line and column) or anything but an
+    object is a problem naming the file."""
     try:
         content = json.loads(Path(path).read_text())
+    except OSError:
+        return problems.append(f"config file not found: {path}") or {}
     except json.JSONDecodeError as e:
         return problems.append(f"{path}: line {e.lineno}, column {e.colno}: malformed JSON ({e.msg})") or {}
     if not isinstance(content, dict):
-        return problems.append(f"{path} must hold a JSON object of config sections, got a {type(content).__name__}") or {}
-    return content
+        problems.append(f"{path} must hold a JSON object of config sections, got a {type(content).__name__}")
+    return content if isinstance(content, dict) else {}
 
 
 def schema_problems(model, cfg, origin):
-    """pydantic's verdict on the merged config as one line per key: the key, its value, what it allows, and
-    which layer set it."""
+    """pydantic's verdict on the merged config, one line per key: the key, its value, what the model allows
+    and the layer that set it."""
     try:
         model.model_validate(cfg)
         return []
@@ -271,14 +275,14 @@ def schema_problems(model, cfg, origin):
         specs, out = dict(fields(model)), {}
         for err in e.errors():
             parts, section, value = [], model, cfg
-            for part in err["loc"]:  # down the sections to the key; an index into a list stays at the key
+            for part in err["loc"]:  # down the sections to the key (an index into a list stays at the key)
                 if section is None or part not in section.model_fields:
                     break
                 parts.append(part)
                 value, section = value[part], section.model_fields[part].annotation
                 section = section if isinstance(section, type) and issubclass(section, BaseModel) else None
-            key, range_only = ".".join(parts), err["type"].startswith(("greater", "less"))  # right type, wrong size
-            out.setdefault(key, f"{key}={value!r} must be {allowed(specs.get(key, {}), not range_only)}"
+            key, whole = ".".join(parts), not err["type"].startswith(("greater", "less"))  # range only: "a number"
+            out.setdefault(key, f"{key}={value!r} must be {allowed(specs.get(key, {}), whole)}"
                            + (f" ({origin[key]})" if key in origin else ""))
         return list(out.values())
 
@@ -286,15 +290,12 @@ def schema_problems(model, cfg, origin):
 def load_config(defaults, argv=None, method="run", schema=None, check=None):
     """Resolve the config: the trainer's DEFAULTS, then `--config file.json`, then `--a.b=value` overrides.
 
-    Values parse as JSON when they can (`--train.lr=3e-4`, `--data.label_column=null`) and as plain strings
-    otherwise. A run_dir left unset becomes runs/{method}_{config name} (runs/flow_matching_demo without a
-    config), so one recipe can be run by both trainers side by side; for the same reason "{method}" in
-    init_from becomes the trainer's name (configs/imagenet512.json starts from runs/{method}_imagenet256).
-
-    Unknown keys are always problems. `schema` (the trainer's pydantic model) marks a trainer's start-up: then
-    every value is validated, with the combinations and the files the run needs, and `check(cfg)` adds the
-    method's own problems. All problems raise together as one ConfigError. `--help` prints every key and
-    `--print_config` the resolved config; both then exit.
+    Values parse as JSON when they can (`--train.lr=3e-4`, `--data.label_column=null`), else as strings. An
+    unset run_dir becomes runs/{method}_{config name} (runs/{method}_demo without one) and "{method}" in
+    init_from the trainer's name, so one recipe runs under both trainers side by side. Unknown keys are always
+    problems; `schema` (the trainer's model) marks a trainer's start-up: every value is validated, then the
+    combinations and the files the run needs, then `check(cfg)`, the method's own. All problems raise at once
+    in one ConfigError. `--help` prints every key and `--print_config` the resolved config; both then exit.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
@@ -302,36 +303,29 @@ def load_config(defaults, argv=None, method="run", schema=None, check=None):
         raise SystemExit(0)
     print_only = "--print_config" in argv
     argv = [a for a in argv if a != "--print_config"]
-    problems, origin, overrides, name = [], {}, [], "demo"
-    cfg = as_config(defaults)
+    problems, origin, overrides, name, cfg = [], {}, [], "demo", as_config(defaults)
     while argv:
         arg = argv.pop(0)
-        if not arg.startswith("--"):
+        key, eq, value = arg[2:].partition("=")
+        if not arg.startswith("--") or not (eq or argv):
             problems.append(f"unexpected argument {arg!r}: use --config FILE, --key=value, --help or --print_config")
             continue
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if not argv:
-                problems.append(f"argument --{key} needs a value")
-                continue
-            value = argv.pop(0)
+        value = value if eq else argv.pop(0)
         if key == "config":
             cfg, name = _merge(cfg, read_config_file(value, problems), f"from {value}", problems, origin), Path(value).stem
-        else:
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                pass
-            for part in reversed(key.split(".")):
-                value = {part: value}
-            overrides.append((value, arg))
+            continue
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+        overrides.append((nest(key, value), arg))
     for value, arg in overrides:
         cfg = _merge(cfg, value, f"from {arg}", problems, origin)
     if "run_dir" in cfg and cfg.run_dir is None:
         cfg.run_dir = f"runs/{method}_{name}"
     if cfg.get("init_from"):
         cfg.init_from = cfg.init_from.replace("{method}", method)
-    if schema is not None and not problems:  # values are checked once the keys are right
+    if schema is not None and not problems:  # values once the keys are right, combinations once values are
         problems += schema_problems(schema, cfg, origin)
         problems += combination_problems(cfg) if not problems else []
         problems += check(cfg) if check is not None and not problems else []
@@ -340,27 +334,27 @@ def load_config(defaults, argv=None, method="run", schema=None, check=None):
     if print_only:
         print(json.dumps(cfg, indent=2))
         raise SystemExit(0)
-    if schema is not None and int(os.environ.get("RANK", 0)) == 0:
-        for warning in budget_warnings(cfg):
-            print(f"warning: {warning}")
+    for warning in budget_warnings(cfg) if schema is not None and int(os.environ.get("RANK", 0)) == 0 else []:
+        print(f"warning: {warning}")
     return cfg
 
 
 def help_text(defaults, method, schema):
+    """Every key with its default, and, from the models, what it may be and what it does."""
     script = f"train_{method}.py" if schema is not None else f"tools/{method}.py"
     out = [f"usage: python {script} [--config FILE.json] [--section.key=value ...] [--print_config]",
-           f"       accelerate launch {script} --config configs/cc12m.json --resume latest", "",
-           "Every config key, its default, what it may be and what it does; a recipe (--config) and --key=value "
-           "override them.", "Values parse as JSON (--train.lr=3e-4, --data.label_column=null, "
+           f"       accelerate launch {script} --config configs/cc12m.json --resume latest" * (schema is not None), "",
+           "Every config key: its default, [what it may be] and what it does. A recipe (--config) and --key=value",
+           "override the defaults; values parse as JSON (--train.lr=3e-4, --data.label_column=null, "
            "--conditioning.controls='[\"size\"]').", ""]
-    specs, flat, section = dict(fields(schema)) if schema is not None else {}, flatten(defaults), None
-    for key, value in flat.items():
+    specs, section = dict(fields(schema)) if schema is not None else {}, None
+    for key, value in flatten(defaults).items():
         if "." in key and key.split(".")[0] != section:
             section = key.split(".")[0]
             about = schema.model_fields[section].description if schema is not None else None
             out.append(f"{section}:" + (f"  ({about})" if about else ""))
         spec = specs.get(key)
-        out.append(f"  --{key}={json.dumps(value)}" + (f"  [{allowed(spec)}]\n      {spec.get('description', '')}" if spec else ""))
+        out.append(f"  --{key}={json.dumps(value)}" + (f"  [{allowed(spec)}]\n      {spec['description']}" if spec else ""))
     return "\n".join(out)
 
 
