@@ -97,9 +97,11 @@ def test_control_metadata_matches_the_crop_applied(crop, flip):
     img = Image.fromarray(np.stack([xs, ys, np.zeros_like(xs)], -1).astype(np.uint8))
     data = config.Config(crop=crop, min_crop_scale=0.3, random_flip=flip)
     rng = __import__("random").Random(3)
+    boxes, flips = [], set()
     for _ in range(10):
         x, meta = preprocess(img, 32, data, rng)
         top, left, height, width = meta["crop_box"].tolist()
+        boxes.append((top, left, height)), flips.add(meta["flip"].item())
         assert meta["orig_hw"].tolist() == [h, w] and height == width
         assert 0 <= top <= h - height and 0 <= left <= w - width
         pixels = (x + 1) * 127.5
@@ -113,6 +115,15 @@ def test_control_metadata_matches_the_crop_applied(crop, flip):
         assert (np.diff(pixels[0, 16].numpy()) < 0).all() == bool(meta["flip"].item())
         if crop == "center":
             assert meta["crop_box"].tolist() == [0, 40, 160, 160]
+    # Not one draw: the flip is drawn both ways and a random box moves over its whole range (a flip never
+    # drawn, or left drawn in the height's range, would pass every check above).
+    assert flips == ({0, 1} if flip else {0})
+    tops, lefts, sides = zip(*boxes)
+    if crop == "random":
+        assert set(sides) == {160} and max(lefts) - min(lefts) > 40
+    if crop == "random_resized":
+        assert min(sides) >= 0.3 * 160 - 1 and max(sides) - min(sides) > 40 and len(set(tops)) > 1
+        assert max(left + side for left, side in zip(lefts, sides)) > 160  # boxes beyond the first h columns
 
 
 @pytest.mark.slow
