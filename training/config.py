@@ -308,7 +308,8 @@ def load_config(defaults, argv=None, method="run", schema=None, check=None):
         arg = argv.pop(0)
         key, eq, value = arg[2:].partition("=")
         if not arg.startswith("--") or not (eq or argv):
-            problems.append(f"unexpected argument {arg!r}: use --config FILE, --key=value, --help or --print_config")
+            problems.append(f"argument {arg} needs a value" if arg.startswith("--") else
+                            f"unexpected argument {arg!r}: use --config FILE, --key=value, --help or --print_config")
             continue
         value = value if eq else argv.pop(0)
         if key == "config":
