@@ -158,7 +158,7 @@ def scaled_lr(tr, global_batch):
     rule that keeps Adam's update noise constant; Malladi et al. 2022) or "linear" (Goyal et al. 2017, for
     SGD); "none" keeps train.lr. Returns the LR and a line saying how it was obtained, printed at start."""
     ratio = global_batch / tr["lr_reference_batch"]
-    power = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}[tr["lr_scaling"]]  # config.RULES refused other values
+    power = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}[tr["lr_scaling"]]  # the typed config refused other values
     lr = tr["lr"] * ratio ** power
     how = "" if power == 0 else f" = {tr['lr']:g} x ({global_batch} / {tr['lr_reference_batch']})^{power:g}"
     return lr, (f"lr {lr:.3g}{how} ({tr['lr_scaling']} scaling rule), {tr['lr_schedule']} schedule, "

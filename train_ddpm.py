@@ -25,10 +25,12 @@ import json
 import math
 import sys
 from contextlib import nullcontext
+from typing import Literal
 
 import numpy as np
 import torch
 from accelerate.utils import set_seed
+from pydantic import BaseModel, Field
 
 import common
 from training import config
@@ -41,144 +43,34 @@ from training.model import export, guided, prepare_model
 from training.monitor import Monitor
 
 # ----------------------------------------------------------------------------------------------------------
-# Config. Every default is here; a recipe (configs/*.json) names only what it changes.
+# Config. The shared sections (data, encoders, model, conditioning, train, val, log, ckpt) are typed once in
+# training/config.py; this method adds its objective section and its sampler keys. A recipe
+# (configs/*.json) names only what it changes; --help lists every key, its type, default and use.
 
-DEFAULTS = {
-    "run_dir": None,                 # None: runs/ddpm_{config name}, runs/ddpm_demo without one
-    "seed": 0,
-    "resume": None,                  # "latest" (this run_dir's newest checkpoint) or a checkpoint folder
-    "init_from": None,               # another run's folder, checkpoint or export: its weights and EMA start this
-                                     # new run (256 -> 512 px, 22k -> 1k); "{method}" in it: this trainer's name
-    "data": {
-        "source": "embedded",        # "embedded" (generated demo), a hub id, an imagefolder or parquet path, or
-                                     # webdataset tar shards "/data/cc12m/{00000..01242}.tar" (streamed)
-        "streaming": False,          # stream a hub dataset's shards instead of downloading and converting it
-        "split": "train",
-        "val_split": None,           # a held-out split of the source; None: hold out val_holdout train rows
-        "val_holdout": None,         # held-out rows drawn from split; None: 10% of the rows, at most 256
-        "val_shards": None,          # streamed: source shards [first, stop) held out ([-1, null]: the last one);
-                                     # the held-out rows are their first val_holdout samples
-        "image_column": "image",
-        "label_column": "label",     # None for text-only data
-        "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
-        "num_classes": None,         # None: read from the label column's class names (ClassLabel, folders)
-        "class_ids": None,           # WordNet ids of the labels, for init_from's class mapping: None = the label
-                                     # column's ClassLabel names; "imagenet-1k" / "imagenet-22k"; or a file
-        "label_captions": False,     # text-to-image on class data: the caption is the class name (22k -> CC12M)
-        "resolution": 16,
-        "crop": "center",            # "center", "random" or "random_resized"; drawn once, when the cache is built
-        "min_crop_scale": 0.5,       # random_resized: crop side >= this x the short side
-        "random_flip": False,        # horizontal flip with probability 1/2 (recorded as the flip control)
-        "min_image_side": 8,         # smaller images are reported and skipped when the cache is built
-        "max_samples": None,         # use only the first N training rows
-        "demo_samples": 4864,        # size and side of the embedded demo set
-        "demo_resolution": 16,
-        "cache_dir": "cache",
-        "cache_dtype": "float16",
-        "cache_text": True,          # cache text features; False: token ids only, encoded at each step (lean)
-        "shard_size": 1024,          # rows per cache shard (part of the cache key)
-        "verify_cache": True,        # check every cached value (checksum, finite) at start, split over processes;
-                                     # False: headers only (for caches too large to read at each start)
-        "encode_batch_size": 64,
-        "num_workers": 0,
-        "prefetch_factor": 2,
-    },
-    "encoders": {
-        "vae": None,                 # AutoencoderKL hub id or path (e.g. "stabilityai/sd-vae-ft-ema"); None: pixels
-        "text_encoder": None,        # transformers text encoder id or path (CLIP or T5); None: class labels
-        "max_tokens": 77,
-    },
-    "model": {                       # SD3Transformer2DModel; width = heads x head_dim
-        "patch_size": 2,
-        "num_layers": 4,
-        "num_attention_heads": 4,
-        "attention_head_dim": 32,
-        "class_tokens": 1,           # context tokens per class label
-        "qk_norm": None,             # "rms_norm" for large models
-        "pos_embed_transfer": "resample",  # init_from at another token grid: "resample" the positions the
-                                     # model saw (the paper's) or "extend" them (diffusers' default)
-    },
-    "conditioning": {                # semantic (class / text) vs control (size, crop, flip) conditioning
-        "mode": "disentangled",      # semantics through attention, controls through the adaptive norm with
-                                     # weight w(t) (the paper's); "adanorm": both summed into the adaptive
-                                     # norm (the DiT / SDXL baseline)
-        "controls": [],              # any of "size", "crop", "flip"
-        "control_power": {"size": 1.0, "crop": 1.0, "flip": 1.0},  # w(t) = cos(pi t / 2)^p, per control
-        "semantic_dropout": 0.1,     # dropped independently, for guidance on each
-        "control_dropout": 0.1,
-        "replicate_padding": True,   # text: noisy replicate padding instead of pad embeddings
-        "padding_noise": 0.02,       # its noise std, relative to the RMS of the real token features
-    },
-    "objective": {
-        "num_timesteps": 1000,       # T
-        "beta_schedule": "quadratic",  # "quadratic" (SD's "scaled_linear"), "linear" or "cosine"
-        "beta_start": 0.00085,       # beta_0 and beta_{T-1} of the quadratic and linear schedules (the paper's)
-        "beta_end": 0.012,
-        "zero_terminal_snr": True,   # rescale so ab_{T-1} = 0 (Lin et al. 2024); needs prediction v or x0
-        "prediction": "v",           # "v", "eps" or "x0"
-        "min_snr_gamma": 5.0,        # Min-SNR-gamma loss weight (Hang et al. 2023); 0 = off (weight 1)
-        "min_snr_form": "plus_one",  # "plus_one": min(SNR + 1, g) in x0 space, weight 1 at SNR = 0 (zero terminal
-                                     # SNR trains the last step); "paper": min(SNR, g), 0 there (min_snr_weight)
-        "time_shift": 1.0,           # a: SNR / a^2, i.e. alpha_bar' = ab / (ab + a^2 (1 - ab)) (more noise at
-                                     # higher resolution; flow matching's time shift at equal SNR); the model's
-                                     # time input keeps meaning the noise level (time_input)
-        "shift_base_resolution": None,  # if set, a = data.resolution / this (overrides time_shift)
-        "loss_bins": 5,              # loss is also logged per timestep bin [kT/K, (k+1)T/K)
-    },
-    "train": {
-        "max_steps": 600,            # optimizer steps
-        "batch_size": 64,            # per device and micro-batch; global = batch x processes x grad_accum
-        "grad_accum": 1,             # micro-batches per step; the recipes use 2 to fit an 80 GB A100 (performance.md)
-        "lr": 1e-3,                  # the paper: 1e-4 at batch 2048; the tiny demo model likes more
-        "lr_schedule": "constant",   # after warm-up: "constant" (the paper's), "cosine" or "linear" decay to 0
-        "lr_scaling": "none",        # "sqrt" or "linear": lr x (global batch / lr_reference_batch)^(1/2 or 1)
-        "lr_reference_batch": 2048,  # the global batch that train.lr was tuned for
-        "betas": [0.9, 0.999],
-        "weight_decay": 0.0,
-        "warmup_steps": 50,
-        "grad_clip": 1.0,
-        "max_nonfinite_steps": 20,   # a NaN/inf loss or gradient skips the step; this many in a row stop the run
-        "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32); the
-                                     # recipes: bf16, tensor-core speed with fp32's range, so no loss scaling
-        "ema_decay": 0.999,
-        "gradient_checkpointing": False,  # recompute activations in backward: far less memory for ~1/3 more FLOPs;
-                                     # off in the recipes, where grad_accum fits the batch at no FLOP cost
-        "compile": False,            # torch.compile the model: fused kernels, faster steps after a minute or two
-                                     # of compiling (docs/performance.md); on in the paper recipes
-    },
-    "val": {
-        "every": 200,                # and at the last step
-        "num_samples": 36,           # grid size: classes in order, or the first held-out captions
-        "sampler": "ddim",           # "ddim" (deterministic, eta = 0) or "ddpm" (ancestral)
-        "steps": 50,
-        "guidance_scale": 3.0,       # semantic guidance scale (1: none)
-        "control_guidance_scale": 0.0,  # control guidance scale (0: none; standard CFG)
-        "guidance_rescale": 0.7,     # phi of Lin et al. 2024, sec. 3.4; 0 = plain guidance
-        "loss_samples": 256,         # held-out samples for the validation loss, at t = floor((k + 0.5) T / loss_bins)
-        "prompts": None,             # text runs: a file of validation prompts, one per line; None: held-out captions
-        "fid_every": 0,              # small-N FID/KID through eval_fid.py every this many steps (0: off)
-        "fid_samples": 1000,
-        "fid_reference": None,       # None: the held-out split; else any eval_fid.py --reference
-        "inception_weights": None,   # a local inception-2015-12-05.pt (offline clusters)
-    },
-    "log": {
-        "every": 10,                 # loss, LR, clipping, throughput, memory (averaged over these steps)
-        "grad_every": 50,            # gradient norm and update / weight ratio per layer group (0: off)
-        "grad_flag_ratio": 100.0,    # flag a group whose gradient norm is this far below / above the median group's
-        "spike_threshold": 6.0,      # a loss spike: this many running standard deviations above the running mean
-        "report": True,              # report.md and PNG plots in run_dir at the end (python -m training.report RUN_DIR)
-        "wandb": "auto",             # auto (online with WANDB_API_KEY, else offline), online, offline, off
-        "project": "minimal-diffusion",
-    },
-    "ckpt": {"every": 500, "keep": 3},
-}
 
-# This method's keys, checked at start-up with the shared ones (config.RULES: a range, or the allowed values).
-RULES = {"objective.num_timesteps": ">= 2", "objective.beta_schedule": ("quadratic", "linear", "cosine"),
-         "objective.beta_start": "(0, 1)", "objective.beta_end": "(0, 1)", "objective.zero_terminal_snr": bool,
-         "objective.prediction": ("v", "eps", "x0"), "objective.min_snr_gamma": ">= 0",
-         "objective.min_snr_form": ("plus_one", "paper"),
-         "val.sampler": ("ddim", "ddpm"), "val.guidance_rescale": "[0, 1]"}
+class Objective(BaseModel, extra="forbid", strict=True):
+    """beta schedule, zero terminal SNR, prediction target, Min-SNR weight, resolution shift"""
+    num_timesteps: int = Field(1000, ge=2, description="T")
+    beta_schedule: Literal["quadratic", "linear", "cosine"] = Field("quadratic", description="quadratic: SD's scaled_linear")
+    beta_start: float = Field(0.00085, gt=0, lt=1, description="beta_0 of quadratic and linear (the paper's)")
+    beta_end: float = Field(0.012, gt=0, lt=1, description="beta_{T-1} of quadratic and linear (the paper's)")
+    zero_terminal_snr: bool = Field(True, description="rescale so ab_{T-1} = 0 (Lin et al. 2024); needs v or x0")
+    prediction: Literal["v", "eps", "x0"] = Field("v", description="what the model predicts")
+    min_snr_gamma: float = Field(5.0, ge=0, description="Min-SNR-gamma loss weight (Hang et al. 2023); 0: off")
+    min_snr_form: Literal["plus_one", "paper"] = Field("plus_one", description="min(SNR + 1, g) in x0 space: weight 1 "
+                                                       "at SNR = 0, trains the last step; paper: min(SNR, g)")
+    time_shift: float = Field(1.0, gt=0, description="a: SNR / a^2, flow matching's time shift at equal SNR")
+    shift_base_resolution: int | None = Field(None, ge=1, description="if set, a = data.resolution / this")
+    loss_bins: int = Field(5, ge=1, description="the loss is also logged per timestep bin [kT/K, (k+1)T/K)")
+
+
+class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in the val section
+    sampler: Literal["ddim", "ddpm"] = Field("ddim", description="DDIM (deterministic, eta = 0) or DDPM (ancestral)")
+    guidance_rescale: float = Field(0.7, ge=0, le=1, description="phi of Lin et al. 2024, sec. 3.4; 0: plain guidance")
+
+
+CONFIG = config.schema(Objective, Sampler)  # the whole typed config: the shared sections with these two
+DEFAULTS = config.defaults(CONFIG, {})  # every key's default (this method changes none of the shared ones)
 
 # ----------------------------------------------------------------------------------------------------------
 # The objective: beta schedule, zero terminal SNR, forward process, v / eps / x0 target, Min-SNR weight.
@@ -423,8 +315,8 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 
 def main(argv=None):
     signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
-    # Every config problem is reported here, all at once, before any work (config.RULES and this method's RULES).
-    cfg = config.load_config(DEFAULTS, argv, method="ddpm", rules=RULES, check=check_objective)
+    # Every config problem is reported here, all at once, before any work (the shared sections and this method's).
+    cfg = config.load_config(DEFAULTS, argv, method="ddpm", schema=CONFIG, check=check_objective)
     data, obj, tr = cfg.data, cfg.objective, cfg.train
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------

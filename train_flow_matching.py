@@ -20,9 +20,11 @@ metrics, gradient analysis, loss spikes) -> validation (samples, loss on a fixed
 import json
 import sys
 from contextlib import nullcontext
+from typing import Literal
 
 import torch
 from accelerate.utils import set_seed
+from pydantic import BaseModel, Field
 
 import common
 from training import config
@@ -35,133 +37,28 @@ from training.model import export, guided, prepare_model
 from training.monitor import Monitor
 
 # ----------------------------------------------------------------------------------------------------------
-# Config. Every default is here; a recipe (configs/*.json) names only what it changes.
+# Config. The shared sections (data, encoders, model, conditioning, train, val, log, ckpt) are typed once in
+# training/config.py; this method adds its objective section and its sampler key and changes one default.
+# A recipe (configs/*.json) names only what it changes; --help lists every key, its type, default and use.
 
-DEFAULTS = {
-    "run_dir": None,                 # None: runs/flow_matching_{config name}, runs/flow_matching_demo without one
-    "seed": 0,
-    "resume": None,                  # "latest" (this run_dir's newest checkpoint) or a checkpoint folder
-    "init_from": None,               # another run's folder, checkpoint or export: its weights and EMA start this
-                                     # new run (256 -> 512 px, 22k -> 1k); "{method}" in it: this trainer's name
-    "data": {
-        "source": "embedded",        # "embedded" (generated demo), a hub id, an imagefolder or parquet path, or
-                                     # webdataset tar shards "/data/cc12m/{00000..01242}.tar" (streamed)
-        "streaming": False,          # stream a hub dataset's shards instead of downloading and converting it
-        "split": "train",
-        "val_split": None,           # a held-out split of the source; None: hold out val_holdout train rows
-        "val_holdout": None,         # held-out rows drawn from split; None: 10% of the rows, at most 256
-        "val_shards": None,          # streamed: source shards [first, stop) held out ([-1, null]: the last one);
-                                     # the held-out rows are their first val_holdout samples
-        "image_column": "image",
-        "label_column": "label",     # None for text-only data
-        "caption_column": None,      # e.g. "caption" for text-to-image (needs encoders.text_encoder)
-        "num_classes": None,         # None: read from the label column's class names (ClassLabel, folders)
-        "class_ids": None,           # WordNet ids of the labels, for init_from's class mapping: None = the label
-                                     # column's ClassLabel names; "imagenet-1k" / "imagenet-22k"; or a file
-        "label_captions": False,     # text-to-image on class data: the caption is the class name (22k -> CC12M)
-        "resolution": 16,
-        "crop": "center",            # "center", "random" or "random_resized"; drawn once, when the cache is built
-        "min_crop_scale": 0.5,       # random_resized: crop side >= this x the short side
-        "random_flip": False,        # horizontal flip with probability 1/2 (recorded as the flip control)
-        "min_image_side": 8,         # smaller images are reported and skipped when the cache is built
-        "max_samples": None,         # use only the first N training rows
-        "demo_samples": 4864,        # size and side of the embedded demo set
-        "demo_resolution": 16,
-        "cache_dir": "cache",
-        "cache_dtype": "float16",
-        "cache_text": True,          # cache text features; False: token ids only, encoded at each step (lean)
-        "shard_size": 1024,          # rows per cache shard (part of the cache key)
-        "verify_cache": True,        # check every cached value (checksum, finite) at start, split over processes;
-                                     # False: headers only (for caches too large to read at each start)
-        "encode_batch_size": 64,
-        "num_workers": 0,
-        "prefetch_factor": 2,
-    },
-    "encoders": {
-        "vae": None,                 # AutoencoderKL hub id or path (e.g. "stabilityai/sd-vae-ft-ema"); None: pixels
-        "text_encoder": None,        # transformers text encoder id or path (CLIP or T5); None: class labels
-        "max_tokens": 77,
-    },
-    "model": {                       # SD3Transformer2DModel; width = heads x head_dim
-        "patch_size": 2,
-        "num_layers": 4,
-        "num_attention_heads": 4,
-        "attention_head_dim": 32,
-        "class_tokens": 1,           # context tokens per class label
-        "qk_norm": None,             # "rms_norm" for large models
-        "pos_embed_transfer": "resample",  # init_from at another token grid: "resample" the positions the
-                                     # model saw (the paper's) or "extend" them (diffusers' default)
-    },
-    "conditioning": {                # semantic (class / text) vs control (size, crop, flip) conditioning
-        "mode": "disentangled",      # semantics through attention, controls through the adaptive norm with
-                                     # weight w(t) (the paper's); "adanorm": both summed into the adaptive
-                                     # norm (the DiT / SDXL baseline)
-        "controls": [],              # any of "size", "crop", "flip"
-        "control_power": {"size": 1.0, "crop": 1.0, "flip": 1.0},  # w(t) = cos(pi t / 2)^p, per control
-        "semantic_dropout": 0.1,     # dropped independently, for guidance on each
-        "control_dropout": 0.1,
-        "replicate_padding": True,   # text: noisy replicate padding instead of pad embeddings
-        "padding_noise": 0.02,       # its noise std, relative to the RMS of the real token features
-    },
-    "objective": {
-        "time_sampling": "logit_normal",  # or "uniform"
-        "logit_mean": 0.0,           # t = sigmoid(m + s n), n ~ N(0, 1) (SD3's rf/lognorm(0.00, 1.00))
-        "logit_std": 1.0,
-        "time_shift": 1.0,           # a in t' = a t / (1 + (a - 1) t)
-        "shift_base_resolution": None,  # if set, a = data.resolution / this (overrides time_shift)
-        "ot_coupling": False,        # minibatch OT pairing of noise and data (Tong et al. 2023)
-        "loss_bins": 5,              # loss is also logged per time bin [k/K, (k+1)/K)
-    },
-    "train": {
-        "max_steps": 600,            # optimizer steps
-        "batch_size": 64,            # per device and micro-batch; global = batch x processes x grad_accum
-        "grad_accum": 1,             # micro-batches per step; the recipes use 2 to fit an 80 GB A100 (performance.md)
-        "lr": 1e-3,                  # the paper: 1e-4 at batch 2048; the tiny demo model likes more
-        "lr_schedule": "constant",   # after warm-up: "constant" (the paper's), "cosine" or "linear" decay to 0
-        "lr_scaling": "none",        # "sqrt" or "linear": lr x (global batch / lr_reference_batch)^(1/2 or 1)
-        "lr_reference_batch": 2048,  # the global batch that train.lr was tuned for
-        "betas": [0.9, 0.999],
-        "weight_decay": 0.0,
-        "warmup_steps": 50,
-        "grad_clip": 1.0,
-        "max_nonfinite_steps": 20,   # a NaN/inf loss or gradient skips the step; this many in a row stop the run
-        "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32); the
-                                     # recipes: bf16, tensor-core speed with fp32's range, so no loss scaling
-        "ema_decay": 0.999,
-        "gradient_checkpointing": False,  # recompute activations in backward: far less memory for ~1/3 more FLOPs;
-                                     # off in the recipes, where grad_accum fits the batch at no FLOP cost
-        "compile": False,            # torch.compile the model: fused kernels, faster steps after a minute or two
-                                     # of compiling (docs/performance.md); on in the paper recipes
-    },
-    "val": {
-        "every": 200,                # and at the last step
-        "num_samples": 36,           # grid size: classes in order, or the first held-out captions
-        "sampler": "euler",          # "euler" or "heun"
-        "steps": 32,
-        "guidance_scale": 3.0,       # semantic guidance scale (1: none)
-        "control_guidance_scale": 0.0,  # control guidance scale (0: none; standard CFG)
-        "loss_samples": 256,         # held-out samples for the validation loss, at t = (k + 0.5) / loss_bins
-        "prompts": None,             # text runs: a file of validation prompts, one per line; None: held-out captions
-        "fid_every": 0,              # small-N FID/KID through eval_fid.py every this many steps (0: off)
-        "fid_samples": 1000,
-        "fid_reference": None,       # None: the held-out split; else any eval_fid.py --reference
-        "inception_weights": None,   # a local inception-2015-12-05.pt (offline clusters)
-    },
-    "log": {
-        "every": 10,                 # loss, LR, clipping, throughput, memory (averaged over these steps)
-        "grad_every": 50,            # gradient norm and update / weight ratio per layer group (0: off)
-        "grad_flag_ratio": 100.0,    # flag a group whose gradient norm is this far below / above the median group's
-        "spike_threshold": 6.0,      # a loss spike: this many running standard deviations above the running mean
-        "report": True,              # report.md and PNG plots in run_dir at the end (python -m training.report RUN_DIR)
-        "wandb": "auto",             # auto (online with WANDB_API_KEY, else offline), online, offline, off
-        "project": "minimal-diffusion",
-    },
-    "ckpt": {"every": 500, "keep": 3},
-}
 
-# This method's keys, checked at start-up with the shared ones (config.RULES: a range, or the allowed values).
-RULES = {"objective.time_sampling": ("logit_normal", "uniform"), "objective.logit_mean": float,
-         "objective.logit_std": "> 0", "objective.ot_coupling": bool, "val.sampler": ("euler", "heun")}
+class Objective(BaseModel, extra="forbid", strict=True):
+    """straight path, velocity target, logit-normal time, resolution shift, optional OT coupling"""
+    time_sampling: Literal["logit_normal", "uniform"] = Field("logit_normal", description="t ~ logit-normal or uniform")
+    logit_mean: float = Field(0.0, description="m in t = sigmoid(m + s n), n ~ N(0, 1) (SD3: m = 0, s = 1)")
+    logit_std: float = Field(1.0, gt=0, description="s in t = sigmoid(m + s n)")
+    time_shift: float = Field(1.0, gt=0, description="a in t' = a t / (1 + (a - 1) t)")
+    shift_base_resolution: int | None = Field(None, ge=1, description="if set, a = data.resolution / this")
+    ot_coupling: bool = Field(False, description="minibatch OT pairing of noise and data (Tong et al. 2023)")
+    loss_bins: int = Field(5, ge=1, description="the loss is also logged per time bin [k/K, (k+1)/K)")
+
+
+class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in the val section
+    sampler: Literal["euler", "heun"] = Field("euler", description="Euler, or Heun's 2nd order (2 evaluations a step)")
+
+
+CONFIG = config.schema(Objective, Sampler)  # the whole typed config: the shared sections with these two
+DEFAULTS = config.defaults(CONFIG, {"val.steps": 32})  # every key's default; the ones this method changes
 
 # ----------------------------------------------------------------------------------------------------------
 # The objective: straight path, velocity target, logit-normal time, resolution shift, optional OT coupling.
@@ -246,8 +143,8 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 
 def main(argv=None):
     signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
-    # Every config problem is reported here, all at once, before any work (config.RULES and this method's RULES).
-    cfg = config.load_config(DEFAULTS, argv, method="flow_matching", rules=RULES)
+    # Every config problem is reported here, all at once, before any work (the shared sections and this method's).
+    cfg = config.load_config(DEFAULTS, argv, method="flow_matching", schema=CONFIG)
     data, obj, tr = cfg.data, cfg.objective, cfg.train
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------

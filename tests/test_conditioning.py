@@ -74,19 +74,23 @@ def test_control_guidance_zero_is_standard_cfg_and_both_scales_combine():
 
 def test_noisy_replicate_padding():
     torch.manual_seed(0)
-    tokens = torch.randn(3, 7, 5)
     mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0, 0]]).float()
+    # Rows of different sizes and pad embeddings larger than any: features of RMS 1 could not tell noise
+    # relative to each row's real tokens from noise of a fixed std, or from the RMS of the batch or the padding.
+    tokens = torch.randn(3, 7, 64) * torch.tensor([3.0, 0.5, 10.0]).view(3, 1, 1)
+    tokens[~mask.bool()] = 100.0
     exact = replicate_padding(tokens, mask, 0.0)
     noisy = replicate_padding(tokens, mask, 0.1)
     real = mask.bool()
     torch.testing.assert_close(noisy[real], tokens[real])  # real tokens untouched
     for j in range(3, 7):  # row 0: 3 real tokens; padded position j is a copy of token j mod 3
         torch.testing.assert_close(exact[0, j], tokens[0, j % 3])
-    torch.testing.assert_close(exact[2, 1:], tokens[2, :1].expand(6, 5))
+    torch.testing.assert_close(exact[2, 1:], tokens[2, :1].expand(6, 64))
     pad_noise = (noisy - exact)[~real]
     assert (pad_noise.abs() > 0).all(1).all()  # every padded position is filled, with fresh noise
-    rms = tokens[0, :3].pow(2).mean().sqrt().item()  # the noise is relative to the real tokens' RMS
-    assert (noisy - exact)[0, 3:].std().item() == pytest.approx(0.1 * rms, rel=0.3)
+    for row, n in ((0, 3), (2, 1)):  # the noise is relative to the RMS of the row's real tokens
+        rms = tokens[row, :n].pow(2).mean().sqrt().item()
+        assert (noisy - exact)[row, n:].std().item() == pytest.approx(0.1 * rms, rel=0.15)
     assert not torch.isclose(noisy[~real], tokens[~real]).all(1).any()  # no pad embedding survives
 
 
@@ -97,9 +101,11 @@ def test_control_metadata_matches_the_crop_applied(crop, flip):
     img = Image.fromarray(np.stack([xs, ys, np.zeros_like(xs)], -1).astype(np.uint8))
     data = config.Config(crop=crop, min_crop_scale=0.3, random_flip=flip)
     rng = __import__("random").Random(3)
+    boxes, flips = [], set()
     for _ in range(10):
         x, meta = preprocess(img, 32, data, rng)
         top, left, height, width = meta["crop_box"].tolist()
+        boxes.append((top, left, height)), flips.add(meta["flip"].item())
         assert meta["orig_hw"].tolist() == [h, w] and height == width
         assert 0 <= top <= h - height and 0 <= left <= w - width
         pixels = (x + 1) * 127.5
@@ -113,6 +119,15 @@ def test_control_metadata_matches_the_crop_applied(crop, flip):
         assert (np.diff(pixels[0, 16].numpy()) < 0).all() == bool(meta["flip"].item())
         if crop == "center":
             assert meta["crop_box"].tolist() == [0, 40, 160, 160]
+    # Not one draw: the flip is drawn both ways and a random box moves over its whole range (a flip never
+    # drawn, or left drawn in the height's range, would pass every check above).
+    assert flips == ({0, 1} if flip else {0})
+    tops, lefts, sides = zip(*boxes)
+    if crop == "random":
+        assert set(sides) == {160} and max(lefts) - min(lefts) > 40
+    if crop == "random_resized":
+        assert min(sides) >= 0.3 * 160 - 1 and max(sides) - min(sides) > 40 and len(set(tops)) > 1
+        assert max(left + side for left, side in zip(lefts, sides)) > 160  # boxes beyond the first h columns
 
 
 @pytest.mark.slow

@@ -32,16 +32,16 @@ def test_config_layers_and_dotted_overrides(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--train.lrr=1"], "unknown config key 'train.lrr'"),
     (["--trian.lr=1"], "unknown config key 'trian'"),
-    (["--train.batch_size=8.5"], "'train.batch_size' .* must be int"),
-    (["--train.compile=1"], "'train.compile' .* must be bool"),
-    (["--train.lr=fast"], "'train.lr' .* must be float"),
+    (["--train.batch_size=8.5"], r"train.batch_size=8.5 must be a whole number >= 1 \(from --train.batch_size=8.5\)"),
+    (["--train.compile=1"], "train.compile=1 must be true or false"),
+    (["--train.lr=fast"], "train.lr='fast' must be a number >= 0"),
     (["--train=3"], "'train' .* must be a section"),
-    (["--model.num_layers=null"], "'model.num_layers' .* must be int"),
+    (["--model.num_layers=null"], "model.num_layers=None must be a whole number >= 1"),
     (["stray"], "unexpected argument"),
 ])
 def test_config_errors_name_the_key(argv, message):
     with pytest.raises(ValueError, match=message):
-        config.load_config(fm.DEFAULTS, argv)
+        config.load_config(fm.DEFAULTS, argv, schema=fm.CONFIG)
 
 
 def test_config_errors_in_a_file_name_the_file(tmp_path):
@@ -55,7 +55,7 @@ def test_config_errors_in_a_file_name_the_file(tmp_path):
 
 BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test's folder
     (fm, ["--train.lr=-1"], r"train.lr=-1.0 must be a number >= 0"),
-    (fm, ["--train.betas=[0.9]"], r"train.betas=\[0.9\] must be two numbers"),
+    (fm, ["--train.betas=[0.9]"], r"train.betas=\[0.9\] must be 2 values, each in \[0, 1\)"),
     (fm, ["--data.cache_dtype=float99"], r"data.cache_dtype='float99' must be 'float16' or 'bfloat16' or 'float32'"),
     (fm, ["--model.patch_size=0"], r"model.patch_size=0 must be a number >= 1"),
     (fm, ["--log.every=0"], r"log.every=0 must be a number >= 1"),
@@ -91,7 +91,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--data.label_column=null"], r"set data.label_column \(class-conditional\) or data.caption_column"),
     (fm, ["--data.caption_column=caption"], r"encoders.text_encoder goes with data.caption_column"),
     (fm, ["--train.lrr=1"], r"unknown config key 'train.lrr'"),
-    (fm, ["--train.compile=1"], r"'train.compile' .* must be bool"),
+    (fm, ["--train.compile=1"], r"train.compile=1 must be true or false"),
     (fm, ["--val.fid_every=10", "--val.inception_weights=/nonexistent.pt"], r"val.inception_weights='/nonexistent.pt': no such file"),
     (ddpm, ["--objective.prediction=epsilon"], r"objective.prediction='epsilon' must be 'v' or 'eps' or 'x0'"),
     (ddpm, ["--objective.prediction=eps"], r"objective.zero_terminal_snr=true cannot be combined"),
@@ -101,7 +101,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (ddpm, ["--objective.beta_start=0.02"], r"objective.beta_start=0.02 must be below objective.beta_end=0.012"),
     (ddpm, ["--val.guidance_rescale=2"], r"val.guidance_rescale=2.0 must be in \[0, 1\]"),
     (fm, ["--val.prompts={tmp}/no_prompts.txt"], r"val.prompts=.*no_prompts.txt.*: no such file"),
-    (fm, ["--data.val_shards=[-1]"], r"data.val_shards=\[-1\] must be \[first, stop\)"),
+    (fm, ["--data.val_shards=[-1]"], r"data.val_shards=\[-1\] must be 2 values, each a whole number or null"),
 ]
 if not torch.cuda.is_available():
     BAD.append((fm, ["--train.mixed_precision=fp16"], r"train.mixed_precision='fp16' needs a CUDA GPU"))
@@ -139,25 +139,32 @@ def test_all_problems_are_reported_at_once(no_work, tmp_path):
         assert f"\n  {key}=" in message
 
 
-def test_every_key_has_a_rule():
+def test_every_key_has_a_type_and_a_description():
     for trainer in (fm, ddpm):
-        assert set(config.flatten(trainer.DEFAULTS)) - set(config.RULES) - set(trainer.RULES) == set(), trainer.__name__
+        specs = dict(config.fields(trainer.CONFIG))
+        assert list(specs) == list(config.flatten(trainer.DEFAULTS)), trainer.__name__  # the models are the keys
+        for key, spec in specs.items():
+            assert spec.get("description") and config.allowed(spec) not in ("None", "a section"), key
+        assert trainer.CONFIG.model_validate(trainer.DEFAULTS)  # and the defaults are valid
 
 
-def test_help_lists_every_key_with_its_default_and_comment(capsys):
+def test_help_lists_every_key_with_its_type_default_and_description(capsys):
+    outs = {}
     for trainer in (fm, ddpm):
         with pytest.raises(SystemExit) as exit:
             trainer.main(["--help"])
         assert exit.value.code == 0
-        out = capsys.readouterr().out
+        out = outs[trainer] = capsys.readouterr().out
         for key, value in config.flatten(trainer.DEFAULTS).items():
-            assert f"--{key}={json.dumps(value)}" in out, key
-        assert '--data.crop="center" [center | random | random_resized]\n      "center", "random" or "random_resized"; ' \
-               'drawn once, when the cache is built' in out
-        # A comment continued on the lines below its key is read whole.
-        assert "new run (256 -> 512 px, 22k -> 1k)" in out.split("--init_from=null")[1].split("--data.")[0]
-        assert "model:  (SD3Transformer2DModel; width = heads x head_dim)" in out
-    assert "[ddim | ddpm]" in out and "[(0, 1)]" in out  # the DDPM trainer's own table
+            assert f"--{key}={json.dumps(value)}  [" in out, key
+        assert "--data.crop=\"center\"  ['center' or 'random' or 'random_resized']\n      drawn once, at cache time" in out
+        assert "--train.lr=0.001  [a number >= 0]\n      the paper: 1e-4 at batch 2048" in out
+        assert "--data.max_samples=null  [a whole number >= 1 (or null)]\n      use only the first N" in out
+        assert "--train.betas=[0.9, 0.999]  [2 values, each in [0, 1)]" in out
+        assert "model:  (SD3Transformer2DModel)" in out
+    assert "--val.steps=32  [" in outs[fm] and "--val.sampler=\"euler\"  ['euler' or 'heun']" in outs[fm]
+    assert "--val.steps=50  [" in out and "--val.sampler=\"ddim\"  ['ddim' or 'ddpm']" in out and "--val.guidance_rescale=0.7  [in [0, 1]]" in out
+    assert "--objective.beta_start=0.00085  [in (0, 1)]" in out  # the DDPM trainer's own section
 
 
 def test_print_config_prints_the_resolved_config_and_exits(tmp_path, no_work, capsys):
@@ -168,9 +175,26 @@ def test_print_config_prints_the_resolved_config_and_exits(tmp_path, no_work, ca
     assert cfg["train"]["lr"] == 3e-4 and cfg["run_dir"] == str(tmp_path / "r") and not (tmp_path / "r").exists()
 
 
+def test_a_run_folders_config_json_loads_back(tmp_path):
+    """The resolved config a run writes (runlog, export, checkpoints: the same keys before and after the typed
+    config) validates, and is a recipe the trainer accepts; one from an older run without a newer key takes that
+    key's default; a key that is gone is named, with the keys known."""
+    saved = json.loads(json.dumps(config.load_config(ddpm.DEFAULTS, ["--run_dir", str(tmp_path / "r")], "ddpm",
+                                                     schema=ddpm.CONFIG)))
+    assert ddpm.CONFIG.model_validate(saved)
+    del saved["objective"]["min_snr_form"]  # runs before that key
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    cfg = config.load_config(ddpm.DEFAULTS, ["--config", str(tmp_path / "config.json")], "ddpm", schema=ddpm.CONFIG)
+    assert cfg.objective.min_snr_form == "plus_one" and cfg.run_dir == str(tmp_path / "r")
+    saved["objective"]["old_key"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(config.ConfigError, match=r"unknown config key 'objective.old_key' \(from .*config.json\); known"):
+        config.load_config(ddpm.DEFAULTS, ["--config", str(tmp_path / "config.json")], "ddpm", schema=ddpm.CONFIG)
+
+
 def test_budgets_that_cannot_work_are_flagged(capsys):
     cfg = config.load_config(fm.DEFAULTS, ["--train.max_steps=100", "--train.warmup_steps=400", "--val.every=500"],
-                             rules=fm.RULES)
+                             schema=fm.CONFIG)
     out = capsys.readouterr().out
     assert "warning: train.warmup_steps=400 is longer than the run (train.max_steps=100): the LR never reaches " \
            "train.lr, only 25% of it" in out

@@ -1,16 +1,18 @@
 """The run's config: a trainer's DEFAULTS <- --config file.json <- --section.key=value, checked at start-up.
 
-Every key's type, range and allowed values are checked in one place (RULES below, plus a trainer's own table
-for its method's keys), together with the combinations that cannot work, and every problem is reported at
-once, in one ConfigError, before any data is opened or any model is built. `--help` lists every key with its
-default and the comment it has in the trainer's DEFAULTS (read from the source, so it cannot drift);
-`--print_config` prints the resolved config and exits.
+The shared sections are typed once below (pydantic models: each key's type, its range or allowed values, and
+its one-line description); a trainer adds its objective section and its sampler keys (schema) and names the
+defaults it changes (defaults). Every problem is reported at once, one line each, in one ConfigError, before
+any data is opened or any model is built. `--help` lists every key with its type, default and description from
+the models; `--print_config` prints the resolved config and exits. The rest of the code reads a `Config`.
 """
 import json
 import os
-import re
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, ValidationError, create_model
 
 
 class ConfigError(ValueError):
@@ -30,199 +32,302 @@ class Config(dict):
         self[key] = value
 
 
-def shard_range(key, value):
-    """data.val_shards: [first, stop) of a streamed source's shards, each a whole number or null (as a slice)."""
-    if not (isinstance(value, list) and len(value) == 2 and all(v is None or type(v) is int for v in value)):
-        return f"{key}={value!r} must be [first, stop): two whole numbers or null, e.g. [-1, null] (the last shard)"
-    return None
-
-
 # ----------------------------------------------------------------------------------------------------------
-# What each key may hold. A string is a numeric range ("int" first: whole numbers only), a tuple the allowed
-# values (for a list, of each element), `str` any string, `bool` / `float` any value of the default's type, a
-# function a check of its own (shard_range)
-# (listed so that every key has its line: tests/test_config.py checks it). The type of a key whose default is not None is
-# also enforced by the merge. A trainer passes the same kind of table for its method's keys.
-
-RULES = {
-    "run_dir": str, "seed": ">= 0", "resume": str, "init_from": str,
-    "data.source": str, "data.split": str, "data.val_split": str, "data.val_holdout": ">= 0",
-    "data.image_column": str, "data.label_column": str, "data.caption_column": str, "data.num_classes": ">= 0",
-    "data.class_ids": str, "data.label_captions": bool, "data.resolution": ">= 8",
-    "data.crop": ("center", "random", "random_resized"), "data.min_crop_scale": "(0, 1]", "data.random_flip": bool,
-    "data.min_image_side": ">= 1", "data.max_samples": "int >= 1", "data.demo_samples": ">= 1",
-    "data.demo_resolution": ">= 8", "data.cache_dir": str, "data.cache_dtype": ("float16", "bfloat16", "float32"),
-    "data.shard_size": ">= 1", "data.verify_cache": bool, "data.streaming": bool, "data.cache_text": bool,
-    "data.val_shards": shard_range, "data.encode_batch_size": ">= 1", "data.num_workers": ">= 0",
-    "data.prefetch_factor": ">= 1",
-    "encoders.vae": str, "encoders.text_encoder": str, "encoders.max_tokens": ">= 1",
-    "model.patch_size": ">= 1", "model.num_layers": ">= 1", "model.num_attention_heads": ">= 1",
-    "model.attention_head_dim": ">= 1", "model.class_tokens": ">= 1", "model.qk_norm": ("rms_norm", "layer_norm"),
-    "model.pos_embed_transfer": ("resample", "extend"),
-    "conditioning.mode": ("disentangled", "adanorm"), "conditioning.controls": ("size", "crop", "flip"),
-    "conditioning.control_power.size": ">= 0", "conditioning.control_power.crop": ">= 0",
-    "conditioning.control_power.flip": ">= 0", "conditioning.semantic_dropout": "[0, 1]",
-    "conditioning.control_dropout": "[0, 1]", "conditioning.replicate_padding": bool, "conditioning.padding_noise": ">= 0",
-    "objective.time_shift": "> 0", "objective.shift_base_resolution": "int >= 1", "objective.loss_bins": ">= 1",
-    "train.max_steps": ">= 1", "train.batch_size": ">= 1", "train.grad_accum": ">= 1", "train.lr": ">= 0",
-    "train.lr_schedule": ("constant", "cosine", "linear"), "train.lr_scaling": ("none", "sqrt", "linear"),
-    "train.lr_reference_batch": ">= 1", "train.betas": "[0, 1)", "train.weight_decay": ">= 0",
-    "train.warmup_steps": ">= 0", "train.grad_clip": "> 0", "train.max_nonfinite_steps": ">= 1",
-    "train.mixed_precision": ("no", "fp16", "bf16"), "train.ema_decay": "[0, 1]", "train.gradient_checkpointing": bool,
-    "train.compile": bool,
-    "val.every": ">= 1", "val.num_samples": ">= 1", "val.steps": ">= 1", "val.guidance_scale": ">= 0",
-    "val.control_guidance_scale": ">= 0", "val.loss_samples": ">= 1", "val.fid_every": ">= 0", "val.fid_samples": ">= 2",
-    "val.fid_reference": str, "val.inception_weights": str, "val.prompts": str,
-    "log.every": ">= 1", "log.grad_every": ">= 0", "log.grad_flag_ratio": "> 1", "log.spike_threshold": "> 0",
-    "log.report": bool, "log.wandb": ("auto", "online", "offline", "off"), "log.project": str,
-    "ckpt.every": ">= 1", "ckpt.keep": ">= 1",
-}
+# The shared sections, one key a line: its type, default, range (ge, gt, le, lt) or allowed values (Literal)
+# and what it does. Adding a key is adding its line; a trainer's own keys are in its Objective and Sampler.
+Str, Int = str | None, int | None  # None: a setting left unset (each key says what that means)
 
 
-def in_range(value, rule):
-    """Whether a number satisfies a rule such as '>= 1', '> 0', '[0, 1]', '(0, 1]' or 'int >= 1'."""
-    if rule.startswith("int ") and not isinstance(value, int):
-        return False
-    rule = rule.removeprefix("int ")
-    if rule[0] in "[(":
-        low, high = (float(v) for v in rule[1:-1].split(","))
-        return (low <= value if rule[0] == "[" else low < value) and (value <= high if rule[-1] == "]" else value < high)
-    op, bound = rule.split()
-    return {">=": value >= float(bound), ">": value > float(bound)}[op]
+class Data(BaseModel, extra="forbid", strict=True):
+    source: str = Field("embedded", description='"embedded" (the demo), a hub id, an imagefolder or parquet path, '
+                        'or webdataset shards "/data/cc12m/{00000..01242}.tar" (streamed)')
+    streaming: bool = Field(False, description="stream a hub dataset's shards instead of downloading it whole")
+    split: str = Field("train", description="the training split")
+    val_split: Str = Field(None, description="a held-out split of the source; None: hold out val_holdout rows")
+    val_holdout: Int = Field(None, ge=0, description="held-out rows drawn from split; None: 10%, at most 256")
+    val_shards: list[Int] | None = Field(None, min_length=2, max_length=2, description="streamed: the held-out "
+                                         "shards [first, stop) ([-1, null]: the last); val_holdout rows of them")
+    image_column: str = Field("image", description="the column of the images")
+    label_column: Str = Field("label", description="the column of the class labels; None for text-only data")
+    caption_column: Str = Field(None, description='e.g. "caption" for text-to-image (needs encoders.text_encoder)')
+    num_classes: Int = Field(None, ge=0, description="None: the label column's class names (ClassLabel, folders)")
+    class_ids: Str = Field(None, description="the labels' WordNet ids (init_from's class mapping): None: the "
+                           'ClassLabel names; "imagenet-1k", "imagenet-22k" or a file')
+    label_captions: bool = Field(False, description="text-to-image on class data: the caption is the class name")
+    resolution: int = Field(16, ge=8, description="training resolution (pixels per side)")
+    crop: Literal["center", "random", "random_resized"] = Field("center", description="drawn once, at cache time")
+    min_crop_scale: float = Field(0.5, gt=0, le=1, description="random_resized: crop side >= this x the short side")
+    random_flip: bool = Field(False, description="horizontal flip with probability 1/2 (the flip control)")
+    min_image_side: int = Field(8, ge=1, description="smaller images are reported and skipped at cache time")
+    max_samples: Int = Field(None, ge=1, description="use only the first N training rows")
+    demo_samples: int = Field(4864, ge=1, description="size of the embedded demo set")
+    demo_resolution: int = Field(16, ge=8, description="side of the embedded demo images")
+    cache_dir: str = Field("cache", description="where the encoded cache goes (shared storage on a cluster)")
+    cache_dtype: Literal["float16", "bfloat16", "float32"] = Field("float16", description="of the cached values")
+    cache_text: bool = Field(True, description="cache text features; False: token ids, encoded at each step (lean)")
+    shard_size: int = Field(1024, ge=1, description="rows per cache shard (part of the cache key)")
+    verify_cache: bool = Field(True, description="check every cached value at start; False: headers only (huge caches)")
+    encode_batch_size: int = Field(64, ge=1, description="images per batch when the cache is built")
+    num_workers: int = Field(0, ge=0, description="data loader workers per process")
+    prefetch_factor: int = Field(2, ge=1, description="batches each worker loads ahead")
 
 
-def rule_problem(key, value, rule):
-    """What is wrong with `value` for `key` under `rule`, or None."""
-    if value is None or rule in (bool, float):  # null: a switched-off setting; bool, float: the merge's check
-        return None
-    if callable(rule) and rule is not str:  # a check of its own (a list with structure)
-        return rule(key, value)
-    for item in value if isinstance(value, list) else [value]:
-        if rule is str and not isinstance(item, str):
-            return f"{key}={value!r} must be a string (or null)"
-        if isinstance(rule, tuple) and item not in rule:
-            return f"{key}={value!r} must be {' or '.join(map(repr, rule))}" + (" (each)" if isinstance(value, list) else "")
-        if isinstance(rule, str) and (isinstance(item, bool) or not isinstance(item, (int, float)) or not in_range(item, rule)):
-            what = (rule.replace("int ", "a whole number ") if rule.startswith("int ")
-                    else f"in {rule}" if rule[0] in "[(" else f"a number {rule}")
-            return f"{key}={value!r} must be {what}"
-    return None
+class Encoders(BaseModel, extra="forbid", strict=True):
+    vae: Str = Field(None, description='AutoencoderKL id or path ("stabilityai/sd-vae-ft-ema"); None: pixel space')
+    text_encoder: Str = Field(None, description="transformers text encoder id or path (CLIP, T5); None: class labels")
+    max_tokens: int = Field(77, ge=1, description="text tokens per caption")
 
 
-def flatten(cfg, prefix=""):
-    """{"data.source": ..., ...}: every leaf of a nested config under its dotted name."""
-    out = {}
-    for key, value in cfg.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
+class Model(BaseModel, extra="forbid", strict=True):
+    patch_size: int = Field(2, ge=1, description="side of a token's patch")
+    num_layers: int = Field(4, ge=1, description="MMDiT blocks")
+    num_attention_heads: int = Field(4, ge=1, description="attention heads; width = heads x head_dim")
+    attention_head_dim: int = Field(32, ge=1, description="width of a head")
+    class_tokens: int = Field(1, ge=1, description="context tokens per class label")
+    qk_norm: Literal["rms_norm", "layer_norm"] | None = Field(None, description='"rms_norm" for large models')
+    pos_embed_transfer: Literal["resample", "extend"] = Field("resample", description="init_from at another token "
+                                                              "grid: resample the positions (the paper's) or extend")
+
+
+class ControlPower(BaseModel, extra="forbid", strict=True):
+    size: float = Field(1.0, ge=0, description="p in the size control's weight w(t) = cos(pi t / 2)^p")
+    crop: float = Field(1.0, ge=0, description="p of the crop control")
+    flip: float = Field(1.0, ge=0, description="p of the flip control")
+
+
+class Conditioning(BaseModel, extra="forbid", strict=True):
+    mode: Literal["disentangled", "adanorm"] = Field("disentangled", description="semantics by attention, controls "
+                                                     "x w(t) in the adaptive norm (the paper's); adanorm: DiT / SDXL")
+    controls: list[Literal["size", "crop", "flip"]] = Field([], description="the control conditions used")
+    control_power: ControlPower = Field(default_factory=ControlPower)
+    semantic_dropout: float = Field(0.1, ge=0, le=1, description="dropped independently, for guidance on each")
+    control_dropout: float = Field(0.1, ge=0, le=1, description="the controls' dropout")
+    replicate_padding: bool = Field(True, description="text: noisy replicate padding instead of pad embeddings")
+    padding_noise: float = Field(0.02, ge=0, description="its noise std, relative to the real tokens' RMS")
+
+
+class Train(BaseModel, extra="forbid", strict=True):
+    max_steps: int = Field(600, ge=1, description="optimizer steps")
+    batch_size: int = Field(64, ge=1, description="per device and micro-batch; global: x processes x grad_accum")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per step (the recipes: 2, to fit an 80 GB A100)")
+    lr: float = Field(1e-3, ge=0, description="the paper: 1e-4 at batch 2048; the tiny demo model likes more")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="after warm-up (decay to 0)")
+    lr_scaling: Literal["none", "sqrt", "linear"] = Field("none", description="lr x (global / reference batch)^p")
+    lr_reference_batch: int = Field(2048, ge=1, description="the global batch that train.lr was tuned for")
+    betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.999], min_length=2, max_length=2,
+                                                             description="AdamW's [beta1, beta2]")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay (0: Adam, the paper's)")
+    warmup_steps: int = Field(50, ge=0, description="linear LR warm-up")
+    grad_clip: float = Field(1.0, gt=0, description="gradient norm clipping")
+    max_nonfinite_steps: int = Field(20, ge=1, description="a NaN/inf skips the step; this many in a row stop the run")
+    mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="autocast (fp32 master weights and EMA)")
+    ema_decay: float = Field(0.999, ge=0, le=1, description="EMA of the weights, per optimizer step")
+    gradient_checkpointing: bool = Field(False, description="recompute activations: far less memory, ~1/3 more FLOPs")
+    compile: bool = Field(False, description="torch.compile the model (on in the recipes; docs/performance.md)")
+
+
+class Val(BaseModel, extra="forbid", strict=True):  # a trainer adds its sampler keys (schema)
+    every: int = Field(200, ge=1, description="validate every this many steps, and at the last step")
+    num_samples: int = Field(36, ge=1, description="grid size: classes in order, or the first held-out captions")
+    steps: int = Field(50, ge=1, description="sampling steps")
+    guidance_scale: float = Field(3.0, ge=0, description="semantic guidance scale (1: none)")
+    control_guidance_scale: float = Field(0.0, ge=0, description="control guidance scale (0: none; standard CFG)")
+    loss_samples: int = Field(256, ge=1, description="held-out samples of the loss on a fixed grid of loss_bins times")
+    prompts: Str = Field(None, description="text: a file of validation prompts, one a line; None: held-out captions")
+    fid_every: int = Field(0, ge=0, description="small-N FID/KID (eval_fid.py) every this many steps (0: off)")
+    fid_samples: int = Field(1000, ge=2, description="samples of that FID")
+    fid_reference: Str = Field(None, description="None: the held-out split; else any eval_fid.py --reference")
+    inception_weights: Str = Field(None, description="a local inception-2015-12-05.pt (offline clusters)")
+
+
+class Log(BaseModel, extra="forbid", strict=True):
+    every: int = Field(10, ge=1, description="loss, LR, clipping, throughput, memory (averaged over these steps)")
+    grad_every: int = Field(50, ge=0, description="gradient norm and update / weight ratio per layer group (0: off)")
+    grad_flag_ratio: float = Field(100.0, gt=1, description="flag a group this far below / above the median group")
+    spike_threshold: float = Field(6.0, gt=0, description="a loss spike: this many running stds above the mean")
+    report: bool = Field(True, description="report.md and plots in run_dir at the end (python -m training.report)")
+    wandb: Literal["auto", "online", "offline", "off"] = Field("auto", description="auto: online if logged in")
+    project: str = Field("minimal-diffusion", description="the wandb project")
+
+
+class Ckpt(BaseModel, extra="forbid", strict=True):
+    every: int = Field(500, ge=1, description="checkpoint every this many steps")
+    keep: int = Field(3, ge=1, description="newest checkpoints kept")
+
+
+class Run(BaseModel, extra="forbid", strict=True):
+    run_dir: Str = Field(None, description="None: runs/{method}_{config name}, runs/{method}_demo without one")
+    seed: int = Field(0, ge=0, description="each rank adds its index")
+    resume: Str = Field(None, description='"latest" (this run_dir\'s newest checkpoint) or a checkpoint folder')
+    init_from: Str = Field(None, description="a run, checkpoint or export whose weights and EMA start this run "
+                           '(256 -> 512 px, 22k -> 1k); "{method}": the trainer')
+    data: Data = Field(default_factory=Data, description="the source, held-out rows, preprocessing, the cache")
+    encoders: Encoders = Field(default_factory=Encoders, description="the frozen VAE and text encoder")
+    model: Model = Field(default_factory=Model, description="SD3Transformer2DModel")
+    conditioning: Conditioning = Field(default_factory=Conditioning, description="semantic vs control conditions")
+    objective: dict = Field({}, description="the method's own section: its trainer's Objective")
+    train: Train = Field(default_factory=Train, description="optimizer, budget, precision")
+    val: Val = Field(default_factory=Val, description="samples, validation loss and FID during training")
+    log: Log = Field(default_factory=Log, description="metrics, gradient analysis, loss spikes, wandb")
+    ckpt: Ckpt = Field(default_factory=Ckpt, description="checkpoints")
+
+
+def schema(objective, sampler):
+    """A trainer's whole config: the shared sections with its `objective` section and its `sampler` keys in val."""
+    val = create_model("Val", __base__=Val, **{k: (f.annotation, f) for k, f in sampler.model_fields.items()})
+    about = Run.model_fields["val"].description
+    return create_model("Run", __base__=Run, val=(val, Field(default_factory=val, description=about)),
+                        objective=(objective, Field(default_factory=objective, description=objective.__doc__)))
+
+
+def defaults(model, changes):
+    """Every key's default as a Config, with the `changes` a trainer makes to them ({"val.steps": 32})."""
+    problems, cfg = [], as_config(model().model_dump())
+    for key, value in changes.items():
+        cfg = _merge(cfg, nest(key, value), "a trainer's changed defaults", problems, {})
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return cfg
+
+
+def fields(model, prefix=""):
+    """(dotted key, JSON schema) of every key of a model, in order, nested sections walked."""
+    props = model.model_json_schema()["properties"]
+    for name, f in model.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            yield from fields(f.annotation, f"{prefix}{name}.")
         else:
-            out[prefix + key] = value
-    return out
+            yield prefix + name, props[name]
+
+
+def allowed(s, whole=True, inner=False):
+    """What a key's JSON schema allows, in words: "'a' or 'b'", 'a number >= 0', 'in [0, 1)', 'a string (or null)'
+    (`whole`: say "a whole number" for an integer, where the type and not only the range is wrong)."""
+    if "anyOf" in s:
+        words = " or ".join(allowed(x, whole, True) for x in s["anyOf"] if x.get("type") != "null")
+        return words + (" or null" if inner else " (or null)") * any(x.get("type") == "null" for x in s["anyOf"])
+    if "enum" in s or "const" in s:
+        return " or ".join(map(repr, s.get("enum", [s.get("const")])))
+    if s.get("type") == "array":
+        each = allowed(s["items"], whole, True)
+        return f"{s['minItems']} values, each {each}" if s.get("minItems", -1) == s.get("maxItems") else f"{each} (each)"
+    if s.get("type") in ("integer", "number"):
+        low = f"[{s['minimum']}" if "minimum" in s else f"({s['exclusiveMinimum']}" if "exclusiveMinimum" in s else ""
+        high = f"{s['maximum']}]" if "maximum" in s else f"{s['exclusiveMaximum']})" if "exclusiveMaximum" in s else ""
+        noun = "a whole number" if s["type"] == "integer" and whole else "a number"
+        bound = f" {'>=' if low[:1] == '[' else '>'} {low[1:]}" if low else ""
+        return f"in {low}, {high}" if low and high else noun + bound
+    return {"boolean": "true or false", "string": "a string"}.get(s.get("type"), "a section")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Loading: merge with type checks (problems collected, not raised one at a time).
+# Loading: merge the layers (unknown keys refused, naming the layer), then validate the result against the models.
 
 
-def _merge(base, override, where, problems, prefix=""):
-    out = Config({k: Config(v) if isinstance(v, dict) else v for k, v in base.items()})
+def as_config(d):
+    return Config({k: as_config(v) if isinstance(v, dict) else v for k, v in d.items()})
+
+
+def nest(key, value):  # "train.lr", 3e-4 -> {"train": {"lr": 3e-4}}
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def _merge(base, override, where, problems, origin, prefix=""):
+    out = as_config(base)
     for key, value in override.items():
-        name = prefix + key
+        name, default = prefix + key, base.get(key)
         if key not in base:
             close = [k for k in base if k.startswith(key[:3])]
             problems.append(f"unknown config key '{name}' ({where}); known keys here: {sorted(base)}"
                             + (f", did you mean {close}?" if close else ""))
-            continue
-        default = base[key]
-        if isinstance(default, dict):
-            if isinstance(value, dict):
-                out[key] = _merge(default, value, where, problems, name + ".")
-            else:
-                problems.append(f"config key '{name}' ({where}) must be a section (dict), got {value!r}")
-            continue
-        ok = (default is None or (value is None and type(default) is str)  # a str setting can be switched off
-              or (type(default) is bool and type(value) is bool)
-              or (type(default) is int and type(value) is int)
-              or (type(default) is float and type(value) in (int, float))
-              or (type(default) in (str, list) and type(value) is type(default)))
-        if ok:
-            out[key] = float(value) if type(default) is float else value
-        else:
-            problems.append(f"config key '{name}' ({where}) must be {type(default).__name__}, got "
-                            f"{type(value).__name__} {value!r}")
+        elif isinstance(default, dict) and not isinstance(value, dict):
+            problems.append(f"config key '{name}' ({where}) must be a section (dict), got {value!r}")
+        elif isinstance(default, dict):
+            out[key] = _merge(default, value, where, problems, origin, name + ".")
+        else:  # a whole number where the default is a float is that float (3 -> 3.0), as JSON means it
+            out[key], origin[name] = float(value) if type(default) is float and type(value) is int else value, where
     return out
 
 
 def read_config_file(path, problems):
-    """A --config file's JSON object; a missing file, malformed JSON (with its line and column) or anything but
-    an object is a problem naming the file."""
-    if not Path(path).is_file():
-        problems.append(f"config file not found: {path}")
-        return {}
+    """A --config file's JSON object; a missing file, malformed JSON (its line and column) or anything but an
+    object is a problem naming the file."""
     try:
         content = json.loads(Path(path).read_text())
+    except OSError:
+        return problems.append(f"config file not found: {path}") or {}
     except json.JSONDecodeError as e:
-        problems.append(f"{path}: line {e.lineno}, column {e.colno}: malformed JSON ({e.msg})")
-        return {}
+        return problems.append(f"{path}: line {e.lineno}, column {e.colno}: malformed JSON ({e.msg})") or {}
     if not isinstance(content, dict):
         problems.append(f"{path} must hold a JSON object of config sections, got a {type(content).__name__}")
-        return {}
-    return content
+    return content if isinstance(content, dict) else {}
 
 
-def load_config(defaults, argv=None, method="run", rules=None, check=None):
+def schema_problems(model, cfg, origin):
+    """pydantic's verdict on the merged config, one line per key: the key, its value, what the model allows
+    and the layer that set it."""
+    try:
+        model.model_validate(cfg)
+        return []
+    except ValidationError as e:
+        specs, out = dict(fields(model)), {}
+        for err in e.errors():
+            parts, section, value = [], model, cfg
+            for part in err["loc"]:  # down the sections to the key (an index into a list stays at the key)
+                if section is None or part not in section.model_fields:
+                    break
+                parts.append(part)
+                value, section = value[part], section.model_fields[part].annotation
+                section = section if isinstance(section, type) and issubclass(section, BaseModel) else None
+            key, whole = ".".join(parts), not err["type"].startswith(("greater", "less"))  # range only: "a number"
+            out.setdefault(key, f"{key}={value!r} must be {allowed(specs.get(key, {}), whole)}"
+                           + (f" ({origin[key]})" if key in origin else ""))
+        return list(out.values())
+
+
+def load_config(defaults, argv=None, method="run", schema=None, check=None):
     """Resolve the config: the trainer's DEFAULTS, then `--config file.json`, then `--a.b=value` overrides.
 
-    Values parse as JSON when they can (`--train.lr=3e-4`, `--data.label_column=null`) and as plain strings
-    otherwise. A run_dir left unset becomes runs/{method}_{config file name} (runs/flow_matching_demo without
-    a config), so one recipe can be run by both trainers side by side; for the same reason "{method}" in
-    init_from becomes the trainer's name (configs/imagenet512.json starts from runs/{method}_imagenet256).
-
-    Unknown keys and wrong types are always problems. `rules` (a trainer's table for its method's keys) marks
-    a trainer's start-up: then every value is checked against RULES and `rules`, with the combinations and
-    the files the run needs, and `check(cfg)` adds the method's own problems. All problems raise together as
-    one ConfigError. `--help` prints every key and `--print_config` the resolved config; both then exit.
+    Values parse as JSON when they can (`--train.lr=3e-4`, `--data.label_column=null`), else as strings. An
+    unset run_dir becomes runs/{method}_{config name} (runs/{method}_demo without one) and "{method}" in
+    init_from the trainer's name, so one recipe runs under both trainers side by side. Unknown keys are always
+    problems; `schema` (the trainer's model) marks a trainer's start-up: every value is validated, then the
+    combinations and the files the run needs, then `check(cfg)`, the method's own. All problems raise at once
+    in one ConfigError. `--help` prints every key and `--print_config` the resolved config; both then exit.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
-        print(help_text(defaults, method, {**RULES, **(rules or {})}))
+        print(help_text(defaults, method, schema))
         raise SystemExit(0)
     print_only = "--print_config" in argv
     argv = [a for a in argv if a != "--print_config"]
-    problems = []
-    cfg = _merge(defaults, {}, "defaults", problems)
-    overrides, name = [], "demo"
+    problems, origin, overrides, name, cfg = [], {}, [], "demo", as_config(defaults)
     while argv:
         arg = argv.pop(0)
-        if not arg.startswith("--"):
-            problems.append(f"unexpected argument {arg!r}: use --config FILE, --key=value, --help or --print_config")
-            continue
         key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if not argv:
-                problems.append(f"argument --{key} needs a value")
-                continue
-            value = argv.pop(0)
+        if not arg.startswith("--") or not (eq or argv):
+            problems.append(f"argument {arg} needs a value" if arg.startswith("--") else
+                            f"unexpected argument {arg!r}: use --config FILE, --key=value, --help or --print_config")
+            continue
+        value = value if eq else argv.pop(0)
         if key == "config":
-            cfg, name = _merge(cfg, read_config_file(value, problems), f"from {value}", problems), Path(value).stem
-        else:
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                pass
-            for part in reversed(key.split(".")):
-                value = {part: value}
-            overrides.append((value, arg))
+            cfg, name = _merge(cfg, read_config_file(value, problems), f"from {value}", problems, origin), Path(value).stem
+            continue
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+        overrides.append((nest(key, value), arg))
     for value, arg in overrides:
-        cfg = _merge(cfg, value, f"from {arg}", problems)
+        cfg = _merge(cfg, value, f"from {arg}", problems, origin)
     if "run_dir" in cfg and cfg.run_dir is None:
         cfg.run_dir = f"runs/{method}_{name}"
     if cfg.get("init_from"):
         cfg.init_from = cfg.init_from.replace("{method}", method)
-    if rules is not None and not problems:  # values are checked once their types are right
-        table = {**RULES, **rules}
-        flat = flatten(cfg)
-        problems += [p for key, rule in table.items() if key in flat for p in [rule_problem(key, flat[key], rule)] if p]
+    if schema is not None and not problems:  # values once the keys are right, combinations once values are
+        problems += schema_problems(schema, cfg, origin)
         problems += combination_problems(cfg) if not problems else []
         problems += check(cfg) if check is not None and not problems else []
     if problems:
@@ -230,10 +335,36 @@ def load_config(defaults, argv=None, method="run", rules=None, check=None):
     if print_only:
         print(json.dumps(cfg, indent=2))
         raise SystemExit(0)
-    if rules is not None and int(os.environ.get("RANK", 0)) == 0:
-        for warning in budget_warnings(cfg):
-            print(f"warning: {warning}")
+    for warning in budget_warnings(cfg) if schema is not None and int(os.environ.get("RANK", 0)) == 0 else []:
+        print(f"warning: {warning}")
     return cfg
+
+
+def help_text(defaults, method, schema):
+    """Every key with its default, and, from the models, what it may be and what it does."""
+    script = f"train_{method}.py" if schema is not None else f"tools/{method}.py"
+    out = [f"usage: python {script} [--config FILE.json] [--section.key=value ...] [--print_config]",
+           f"       accelerate launch {script} --config configs/cc12m.json --resume latest" * (schema is not None), "",
+           "Every config key: its default, [what it may be] and what it does. A recipe (--config) and --key=value",
+           "override the defaults; values parse as JSON (--train.lr=3e-4, --data.label_column=null, "
+           "--conditioning.controls='[\"size\"]').", ""]
+    specs, section = dict(fields(schema)) if schema is not None else {}, None
+    for key, value in flatten(defaults).items():
+        if "." in key and key.split(".")[0] != section:
+            section = key.split(".")[0]
+            about = schema.model_fields[section].description if schema is not None else None
+            out.append(f"{section}:" + (f"  ({about})" if about else ""))
+        spec = specs.get(key)
+        out.append(f"  --{key}={json.dumps(value)}" + (f"  [{allowed(spec)}]\n      {spec['description']}" if spec else ""))
+    return "\n".join(out)
+
+
+def flatten(cfg, prefix=""):
+    """{"data.source": ..., ...}: every leaf of a nested config under its dotted name."""
+    out = {}
+    for key, value in cfg.items():
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -242,9 +373,8 @@ def load_config(defaults, argv=None, method="run", rules=None, check=None):
 
 def combination_problems(cfg):
     """Problems no single key shows: settings that contradict each other or name files that are not there."""
-    d, m, tr, enc = cfg["data"], cfg["model"], cfg["train"], cfg["encoders"]
-    problems = []
-    factor = 1
+    d, m, tr, enc, val = cfg["data"], cfg["model"], cfg["train"], cfg["encoders"], cfg["val"]
+    problems, factor = [], 1
     if enc["vae"]:  # only the VAE's config is read here (no weights)
         try:
             from diffusers import AutoencoderKL
@@ -271,8 +401,6 @@ def combination_problems(cfg):
         problems.append(f"data.num_classes={d['num_classes']} must be >= 1 with data.label_column")
     if d["class_ids"] and not Path(d["class_ids"]).is_file() and d["class_ids"] not in ("imagenet-1k", "imagenet-22k"):
         problems.append(f"data.class_ids={d['class_ids']!r} must be 'imagenet-1k', 'imagenet-22k' or a file of ids")
-    if len(tr["betas"]) != 2:
-        problems.append(f"train.betas={tr['betas']!r} must be two numbers [beta1, beta2] in [0, 1)")
     if tr["mixed_precision"] == "fp16":
         import torch
 
@@ -280,15 +408,13 @@ def combination_problems(cfg):
             problems.append("train.mixed_precision='fp16' needs a CUDA GPU and there is none: use 'bf16' or 'no'")
     if cfg["resume"] not in (None, "latest") and not Path(cfg["resume"]).is_dir():
         problems.append(f"resume={cfg['resume']!r} must be 'latest' or a checkpoint folder; there is no such folder")
-    if cfg.get("init_from") and cfg["resume"] is None and not Path(cfg["init_from"]).exists():
+    if cfg["init_from"] and cfg["resume"] is None and not Path(cfg["init_from"]).exists():
         problems.append(f"init_from={cfg['init_from']!r}: no such run, checkpoint or export folder")
-    weights = cfg["val"]["inception_weights"]
-    if cfg["val"]["fid_every"] and weights and not Path(weights).is_file():
-        problems.append(f"val.inception_weights={weights!r}: no such file")
-    prompts = cfg["val"].get("prompts")
-    if prompts and not Path(prompts).is_file():
-        problems.append(f"val.prompts={prompts!r}: no such file (one validation prompt per line)")
-    elif prompts and not enc["text_encoder"]:
+    if val["fid_every"] and val["inception_weights"] and not Path(val["inception_weights"]).is_file():
+        problems.append(f"val.inception_weights={val['inception_weights']!r}: no such file")
+    if val["prompts"] and not Path(val["prompts"]).is_file():
+        problems.append(f"val.prompts={val['prompts']!r}: no such file (one validation prompt per line)")
+    elif val["prompts"] and not enc["text_encoder"]:
         problems.append("val.prompts names validation prompts: it needs encoders.text_encoder and data.caption_column")
     return problems
 
@@ -317,55 +443,3 @@ def size_warnings(cfg, num_params, num_rows, world):
     if epochs > 1000:
         out.append(f"train.max_steps={tr['max_steps']} is {epochs:,.0f} epochs of {num_rows} images: expect memorisation")
     return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# --help: every key, its default and its comment in the trainer's DEFAULTS, read from the trainer's source.
-
-
-def key_comments(source):
-    """{dotted key: comment} from the DEFAULTS block of a trainer's source: the comment on the key's line and
-    the comment-only lines that continue it."""
-    lines = source[source.index("DEFAULTS = {"):].splitlines()[1:]
-    comments, stack, last = {}, [], None
-    for line in lines:
-        if line.startswith("}"):
-            break
-        code, _, comment = re.match(r"(.*?)(\s+#\s?(.*))?$", line).group(1, 2, 3)
-        key = re.match(r'\s*"(\w+)":\s*(.*)', code)
-        if key:
-            last = ".".join(stack + [key[1]])
-            if key[2].strip() == "{":  # a section over several lines
-                stack.append(key[1])
-            if comment:
-                comments[last] = comment.strip()
-        elif code.strip().startswith("}"):
-            stack, last = stack[:-1], None
-        elif not code.strip() and comment and last:
-            comments[last] = comments.get(last, "") + " " + comment.strip()
-    return comments
-
-
-def help_text(defaults, method, rules):
-    module = next((m for m in list(sys.modules.values()) if getattr(m, "DEFAULTS", None) is defaults), None)
-    try:
-        comments = key_comments(Path(module.__file__).read_text())
-    except Exception:  # a DEFAULTS without a source file: keys and defaults only
-        comments = {}
-    script = Path(getattr(module, "__file__", f"train_{method}.py")).name
-    out = [f"usage: python {script} [--config FILE.json] [--section.key=value ...] [--print_config]",
-           f"       accelerate launch {script} --config configs/cc12m.json --resume latest", "",
-           "Every config key, its default and what it does; a recipe (--config) and --key=value override them.",
-           "Values parse as JSON (--train.lr=3e-4, --data.label_column=null, --conditioning.controls='[\"size\"]').", ""]
-    section = None
-    for key, value in flatten(defaults).items():
-        top = key.split(".")[0] if "." in key else None
-        if top != section and top is not None:
-            out.append(f"{top}:" + (f"  ({comments[top]})" if top in comments else ""))
-        section = top
-        rule = rules.get(key)
-        allowed = (" [" + " | ".join(map(str, rule)) + "]" if isinstance(rule, tuple)
-                   else f" [{rule}]" if isinstance(rule, str) else "")
-        text = comments.get(key) or comments.get(key.rsplit(".", 1)[0], "") if key.count(".") > 1 else comments.get(key, "")
-        out.append(f"  --{key}={json.dumps(value)}{allowed}" + (f"\n      {text}" if text else ""))
-    return "\n".join(out)
