@@ -146,6 +146,7 @@ DEFAULTS = {
         "fid_samples": 1000,
         "fid_reference": None,       # None: the held-out split; else any eval_fid.py --reference
         "inception_weights": None,   # a local inception-2015-12-05.pt (offline clusters)
+        "fid_dino": None,            # a DINOv2 hub id or folder: also FD-DINOv2 (+ precision/recall) with each FID
     },
     "log": {
         "every": 10,                 # loss, LR, clipping, throughput, memory (averaged over these steps)

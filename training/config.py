@@ -72,7 +72,7 @@ RULES = {
     "train.compile": bool,
     "val.every": ">= 1", "val.num_samples": ">= 1", "val.steps": ">= 1", "val.guidance_scale": ">= 0",
     "val.control_guidance_scale": ">= 0", "val.loss_samples": ">= 1", "val.fid_every": ">= 0", "val.fid_samples": ">= 2",
-    "val.fid_reference": str, "val.inception_weights": str, "val.prompts": str,
+    "val.fid_reference": str, "val.inception_weights": str, "val.prompts": str, "val.fid_dino": str,
     "log.every": ">= 1", "log.grad_every": ">= 0", "log.grad_flag_ratio": "> 1", "log.spike_threshold": "> 0",
     "log.report": bool, "log.wandb": ("auto", "online", "offline", "off"), "log.project": str,
     "ckpt.every": ">= 1", "ckpt.keep": ">= 1",
@@ -285,6 +285,10 @@ def combination_problems(cfg):
     weights = cfg["val"]["inception_weights"]
     if cfg["val"]["fid_every"] and weights and not Path(weights).is_file():
         problems.append(f"val.inception_weights={weights!r}: no such file")
+    reference = str(cfg["val"]["fid_reference"] or "")
+    if cfg["val"].get("fid_dino") and (reference.endswith(".npz") or reference.startswith("cleanfid:")):
+        problems.append(f"val.fid_dino needs reference images, and val.fid_reference={reference!r} is precomputed "
+                        f"Inception statistics: use a folder or a dataset, or leave it None (the held-out rows)")
     prompts = cfg["val"].get("prompts")
     if prompts and not Path(prompts).is_file():
         problems.append(f"val.prompts={prompts!r}: no such file (one validation prompt per line)")
