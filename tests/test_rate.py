@@ -196,6 +196,12 @@ def browser():
     return webdriver.Chrome(service=Service(driver), options=options)
 
 
+def test_without_chromium_the_browser_test_is_skipped_with_the_reason(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install chromium chromium-driver"):
+        browser()
+
+
 def test_rating_in_a_headless_browser_by_clicks_and_keys_in_two_tabs(tmp_path, server_of, capsys):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait

@@ -107,7 +107,7 @@ def dinov2_features(model_id=DINO_DEFAULT, device="cpu", accelerator=None, batch
         out = []
         for start in range(0, len(images), batch_size):  # images of any sizes: resized one by one
             x = torch.cat([torch.nn.functional.interpolate(
-                torch.from_numpy(np.asarray(img)).to(device).permute(2, 0, 1)[None].float() / 255, size=size,
+                torch.from_numpy(np.array(img)).to(device).permute(2, 0, 1)[None].float() / 255, size=size,
                 mode="bicubic", antialias=True, align_corners=False) for img in images[start:start + batch_size]])
             out.append(model(pixel_values=(x - mean) / std).pooler_output.double().cpu().numpy())
         return np.concatenate(out)
