@@ -4,9 +4,13 @@ random features of Inception's width, N real against N fake, at each N; optional
     python benchmarks/knn_cost.py --n 10000 50000             # ours, each N in a fresh process (clean peak memory)
     python benchmarks/knn_cost.py --n 10000 --package         # and prdc.compute_prdc (3 full N x N matrices)
     python benchmarks/knn_cost.py --n 50000 --device cuda
+    python benchmarks/knn_cost.py --n 50000 --chunks 3       # time 3 chunks of each pass, scale to all of them
 
 Prints, per run: wall seconds, CPU seconds of the process (less sensitive to a busy machine than wall time),
-peak resident memory, and the four metrics (the two implementations must agree).
+peak resident memory, and the four metrics (the two implementations must agree). With --chunks K, only K
+chunks of each kind (a k-NN radius chunk, a fake-real chunk) are timed and multiplied by the number of chunks
+prdc computes (2 radius passes and 1 fake-real pass): an estimate for a machine too small or too busy for the
+whole run; the peak memory is the real one, since every chunk has the same size.
 """
 import argparse
 import json
@@ -21,7 +25,35 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def one(n, dim, impl, device):
+def chunked_estimate(real, fake, chunks, device):
+    """Seconds (wall, CPU) of `chunks` radius chunks and fake-real chunks, scaled to a whole prdc call."""
+    import torch
+
+    from training import metrics
+
+    x, y = (torch.as_tensor(f, dtype=torch.float64, device=device) for f in (real, fake))
+    rows = metrics.row_chunks(len(y), len(x), 2 ** 25)
+    r = metrics.knn_radii(x[:rows[0].stop * 2])  # a stand-in radius vector of the right kind, for the comparisons
+    r = torch.cat([r] * (len(x) // len(r) + 1))[:len(x)]
+    times = {}
+    for kind in ("radius", "cross"):
+        wall, cpu = time.perf_counter(), time.process_time()
+        for chunk in rows[:chunks]:
+            d = metrics.squared_distances(y[chunk], x)
+            if kind == "radius":
+                d.topk(metrics.NEAREST_K + 1, dim=1, largest=False)
+            else:
+                ((d < r[None, :]).sum(1), (d < r[chunk][:, None]).any(0), d.min(0))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times[kind] = ((time.perf_counter() - wall) / chunks, (time.process_time() - cpu) / chunks)
+    scale = len(rows)
+    return {"chunks": len(rows), "timed_per_kind": chunks,
+            "est_wall_s": round(scale * (2 * times["radius"][0] + times["cross"][0]), 1),
+            "est_cpu_s": round(scale * (2 * times["radius"][1] + times["cross"][1]), 1)}
+
+
+def one(n, dim, impl, device, chunks=None):
     import torch
 
     from training import metrics
@@ -32,6 +64,10 @@ def one(n, dim, impl, device):
     lift = rng.standard_normal((32, dim)) / np.sqrt(32)
     real = (rng.standard_normal((n, 32)) @ lift + 0.1 * rng.standard_normal((n, dim))).astype(np.float32)  # as cached
     fake = (1.2 * rng.standard_normal((n, 32)) + 0.1) @ lift + 0.1 * rng.standard_normal((n, dim))
+    if chunks:
+        out = chunked_estimate(real, fake, chunks, device)
+        return {"n": n, "dim": dim, "impl": "ours, estimated", "device": device, **out,
+                "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)}
     wall, cpu = time.perf_counter(), time.process_time()
     if impl == "ours":
         out = metrics.prdc(real, fake, device=device)
@@ -53,16 +89,18 @@ def main():
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--device", default="cpu")
     p.add_argument("--package", action="store_true", help="also time prdc.compute_prdc (needs 3 N^2 x 8 bytes)")
+    p.add_argument("--chunks", type=int, default=None, help="time this many chunks of each pass and scale up")
     p.add_argument("--one", nargs=2, metavar=("N", "IMPL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(int(args.one[0]), args.dim, args.one[1], args.device)))
+        print(json.dumps(one(int(args.one[0]), args.dim, args.one[1], args.device, args.chunks)))
         return
     for n in args.n:
         for impl in ["ours"] + (["package"] if args.package else []):
             print(f"N = {n}, {impl} ...", flush=True)
             subprocess.run([sys.executable, __file__, "--one", str(n), impl, "--dim", str(args.dim),
-                            "--device", args.device], check=True)
+                            "--device", args.device, *(["--chunks", str(args.chunks)] if args.chunks else [])],
+                           check=True)
 
 
 if __name__ == "__main__":
