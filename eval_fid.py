@@ -1,13 +1,16 @@
-"""Sample a trained run at scale and score it: FID and KID (clean-fid), CLIP score, in one file.
+"""Sample a trained run at scale and score it: FID and KID (clean-fid), precision, recall, density and
+coverage on the same features, FD-DINOv2 (--dino), CLIP score, in one file.
 
     python eval_fid.py --run runs/flow_matching_demo --num_samples 1000 --inception_weights inception-2015-12-05.pt
     accelerate launch eval_fid.py --run runs/flow_matching_imagenet256 --reference ILSVRC/imagenet-1k --reference_split validation
     accelerate launch eval_fid.py --run runs/flow_matching_cc12m --prompts heldout --clip_model openai/clip-vit-large-patch14
+    python eval_fid.py --run runs/flow_matching_demo --num_samples 1000 --dino facebook/dinov2-base
 
 Pipeline: arguments -> model (the exported EMA model, or a checkpoint's EMA or raw weights, with the run's
 resolved config) -> generation (sample i always has the same seed, so the images do not depend on the process
 count; lossless PNGs) -> reference statistics (computed once, cached in our own .npz keyed on the source and
-its preprocessing) -> metrics (FID/KID with clean-fid's math and resizing, CLIP score) -> report (JSON + table).
+its preprocessing) -> metrics (FID/KID with clean-fid's math and resizing; precision, recall, density and
+coverage of training/metrics.py on the same features; FD-DINOv2; CLIP score) -> report (JSON + table).
 `fid_during_training` is the same path at small N, in memory, for the trainers' validation.
 
 Conventions: generated pixels in [-1, 1] become uint8 by round((x + 1) * 127.5), as in runlog.save_image_grid.
@@ -38,6 +41,7 @@ from PIL import Image
 
 import common
 from training import config
+from training.metrics import DINO_DEFAULT, dinov2_features, feature_tag, manifold_metrics
 from training.data import (decode, encode_text, is_stream, load_encoders, load_image, open_dataset, open_splits, preprocess,
                   stream_heldout)
 from training.model import build_denoiser, load_exported
@@ -74,6 +78,8 @@ def parse_args(argv=None):
     a("--mode", default="clean", choices=["clean", "legacy_tensorflow"], help="clean-fid's resizing mode")
     a("--inception_weights", default=None, help="a local inception-2015-12-05.pt (offline clusters)")
     a("--features", default="inception", help="'inception' or module:factory, a callable returning a feature_fn")
+    a("--dino", nargs="?", const=DINO_DEFAULT, default=None, help="also FD-DINOv2 (and precision/recall/density/"
+      f"coverage) on DINOv2 features: a transformers Dinov2Model hub id or folder; bare --dino: {DINO_DEFAULT}")
     a("--clip_model", default="openai/clip-vit-large-patch14", help="hub id or local path; 'none' to skip")
     a("--adm_npz", default=None, help="also write the samples as uint8 NHWC 'arr_0' for ADM's evaluator")
     a("--generate_only", action="store_true", help="write the PNGs and stop (score later, anywhere)")
@@ -292,7 +298,7 @@ def inception_features(mode="clean", weights=None, device="cpu", accelerator=Non
             return np.concatenate([feature_fn([img]) for img in images])
         x = np.stack([np.asarray(resize(img), dtype=np.float32) for img in images])
         return net(torch.from_numpy(x).permute(0, 3, 1, 2).to(device)).double().cpu().numpy()
-    feature_fn.name, feature_fn.path = f"inception-2015-12-05/{mode}", str(path)
+    feature_fn.name, feature_fn.tag, feature_fn.path = f"inception-2015-12-05/{mode}", "inception", str(path)
     feature_fn.sha256 = INCEPTION_SHA256  # verified by inception_path; for the report
     return feature_fn
 
@@ -410,6 +416,8 @@ def reference_for(args, cfg, feature_fn, accelerator):
 # ----------------------------------------------------------------------------------------------------------
 # Metrics. FID = ||mu1 - mu2||^2 + Tr(S1 + S2 - 2 sqrt(S1 S2)) (Heusel et al. 2017); KID: unbiased MMD^2 with
 # the cubic polynomial kernel (Binkowski et al. 2018); both as clean-fid computes them (Parmar et al. 2022).
+# Precision/recall/density/coverage (training/metrics.py) use the same features and the cached reference
+# features; FD-DINOv2 is the same Frechet distance on DINOv2 features (Stein et al. 2023).
 
 
 def size_tag(n):
@@ -426,6 +434,26 @@ def fid_kid(feats, ref, mode, n):
         np.random.seed(0)  # kernel_distance draws its subsets from numpy's global RNG
         out[f"kid_{mode}_{size_tag(n)}"] = float(kernel_distance(feats, ref["feats"]))
     return out
+
+
+def all_scores(feats, ref, mode, n, tag, device="cpu"):
+    """fid_kid plus '<precision|recall|density|coverage>_<tag>_<N>' (k = 5) against the reference features."""
+    return {**fid_kid(feats, ref, mode, n), **manifold_metrics(feats, ref["feats"], tag, size_tag(n), device)}
+
+
+def dino_scores(feats, ref, n, device="cpu"):
+    """'fd_dinov2_<N>' and the manifold metrics on DINOv2 features."""
+    from cleanfid.fid import frechet_distance
+
+    fd = frechet_distance(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
+    return {f"fd_dinov2_{size_tag(n)}": float(fd), **manifold_metrics(feats, ref["feats"], "dinov2", size_tag(n), device)}
+
+
+def check_dino_reference(reference):
+    """FD-DINOv2 needs reference images: a statistics file or clean-fid's named statistics are Inception's."""
+    if str(reference).endswith(".npz") or str(reference).startswith("cleanfid:"):
+        raise ValueError(f"--dino: the reference {reference} is precomputed Inception statistics; DINOv2 needs the "
+                         f"images (a folder or a dataset) to compute its own, cached like Inception's")
 
 
 @torch.no_grad()
@@ -461,6 +489,7 @@ def fid_of_run(ema, cfg, accelerator, val_set, vae=None, text=False, log=None, s
         vae.to(accelerator.device)
     metrics = fid_during_training(ema, cfg, accelerator, val["fid_samples"], val["fid_reference"], vae=vae,
                                   conditions=conditions, inception_weights=val["inception_weights"],
+                                  dino=val.get("fid_dino"),
                                   stats_cache=str(Path(cfg["data"]["cache_dir"]) / "fid_stats"),
                                   batch_size=cfg["train"]["batch_size"])
     if vae is not None:
@@ -474,8 +503,9 @@ def fid_of_run(ema, cfg, accelerator, val_set, vae=None, text=False, log=None, s
 def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *, vae=None, conditions=None,
                         feature_fn=None, mode="clean", inception_weights=None, stats_cache="cache/fid_stats",
                         steps=None, guidance_scale=None, control_guidance_scale=None, sampler=None, batch_size=64,
-                        seed=0):
-    """{'fid_clean_1k': .., 'kid_clean_1k': ..} of `model` (unwrapped, e.g. the EMA) sampled as `cfg` says.
+                        seed=0, dino=None):
+    """{'fid_clean_1k': .., 'kid_clean_1k': .., 'precision_inception_1k': .., ..} of `model` (unwrapped, e.g. the
+    EMA) sampled as `cfg` says; with `dino` (a DINOv2 model id or folder) also 'fd_dinov2_1k' and its kin.
 
     reference: one of our statistics .npz files, a --reference source (folder, dataset, 'embedded',
     cleanfid:NAME:RES:SPLIT), or None for the run's own held-out rows. vae: on the device, for latent runs.
@@ -484,6 +514,9 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
     must pass it. Same seeds as eval_fid.py's CLI, so the numbers of successive calls are comparable."""
     device = accelerator.device
     feature_fn = feature_fn or inception_features(mode, inception_weights, device, accelerator)
+    if dino:
+        check_dino_reference(reference or "")
+    dino_fn, dino_pairs = dinov2_features(dino, device, accelerator) if dino else None, []
     if conditions is None and cfg["encoders"]["text_encoder"]:
         raise ValueError("fid_during_training: a text run needs conditions (e.g. the held-out cache's text rows)")
     if conditions is None:
@@ -500,10 +533,17 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
             images = sample_batch(model, cfg, cond, idx, seed, steps, guidance_scale, sampler, vae,
                                   control_guidance_scale)
         pairs += zip(idx, feature_fn(list(images)))
+        if dino_fn is not None:
+            dino_pairs += zip(idx, dino_fn(list(images)))
     model.train(was_training)
     args = parse_args(["--run", "-", "--mode", mode, "--stats_cache", stats_cache, "--batch_size", str(batch_size),
                        *(["--reference", str(reference)] if reference else [])])
-    return fid_kid(gathered(pairs), reference_for(args, cfg, feature_fn, accelerator)[1], mode, num_samples)
+    ref = reference_for(args, cfg, feature_fn, accelerator)[1]
+    out = all_scores(gathered(pairs), ref, mode, num_samples, feature_tag(feature_fn), device)
+    if dino_fn is not None:
+        out.update(dino_scores(gathered(dino_pairs), reference_for(args, cfg, dino_fn, accelerator)[1], num_samples,
+                               device))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -547,6 +587,10 @@ def main(argv=None, feature_fn=None):
             feature_fn = getattr(importlib.import_module(module), factory)()
         else:
             feature_fn = inception_features(args.mode, args.inception_weights, device, accelerator)
+    dino_fn = None
+    if args.dino and not args.generate_only:  # as early: a missing DINOv2 or a reference it cannot use
+        check_dino_reference(args.reference or "")
+        dino_fn = dinov2_features(args.dino, device, accelerator)
     record = out_dir / "generation.json"  # PNGs made with other settings are never silently reused
     if record.exists() and json.loads(record.read_text()) != json.loads(json.dumps(settings)):
         raise ValueError(f"{out_dir} holds samples made with other settings ({record}); use another --out_dir")
@@ -574,10 +618,12 @@ def main(argv=None, feature_fn=None):
 
     # ---- Features of the samples (and CLIP scores), then the reference statistics --------------------------
     feature_name, use_clip = getattr(feature_fn, "name", "custom"), is_text and args.clip_model != "none"
-    pairs, clip_pairs = [], []
+    pairs, clip_pairs, dino_pairs = [], [], []
     for idx in progress(batches, "features", accelerator.is_local_main_process):
         images = [read_png(samples_dir, i) for i in idx]
         pairs += zip(idx, feature_fn(images))
+        if dino_fn is not None:
+            dino_pairs += zip(idx, dino_fn(images))
         if use_clip:
             clip_pairs += zip(idx, clip_scores(args.clip_model, images, [prompts[i % len(prompts)] for i in idx],
                                                device))
@@ -585,7 +631,13 @@ def main(argv=None, feature_fn=None):
     key, ref = reference_for(args, cfg, feature_fn, accelerator)
 
     # ---- Metrics, ADM export, report ------------------------------------------------------------------------
-    metrics = fid_kid(feats, ref, args.mode, args.num_samples)
+    metrics = all_scores(feats, ref, args.mode, args.num_samples, feature_tag(feature_fn), device)
+    if ref["feats"] is None:
+        accelerator.print(f"{ref['path']} has no features: no KID, precision, recall, density or coverage")
+    dino_ref = None
+    if dino_fn is not None:
+        dino_ref = reference_for(args, cfg, dino_fn, accelerator)[1]
+        metrics.update(dino_scores(gathered(dino_pairs), dino_ref, args.num_samples, device))
     if use_clip:  # gathered on every rank, also one that had no batch
         metrics[f"clip_score_{n_tag}"] = float(gathered(clip_pairs).mean())
     if not accelerator.is_main_process:
@@ -601,6 +653,8 @@ def main(argv=None, feature_fn=None):
         "reference": {**key, "stats": ref["path"], "key_sha256": ref["key_sha256"], "stats_sha256": ref["sha256"]},
         "mode": args.mode, "feature_extractor": feature_name, "feature_weights": getattr(feature_fn, "path", None),
         "feature_weights_sha256": getattr(feature_fn, "sha256", None), "samples_dir": str(samples_dir),
+        "dino": None if dino_ref is None else {"model": args.dino, "stats": dino_ref["path"],
+                                               "key_sha256": dino_ref["key_sha256"], "stats_sha256": dino_ref["sha256"]},
         "adm_npz": args.adm_npz, "num_processes": world, "seconds": round(time.time() - t_start, 1),
         "versions": {"python": platform.python_version(), **{p: md.version(p) for p in (
             "torch", "diffusers", "transformers", "accelerate", "clean-fid", "numpy", "scipy", "pillow")}},
@@ -610,7 +664,7 @@ def main(argv=None, feature_fn=None):
     (path := out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     table = {**{k: f"{v:.4f}" for k, v in metrics.items()}, "model": f"{model_desc['source']} ({weights})",
              "sampler": f"{sampler}, {steps} steps, guidance {guidance:g}", "reference": key["source"], "report": path}
-    print("\n".join(f"{k:<22} {v}" for k, v in table.items()))
+    print("\n".join(f"{k:<{max(map(len, table)) + 1}} {v}" for k, v in table.items()))
     accelerator.wait_for_everyone()
     return report
 

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import eval_fid  # noqa: E402
+from training import config  # noqa: E402
 import train_flow_matching  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))  # conftest's helpers, also when accelerate launch imports this file
@@ -192,7 +193,8 @@ def test_fid_during_training(run, tmp_path):
     model, cfg = eval_fid.load_model(run)[:2]
     metrics = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, None, feature_fn=TinyFeatures(),
                                            stats_cache=str(tmp_path / "stats"), steps=2, batch_size=6)
-    assert set(metrics) == {"fid_clean_12", "kid_clean_12"}
+    manifold = {f"{m}_tiny_random_conv_12" for m in ("precision", "recall", "density", "coverage")}
+    assert set(metrics) == {"fid_clean_12", "kid_clean_12"} | manifold
     assert not model.training
     # Closed form: ||mu - mu_r||^2 + Tr(S + S_r - 2 sqrtm(S S_r)) of the same 12 samples' features.
     cond = eval_fid.make_condition(cfg, model, None, "cpu", eval_fid.make_controls(cfg, "heldout"))
@@ -205,12 +207,67 @@ def test_fid_during_training(run, tmp_path):
     s1 = np.cov(feats, rowvar=False)
     expected = np.sum((feats.mean(0) - mu) ** 2) + np.trace(s1 + sigma - 2 * scipy.linalg.sqrtm(s1 @ sigma).real)
     assert metrics["fid_clean_12"] == pytest.approx(expected, rel=1e-6)
+    import prdc  # and the manifold metrics on the same features against the cached reference features
+
+    with np.load(stats_file) as ref:
+        oracle = prdc.compute_prdc(ref["feats"].astype(np.float64), feats, nearest_k=5)
+    assert {k: metrics[f"{k}_tiny_random_conv_12"] for k in oracle} == pytest.approx(oracle, abs=1e-9)
     # Another batch size: the same images up to a rounding flip of a pixel, and the same FID to float accuracy.
     diff = np.abs(images[6].astype(int) - images[4].astype(int))
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01
     again = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, str(stats_file), feature_fn=TinyFeatures(),
                                          steps=2, batch_size=4)
     assert again == pytest.approx(metrics, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_dino_and_manifold_metrics_of_samples_against_themselves(run, tmp_path):
+    """FD-DINOv2 through a tiny random Dinov2Model (saved with save_pretrained): the samples against their own
+    folder give FD 0 and precision = recall = density = coverage = 1 on both feature sets; DINOv2's reference
+    statistics are cached beside Inception's (features included), keyed on the model."""
+    from test_metrics import make_tiny_dinov2
+
+    dino = make_tiny_dinov2(tmp_path / "dino")
+    out, stats = tmp_path / "eval", tmp_path / "stats"
+    base = ["--run", str(run), "--num_samples", "12", *GEN, "--out_dir", str(out), "--stats_cache", str(stats)]
+    eval_fid.main([*base, "--generate_only"])
+    with pytest.raises(ValueError, match="precomputed Inception statistics"):  # refused before any sampling
+        eval_fid.main([*base, "--dino", dino, "--reference", str(tmp_path / "some.npz")], feature_fn=TinyFeatures())
+    report = eval_fid.main([*base, "--dino", dino, "--reference", str(out / "samples")], feature_fn=TinyFeatures())
+    m = report["metrics"]
+    assert abs(m["fid_clean_12"]) < 1e-6 and abs(m["fd_dinov2_12"]) < 1e-6
+    for tag in ("tiny_random_conv", "dinov2"):
+        assert [m[f"{k}_{tag}_12"] for k in ("precision", "recall", "density", "coverage")] == [1.0] * 4, tag
+    assert report["dino"]["model"] == dino and report["dino"]["stats"] != report["reference"]["stats"]
+    cached = {p.name: np.load(p)["feats"].shape for p in stats.glob("*.npz")}
+    assert sorted(cached.values()) == [(12, 16), (12, 32)]  # tiny conv: 16-d, tiny DINOv2: 32-d
+    with pytest.raises(ValueError, match="val.fid_dino needs reference images"):  # the trainers' start-up check
+        config.load_config(train_flow_matching.DEFAULTS, ["--val.fid_dino=x", "--val.fid_reference=a.npz"],
+                           "flow_matching", train_flow_matching.RULES)
+
+
+@pytest.mark.slow
+def test_rate_generates_the_same_seeds_and_conditions_for_each_side(run, tmp_path):
+    """tools/rate.py on a run and one of its checkpoints: each sampled through eval_fid.py --generate_only with
+    the same seed, sample i conditioned on class i % num_classes, named; a second start reuses the PNGs."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import rate
+
+    ckpt = next((run / "checkpoints").glob("step_*"))
+    args = rate.parse_args([str(run), str(ckpt), "--num_samples", "4", "--steps", "2", "--batch_size", "4"])
+    sides = rate.prepare(args.items, args)
+    assert [s["label"] for s in sides] == ["run/export-ema-euler2-g3", f"run/{ckpt.name}-ema-euler2-g3"]
+    assert all(s["run"] == run.resolve() and len(list((s["dir"] / "samples").glob("*.png"))) == 4 for s in sides)
+    assert sides[0]["generation"]["seeds"] == sides[1]["generation"]["seeds"]
+    names = rate.condition_names(sides[0])
+    k = sides[0]["generation"]["conditioning"]["num_classes"]
+    assert [names(i).split(":")[0] for i in (0, 1, k)] == ["class 0", "class 1", "class 0"]
+    stamps = {p: p.stat().st_mtime_ns for s in sides for p in (s["dir"] / "samples").glob("*.png")}
+    again = rate.prepare(args.items, args)
+    assert [s["dir"] for s in again] == [s["dir"] for s in sides]
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # reused, not regenerated
+    study = rate.Study(sides, rate.sample_count(sides, 4))
+    assert len(study.queue) == 4 and study.kind == "pair"
 
 
 # ---- Offline Inception ---------------------------------------------------------------------------------------

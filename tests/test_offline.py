@@ -54,6 +54,24 @@ def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path, monkeypatch, caps
     assert "encoders.text_encoder      openai/clip-vit-large-patch14  (text encoder and tokenizer; fetch)" in out
 
 
+def test_dino_is_planned_when_asked_and_fetched_through_eval_fids_call(tmp_path, monkeypatch, capsys):
+    from test_metrics import make_tiny_dinov2
+
+    monkeypatch.setattr(prefetch, "fetch", lambda *a: pytest.fail("a dry run fetched something"))
+    cc12m = ["--config", str(ROOT / "configs" / "cc12m.json"), "--dry_run"]
+    for flags, name in ((["--dino"], "facebook/dinov2-base"), (["--dino", "facebook/dinov2-large"], "facebook/dinov2-large"),
+                        (["--dino=facebook/dinov2-small", "--val.steps=10"], "facebook/dinov2-small"),
+                        (["--val.fid_dino=facebook/dinov2-giant"], "facebook/dinov2-giant")):
+        items = prefetch.main([*cc12m, *flags])
+        assert [i["name"] for i in items if i["key"] == "eval_fid.py --dino"] == [name], flags
+    assert "DINOv2 model of FD-DINOv2; fetch" in capsys.readouterr().out
+    assert not any(i["key"] == "eval_fid.py --dino" for i in prefetch.main(cc12m))  # not unless asked
+    monkeypatch.undo()
+    tiny = make_tiny_dinov2(tmp_path / "dino")
+    cfg = config.load_config(prefetch.train_flow_matching.DEFAULTS, [])
+    assert prefetch.fetch({"key": "eval_fid.py --dino", "name": tiny}, cfg, None) == "loaded"
+
+
 def test_fetch_goes_through_the_trainers_loading_calls(tmp_path, tiny_vae, tiny_text_encoder):
     """Each item is fetched by the call the trainer makes later, so the offline node finds those files."""
     cfg = config.load_config(prefetch.train_flow_matching.DEFAULTS, ["--data.demo_samples=40"])

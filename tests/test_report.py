@@ -152,3 +152,28 @@ def test_command_line_has_help_and_refuses_a_folder_that_is_not_a_run(tmp_path, 
         assert e.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "run" / "report.md").exists()  # refused before any report is written
     assert report.main([str(tmp_path / "run")]) == [tmp_path / "run" / "report.md"]
+
+
+def test_quality_beyond_fid_evaluations_and_human_ratings(tmp_path):
+    """precision/recall/density/coverage and FD-DINOv2 rows get a plot panel and last values; eval_fid.py's reports
+    and the run's votes (tools/rate.py's ratings.jsonl) get their sections, with the tally and interval."""
+    run_dir = tmp_path / "rated"
+    quality = [{"step": s, "fid_clean_1k": 90.0 - s / 10, "fd_dinov2_1k": 500.0 - s,
+                **{f"{m}_inception_1k": 0.2 + s / 1000 for m in ("precision", "recall", "density", "coverage")}}
+               for s in (100, 200, 300)]
+    write_run(run_dir, [training_row(s) for s in (100, 200, 300)] + quality, config(), grids=())
+    (run_dir / "eval" / "export-ema-euler32-g3-seed0").mkdir(parents=True)
+    (run_dir / "eval" / "export-ema-euler32-g3-seed0" / "report.json").write_text(json.dumps(
+        {"num_samples": 1000, "metrics": {"fid_clean_1k": 12.5, "precision_inception_1k": 0.71}}))
+    votes = [{"id": str(i), "kind": "pair", "index": i, "seed": 0, "left": "rated/a", "right": "other/b",
+              "choice": c} for i, c in enumerate(["left"] * 6 + ["right"] * 2 + ["tie", "skip"])]
+    (run_dir / "ratings.jsonl").write_text("".join(json.dumps(v) + "\n" for v in votes))
+    md = report.write_report(run_dir).read_text()
+    assert table_value(md, "precision_inception_1k (last)") == "0.5" and table_value(md, "fd_dinov2_1k (last)") == "200"
+    assert "quality.png" in md
+    with Image.open(run_dir / "report" / "quality.png") as img:  # three panels: FID, FD-DINOv2, precision/...
+        assert img.height > 3 * 2.6 * 110
+    assert "| `export-ema-euler32-g3-seed0` | 1000 | fid_clean_1k 12.5, precision_inception_1k 0.71 |" in md
+    assert "## Human ratings (tools/rate.py, 10 votes)" in md
+    assert re.search(r"rated/a vs other/b: win rate 0\.722 \[95% CI 0\.\d+, [01]\.\d+\] over 9 votes \(6 wins, 2 losses, "
+                     r"1 ties", md)  # (6 + 1/2) / 9

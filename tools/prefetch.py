@@ -3,11 +3,14 @@
     python tools/prefetch.py --config configs/cc12m.json                   # fetch, then say what to copy and set
     python tools/prefetch.py --config configs/cc12m.json --dry_run         # only the plan: what would be fetched
     python tools/prefetch.py --config configs/own_data_256.json --data.source=/data/pets   # overrides as in training
+    python tools/prefetch.py --config configs/imagenet256.json --dino                  # and DINOv2 for FD-DINOv2
 
 A config needs: its dataset (data.source, the split and the held-out split), the VAE (encoders.vae), the text
 encoder and tokenizer (encoders.text_encoder), the CLIP model of eval_fid.py's CLIP score for text-to-image
-runs, and the Inception network of FID. Each is fetched through the very call that training or evaluation
-makes (data.open_dataset, data.load_encoders, eval_fid.clip_scores), so the offline node finds exactly the files
+runs, the Inception network of FID, and the DINOv2 model of FD-DINOv2 when asked (--dino [MODEL], default
+facebook/dinov2-base, for eval_fid.py --dino; or val.fid_dino in the config). Each is fetched through the very call that training or evaluation
+makes (data.open_dataset, data.load_encoders, eval_fid.clip_scores,
+metrics.dinov2_features), so the offline node finds exactly the files
 it will ask for. Then copy the cache folder to storage the nodes see and run with HF_HUB_OFFLINE=1 and
 HF_DATASETS_OFFLINE=1 (launch/slurm.sbatch sets both). Local folders (an imagefolder, a model saved with
 save_pretrained) are not fetched: they must be at the same path on the nodes.
@@ -24,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from training import config  # noqa: E402
 from training import data  # noqa: E402
+from training import metrics  # noqa: E402
 import eval_fid  # noqa: E402
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
@@ -37,7 +41,7 @@ def all_defaults(a, b):
     return out
 
 
-def plan(cfg):
+def plan(cfg, dino=None):
     """What the config needs: one dict per item with the config key that names it, the name, what it is, the
     split (datasets) and whether it is a local path, which is not fetched but must be copied to the nodes."""
     d, enc = cfg.data, cfg.encoders
@@ -50,6 +54,8 @@ def plan(cfg):
     if d.caption_column or d.label_captions:
         clip = eval_fid.parse_args(["--run", "-"]).clip_model
         items.append({"key": "eval_fid.py --clip_model", "name": clip, "what": "CLIP model of the CLIP score"})
+    for name in dict.fromkeys(d for d in (cfg.val.fid_dino, dino) if d):
+        items.append({"key": "eval_fid.py --dino", "name": name, "what": "DINOv2 model of FD-DINOv2"})
     for item in items:
         item["local"] = Path(item["name"]).exists()
     local = cfg.val.inception_weights and Path(cfg.val.inception_weights).is_file()
@@ -75,6 +81,9 @@ def fetch(item, cfg, inception_file):
 
         eval_fid.clip_scores(name, [Image.new("RGB", (32, 32))], ["a photo"], "cpu")  # model and processors
         return "loaded"
+    if key == "eval_fid.py --dino":
+        metrics.dinov2_features(name, "cpu")  # the model and its image processor
+        return "loaded"
     if not inception_file.is_file():  # written whole or not at all
         part = inception_file.with_suffix(".part")
         with urllib.request.urlopen(name, timeout=60) as response:
@@ -91,12 +100,20 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     dry_run = "--dry_run" in argv
     argv = [a for a in argv if a != "--dry_run"]
+    dino = None  # --dino (the default model) or --dino MODEL / --dino=MODEL
+    for i, a in enumerate(argv):
+        if a == "--dino" or a.startswith("--dino="):
+            value = a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--")
+                                            else None)
+            dino = value or metrics.DINO_DEFAULT
+            argv = argv[:i] + argv[i + 1 + (a == "--dino" and value is not None):]
+            break
     cfg = config.load_config(all_defaults(train_flow_matching.DEFAULTS, train_ddpm.DEFAULTS), argv, "prefetch")
     from huggingface_hub import constants
 
     hf_home = Path(constants.HF_HOME)
     inception_file = hf_home / eval_fid.INCEPTION_FILE
-    items = plan(cfg)
+    items = plan(cfg, dino)
     print(f"The config needs ({'plan only' if dry_run else 'fetching into ' + str(hf_home)}):")
     for item in items:
         how = "local: the nodes must see this path" if item["local"] else "fetch"

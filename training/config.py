@@ -138,6 +138,7 @@ class Val(BaseModel, extra="forbid", strict=True):  # a trainer adds its sampler
     fid_samples: int = Field(1000, ge=2, description="samples of that FID")
     fid_reference: Str = Field(None, description="None: the held-out split; else any eval_fid.py --reference")
     inception_weights: Str = Field(None, description="a local inception-2015-12-05.pt (offline clusters)")
+    fid_dino: Str = Field(None, description="a DINOv2 id or folder: FD-DINOv2 and its precision / recall with each FID")
 
 
 class Log(BaseModel, extra="forbid", strict=True):
@@ -412,6 +413,10 @@ def combination_problems(cfg):
         problems.append(f"init_from={cfg['init_from']!r}: no such run, checkpoint or export folder")
     if val["fid_every"] and val["inception_weights"] and not Path(val["inception_weights"]).is_file():
         problems.append(f"val.inception_weights={val['inception_weights']!r}: no such file")
+    reference = str(val["fid_reference"] or "")
+    if val["fid_dino"] and (reference.endswith(".npz") or reference.startswith("cleanfid:")):
+        problems.append(f"val.fid_dino needs reference images, and val.fid_reference={reference!r} is precomputed "
+                        f"Inception statistics: use a folder or a dataset, or leave it None (the held-out rows)")
     if val["prompts"] and not Path(val["prompts"]).is_file():
         problems.append(f"val.prompts={val['prompts']!r}: no such file (one validation prompt per line)")
     elif val["prompts"] and not enc["text_encoder"]:

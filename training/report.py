@@ -3,8 +3,9 @@
     python -m training.report runs/flow_matching_demo [runs/ddpm_demo ...]     # prints the paths of the reports
 
 Reads run_dir/config.json and run_dir/metrics.jsonl (the trainers' log(): training, gradient-analysis,
-validation, quality and event rows) and writes run_dir/report/*.png plus run_dir/report.md, which embeds them
-with relative paths. Every plot and table row is optional: whatever the metrics lack (an old run, a feature
+validation, quality and event rows), eval_fid.py's reports (run_dir/eval/*/report.json) and human votes
+(run_dir/ratings.jsonl, from tools/rate.py), and writes run_dir/report/*.png plus run_dir/report.md, which
+embeds them with relative paths. Every plot and table row is optional: whatever the metrics lack (an old run, a feature
 turned off) is skipped, never an error. A resumed run logs again the steps after its last checkpoint: per key
 the later row wins, so each curve has one value per step; events are kept once per (step, kind, group).
 Matplotlib draws through its Agg canvas on Figure objects (no pyplot), so importing this module changes no
@@ -26,6 +27,8 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
 MAX_EVENT_ROWS = 20
+MANIFOLD = ("precision_", "recall_", "density_", "coverage_")  # training/metrics.py, on Inception or DINOv2 features
+QUALITY = ("fid_", "kid_", "fd_", *MANIFOLD)
 
 
 def fmt(x):
@@ -170,14 +173,16 @@ def plot_all(series, events, cfg, out):
                 ax.plot(*xy(series, key), marker="o", color=matplotlib.colormaps["plasma"](k / max(len(bins), 2)),
                         label=f"bin {k}")
             style_axis(ax, "validation loss", logy=True, title="time bin\n(0: data end)")
-    if quality := [ks for ks in ([k for k in sorted(series) if k.startswith(p)] for p in ("fid_", "kid_")) if ks]:
-        with figure("quality.png", "Sample quality during training (small-N FID / KID)", "a falling trend (small-N "
-                    "FID is biased upward: compare trends, not values, with published numbers)",
-                    rows=len(quality)) as (fig, axes):
+    families = [("fid_",), ("kid_",), ("fd_",), MANIFOLD]
+    if quality := [ks for ks in ([k for k in sorted(series) if k.startswith(f)] for f in families) if ks]:
+        with figure("quality.png", "Sample quality during training (small-N FID, KID, FD-DINOv2, precision/recall)",
+                    "falling distances (small-N FID is biased upward: compare trends, not values, with published "
+                    "numbers); precision is fidelity, recall and coverage diversity", rows=len(quality)) as (fig, axes):
             for ax, keys in zip(axes, quality):
                 for key in keys:
                     ax.plot(*xy(series, key), marker="o", label=key)
-                style_axis(ax, keys[0].split("_")[0].upper())
+                style_axis(ax, "precision, recall,\ndensity, coverage" if keys[0].startswith(MANIFOLD)
+                           else keys[0].split("_")[0].upper().replace("FD", "FD-DINOv2"))
     return plots
 
 
@@ -219,10 +224,33 @@ def final_rows(series, events):
         rows.append(("skipped steps (non-finite)", fmt(int(last(series, "skipped_steps")))))
     if "clip_share" in series:  # training rows (all but the last) cover log.every steps: the mean is the share
         rows.append(("clip share overall", fmt(statistics.mean(xy(series, "clip_share")[1]))))
+    rows += [(f"{k} (last)", fmt(last(series, k))) for k in sorted(series) if k.startswith(QUALITY)]
     n_events = sum(e["event"] == "loss_spike" for e in events)
     if "loss_spikes" in series or n_events:  # the trainer's cumulative count; else count the events
         rows.append(("loss spikes", int(last(series, "loss_spikes")) if "loss_spikes" in series else n_events))
     return rows
+
+
+def evaluation_lines(run_dir):
+    """eval_fid.py's reports (one row per output folder) and what the human votes in the run folder say."""
+    from training import ratings
+
+    md = []
+    reports = sorted(run_dir.glob("eval/*/report.json"))
+    if reports:
+        md += ["", "## Evaluations (eval_fid.py)", ""]
+        rows = []
+        for path in reports:
+            with contextlib.suppress(ValueError, OSError, KeyError, TypeError):
+                r = json.loads(path.read_text())
+                rows.append((f"`{path.parent.name}`", r["num_samples"],
+                             ", ".join(f"{k} {fmt(v)}" for k, v in r["metrics"].items())))
+        md += table(rows, ("settings", "samples", "metrics"))
+    if (run_dir / ratings.VOTES_FILE).is_file():
+        votes = ratings.read_votes([run_dir])
+        md += ["", f"## Human ratings (tools/rate.py, {len(votes)} votes)", ""]
+        md += [f"    {line}" for line in ratings.summary_lines(votes)]
+    return md
 
 
 def write_report(run_dir) -> Path:
@@ -251,6 +279,7 @@ def write_report(run_dir) -> Path:
                     ("step", "event", "details"))
     else:
         md.append("No events logged.")
+    md += evaluation_lines(run_dir)
     md += ["", "## Plots", ""]
     for name, title, look_for in plots:
         md += [f"![{title}](report/{name})", "", f"*{title}:* look for {look_for}.", ""]

@@ -1,0 +1,116 @@
+"""Sample quality beyond FID, on features eval_fid.py already has: improved precision and recall, density and
+coverage (k-NN balls), and the DINOv2 features of FD-DINOv2. eval_fid.py (and its small-N FID in training)
+calls these; nothing here samples a model.
+
+Precision, recall (Kynkaanniemi et al. 2019, eq. 1-3) and density, coverage (Naeem et al. 2020, eq. 3-4), with
+real features X (N rows), fake features Y (M rows), and r_k(x) the distance from x to its k-th nearest
+neighbour in its own set (itself excluded), B(x, r) the open ball:
+    precision = 1/M sum_j 1[exists i: Y_j in B(X_i, r_k(X_i))]      (fidelity: fakes on the real manifold)
+    recall    = 1/N sum_i 1[exists j: X_i in B(Y_j, r_k(Y_j))]      (diversity: reals on the fake manifold)
+    density   = 1/(kM) sum_j sum_i 1[Y_j in B(X_i, r_k(X_i))]       (how many real balls hold each fake)
+    coverage  = 1/N sum_i 1[exists j: Y_j in B(X_i, r_k(X_i))]      (reals with a fake in their ball)
+exactly as the `prdc` package computes them (k = 5 by default, strict '<'), but chunked: prdc holds three
+N x N distance matrices (60 GB at N = 50k in float64); here at most `budget` distances exist at once.
+"""
+import contextlib
+
+import numpy as np
+import torch
+
+NEAREST_K = 5  # Naeem et al. 2020's default, and prdc's README
+
+
+def squared_distances(a, b):
+    """(len(a), len(b)) squared Euclidean distances, |a|^2 + |b|^2 - 2 a.b (clamped at 0 against rounding)."""
+    return ((a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2 * a @ b.T).clamp_(min=0)
+
+
+def row_chunks(rows, cols, budget):
+    """Row slices of a rows x cols matrix with at most `budget` entries each (at least one row)."""
+    step = max(1, budget // max(cols, 1))
+    return [slice(s, min(s + step, rows)) for s in range(0, rows, step)]
+
+
+def knn_radii(x, k=NEAREST_K, budget=2 ** 25):
+    """Squared distance from each row of x to its k-th nearest other row (the (k+1)-th smallest, counting the
+    row itself at distance 0), computed one chunk of rows at a time."""
+    if len(x) <= k:
+        raise ValueError(f"k-NN radii with k = {k} need more than {k} samples; got {len(x)}")
+    return torch.cat([squared_distances(x[rows], x).topk(k + 1, dim=1, largest=False).values[:, -1]
+                      for rows in row_chunks(len(x), len(x), budget)])
+
+
+@torch.no_grad()
+def prdc(real, fake, k=NEAREST_K, device="cpu", budget=2 ** 25):
+    """{'precision', 'recall', 'density', 'coverage'} of fake features against real ones (numpy or torch,
+    (N, D) and (M, D)), in float64 on `device`. Distances are compared squared: the same order as prdc's."""
+    x, y = (torch.as_tensor(np.asarray(f), dtype=torch.float64, device=device) for f in (real, fake))
+    if x.ndim != 2 or y.ndim != 2 or x.shape[1] != y.shape[1]:
+        raise ValueError(f"prdc: real {tuple(x.shape)} and fake {tuple(y.shape)} features must be (N, D) with one D")
+    r_real, r_fake = knn_radii(x, k, budget), knn_radii(y, k, budget)
+    in_real_balls = torch.zeros(len(y), dtype=torch.float64, device=device)  # per fake: real balls holding it
+    real_in_fake_ball = torch.zeros(len(x), dtype=torch.bool, device=device)  # per real: inside some fake's ball
+    nearest_fake = torch.full((len(x),), float("inf"), dtype=torch.float64, device=device)
+    for rows in row_chunks(len(y), len(x), budget):  # one pass over the M x N fake-real distances
+        d = squared_distances(y[rows], x)
+        in_real_balls[rows] = (d < r_real[None, :]).sum(1, dtype=torch.float64)
+        real_in_fake_ball |= (d < r_fake[rows, None]).any(0)
+        nearest_fake = torch.minimum(nearest_fake, d.min(0).values)
+    return {"precision": (in_real_balls > 0).double().mean().item(),
+            "recall": real_in_fake_ball.double().mean().item(),
+            "density": (in_real_balls.sum() / (k * len(y))).item(),
+            "coverage": (nearest_fake < r_real).double().mean().item()}
+
+
+def feature_tag(feature_fn):
+    """The features' part of a metric name: 'inception', 'dinov2', or the extractor's name made safe."""
+    name = getattr(feature_fn, "tag", None) or getattr(feature_fn, "name", "custom")
+    return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+
+
+def manifold_metrics(feats, ref_feats, tag, n_tag, device="cpu"):
+    """{'precision_<tag>_<n>', 'recall_..', 'density_..', 'coverage_..'}; {} when either set has k or fewer
+    samples or the reference has no stored features (clean-fid's named statistics without KID features)."""
+    if ref_feats is None or min(len(feats), len(ref_feats)) <= NEAREST_K:
+        return {}
+    return {f"{name}_{tag}_{n_tag}": value for name, value in prdc(ref_feats, feats, device=device).items()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DINOv2 features for FD-DINOv2 (Stein et al. 2023): the CLS token after the final layer norm (what torch hub's
+# DINOv2 returns and EDM2 / dgm-eval use), the whole image resized bicubically (antialiased) to the image
+# processor's crop size (224 for facebook/dinov2-*), normalised with its mean and std: EDM2's preprocessing.
+
+DINO_DEFAULT = "facebook/dinov2-base"  # ViT-B/14: 4x cheaper than ViT-L/14, which EDM2 reports with
+
+
+def dinov2_features(model_id=DINO_DEFAULT, device="cpu", accelerator=None, batch_size=64):
+    """feature_fn(list of uint8 (H, W, 3) images) -> float64 (N, hidden) from a transformers Dinov2Model (a hub
+    id or a folder saved with save_pretrained). An offline node without the files gets instructions."""
+    from transformers import AutoImageProcessor, Dinov2Model
+
+    try:
+        with accelerator.main_process_first() if accelerator else contextlib.nullcontext():  # one download
+            model = Dinov2Model.from_pretrained(model_id).to(device).eval()
+            processor = AutoImageProcessor.from_pretrained(model_id)
+    except OSError as e:
+        raise FileNotFoundError(f"DINOv2 {model_id!r} could not be loaded ({str(e).splitlines()[0]}). On a machine "
+                                f"with network run `python tools/prefetch.py --config CONFIG --dino {model_id}` and "
+                                f"copy the Hugging Face cache, or pass a local folder saved with save_pretrained.") from None
+    crop = processor.crop_size
+    size = (crop["height"], crop["width"])
+    mean = torch.tensor(processor.image_mean, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(processor.image_std, device=device).view(1, 3, 1, 1)
+
+    @torch.no_grad()
+    def feature_fn(images):
+        out = []
+        for start in range(0, len(images), batch_size):  # images of any sizes: resized one by one
+            x = torch.cat([torch.nn.functional.interpolate(
+                torch.from_numpy(np.array(img)).to(device).permute(2, 0, 1)[None].float() / 255, size=size,
+                mode="bicubic", antialias=True, align_corners=False) for img in images[start:start + batch_size]])
+            out.append(model(pixel_values=(x - mean) / std).pooler_output.double().cpu().numpy())
+        return np.concatenate(out)
+    feature_fn.name, feature_fn.tag, feature_fn.path = f"dinov2/{model_id}", "dinov2", str(model_id)
+    feature_fn.sha256 = None  # a hub model is pinned by its revision in the HF cache, not by one file
+    return feature_fn
