@@ -37,6 +37,15 @@ def shard_range(key, value):
     return None
 
 
+def noise_interval(key, value):
+    """val.guidance_interval: [lo, hi], two noise levels with 0 <= lo <= hi <= 1."""
+    numbers = isinstance(value, list) and len(value) == 2 and all(type(v) in (int, float) for v in value)
+    if not (numbers and 0 <= value[0] <= value[1] <= 1):
+        return (f"{key}={value!r} must be [lo, hi] with 0 <= lo <= hi <= 1 (noise levels: flow-matching t, "
+                f"1 = pure noise; [0, 1] guides every step)")
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # What each key may hold. A string is a numeric range ("int" first: whole numbers only), a tuple the allowed
 # values (for a list, of each element), `str` any string, `bool` / `float` any value of the default's type, a
@@ -72,10 +81,10 @@ RULES = {
     "train.compile": bool,
     "val.every": ">= 1", "val.num_samples": ">= 1", "val.steps": ">= 1", "val.guidance_scale": ">= 0",
     "val.control_guidance_scale": ">= 0", "val.loss_samples": ">= 1", "val.fid_every": ">= 0", "val.fid_samples": ">= 2",
-    "val.fid_reference": str, "val.inception_weights": str, "val.prompts": str,
+    "val.fid_reference": str, "val.inception_weights": str, "val.prompts": str, "val.guidance_interval": noise_interval,
     "log.every": ">= 1", "log.grad_every": ">= 0", "log.grad_flag_ratio": "> 1", "log.spike_threshold": "> 0",
     "log.report": bool, "log.wandb": ("auto", "online", "offline", "off"), "log.project": str,
-    "ckpt.every": ">= 1", "ckpt.keep": ">= 1",
+    "ckpt.every": ">= 1", "ckpt.keep": ">= 1", "ckpt.phema_every": "int >= 0", "ckpt.phema_stds": "(0, 0.28]",
 }
 
 
@@ -271,6 +280,8 @@ def combination_problems(cfg):
         problems.append(f"data.num_classes={d['num_classes']} must be >= 1 with data.label_column")
     if d["class_ids"] and not Path(d["class_ids"]).is_file() and d["class_ids"] not in ("imagenet-1k", "imagenet-22k"):
         problems.append(f"data.class_ids={d['class_ids']!r} must be 'imagenet-1k', 'imagenet-22k' or a file of ids")
+    if cfg["ckpt"].get("phema_every") and not cfg["ckpt"]["phema_stds"]:
+        problems.append("ckpt.phema_every > 0 tracks the profiles of ckpt.phema_stds: give at least one std, e.g. [0.05, 0.1]")
     if len(tr["betas"]) != 2:
         problems.append(f"train.betas={tr['betas']!r} must be two numbers [beta1, beta2] in [0, 1)")
     if tr["mixed_precision"] == "fp16":
