@@ -6,6 +6,7 @@ Nothing here knows about an objective, a sampler, the data or the model: those l
 data.py and model.py. What a training step measures is monitor.py's; what a run writes (config.json,
 metrics.jsonl, sample grids, wandb, the report) is runlog.py's.
 """
+import contextlib
 import math
 import os
 import random
@@ -130,6 +131,18 @@ def ema_update(ema, model, decay, num_updates, applied=None):
     # A list of device tensors as weights: one tensor alone would be read on the host (a sync) by foreach lerp.
     weight = 1 - d if applied is None else [(1 - d) * applied.float()] * len(ema_p)
     torch._foreach_lerp_(ema_p, [p.detach().float() for p in model.parameters()], weight)
+
+
+@contextlib.contextmanager
+def counting_evaluations(model):
+    """Within: rows[0] = the rows `model` was run on (a guided call batches its 1-3 branches), so rows[0] /
+    samples is the number of network evaluations per sample (NFE), measured rather than predicted."""
+    rows = [0]
+    handle = model.register_forward_pre_hook(lambda module, args: rows.__setitem__(0, rows[0] + len(args[0])))
+    try:
+        yield rows
+    finally:
+        handle.remove()
 
 
 def due(step, every, last):

@@ -46,6 +46,7 @@ from training.data import (decode, encode_text, is_stream, load_encoders, load_i
                   stream_heldout)
 from training.model import build_denoiser, load_exported
 from training.monitor import progress
+from training.phema import apply_reconstruction
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. Every default is here; None means "as the run was configured". Reported numbers: 50k samples.
@@ -64,6 +65,10 @@ def parse_args(argv=None):
     a("--steps", type=int, default=None, help="default: the run's val.steps")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
+    a("--guidance_interval", type=interval_arg, default=None, help="'lo,hi': guide only at noise levels lo <= t <= "
+      "hi (flow-matching t, 1 = noise; docs/methods.md converts published intervals); default: the run's")
+    a("--phema_std", type=float, default=None, help="the post-hoc EMA of this relative std in (0, 0.28], "
+      "reconstructed from the run's snapshots (ckpt.phema_every), instead of the export's EMA")
     a("--controls", default="heldout", choices=["heldout", "square"], help="runs with size/crop/flip controls: "
       "'heldout': row i %% n's original size, centre crop, no flip; 'square': an uncropped R x R original")
     a("--prompts", default=None, help="text models: a captions file (one per line) or 'heldout' (default)")
@@ -87,6 +92,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def interval_arg(text):
+    """--guidance_interval 'lo,hi' -> [lo, hi], checked as val.guidance_interval is."""
+    try:
+        value = [float(v) for v in text.split(",")]
+    except ValueError:
+        value = text
+    if problem := config.noise_interval("--guidance_interval", value):
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
 INCEPTION_FILE = "inception-2015-12-05.pt"
 # sha256 of that file (95,607,719 bytes; k-diffusion pins the same digest): checked before every use
@@ -102,12 +118,17 @@ def method_of(cfg):
     return importlib.import_module("train_ddpm" if "prediction" in cfg["objective"] else "train_flow_matching")
 
 
-def load_model(run, checkpoint=None, weights="ema"):
+def load_model(run, checkpoint=None, weights="ema", phema_std=None):
     """(model, cfg, description). A checkpoint's shapes come from its tensors (channels from the patch
-    projection, side from the positional grid), so rebuilding it needs neither data nor encoders."""
+    projection, side from the positional grid), so rebuilding it needs neither data nor encoders. phema_std:
+    the export's model with the post-hoc EMA of that std reconstructed from the run's snapshots."""
     from safetensors.torch import load_file
 
     run = Path(run)
+    if phema_std is not None:
+        model, cfg, desc = load_model(run, checkpoint, weights)
+        info = apply_reconstruction(model, run, phema_std)
+        return model, cfg, {**desc, "weights": f"post-hoc EMA, std {phema_std:g}", "phema": info}
     if checkpoint is None:
         export = run if (run / "transformer").is_dir() else run / "export"
         model, cfg = load_exported(export)
@@ -206,7 +227,7 @@ def make_condition(cfg, model, prompts, device, controls=None):
 
 @torch.no_grad()
 def sample_batch(model, cfg, cond, idx, seed, steps=None, guidance_scale=None, sampler=None, vae=None,
-                 control_guidance_scale=None):
+                 control_guidance_scale=None, guidance_interval=None):
     """uint8 images of samples `idx`; the caller's RNG state is left as it was."""
     tc, device = model.transformer.config, next(model.parameters()).device
     noise = torch.stack([torch.randn((tc.in_channels, tc.sample_size, tc.sample_size),
@@ -214,7 +235,8 @@ def sample_batch(model, cfg, cond, idx, seed, steps=None, guidance_scale=None, s
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed_for(seed, 1, idx[0]))  # ancestral samplers' fresh noise, fixed per batch
         x = method_of(cfg).generate(model, noise.to(device), cond(idx), cfg, steps=steps, sampler=sampler,
-                                    guidance_scale=guidance_scale, control_guidance_scale=control_guidance_scale)
+                                    guidance_scale=guidance_scale, control_guidance_scale=control_guidance_scale,
+                                    guidance_interval=guidance_interval)
     return to_uint8(decode(vae, x))
 
 
@@ -558,16 +580,19 @@ def main(argv=None, feature_fn=None):
     t_start = time.time()
 
     # ---- Model and settings ---------------------------------------------------------------------------------
-    model, cfg, model_desc = load_model(args.run, args.checkpoint, args.weights)
+    model, cfg, model_desc = load_model(args.run, args.checkpoint, args.weights, args.phema_std)
     model.to(device)
     steps, sampler = args.steps or cfg["val"]["steps"], args.sampler or cfg["val"]["sampler"]
+    interval = args.guidance_interval or cfg["val"].get("guidance_interval", [0.0, 1.0])
     guidance = cfg["val"]["guidance_scale"] if args.guidance_scale is None else args.guidance_scale
     control_guidance = (cfg["val"].get("control_guidance_scale", 0.0) if args.control_guidance_scale is None
                         else args.control_guidance_scale)
     is_text, n_tag = bool(cfg["encoders"]["text_encoder"]), size_tag(args.num_samples)
     weights = f"{Path(args.checkpoint).name}-{args.weights}" if args.checkpoint else "export-ema"
+    weights = weights if args.phema_std is None else f"{weights}-phema{args.phema_std:g}"
     cg = f"-cg{control_guidance:g}" if control_guidance else ""
-    tag = f"{weights}-{sampler}{steps}-g{guidance:g}{cg}-seed{args.seed}"
+    gi = f"-gi{interval[0]:g}-{interval[1]:g}" if list(interval) != [0, 1] else ""
+    tag = f"{weights}-{sampler}{steps}-g{guidance:g}{cg}{gi}-seed{args.seed}"
     out_dir = Path(args.out_dir or Path(args.run) / "eval" / tag)
     samples_dir = out_dir / "samples"
     samples_dir.mkdir(parents=True, exist_ok=True)
@@ -575,6 +600,7 @@ def main(argv=None, feature_fn=None):
     settings = {  # everything that decides the images; recorded with them and in the report
         "model": {"run": str(args.run), **model_desc, "method": method_of(cfg).__name__},
         "sampler": sampler, "steps": steps, "guidance_scale": guidance, "control_guidance_scale": control_guidance,
+        "guidance_interval": list(interval),
         "controls": args.controls if cfg["conditioning"]["controls"] else None, "mixed_precision": args.mixed_precision,
         "seeds": {"seed": args.seed, "batch_size": args.batch_size, "noise": "sample i: seed_for(seed, 0, i)",
                   "sampler_rng": "batch starting at sample i: seed_for(seed, 1, i)"},
@@ -601,12 +627,14 @@ def main(argv=None, feature_fn=None):
     # ---- Generation: this rank's batches; a batch already on disk is skipped (resume) ----------------------
     vae = load_encoders(config.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
     cond = make_condition(cfg, model, prompts, device, make_controls(cfg, args.controls))
-    batches = my_batches(args.num_samples, args.batch_size, rank, world)
+    batches, nfe = my_batches(args.num_samples, args.batch_size, rank, world), [0, 0]  # evaluations, samples
     for idx in progress(batches, "generate", accelerator.is_local_main_process):
         if all(png_path(samples_dir, i).exists() for i in idx):
             continue
-        with accelerator.autocast():
-            images = sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae, control_guidance)
+        with accelerator.autocast(), common.counting_evaluations(model) as rows:
+            images = sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae, control_guidance,
+                                  interval)
+        nfe = [nfe[0] + rows[0], nfe[1] + len(idx)]
         for i, img in zip(idx, images):  # PNG: lossless; written atomically, so a resumed run can trust it
             Image.fromarray(img).save(png_path(samples_dir, i).with_suffix(".tmp"), format="PNG")
             os.replace(png_path(samples_dir, i).with_suffix(".tmp"), png_path(samples_dir, i))
@@ -649,6 +677,7 @@ def main(argv=None, feature_fn=None):
 
     report = {
         "metrics": metrics, "num_samples": args.num_samples, **settings,
+        "nfe_per_sample": nfe[0] / nfe[1] if nfe[1] else None,  # network evaluations (this rank's new samples)
         "clip_model": args.clip_model if use_clip else None,
         "reference": {**key, "stats": ref["path"], "key_sha256": ref["key_sha256"], "stats_sha256": ref["sha256"]},
         "mode": args.mode, "feature_extractor": feature_name, "feature_weights": getattr(feature_fn, "path", None),
@@ -663,7 +692,7 @@ def main(argv=None, feature_fn=None):
     }
     (path := out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     table = {**{k: f"{v:.4f}" for k, v in metrics.items()}, "model": f"{model_desc['source']} ({weights})",
-             "sampler": f"{sampler}, {steps} steps, guidance {guidance:g}", "reference": key["source"], "report": path}
+             "sampler": f"{sampler}, {steps} steps, guidance {guidance:g} in t {interval}", "reference": key["source"], "report": path}
     print("\n".join(f"{k:<{max(map(len, table)) + 1}} {v}" for k, v in table.items()))
     accelerator.wait_for_everyone()
     return report

@@ -42,6 +42,10 @@ def parse_args(argv=None):
     a("--per_class", type=int, default=4, help="images per class or prompt (one grid row each)")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
+    a("--guidance_interval", type=eval_fid.interval_arg, default=None, help="'lo,hi': guide only at noise levels "
+      "lo <= t <= hi (flow-matching t, 1 = noise); default: the run's val.guidance_interval")
+    a("--phema_std", type=float, default=None, help="sample the post-hoc EMA of this relative std, reconstructed "
+      "from the run's snapshots (ckpt.phema_every), instead of the export's EMA")
     a("--steps", type=int, default=None, help="default: the run's val.steps")
     a("--sampler", default=None, help="default: the run's val.sampler")
     a("--seed", type=int, default=0)
@@ -102,7 +106,7 @@ def read_prompts(path):
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, cfg, model_desc = eval_fid.load_model(args.run, args.checkpoint, args.weights)
+    model, cfg, model_desc = eval_fid.load_model(args.run, args.checkpoint, args.weights, args.phema_std)
     model.to(device)
     is_text = bool(cfg["encoders"]["text_encoder"])
     if is_text and args.classes:
@@ -137,14 +141,17 @@ def main(argv=None):
     guidance = val["guidance_scale"] if args.guidance_scale is None else args.guidance_scale
     control_guidance = (val.get("control_guidance_scale", 0.0) if args.control_guidance_scale is None
                         else args.control_guidance_scale)
-    out = Path(args.out or Path(args.run) / "sampled" / f"{sampler}{steps}-g{guidance:g}-seed{args.seed}")
+    interval = args.guidance_interval or val.get("guidance_interval", [0.0, 1.0])
+    tag = (f"{sampler}{steps}-g{guidance:g}" + (f"-gi{interval[0]:g}-{interval[1]:g}" if list(interval) != [0, 1] else "")
+           + (f"-phema{args.phema_std:g}" if args.phema_std is not None else "") + f"-seed{args.seed}")
+    out = Path(args.out or Path(args.run) / "sampled" / tag)
     out.mkdir(parents=True, exist_ok=True)
     vae = load_encoders(config.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
     images = []
     for start in range(0, len(items), args.batch_size):
         idx = list(range(start, min(start + args.batch_size, len(items))))
         images += list(eval_fid.sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae,
-                                             control_guidance))
+                                             control_guidance, interval))
         print(f"sampled {idx[-1] + 1}/{len(items)}", flush=True)
 
     # ---- Out: single PNGs, the labelled grid, the settings --------------------------------------------------
@@ -153,7 +160,8 @@ def main(argv=None):
     pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
     runlog.save_image_grid(pixels, out / "grid.png", nrow=args.per_class, labels=[label for _, label in items])
     settings = {"model": {"run": str(args.run), **model_desc}, "sampler": sampler, "steps": steps,
-                "guidance_scale": guidance, "control_guidance_scale": control_guidance, "seed": args.seed,
+                "guidance_scale": guidance, "control_guidance_scale": control_guidance,
+                "guidance_interval": list(interval), "seed": args.seed,
                 "noise": "image i: eval_fid.seed_for(seed, 0, i)", "batch_size": args.batch_size,
                 "conditions": [label for _, label in items]}
     (out / "sample.json").write_text(json.dumps(settings, indent=1))

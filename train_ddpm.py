@@ -41,6 +41,7 @@ from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches
                   open_splits, text_features, validation_inputs)
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
+from training.phema import PowerEMA
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. The shared sections (data, encoders, model, conditioning, train, val, log, ckpt) are typed once in
@@ -271,8 +272,10 @@ def ddpm_step(x0, x, ab, ab_prev, noise):
 
 @torch.no_grad()
 def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_scale=1.0, guidance_rescale=0.0,
-           method="ddim", control_guidance_scale=0.0, generator=None, time_input=None):
+           method="ddim", control_guidance_scale=0.0, generator=None, time_input=None, guidance_interval=(0.0, 1.0)):
     """From x = noise at t = T-1 down the trailing grid to x0. Guidance w = 1 is the plain conditional model.
+    Guidance acts only on steps whose noise level (the flow-matching time of equal SNR, noise_level) lies in
+    guidance_interval [lo, hi] (Kynkaanniemi et al. 2024); the others take one conditional pass, no rescale.
     The ancestral sampler draws its fresh noise from `generator` (None: the global RNG). time_input: the
     model's time per timestep, as in training (time_input_of; None: t itself)."""
     if method not in ("ddim", "ddpm"):
@@ -284,9 +287,11 @@ def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_s
         ab_prev = alphas_cumprod[ts[i + 1]].item() if i + 1 < len(ts) else 1.0  # past the grid: data, ab = 1
         # Guidance on semantics and controls (model.guided), then the rescale (Lin et al. 2024, sec. 3.4).
         timestep = float(t) if time_input is None else time_input[t].item()
-        out = guided(model, x, torch.full((n,), timestep, device=x.device), cond, guidance_scale,
-                            control_guidance_scale, noise_level(torch.full((n,), ab, device=x.device)),
-                            rescale=guidance_rescale)
+        level = noise_level(torch.tensor(ab, dtype=torch.float64)).item()  # host values: no device sync
+        guide = guidance_interval[0] <= level <= guidance_interval[1]
+        out = guided(model, x, torch.full((n,), timestep, device=x.device), cond, guidance_scale if guide else 1.0,
+                     control_guidance_scale if guide else 0.0, noise_level(torch.full((n,), ab, device=x.device)),
+                     rescale=guidance_rescale if guide else 0.0)
         x0, eps = predict_x0_eps(out, x, ab, prediction)
         if method == "ddim":
             x = ddim_step(x0, eps, ab_prev)
@@ -296,10 +301,11 @@ def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_s
     return x
 
 
-def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None, control_guidance_scale=None):
+def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None, control_guidance_scale=None,
+             guidance_interval=None):
     """Sample as the run `cfg` is configured (its shifted schedule and time input, prediction, val sampler,
-    guidance and rescale), with optional overrides. The one entry point that validation, eval_fid.py and the
-    benchmarks call."""
+    guidance, its interval and rescale), with optional overrides. The one entry point that validation,
+    eval_fid.py and the benchmarks call."""
     if problems := check_objective(cfg):
         raise config.ConfigError("\n".join(problems))
     val = cfg["val"]
@@ -307,7 +313,8 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
                   val["guidance_scale"] if guidance_scale is None else guidance_scale, val["guidance_rescale"],
                   sampler or val["sampler"],
                   val["control_guidance_scale"] if control_guidance_scale is None else control_guidance_scale,
-                  time_input=time_input_of(cfg))
+                  time_input=time_input_of(cfg),
+                  guidance_interval=guidance_interval or val.get("guidance_interval", (0.0, 1.0)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -343,6 +350,8 @@ def main(argv=None):
     ema.to(device)
     forward = torch.compile(model) if tr.compile else model
     raw_model = accelerator.unwrap_model(model)
+    phema = PowerEMA(raw_model, cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.batch_size * world * tr.grad_accum,
+                     run_dir, accelerator.is_main_process)  # post-hoc EMA profiles (ckpt.phema_every; 0: off)
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; {obj.beta_schedule} betas, zero terminal SNR "
@@ -354,6 +363,7 @@ def main(argv=None):
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
     step = state["step"]
+    phema.load(ckpt)  # the post-hoc EMA profiles continue (ckpt.phema_every > 0)
     log = runlog.RunLog(cfg, run_dir, accelerator, step)  # metrics.jsonl (rows past `step` set aside), wandb
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
 
@@ -367,7 +377,8 @@ def main(argv=None):
         ema.eval()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(cfg.seed)  # the ancestral sampler's noise: fixed, and the training RNG untouched
-            x = generate(ema, val_noise, val_cond, cfg)
+            with common.counting_evaluations(ema) as rows:  # network evaluations: fewer with a guidance interval
+                x = generate(ema, val_noise, val_cond, cfg)
         path = log.samples(decode(vae, x, device), step, d.val_prompts)
         # Validation loss: every held-out sample at every t_k = floor((k + 0.5) T / K), with fixed noise.
         losses, n = torch.zeros(obj.loss_bins), min(cfg.val.loss_samples, len(val_set))
@@ -378,13 +389,14 @@ def main(argv=None):
                     losses[k] += ddpm_loss(ema, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight,
                                            model_time).sum().cpu()
         losses /= n
-        log({"step": step, "val_loss": losses.mean().item(), **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
+        log({"step": step, "val_loss": losses.mean().item(), "val_nfe": rows[0] / len(val_noise),
+             **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
         accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
 
     def checkpoint(step):
         state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
                  "class_ids": d.class_ids, **monitor.state_dict()}
-        tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
+        tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
 
     def fid(step):  # every rank samples its share
@@ -422,6 +434,7 @@ def main(argv=None):
         common.step_unless_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.zero_grad(set_to_none=True)
         common.ema_update(ema, raw_model, tr.ema_decay, step, applied=finite)
+        phema.update(raw_model)  # post-hoc EMA profiles, on the device (ckpt.phema_every; off: nothing)
         monitor.after_update(step, grad_norm, finite, accelerator.optimizer_step_was_skipped)
         step += 1
 
@@ -435,6 +448,8 @@ def main(argv=None):
             monitor.pause(validate, step, "validation", main_only=True)
         if common.due(step, cfg.val.fid_every, tr.max_steps):
             monitor.pause(fid, step, f"FID ({cfg.val.fid_samples} samples)")
+        if phema.due(step, tr.max_steps):
+            monitor.pause(phema.snapshot, step)  # the main process writes it
         if common.due(step, cfg.ckpt.every, tr.max_steps) or stop:
             monitor.pause(checkpoint, step)
         if stop:

@@ -35,6 +35,7 @@ from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches
                   open_splits, text_features, validation_inputs)
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
+from training.phema import PowerEMA
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. The shared sections (data, encoders, model, conditioning, train, val, log, ckpt) are typed once in
@@ -107,35 +108,41 @@ def flow_matching_loss(model, x0, cond, t, noise):
 
 
 @torch.no_grad()
-def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, control_guidance_scale=0.0, method="euler"):
+def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, control_guidance_scale=0.0, method="euler",
+           guidance_interval=(0.0, 1.0)):
     """The grid is t_i = shift(1 - i / steps), the same shift as training (it equals diffusers'
     FlowMatchEulerDiscreteScheduler with `sigmas=linspace(1, 0, steps + 1)[:-1]` and `shift`). Guidance on
     the semantic and the control condition (model.guided): with control_guidance_scale = 0 it is
-    classifier-free guidance, v = v(x, null) + w (v(x, c) - v(x, null)) (Ho & Salimans 2022)."""
+    classifier-free guidance, v = v(x, null) + w (v(x, c) - v(x, null)) (Ho & Salimans 2022), applied only
+    on steps whose t_i lies in guidance_interval [lo, hi] (Kynkaanniemi et al. 2024; both Heun evaluations of
+    a step, as their sampler); the other steps take the conditional velocity alone, one network pass."""
     if method not in ("euler", "heun"):
         raise ValueError(f"val.sampler must be 'euler' or 'heun', got {method!r}")
     ts = common.time_shift(torch.linspace(1, 0, steps + 1, device=noise.device), shift)
+    lo, hi = guidance_interval
 
-    def velocity(x, t):
-        return guided(model, x, (t * 1000).expand(len(x)), cond, guidance_scale, control_guidance_scale)
+    def velocity(x, t, guide):
+        return guided(model, x, (t * 1000).expand(len(x)), cond, guidance_scale if guide else 1.0,
+                      control_guidance_scale if guide else 0.0)
 
     x = noise.float()
-    for t, t_next in zip(ts[:-1], ts[1:]):
-        v = velocity(x, t)
+    for t, t_next, level in zip(ts[:-1], ts[1:], ts.tolist()):  # level: t_i on the host, no sync per step
+        v = velocity(x, t, lo <= level <= hi)
         if method == "heun" and t_next > 0:  # Heun's 2nd order: average the slopes at both ends
-            v = (v + velocity(x + (t_next - t) * v, t_next)) / 2
+            v = (v + velocity(x + (t_next - t) * v, t_next, lo <= level <= hi)) / 2
         x = x + (t_next - t) * v
     return x
 
 
-def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None, control_guidance_scale=None):
-    """Sample as the run `cfg` is configured (its time shift, val sampler and guidance), with optional
-    overrides. The one entry point that validation, eval_fid.py and the benchmarks call."""
+def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=None, control_guidance_scale=None,
+             guidance_interval=None):
+    """Sample as the run `cfg` is configured (its time shift, val sampler, guidance and its interval), with
+    optional overrides. The one entry point that validation, eval_fid.py and the benchmarks call."""
     val = cfg["val"]
     return sample(model, noise, cond, steps or val["steps"], common.shift_of(cfg),
                   val["guidance_scale"] if guidance_scale is None else guidance_scale,
                   val["control_guidance_scale"] if control_guidance_scale is None else control_guidance_scale,
-                  sampler or val["sampler"])
+                  sampler or val["sampler"], guidance_interval or val.get("guidance_interval", (0.0, 1.0)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -169,6 +176,8 @@ def main(argv=None):
     ema.to(device)
     forward = torch.compile(model) if tr.compile else model
     raw_model = accelerator.unwrap_model(model)
+    phema = PowerEMA(raw_model, cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.batch_size * world * tr.grad_accum,
+                     run_dir, accelerator.is_main_process)  # post-hoc EMA profiles (ckpt.phema_every; 0: off)
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; time shift a = {shift:g}")
@@ -178,6 +187,7 @@ def main(argv=None):
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
     step = state["step"]
+    phema.load(ckpt)  # the post-hoc EMA profiles continue (ckpt.phema_every > 0)
     log = runlog.RunLog(cfg, run_dir, accelerator, step)  # metrics.jsonl (rows past `step` set aside), wandb
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
 
@@ -189,7 +199,9 @@ def main(argv=None):
     @torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])  # draws nothing from training's RNG
     def validate(step):                                                        # (padding noise): exact resume
         ema.eval()
-        path = log.samples(decode(vae, generate(ema, val_noise, val_cond, cfg), device), step, d.val_prompts)
+        with common.counting_evaluations(ema) as rows:  # network evaluations: fewer with a guidance interval
+            x = generate(ema, val_noise, val_cond, cfg)
+        path = log.samples(decode(vae, x, device), step, d.val_prompts)
         # Validation loss: every held-out sample at every t_k = (k + 0.5) / K, with fixed noise.
         losses, n = torch.zeros(obj.loss_bins), min(cfg.val.loss_samples, len(val_set))
         for x0, noise, cond in heldout_batches(val_set, n, tr.batch_size, cfg.seed + 1, device):
@@ -198,13 +210,14 @@ def main(argv=None):
                 with accelerator.autocast():
                     losses[k] += flow_matching_loss(ema, x0, cond, t, noise).sum().cpu()
         losses /= n
-        log({"step": step, "val_loss": losses.mean().item(), **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
+        log({"step": step, "val_loss": losses.mean().item(), "val_nfe": rows[0] / len(val_noise),
+             **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
         accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
 
     def checkpoint(step):
         state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
                  "class_ids": d.class_ids, **monitor.state_dict()}
-        tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
+        tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
 
     def fid(step):  # every rank samples its share
@@ -244,6 +257,7 @@ def main(argv=None):
         common.step_unless_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.zero_grad(set_to_none=True)
         common.ema_update(ema, raw_model, tr.ema_decay, step, applied=finite)
+        phema.update(raw_model)  # post-hoc EMA profiles, on the device (ckpt.phema_every; off: nothing)
         monitor.after_update(step, grad_norm, finite, accelerator.optimizer_step_was_skipped)
         step += 1
 
@@ -257,6 +271,8 @@ def main(argv=None):
             monitor.pause(validate, step, "validation", main_only=True)
         if common.due(step, cfg.val.fid_every, tr.max_steps):
             monitor.pause(fid, step, f"FID ({cfg.val.fid_samples} samples)")
+        if phema.due(step, tr.max_steps):
+            monitor.pause(phema.snapshot, step)  # the main process writes it
         if common.due(step, cfg.ckpt.every, tr.max_steps) or stop:
             monitor.pause(checkpoint, step)
         if stop:

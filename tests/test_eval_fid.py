@@ -243,7 +243,7 @@ def test_dino_and_manifold_metrics_of_samples_against_themselves(run, tmp_path):
     assert sorted(cached.values()) == [(12, 16), (12, 32)]  # tiny conv: 16-d, tiny DINOv2: 32-d
     with pytest.raises(ValueError, match="val.fid_dino needs reference images"):  # the trainers' start-up check
         config.load_config(train_flow_matching.DEFAULTS, ["--val.fid_dino=x", "--val.fid_reference=a.npz"],
-                           "flow_matching", train_flow_matching.RULES)
+                           "flow_matching", schema=train_flow_matching.CONFIG)
 
 
 @pytest.mark.slow

@@ -139,6 +139,8 @@ class Val(BaseModel, extra="forbid", strict=True):  # a trainer adds its sampler
     fid_reference: Str = Field(None, description="None: the held-out split; else any eval_fid.py --reference")
     inception_weights: Str = Field(None, description="a local inception-2015-12-05.pt (offline clusters)")
     fid_dino: Str = Field(None, description="a DINOv2 id or folder: FD-DINOv2 and its precision / recall with each FID")
+    guidance_interval: list[Annotated[float, Field(ge=0, le=1)]] = Field([0.0, 1.0], min_length=2, max_length=2,
+                                                                         description="[lo, hi]: guide only at noise levels in it (flow t; DDPM noise_level)")
 
 
 class Log(BaseModel, extra="forbid", strict=True):
@@ -154,6 +156,8 @@ class Log(BaseModel, extra="forbid", strict=True):
 class Ckpt(BaseModel, extra="forbid", strict=True):
     every: int = Field(500, ge=1, description="checkpoint every this many steps")
     keep: int = Field(3, ge=1, description="newest checkpoints kept")
+    phema_every: int = Field(0, ge=0, description="post-hoc EMA: images between fp16 snapshots of its profiles (0: off)")
+    phema_stds: list[Annotated[float, Field(gt=0, le=0.28)]] = Field([0.05, 0.1], description="relative stds of the tracked power EMAs")
 
 
 class Run(BaseModel, extra="forbid", strict=True):
@@ -402,6 +406,11 @@ def combination_problems(cfg):
         problems.append(f"data.num_classes={d['num_classes']} must be >= 1 with data.label_column")
     if d["class_ids"] and not Path(d["class_ids"]).is_file() and d["class_ids"] not in ("imagenet-1k", "imagenet-22k"):
         problems.append(f"data.class_ids={d['class_ids']!r} must be 'imagenet-1k', 'imagenet-22k' or a file of ids")
+    if val["guidance_interval"][0] > val["guidance_interval"][1]:
+        problems.append(f"val.guidance_interval={val['guidance_interval']!r} must be [lo, hi] with lo <= hi (noise "
+                        f"levels: flow-matching t, 1 = pure noise; [0, 1] guides every step)")
+    if cfg["ckpt"]["phema_every"] and not cfg["ckpt"]["phema_stds"]:
+        problems.append("ckpt.phema_every > 0 tracks the profiles of ckpt.phema_stds: give at least one std, e.g. [0.05, 0.1]")
     if tr["mixed_precision"] == "fp16":
         import torch
 

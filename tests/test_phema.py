@@ -1,0 +1,198 @@
+"""Post-hoc EMA (training/phema.py, tools/phema.py): the profile formulas against numerical integration, the
+tracked EMA against the closed-form profile integral, the reconstruction against a third power EMA tracked
+exactly, snapshots that a kill cuts off never read, and the profiles resumed bitwise in a real run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import integrate
+from safetensors.torch import load_file
+
+from training import phema
+from conftest import ROOT, tiny_run_args
+
+STEPS, BATCH, DIM = 400, 8, 64
+
+
+class Weights(torch.nn.Module):
+    """A stand-in model: its parameters are set to a known trajectory, one point per optimizer step."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.zeros(DIM)), torch.nn.Parameter(torch.zeros(2, 3))
+
+
+def trajectory():
+    """A smooth drift plus noise that shrinks as 1/sqrt(step), as SGD's iterates do; float64 (STEPS, DIM + 6)."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.arange(1, STEPS + 1, dtype=torch.float64)[:, None]
+    freq = torch.linspace(0.5, 3, DIM + 6, dtype=torch.float64)[None]
+    return torch.sin(s / 40 * freq) + 0.5 * torch.randn(STEPS, DIM + 6, generator=g, dtype=torch.float64) / s.sqrt()
+
+
+def flat(tensors):
+    return torch.cat([t.double().flatten() for t in tensors])
+
+
+def train(stds, every, run_dir, main_process=True):
+    """Feed the trajectory through PowerEMA as the trainers do (update once per step, snapshot when due)."""
+    model, traj = Weights(), trajectory().float()
+    ema = phema.PowerEMA(model, stds, every, BATCH, run_dir, main_process)
+    for step in range(1, STEPS + 1):
+        with torch.no_grad():
+            model.a.copy_(traj[step - 1, :DIM]), model.b.copy_(traj[step - 1, DIM:].view(2, 3))
+        ema.update(model)
+        if ema.due(step, STEPS):
+            ema.snapshot(step)
+    return ema
+
+
+def profile_mean(gamma, steps=STEPS):
+    """The EMA at the last step in closed form (eq. 2 integrated over each step's interval): step s's weights
+    carry (s^(g+1) - (s-1)^(g+1)) / T^(g+1)."""
+    s = torch.arange(1, steps + 1, dtype=torch.float64)
+    w = (s ** (gamma + 1) - (s - 1) ** (gamma + 1)) / steps ** (gamma + 1)
+    return (w[:, None] * trajectory()).sum(0)
+
+
+def test_std_and_gamma_are_inverse_and_std_is_the_profiles_relative_width():
+    for std in (0.01, 0.05, 0.1, 0.2, 0.28):
+        gamma = phema.gamma_of_std(std)
+        assert phema.std_of_gamma(gamma) == pytest.approx(std, rel=1e-10)
+        # The std of the density (g + 1) tau^g on [0, 1], by quadrature: sigma_rel of a profile ending at t = 1.
+        mean = integrate.quad(lambda x: x * (gamma + 1) * x ** gamma, 0, 1)[0]
+        var = integrate.quad(lambda x: (x - mean) ** 2 * (gamma + 1) * x ** gamma, 0, 1)[0]
+        assert np.sqrt(var) == pytest.approx(std, rel=1e-8)
+    assert phema.gamma_of_std(0.05) == pytest.approx(16.97, abs=0.01)  # the paper's pair of profiles
+    assert phema.gamma_of_std(0.10) == pytest.approx(6.94, abs=0.01)
+    with pytest.raises(ValueError, match="relative std"):
+        phema.gamma_of_std(0.29)
+
+
+def test_profile_inner_products_match_quadrature():
+    def p(t, g):
+        return lambda x: (g + 1) * x ** g / t ** (g + 1) if x <= t else 0.0
+
+    for t_a, g_a, t_b, g_b in [(1.0, 7.0, 1.0, 17.0), (0.4, 7.0, 1.0, 17.0), (1.0, 0.5, 0.3, 3.0), (2.0, 2.0, 5.0, 0.2)]:
+        expected = integrate.quad(lambda x: p(t_a, g_a)(x) * p(t_b, g_b)(x), 0, min(t_a, t_b), limit=200)[0]
+        assert phema.profile_inner_products(t_a, g_a, t_b, g_b) == pytest.approx(expected, rel=1e-8)
+        assert phema.profile_inner_products(t_b, g_b, t_a, g_a) == pytest.approx(expected, rel=1e-8)
+
+
+def test_a_constant_trajectory_is_reproduced_exactly_even_where_the_fit_is_poor():
+    """The coefficients sum to 1 (the mix's profile integrates to 1, as an EMA's does), also for a target the
+    snapshots fit badly: three snapshots of a short profile, a std near the end of the range."""
+    x, fit_error = phema.solve_coefficients([100, 200, 300], [phema.gamma_of_std(0.05)] * 3, 300, phema.gamma_of_std(0.28))
+    assert fit_error > 0.1 and x.sum() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_tracked_profile_is_the_closed_form_integral(tmp_path):
+    ema = train([0.05, 0.2], every=10**9, run_dir=tmp_path)  # tracking on, one snapshot at the end
+    for std, profile in zip(ema.stds, ema.profiles):
+        expected = profile_mean(phema.gamma_of_std(std))
+        torch.testing.assert_close(flat(profile), expected, rtol=1e-5, atol=1e-6)
+    assert ema.images == STEPS * BATCH
+
+
+@pytest.mark.parametrize("target", [0.07, 0.15])
+def test_reconstruction_matches_a_third_power_ema_tracked_exactly(tmp_path, monkeypatch, target):
+    """Profiles 0.05 and 0.10 snapshotted every 10 steps; the EMA of std `target` (between them, and beyond
+    the longer one) reconstructed from the snapshot files equals a third power EMA tracked at that std, to
+    1e-4 relative (with snapshots in fp32; the fp16 ones the trainers write are within their rounding)."""
+    monkeypatch.setattr(phema, "SNAPSHOT_DTYPE", torch.float32)
+    train([0.05, 0.10], every=10 * BATCH, run_dir=tmp_path / "fp32")
+    third = train([target], every=10**9, run_dir=tmp_path / "third")
+    weights, info = phema.reconstruct(tmp_path / "fp32" / "phema", target)
+    ours, exact = flat([weights["a"], weights["b"]]), flat(third.profiles[0])
+    assert info["snapshots"] == STEPS // 10 and info["images"] == STEPS * BATCH and info["profile_fit_error"] < 1e-2
+    assert ((ours - exact).norm() / exact.norm()).item() < 1e-4
+    torch.testing.assert_close(exact, profile_mean(phema.gamma_of_std(target)), rtol=1e-5, atol=1e-6)
+    # The fp16 snapshots: rounding of 2^-11 relative per value, mixed with coefficients of sum 1.
+    monkeypatch.setattr(phema, "SNAPSHOT_DTYPE", torch.float16)
+    train([0.05, 0.10], every=10 * BATCH, run_dir=tmp_path / "fp16")
+    weights16, _ = phema.reconstruct(tmp_path / "fp16" / "phema", target)
+    assert ((flat([weights16["a"], weights16["b"]]) - exact).norm() / exact.norm()).item() < 3e-3
+    assert load_file(str(next((tmp_path / "fp16" / "phema").glob("*.safetensors"))))["0.05/a"].dtype == torch.float16
+
+
+KILLED_WRITE = '''
+import os, signal, sys, torch
+sys.path.insert(0, sys.argv[1])
+import safetensors.torch
+from training import phema
+
+def save_half_then_die(tensors, path, metadata=None):  # the process is killed halfway through the write
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+        f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+model = torch.nn.Linear(4, 3)
+ema = phema.PowerEMA(model, [0.05, 0.1], 8, 8, sys.argv[2], True)
+ema.update(model)
+ema.snapshot(1)                  # a complete snapshot at 8 images
+ema.update(model)
+safetensors.torch.save_file = save_half_then_die
+ema.snapshot(2)                  # killed while writing the one at 16 images
+'''
+
+
+def test_a_snapshot_cut_off_by_sigkill_is_never_read(tmp_path, capsys):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_WRITE)
+    proc = subprocess.run([sys.executable, str(script), str(ROOT), str(tmp_path / "run")], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    folder = tmp_path / "run" / "phema"
+    assert sorted(p.name for p in folder.iterdir()) == [".phema_000000000016.safetensors.tmp", "phema_000000000008.safetensors"]
+    assert [s[1] for s in phema.list_snapshots(folder)] == [8]
+    weights, info = phema.reconstruct(folder, 0.1)
+    assert info["images"] == 8 and set(weights) == {"weight", "bias"}
+    # A snapshot damaged after it was written (a disk, a copy) is reported and left out, never half-read.
+    good = folder / "phema_000000000008.safetensors"
+    (folder / "phema_000000000024.safetensors").write_bytes(good.read_bytes()[:200])
+    assert [s[1] for s in phema.list_snapshots(folder)] == [8]
+    assert "phema_000000000024.safetensors is not a readable post-hoc EMA snapshot" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_profiles_resume_bitwise_and_the_tool_exports_a_reconstruction(tmp_path):
+    """4 steps straight vs 2 steps and --resume latest to 4, snapshots every 2 steps (32 images): the same
+    profiles in the checkpoints and the same snapshot files, bit for bit; then tools/phema.py exports a
+    reconstruction that sample.py reads by its std."""
+    import train_flow_matching as fm
+    from test_robustness import assert_same_checkpoint
+
+    extra = ["--log.every=1", "--ckpt.every=2", "--ckpt.phema_every=32", "--train.batch_size=16"]
+    fm.main(tiny_run_args(tmp_path, "straight", steps=4) + extra)
+    fm.main(tiny_run_args(tmp_path, "resumed", steps=2) + extra)
+    fm.main(tiny_run_args(tmp_path, "resumed", steps=4) + extra + ["--resume=latest"])
+    assert_same_checkpoint(tmp_path / "straight", tmp_path / "resumed", 4)
+    a, b = (load_file(str(tmp_path / r / "checkpoints" / "step_00000004" / "phema.safetensors")) for r in ("straight", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) and int(a["images"]) == 64
+    snaps = {r: sorted((tmp_path / r / "phema").glob("phema_*.safetensors")) for r in ("straight", "resumed")}
+    assert [p.name for p in snaps["straight"]] == ["phema_000000000032.safetensors", "phema_000000000064.safetensors"]
+    for a, b in zip(snaps["straight"], snaps["resumed"]):  # (not the raw bytes: safetensors orders metadata at random)
+        ta, tb = load_file(str(a)), load_file(str(b))
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+        assert phema.list_snapshots(a.parent)[0][1:] == phema.list_snapshots(b.parent)[0][1:]
+
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "phema.py"), "--run", str(tmp_path / "straight"),
+                          "--std", "0.08"], capture_output=True, text=True, cwd=tmp_path, env={**os.environ})
+    assert out.returncode == 0, out.stderr[-2000:]
+    export = tmp_path / "straight" / "phema" / "exports" / "std_0.08" / "export"
+    assert json.loads((export / "phema.json").read_text())["phema_std"] == 0.08
+    from training.model import load_exported
+    model, _ = load_exported(export)
+    weights, _ = phema.reconstruct(tmp_path / "straight" / "phema", 0.08)
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    import sample
+    folder = sample.main(["--run", str(tmp_path / "straight"), "--phema_std", "0.08", "--classes", "0,1",
+                          "--per_class", "1", "--steps", "2", "--guidance_interval", "0.2,0.8"])
+    settings = json.loads((folder / "sample.json").read_text())
+    assert settings["model"]["weights"] == "post-hoc EMA, std 0.08" and settings["guidance_interval"] == [0.2, 0.8]
