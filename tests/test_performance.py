@@ -138,7 +138,7 @@ def loss_and_grads(model, forward, batch):
 
 def test_gradient_checkpointing_gives_identical_loss_and_gradients():
     """Checkpointing recomputes each block's forward in the backward pass: the same numbers, less memory. The
-    conditioner's adaptive-norm addition (a forward hook) and the control weights must survive the recompute."""
+    conditioner's adaptive-norm addition and the control weights must survive the recompute."""
     plain, batch = tiny_model_and_batch()
     checkpointed, _ = tiny_model_and_batch(checkpointing=True)
     assert checkpointed.transformer.gradient_checkpointing and not plain.transformer.gradient_checkpointing
