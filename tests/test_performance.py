@@ -53,15 +53,18 @@ def count_syncs(monkeypatch, counter):
         counter.step = step
         return lr_at(step, *args, **kwargs)
     monkeypatch.setattr(common, "lr_at", step_start)
-    next_batch = monitor.Monitor.next_batch
+    batches = monitor.Monitor.batches
 
-    def host_data(self, batches, device):  # reading host data in the loader is not a device sync (on a GPU it
-        counter.paused = True               # runs in the loader's workers); the copy to the device is async
-        try:
-            return next_batch(self, batches, device)
-        finally:
-            counter.paused = False
-    monkeypatch.setattr(monitor.Monitor, "next_batch", host_data)
+    def host_data(self, loader, device):  # reading host data in the loader is not a device sync (on a GPU it
+        inner = batches(self, loader, device)  # runs in the loader's workers); the copy to the device is async
+        while True:
+            counter.paused = True
+            try:
+                batch = next(inner)
+            finally:
+                counter.paused = False
+            yield batch
+    monkeypatch.setattr(monitor.Monitor, "batches", host_data)
 
 
 @pytest.mark.parametrize("trainer,extra", [("train_flow_matching", ["--train.grad_accum=2"]),
@@ -95,7 +98,7 @@ def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
             model[1].weight.grad[0, 0] = float("nan")
         finite = torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         common.step_unless_nonfinite(optimizer, finite)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=False)
         common.ema_update(ema, model, 0.9, step, applied=finite)
 
     train_step(0, poison=False)
