@@ -281,3 +281,53 @@ def test_bf16_reaches_the_denoisers_linear_layers_in_training_validation_and_eva
     for name, calls in seen.items():
         assert all(bf16 for bf16, _ in calls), name  # every matmul of the denoiser in bf16
         assert torch.bfloat16 in {dtype for _, dtype in calls}, name
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_on_cpu_at_a_tiny_size(tmp_path):
+    """benchmarks/gpu_check.py as the device runs it (a subprocess, TORCH_LOGS read at start-up), on a tiny model:
+    both trainers, no graph break or recompile, the resumed steps bitwise those before, sampling measured."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+
+    out = tmp_path / "check.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(out), "--steps=2",
+                          "--warmup=1", "--sample_batch=2", "--compile_backend=aot_eager", f"--tmp={tmp_path}",
+                          "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+                          "--train.batch_size=2", "--data.resolution=32", "--val.steps=2"],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["trainer"] for r in result["trainers"]] == ["flow_matching", "ddpm"] and result["peak_bf16_tflops"] is None
+    for r in result["trainers"]:
+        assert r["graph_breaks"] == 0 and r["recompiles"] == 0 and r["graphs"] >= 1, r
+        assert r["resume_exact"] and r["losses_before_resume"] == r["losses_after_resume"], r
+        assert r["images_per_s"] > 0 and r["tflops"] > 0 and r["sampling_images_per_s"] > 0 and r["mfu"] is None
+        assert r["image_tokens"] == (32 // 8 // 2) ** 2 and r["checkpoint_gb"] > 0
+    assert "| flow_matching | 0 | 0 |" in run.stdout and "| ddpm | 0 | 0 |" in run.stdout
+
+
+def test_the_gpu_check_counts_graph_breaks_and_recompiles():
+    """The counts the device check prints come from dynamo's own graph_breaks and recompiles logs."""
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    def breaks_once(x, n):
+        if n > 0:
+            print("a graph break")
+        return x * n
+
+    torch._logging.set_logs(graph_breaks=True, recompiles=True)
+    try:
+        gpu_check.COMPILE_LOGS.clear()
+        compiled = torch.compile(breaks_once, backend="eager")
+        compiled(torch.ones(3), 1), compiled(torch.ones(3), 2)  # a constant guard fails: a recompile
+    finally:
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    assert gpu_check.COMPILE_LOGS["graph_breaks"] >= 1 and gpu_check.COMPILE_LOGS["recompiles"] >= 1
