@@ -69,7 +69,7 @@ RULES = {
     "train.lr_reference_batch": ">= 1", "train.betas": "[0, 1)", "train.weight_decay": ">= 0",
     "train.warmup_steps": ">= 0", "train.grad_clip": "> 0", "train.max_nonfinite_steps": ">= 1",
     "train.mixed_precision": ("no", "fp16", "bf16"), "train.ema_decay": "[0, 1]", "train.gradient_checkpointing": bool,
-    "train.compile": bool,
+    "train.compile": bool, "train.timeout_minutes": "> 0",
     "val.every": ">= 1", "val.num_samples": ">= 1", "val.steps": ">= 1", "val.guidance_scale": ">= 0",
     "val.control_guidance_scale": ">= 0", "val.loss_samples": ">= 1", "val.fid_every": ">= 0", "val.fid_samples": ">= 2",
     "val.fid_reference": str, "val.inception_weights": str, "val.prompts": str,
