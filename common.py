@@ -24,22 +24,49 @@ from safetensors.torch import save_file
 # Run helpers: accelerator, stop signals, EMA, LR, time shift.
 
 
-def make_accelerator(mixed_precision):
+def make_accelerator(mixed_precision, timeout_minutes=30):
     """The Accelerator every script uses. cpu=True without CUDA: `accelerate launch --multi_gpu` then forms
     one gloo group of CPU processes; otherwise accelerate 1.x lets each process silently train alone, which
     is also refused here. TF32 matmuls and convolutions on Ampere and newer (fp32 work at tensor-core speed).
-    DDP: gradients are views into its all-reduce buckets (no second copy of the gradients in memory). Its
-    static_graph stays off: it fails under no_sync accumulation (an internal assert in the reducer), and with
-    find_unused_parameters off DDP already skips the per-step search for unused parameters."""
-    from accelerate import Accelerator, DistributedDataParallelKwargs
+    DDP: gradients are views into its all-reduce buckets (no second copy of the gradients in memory, as long
+    as they are zeroed in place, never set to None). Its static_graph stays off: it fails under no_sync
+    accumulation (an internal assert in the reducer), and with find_unused_parameters off DDP already skips
+    the per-step search for unused parameters. timeout_minutes (train.timeout_minutes): how long a collective
+    waits for a slow rank (a checkpoint written to slow shared storage, a cache being built) before the run
+    fails; NCCL's own default is 10 minutes."""
+    from datetime import timedelta
 
-    ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
-    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(), kwargs_handlers=[ddp])
+    from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True),
+                InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))]
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(), kwargs_handlers=handlers)
     world = accelerator.num_processes
     if world != int(os.environ.get("WORLD_SIZE", world)):
         raise RuntimeError(f"launched {os.environ['WORLD_SIZE']} processes but accelerate formed a group of {world}")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return accelerator
+
+
+def same_on_every_rank(module, accelerator):
+    """Rank 0's weights in `module` on every rank. DDP broadcasts the model it wraps; the EMA, copied from each
+    rank's own model before that (every rank builds it from its own seed), needs the same, since every rank
+    samples its share of validation and FID with it."""
+    if accelerator.num_processes > 1:
+        for tensor in module.state_dict().values():
+            torch.distributed.broadcast(tensor, src=0)
+
+
+def split_over_ranks(work, n, accelerator):
+    """work(rows) -> a tensor of len(rows) rows, run by each rank on its contiguous share (a slice) of n rows, the
+    shares gathered in order on every rank: the result of one process, computed by all (validation samples)."""
+    per = -(-n // accelerator.num_processes)
+    rows = slice(min(n, accelerator.process_index * per), min(n, (accelerator.process_index + 1) * per))
+    out = work(rows)
+    if accelerator.num_processes == 1:
+        return out
+    padded = torch.cat([out, out.new_zeros(per - len(out), *out.shape[1:])])  # gather wants equal shapes
+    return accelerator.gather(padded)[:n]
 
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; launch/slurm.sbatch requeues the job on it
@@ -105,19 +132,25 @@ def end_processes(accelerator):
 
 def make_optimizer(model, tr):
     """Adam(W) (weight_decay 0 = Adam, as in the paper), fused: one kernel for all weights per step on CUDA, and
-    the kernel that takes a skip decision on the device (step_unless_nonfinite). Fused runs on CPU too, so the
+    the kernel that takes a skip decision on the device (skip_update_if_nonfinite). Fused runs on CPU too, so the
     tests exercise the same optimizer as a GPU run."""
     return torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay,
                              fused=True)
 
 
-def step_unless_nonfinite(optimizer, finite, fp16=False):
-    """optimizer.step(), skipped on the device when `finite` (0-dim bool tensor) is False, so the host never waits
-    to read it: the fused AdamW reads `found_inf` (torch's GradScaler mechanism), leaves weights and moments as
-    they were and takes back its step-count increment. Under fp16 the grad scaler sets found_inf itself (its own
-    check of the unscaled gradients) and lowers its scale; accelerate then reads the scale, a sync fp16 keeps."""
+def skip_update_if_nonfinite(optimizer, finite, fp16=False):
+    """The next optimizer.step() leaves weights and moments as they are when `finite` (0-dim bool tensor) is False,
+    decided on the device so the host never waits to read it: the fused AdamW reads `found_inf` (torch's
+    GradScaler mechanism) and takes back its step-count increment. Under fp16 the grad scaler sets found_inf
+    itself (its own check of the unscaled gradients) and lowers its scale; accelerate then reads the scale, a
+    sync fp16 keeps."""
     if not fp16:
         getattr(optimizer, "optimizer", optimizer).found_inf = (~finite).float()  # inside accelerate's wrapper
+
+
+def step_unless_nonfinite(optimizer, finite, fp16=False):
+    """skip_update_if_nonfinite, then optimizer.step() (the benchmarks' one-line form)."""
+    skip_update_if_nonfinite(optimizer, finite, fp16)
     optimizer.step()
 
 

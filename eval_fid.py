@@ -88,7 +88,7 @@ def parse_args(argv=None):
     a("--clip_model", default="openai/clip-vit-large-patch14", help="hub id or local path; 'none' to skip")
     a("--adm_npz", default=None, help="also write the samples as uint8 NHWC 'arr_0' for ADM's evaluator")
     a("--generate_only", action="store_true", help="write the PNGs and stop (score later, anywhere)")
-    a("--mixed_precision", default="no", choices=["no", "fp16", "bf16"])
+    a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
     return p.parse_args(argv)
 
 
@@ -574,13 +574,14 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
 def main(argv=None, feature_fn=None):
     """Returns the report (None with --generate_only, and on ranks other than the main one)."""
     args = parse_args(argv)
-    # cpu=True without CUDA, as in the trainers: `accelerate launch --multi_gpu` then runs CPU processes over gloo.
-    accelerator = common.make_accelerator(args.mixed_precision)
-    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     t_start = time.time()
 
     # ---- Model and settings ---------------------------------------------------------------------------------
     model, cfg, model_desc = load_model(args.run, args.checkpoint, args.weights, args.phema_std)
+    precision = args.mixed_precision or cfg["train"]["mixed_precision"]  # sampled at the run's precision
+    # cpu=True without CUDA, as in the trainers: `accelerate launch --multi_gpu` then runs CPU processes over gloo.
+    accelerator = common.make_accelerator(precision)
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     model.to(device)
     steps, sampler = args.steps or cfg["val"]["steps"], args.sampler or cfg["val"]["sampler"]
     interval = args.guidance_interval or cfg["val"].get("guidance_interval", [0.0, 1.0])
@@ -601,7 +602,7 @@ def main(argv=None, feature_fn=None):
         "model": {"run": str(args.run), **model_desc, "method": method_of(cfg).__name__},
         "sampler": sampler, "steps": steps, "guidance_scale": guidance, "control_guidance_scale": control_guidance,
         "guidance_interval": list(interval),
-        "controls": args.controls if cfg["conditioning"]["controls"] else None, "mixed_precision": args.mixed_precision,
+        "controls": args.controls if cfg["conditioning"]["controls"] else None, "mixed_precision": precision,
         "seeds": {"seed": args.seed, "batch_size": args.batch_size, "noise": "sample i: seed_for(seed, 0, i)",
                   "sampler_rng": "batch starting at sample i: seed_for(seed, 1, i)"},
         "conditioning": ({"prompts": args.prompts or "heldout", "num_prompts": len(prompts),

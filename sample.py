@@ -50,6 +50,7 @@ def parse_args(argv=None):
     a("--sampler", default=None, help="default: the run's val.sampler")
     a("--seed", type=int, default=0)
     a("--batch_size", type=int, default=16)
+    a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
     a("--out", default=None, help="default: <run>/sampled/<sampler><steps>-g<guidance>-seed<seed>")
     return p.parse_args(argv)
 
@@ -147,11 +148,15 @@ def main(argv=None):
     out = Path(args.out or Path(args.run) / "sampled" / tag)
     out.mkdir(parents=True, exist_ok=True)
     vae = load_encoders(config.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
+    precision = args.mixed_precision or cfg["train"]["mixed_precision"]  # the run's, as its validation sampled
+    autocast = torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16,
+                              enabled=precision != "no")
     images = []
     for start in range(0, len(items), args.batch_size):
         idx = list(range(start, min(start + args.batch_size, len(items))))
-        images += list(eval_fid.sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae,
-                                             control_guidance, interval))
+        with autocast:
+            images += list(eval_fid.sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae,
+                                                 control_guidance, interval))
         print(f"sampled {idx[-1] + 1}/{len(items)}", flush=True)
 
     # ---- Out: single PNGs, the labelled grid, the settings --------------------------------------------------
@@ -160,7 +165,7 @@ def main(argv=None):
     pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
     runlog.save_image_grid(pixels, out / "grid.png", nrow=args.per_class, labels=[label for _, label in items])
     settings = {"model": {"run": str(args.run), **model_desc}, "sampler": sampler, "steps": steps,
-                "guidance_scale": guidance, "control_guidance_scale": control_guidance,
+                "mixed_precision": precision, "guidance_scale": guidance, "control_guidance_scale": control_guidance,
                 "guidance_interval": list(interval), "seed": args.seed,
                 "noise": "image i: eval_fid.seed_for(seed, 0, i)", "batch_size": args.batch_size,
                 "conditions": [label for _, label in items]}

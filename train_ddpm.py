@@ -327,7 +327,7 @@ def main(argv=None):
     data, obj, tr = cfg.data, cfg.objective, cfg.train
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
-    accelerator = common.make_accelerator(tr.mixed_precision)  # also on CPU-only machines, TF32 on
+    accelerator = common.make_accelerator(tr.mixed_precision, tr.timeout_minutes)  # CPU-only too; TF32
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     set_seed(cfg.seed + rank)  # different noise and times on each rank
     alphas_cumprod = schedule_of(cfg).to(device, torch.float32)  # float32 on the device: MPS has no float64
@@ -345,10 +345,11 @@ def main(argv=None):
     # fp32 EMA; the checkpoint to resume, else another run's weights when init_from names one
     model, ema, ckpt = prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
     optimizer = common.make_optimizer(model, tr)  # fused AdamW; weight_decay 0 = Adam, as in the paper
+    if tr.compile:  # in place and before DDP wraps it: one graph of the model, its state-dict keys unchanged
+        model.compile()
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
-    ema.to(device)
-    forward = torch.compile(model) if tr.compile else model
+    common.same_on_every_rank(ema.to(device), accelerator)  # DDP broadcast the model; the EMA gets rank 0's too
     raw_model = accelerator.unwrap_model(model)
     phema = PowerEMA(raw_model, cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.batch_size * world * tr.grad_accum,
                      run_dir, accelerator.is_main_process)  # post-hoc EMA profiles (ckpt.phema_every; 0: off)
@@ -374,23 +375,27 @@ def main(argv=None):
     @torch.no_grad()
     @torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])  # draws nothing from training's RNG
     def validate(step):                                                        # (padding noise): exact resume
+        """At the run's precision, split over the ranks: each samples its share of the grid and takes every
+        world-th held-out batch; the grid is gathered and the losses summed, so both are a one-process run's
+        (val.sampler=ddpm: the ancestral sampler's fresh noise is drawn per share, so its grid depends on the
+        process count)."""
         ema.eval()
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(cfg.seed)  # the ancestral sampler's noise: fixed, and the training RNG untouched
-            with common.counting_evaluations(ema) as rows:  # network evaluations: fewer with a guidance interval
-                x = generate(ema, val_noise, val_cond, cfg)
-        path = log.samples(decode(vae, x, device), step, d.val_prompts)
+        torch.manual_seed(cfg.seed + rank)  # the ancestral sampler's noise: fixed, and the training RNG untouched
+        with accelerator.autocast(), common.counting_evaluations(ema) as evals:  # NFE: fewer with a guidance interval
+            x = common.split_over_ranks(lambda rows: generate(ema, val_noise[rows], {k: v[rows] for k, v in val_cond.items()},
+                                                              cfg), len(val_noise), accelerator)
+        path = log.samples(decode(vae, x, device), step, d.val_prompts) if accelerator.is_main_process else None
         # Validation loss: every held-out sample at every t_k = floor((k + 0.5) T / K), with fixed noise.
-        losses, n = torch.zeros(obj.loss_bins), min(cfg.val.loss_samples, len(val_set))
-        for x0, noise, cond in heldout_batches(val_set, n, tr.batch_size, cfg.seed + 1, device):
-            for k in range(obj.loss_bins):
+        losses, n = torch.zeros(obj.loss_bins, device=device), min(cfg.val.loss_samples, len(val_set))
+        for i, (x0, noise, cond) in enumerate(heldout_batches(val_set, n, tr.batch_size, cfg.seed + 1, device)):
+            for k in range(obj.loss_bins) if i % world == rank else ():  # every rank draws every batch's noise
                 t = torch.full((len(x0),), int((k + 0.5) * T / obj.loss_bins), device=device)
                 with accelerator.autocast():
                     losses[k] += ddpm_loss(ema, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight,
-                                           model_time).sum().cpu()
-        losses /= n
-        log({"step": step, "val_loss": losses.mean().item(), "val_nfe": rows[0] / len(val_noise),
-             **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
+                                           model_time).sum()
+        losses = accelerator.reduce(losses, "sum").cpu() / n
+        nfe = evals[0] / min(len(val_noise), -(-len(val_noise) // world))  # per sample, over rank 0's share of the grid
+        log({"step": step, "val_loss": losses.mean().item(), "val_nfe": nfe, **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
         accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
 
     def checkpoint(step):
@@ -403,15 +408,17 @@ def main(argv=None):
         eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, d.null_text is not None, log, step)
 
     # ---- Training loop --------------------------------------------------------------------------------------
-    batches = iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
-                              loader_options(data, device))
+    batches = monitor.batches(iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
+                                              loader_options(data, device)), device)  # on the device, wait timed
     model.train()
     while step < tr.max_steps:
         lr = common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         for micro in range(tr.grad_accum):
-            batch = text_features(monitor.next_batch(batches, device), text_encoder)  # cache_text=false: encode
+            batch = next(batches)
+            with accelerator.autocast():  # data.cache_text=false: the frozen text encoder encodes here, in bf16 too
+                batch = text_features(batch, text_encoder)
             x0 = batch["x"] + batch["x_std"] * torch.randn_like(batch["x"]) if "x_std" in batch else batch["x"]
             cond = {k: v for k, v in batch.items() if k in COND_FIELDS}
             # Semantic and control conditions are dropped independently, for guidance on each.
@@ -421,8 +428,9 @@ def main(argv=None):
             t = torch.randint(0, T, (len(x0),), device=device)  # uniform over the T timesteps (Ho et al. 2020)
             # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
             with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
-                loss = ddpm_loss(forward, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight, model_time)
-                accelerator.backward(loss.mean() / tr.grad_accum)
+                with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32
+                    loss = ddpm_loss(model, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight, model_time)
+                accelerator.backward(loss.mean() / tr.grad_accum)  # the step's loss: the mean over its micro-batches
             monitor.micro_batch(loss, t * obj.loss_bins // T)
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip)
@@ -430,12 +438,12 @@ def main(argv=None):
         # the device so the host never waits for it. The norm is of the all-reduced gradients, so every rank
         # decides the same. The step still counts: the data position and the LR stay pure functions of it.
         finite = torch.isfinite(grad_norm)
-        monitor.before_update(step, grad_norm, finite)
-        common.step_unless_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
-        optimizer.zero_grad(set_to_none=True)
+        common.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
+        optimizer.step()
+        monitor.optimizer_step(grad_norm, finite)  # records it (on analysis steps it reads the gradients)
+        optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay views of DDP's buckets, one copy
         common.ema_update(ema, raw_model, tr.ema_decay, step, applied=finite)
         phema.update(raw_model)  # post-hoc EMA profiles, on the device (ckpt.phema_every; off: nothing)
-        monitor.after_update(step, grad_norm, finite, accelerator.optimizer_step_was_skipped)
         step += 1
 
         # Up to here nothing waits for the device. The host syncs at log steps (one all-reduce of the interval's
@@ -445,7 +453,7 @@ def main(argv=None):
             monitor.log_interval(step, lr)
             stop = signals.agreed(accelerator)  # a signal stops the run within log.every - 1 steps
         if common.due(step, cfg.val.every, tr.max_steps):  # (pauses are not counted as training throughput)
-            monitor.pause(validate, step, "validation", main_only=True)
+            monitor.pause(validate, step, "validation")
         if common.due(step, cfg.val.fid_every, tr.max_steps):
             monitor.pause(fid, step, f"FID ({cfg.val.fid_samples} samples)")
         if phema.due(step, tr.max_steps):

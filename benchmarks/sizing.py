@@ -6,7 +6,10 @@ GPU), A100 GPU-hours for the whole run at a stated MFU, and memory per GPU at th
 
 Memory per GPU = 20 bytes per parameter (fp32 weights 4, gradients 4, Adam moments 8, fp32 EMA 4) plus the
 activations that one step keeps for its backward pass under bf16 autocast, without gradient checkpointing
-(activation_bytes). benchmarks/gpu_throughput.py measures the real peak on a GPU.
+(activation_bytes). The gradients are counted once: under DDP they are views of its all-reduce buckets
+(gradient_as_bucket_view), which the trainers keep by zeroing them in place; set to None, each no_sync backward
+would allocate a second copy (4 more bytes per parameter, 5.3 GB for the XL recipes). benchmarks/gpu_throughput.py
+and benchmarks/gpu_check.py measure the real peak on a GPU.
 """
 import argparse
 import json
@@ -50,16 +53,21 @@ def activation_bytes(cfg, layers, batch):
     return at(fixed) + batch * at(per_image)
 
 
+def training_flops_per_image(cfg):
+    """(FLOPs of one image's forward and backward, parameters, image tokens, context tokens) of a config's model,
+    counted on the meta device (benchmarks/gpu_check.py takes its MFU from here)."""
+    x0, cond, text_dims = model_inputs(cfg, 1, torch.device("meta"))
+    model = build(cfg, x0, text_dims, torch.device("meta"), checkpointing=False)
+    flops = count_flops(lambda: fm.flow_matching_loss(model, x0, cond, torch.rand(1, device="meta"),
+                                                      torch.randn_like(x0)).mean().backward())
+    context_tokens = text_dims[0] if text_dims else cfg.model.class_tokens  # the MMDiT's second stream
+    return flops, sum(p.numel() for p in model.parameters()), (x0.shape[-1] // cfg.model.patch_size) ** 2, context_tokens
+
+
 def size_recipe(name, gpus, mfu):
     cfg = config.load_config(fm.DEFAULTS, ["--config", f"configs/{name}.json"])
     cfg.config_path, batch = f"configs/{name}.json", cfg.train.batch_size
-    x0, cond, text_dims = model_inputs(cfg, 1, torch.device("meta"))
-    model = build(cfg, x0, text_dims, torch.device("meta"), checkpointing=False)
-    params = sum(p.numel() for p in model.parameters())
-    image_tokens = (x0.shape[-1] // cfg.model.patch_size) ** 2
-    context_tokens = text_dims[0] if text_dims else cfg.model.class_tokens  # the MMDiT's second stream
-    flops_per_image = count_flops(lambda: fm.flow_matching_loss(model, x0, cond, torch.rand(1, device="meta"),
-                                                                torch.randn_like(x0)).mean().backward())
+    flops_per_image, params, image_tokens, context_tokens = training_flops_per_image(cfg)
     global_batch = batch * gpus * cfg.train.grad_accum
     total_flops = flops_per_image * global_batch * cfg.train.max_steps
     activations = activation_bytes(cfg, cfg.model.num_layers, batch)

@@ -45,7 +45,7 @@ def bare_loop(cfg):
         loss = fm.flow_matching_loss(model, x0, cond, torch.rand(len(x0)), noise).mean()
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=False)
         return time.perf_counter() - start
     return one_step
 
@@ -70,8 +70,7 @@ def parts(cfg, train_set, repeats=20):
     def monitor_records():  # what the monitor writes into its device buffers on an ordinary step
         records.since_log = 0
         records.micro_batch(losses, bins)
-        records.before_update(0, norm, finite)
-        records.after_update(0, norm, finite)
+        records.optimizer_step(norm, finite)
 
     steps = {
         "forward + backward (both loops)": forward_backward,
@@ -104,10 +103,10 @@ if __name__ == "__main__":
                      "--val.loss_samples=1", "--data.num_classes=9", *extra]
         cfg = config.load_config(fm.DEFAULTS, overrides)
         bare_step, bare_seconds, bare = bare_loop(cfg), [], []
-        after_update, log_interval = monitor.Monitor.after_update, monitor.Monitor.log_interval
+        optimizer_step, log_interval = monitor.Monitor.optimizer_step, monitor.Monitor.log_interval
 
         def then_a_bare_step(self, *args):  # each trainer step is followed by a bare one, off the trainer's clock
-            after_update(self, *args)
+            optimizer_step(self, *args)
             bare_seconds.append(bare_step())
             self.t_last += bare_seconds[-1]
 
@@ -115,10 +114,10 @@ if __name__ == "__main__":
             bare.append(len(bare_seconds) * cfg.train.batch_size / sum(bare_seconds))
             bare_seconds.clear()
             return log_interval(self, step, lr)
-        monitor.Monitor.after_update, monitor.Monitor.log_interval = then_a_bare_step, log_and_bare_rate
+        monitor.Monitor.optimizer_step, monitor.Monitor.log_interval = then_a_bare_step, log_and_bare_rate
         fm.main(overrides)
         logs = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-        monitor.Monitor.after_update, monitor.Monitor.log_interval = after_update, log_interval  # unpatched
+        monitor.Monitor.optimizer_step, monitor.Monitor.log_interval = optimizer_step, log_interval  # unpatched
         from training.cache import CachedDataset
         ms = parts(cfg, CachedDataset(next(Path(tmp, "cache").glob("*-train-*"))))
         trainer = [m["images_per_s"] for m in logs if "images_per_s" in m][1:]

@@ -72,6 +72,28 @@ def test_control_guidance_zero_is_standard_cfg_and_both_scales_combine():
         assert not torch.allclose(c, c_no_controls)
 
 
+@pytest.mark.parametrize("mode,controls", [("disentangled", ("size", "crop", "flip")), ("adanorm", ("size",)),
+                                           ("disentangled", ())])
+def test_the_denoiser_is_diffusers_forward_with_the_adanorm_vector_added(mode, controls):
+    """The Denoiser writes the MMDiT's forward out to add the conditioner's vector to the time/pooled embedding;
+    the oracle is diffusers' own SD3Transformer2DModel.forward, with that vector added to the embedding's output
+    by a forward hook (test only). Trained-looking weights, so that every layer passes signal."""
+    model = tiny_model(mode, controls)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x, t, noise_level = torch.randn(3, 3, 8, 8), torch.tensor([900.0, 400.0, 20.0]), torch.tensor([0.8, 0.5, 0.1])
+    cond = dict(batch(), drop_controls=torch.tensor([False, True, False]))
+    context, pooled, adanorm = model.conditioner(cond, noise_level)
+    hook = model.transformer.time_text_embed.register_forward_hook(lambda module, args, out: out + adanorm)
+    with torch.no_grad():
+        expected = model.transformer(hidden_states=x, encoder_hidden_states=context, pooled_projections=pooled,
+                                     timestep=t).sample
+        hook.remove()
+        torch.testing.assert_close(model(x, t, cond, noise_level), expected, rtol=0, atol=0)
+    assert not torch.is_tensor(adanorm) if mode == "disentangled" and not controls else adanorm.abs().sum() > 0
+    assert list(vars(model)["_forward_hooks"]) == [] and not model.transformer.time_text_embed._forward_hooks
+
+
 def test_noisy_replicate_padding():
     torch.manual_seed(0)
     mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0, 0]]).float()

@@ -53,15 +53,18 @@ def count_syncs(monkeypatch, counter):
         counter.step = step
         return lr_at(step, *args, **kwargs)
     monkeypatch.setattr(common, "lr_at", step_start)
-    next_batch = monitor.Monitor.next_batch
+    batches = monitor.Monitor.batches
 
-    def host_data(self, batches, device):  # reading host data in the loader is not a device sync (on a GPU it
-        counter.paused = True               # runs in the loader's workers); the copy to the device is async
-        try:
-            return next_batch(self, batches, device)
-        finally:
-            counter.paused = False
-    monkeypatch.setattr(monitor.Monitor, "next_batch", host_data)
+    def host_data(self, loader, device):  # reading host data in the loader is not a device sync (on a GPU it
+        inner = batches(self, loader, device)  # runs in the loader's workers); the copy to the device is async
+        while True:
+            counter.paused = True
+            try:
+                batch = next(inner)
+            finally:
+                counter.paused = False
+            yield batch
+    monkeypatch.setattr(monitor.Monitor, "batches", host_data)
 
 
 @pytest.mark.parametrize("trainer,extra", [("train_flow_matching", ["--train.grad_accum=2"]),
@@ -95,7 +98,7 @@ def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
             model[1].weight.grad[0, 0] = float("nan")
         finite = torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         common.step_unless_nonfinite(optimizer, finite)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=False)
         common.ema_update(ema, model, 0.9, step, applied=finite)
 
     train_step(0, poison=False)
@@ -138,7 +141,7 @@ def loss_and_grads(model, forward, batch):
 
 def test_gradient_checkpointing_gives_identical_loss_and_gradients():
     """Checkpointing recomputes each block's forward in the backward pass: the same numbers, less memory. The
-    conditioner's adaptive-norm addition (a forward hook) and the control weights must survive the recompute."""
+    conditioner's adaptive-norm addition and the control weights must survive the recompute."""
     plain, batch = tiny_model_and_batch()
     checkpointed, _ = tiny_model_and_batch(checkpointing=True)
     assert checkpointed.transformer.gradient_checkpointing and not plain.transformer.gradient_checkpointing
@@ -181,3 +184,150 @@ def test_gpu_throughput_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
     assert all(r["images_per_s"] > 0 and r["tflops"] > 0 and r["mfu"] is None for r in result["train"])
     assert result["tokens_per_image"] == (32 // 8 // 2) ** 2 and result["sampling"]["images_per_s"] > 0
     assert "| eager |" in out.read_text() and "| checkpointing |" in out.read_text()
+
+
+def training_forward(trainer, text):
+    """(model prepared by accelerate under bf16, the trainer's training forward and loss as a function of its
+    inputs, those inputs) for a tiny model with class labels or text, and the size, crop and flip controls."""
+    import train_ddpm
+    import train_flow_matching
+
+    module = {"train_flow_matching": train_flow_matching, "train_ddpm": train_ddpm}[trainer]
+    cfg = config.load_config(module.DEFAULTS, ["--data.num_classes=9", "--model.num_layers=2", "--model.num_attention_heads=2",
+                                               "--model.attention_head_dim=16", '--conditioning.controls=["size", "crop", "flip"]'])
+    from training.model import build_denoiser
+    torch.manual_seed(0)
+    model = build_denoiser(cfg, 3, 16, (6, 24, 20) if text else None).train()
+    accelerator = common.make_accelerator("bf16")
+    model = accelerator.prepare(model)
+    b, g = 4, torch.Generator().manual_seed(1)
+    cond = {"drop": torch.tensor([False, True, False, False]), "drop_controls": torch.tensor([False, False, True, False]),
+            "orig_hw": torch.rand(b, 2, generator=g) * 64, "crop_box": torch.rand(b, 4, generator=g) * 16,
+            "flip": torch.tensor([[0.], [1.], [0.], [1.]])}
+    if text:
+        cond.update(text_tokens=torch.randn(b, 6, 24, generator=g), text_pooled=torch.randn(b, 20, generator=g),
+                    text_mask=torch.tensor([[1.] * 3 + [0.] * 3] * b))
+    else:
+        cond["label"] = torch.randint(0, 9, (b,), generator=g)
+    x0, noise = torch.randn(b, 3, 16, 16, generator=g), torch.randn(b, 3, 16, 16, generator=g)
+    if trainer == "train_flow_matching":
+        inputs = (x0, cond, torch.rand(b, generator=g), noise)
+        loss = lambda x0, cond, t, noise: module.flow_matching_loss(model, x0, cond, t, noise)  # noqa: E731
+    else:
+        schedule, weight, time = (f(cfg).float() for f in (module.schedule_of, module.loss_weight_of, module.time_input_of))
+        inputs = (x0, cond, torch.randint(0, 1000, (b,), generator=g), noise)
+        loss = lambda x0, cond, t, noise: module.ddpm_loss(model, x0, cond, t, noise, schedule, "v", weight, time)  # noqa: E731
+
+    def forward_and_loss(*args):
+        with accelerator.autocast():  # as the trainers' loop writes it
+            return loss(*args)
+    return model, forward_and_loss, inputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", [False, True], ids=["class", "text"])
+@pytest.mark.parametrize("trainer", ["train_flow_matching", "train_ddpm"])
+def test_the_training_forward_compiles_to_one_graph(trainer, text):
+    """torch._dynamo.explain over the trainers' training forward and loss (the accelerate-prepared model under
+    bf16 autocast, with every condition kind on): zero graph breaks, so train.compile gets one graph."""
+    model, forward_and_loss, inputs = training_forward(trainer, text)
+    explained = torch._dynamo.explain(forward_and_loss)(*inputs)
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["train_flow_matching", "train_ddpm"])
+def test_bf16_reaches_the_denoisers_linear_layers_in_training_validation_and_evaluation(tmp_path, monkeypatch, trainer):
+    """Under train.mixed_precision=bf16 every linear layer of the denoiser runs under bf16 autocast and some see
+    bf16 inputs (a forward pre-hook records both), in the training step, validation (samples and held-out
+    loss), the FID of val.fid_every, and eval_fid.py's and sample.py's sampling of the finished run."""
+    import eval_fid
+    import sample
+    from test_eval_fid import TinyFeatures
+
+    module, phase, seen = __import__(trainer), ["training"], {}
+
+    def record(layer, inputs):
+        bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        seen.setdefault(phase[0], []).append((bf16, inputs[0].dtype))
+
+    def hooked(model):
+        for layer in model.modules():
+            if isinstance(layer, torch.nn.Linear):
+                layer.register_forward_pre_hook(record)
+        return model
+
+    prepare_model, pause, load_model = module.prepare_model, monitor.Monitor.pause, eval_fid.load_model
+    monkeypatch.setattr(module, "prepare_model", lambda *a: (lambda m, e, c: (hooked(m), hooked(e), c))(*prepare_model(*a)))
+
+    def named_pause(self, work, step, name=None):  # validation, FID or a checkpoint: its own phase
+        phase[0] = (name or "checkpoint").split(" ")[0]
+        pause(self, work, step, name)
+        phase[0] = "training"
+    monkeypatch.setattr(monitor.Monitor, "pause", named_pause)
+    monkeypatch.setattr(eval_fid, "inception_features", lambda *a, **k: TinyFeatures())
+    monkeypatch.setattr(eval_fid, "load_model", lambda *a: (lambda m, c, d: (hooked(m), c, d))(*load_model(*a)))
+    weights = tmp_path / "inception.pt"
+    weights.write_bytes(b"")
+    run = module.main(tiny_run_args(tmp_path, steps=2) + [
+        "--train.mixed_precision=bf16", "--val.every=2", "--val.fid_every=2", "--val.fid_samples=4",
+        f"--val.inception_weights={weights}", "--log.report=false", '--conditioning.controls=["size", "flip"]'])
+    phase[0] = "eval_fid"
+    eval_fid.main(["--run", str(run), "--num_samples=2", "--batch_size=2", "--steps=2", "--generate_only"])
+    phase[0] = "sample"
+    sample.main(["--run", str(run), "--classes=0", "--per_class=1", "--steps=2", "--out", str(tmp_path / "sampled")])
+    assert sorted(seen) == ["FID", "eval_fid", "sample", "training", "validation"]
+    for name, calls in seen.items():
+        assert all(bf16 for bf16, _ in calls), name  # every matmul of the denoiser in bf16
+        assert torch.bfloat16 in {dtype for _, dtype in calls}, name
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_on_cpu_at_a_tiny_size(tmp_path):
+    """benchmarks/gpu_check.py as the device runs it (a subprocess, TORCH_LOGS read at start-up), on a tiny model:
+    both trainers, no graph break or recompile, the resumed steps bitwise those before, sampling measured."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+
+    out = tmp_path / "check.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(out), "--steps=2",
+                          "--warmup=1", "--sample_batch=2", "--compile_backend=aot_eager", f"--tmp={tmp_path}",
+                          "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+                          "--train.batch_size=2", "--data.resolution=32", "--val.steps=2"],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["trainer"] for r in result["trainers"]] == ["flow_matching", "ddpm"] and result["peak_bf16_tflops"] is None
+    for r in result["trainers"]:
+        assert r["graph_breaks"] == 0 and r["recompiles"] == 0 and r["graphs"] >= 1, r
+        assert r["resume_exact"] and r["losses_before_resume"] == r["losses_after_resume"], r
+        assert r["images_per_s"] > 0 and r["tflops"] > 0 and r["sampling_images_per_s"] > 0 and r["mfu"] is None
+        assert r["image_tokens"] == (32 // 8 // 2) ** 2 and r["checkpoint_gb"] > 0
+    assert "| flow_matching | 0 | 0 |" in run.stdout and "| ddpm | 0 | 0 |" in run.stdout
+
+
+def test_the_gpu_check_counts_graph_breaks_and_recompiles():
+    """The counts the device check prints come from dynamo's own graph_breaks and recompiles logs."""
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    def breaks_once(x, n):
+        if n > 0:
+            print("a graph break")
+        return x * n
+
+    torch._logging.set_logs(graph_breaks=True, recompiles=True)
+    try:
+        gpu_check.COMPILE_LOGS.clear()
+        compiled = torch.compile(breaks_once, backend="eager")
+        compiled(torch.ones(3), 1), compiled(torch.ones(3), 2)  # a constant guard fails: a recompile
+    finally:
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    assert gpu_check.COMPILE_LOGS["graph_breaks"] >= 1 and gpu_check.COMPILE_LOGS["recompiles"] >= 1

@@ -80,21 +80,96 @@ def test_caption_column_without_text_encoder_is_refused(tmp_path):
         fm.main(tiny_run_args(tmp_path) + ["--data.caption_column=caption"])
 
 
+# The two-process run, as `accelerate launch` starts it, with two things watched from outside the trainer: a DDP
+# communication hook (DDP's own all-reduce) records where each gradient bucket lives, and after every backward
+# each rank writes down where its gradients live.
+WATCHED = """
+import json, os, sys
+import torch
+import torch._dynamo
+from accelerate import Accelerator
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+from test_train_flow_matching import compile_for_the_test
+compile_for_the_test(torch)
+import train_flow_matching
+
+prepare, backward, record = Accelerator.prepare, Accelerator.backward, {{"buckets": [], "grads": []}}
+
+def prepare_and_watch(self, model, *rest):
+    model, *rest = prepare(self, model, *rest)
+    def hook(group, bucket):
+        record["buckets"].append([len(record["grads"]), bucket.buffer().untyped_storage().data_ptr()])
+        return allreduce_hook(group, bucket)
+    model.register_comm_hook(None, hook)
+    record["params"] = list(model.parameters())
+    return (model, *rest)
+
+def backward_and_watch(self, loss, **kwargs):
+    backward(self, loss, **kwargs)
+    record["grads"].append([None if p.grad is None else p.grad.untyped_storage().data_ptr() for p in record["params"]])
+
+Accelerator.prepare, Accelerator.backward = prepare_and_watch, backward_and_watch
+train_flow_matching.main(sys.argv[1:])
+del record["params"]
+open(f"watched_{{os.environ['RANK']}}.json", "w").write(json.dumps(record))
+"""
+
+
+def compile_for_the_test(torch):
+    """train.compile as the trainers do it, with two changes for a CPU test: a recompilation is an error, and the
+    backend is aot_eager (dynamo's graph capture, guards and AOT autograd, without inductor's C++ build, which
+    takes minutes on 2 cores; tests/test_performance.py compiles with inductor)."""
+    torch._dynamo.config.error_on_recompile = True
+    compile = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self, **kwargs: compile(self, backend="aot_eager")
+
+
 @pytest.mark.slow
-def test_two_processes(tmp_path):
-    args = tiny_run_args(tmp_path, "ddp", steps=2) + ["--train.grad_accum=2"]
+def test_two_processes_compiled_give_the_one_process_validation_and_keep_gradients_in_ddp_buckets(tmp_path, monkeypatch):
+    """Three compiled steps with accumulation and a recompilation made an error, on one process and on two. At LR 0
+    the weights and the EMA stay at their start, so the two runs' validation (split over ranks, gathered) must
+    give the one-process grid and held-out loss. On two processes, from the second step on, every gradient is a
+    view of DDP's buckets after every backward, the no_sync one included (zeroed in place, never freed)."""
+    import numpy as np
+    from PIL import Image
+
+    args = tiny_run_args(tmp_path, "ddp", steps=3) + [
+        "--train.grad_accum=2", "--train.compile=true", "--train.lr=0", "--val.every=3", "--val.num_samples=5",
+        "--val.loss_samples=48", '--conditioning.controls=["size", "crop", "flip"]', "--log.report=false"]
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED.format(root=str(ROOT), tests=str(ROOT / "tests")))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
+                          str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-3000:]
     assert "global batch 16 x 2 processes x 2 accumulation = 64" in out.stdout
     metrics = read_metrics(tmp_path / "ddp")
-    assert [m["step"] for m in metrics if "loss" in m] == [2]
+    assert [m["step"] for m in metrics if "loss" in m] == [2, 3]
     assert SD3Transformer2DModel.from_pretrained(tmp_path / "ddp" / "export" / "transformer") is not None
-    # Both ranks wrote their own cache shards and their own RNG state.
-    assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints" / "step_00000002").glob("rng_*")) == \
+    # Both ranks wrote their own RNG state.
+    assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints" / "step_00000003").glob("rng_*")) == \
         ["rng_0.pt", "rng_1.pt"]
+    for rank in (0, 1):
+        watched = json.loads((tmp_path / f"watched_{rank}.json").read_text())
+        grads = watched["grads"]
+        assert len(grads) == 6  # 3 steps x 2 micro-batches
+        for i in range(2, 6):  # steps 2 and 3: after each backward, every gradient lives in that step's buckets
+            buckets = {ptr for at, ptr in watched["buckets"] if at == i // 2 * 2 + 1}
+            assert None not in grads[i] and set(grads[i]) <= buckets, (rank, i)
+
+    import torch._dynamo
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    compile = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compile(self, backend="aot_eager"))
+    one = fm.main([a.replace(str(tmp_path / "ddp"), str(tmp_path / "one")) for a in args])
+    val_one, val_two = ([m for m in read_metrics(run) if "val_loss" in m] for run in (one, tmp_path / "ddp"))
+    assert len(val_one) == len(val_two) == 1
+    for key in val_one[0]:
+        assert val_two[0][key] == pytest.approx(val_one[0][key], rel=1e-6), key
+    grids = [np.asarray(Image.open(run / "samples" / "step_00000003.png")) for run in (one, tmp_path / "ddp")]
+    assert np.array_equal(*grids)
 
 
 @pytest.mark.slow

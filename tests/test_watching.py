@@ -28,8 +28,7 @@ def two_logged_steps(interactive, monkeypatch):
     mon = monitor.Monitor(cfg, build_denoiser(cfg, 3, 8), Accelerator(cpu=True), rows.append, {"step": 0})
     for step in range(2):
         mon.micro_batch(torch.tensor([0.5, 0.7]), torch.tensor([0, 1]))
-        mon.before_update(step, torch.tensor(0.3), True)
-        mon.after_update(step, torch.tensor(0.3), True)
+        mon.optimizer_step(torch.tensor(0.3), torch.tensor(True))
     mon.t_start -= 10.0  # 2 steps took 10 s: 5 s per step, 2 steps left
     mon.log_interval(2, 5e-4)
     return mon, rows[-1]

@@ -124,6 +124,7 @@ class Train(BaseModel, extra="forbid", strict=True):
     ema_decay: float = Field(0.999, ge=0, le=1, description="EMA of the weights, per optimizer step")
     gradient_checkpointing: bool = Field(False, description="recompute activations: far less memory, ~1/3 more FLOPs")
     compile: bool = Field(False, description="torch.compile the model (on in the recipes; docs/performance.md)")
+    timeout_minutes: float = Field(30.0, gt=0, description="how long a collective waits for a slow rank (NCCL's own: 10)")
 
 
 class Val(BaseModel, extra="forbid", strict=True):  # a trainer adds its sampler keys (schema)

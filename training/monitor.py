@@ -91,8 +91,9 @@ def find_spikes(losses, state, threshold, warmup=100, decay=0.99):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The object the loop talks to: micro_batch (losses), before_update / after_update (gradients, skipped steps),
-# log_interval (one all-reduce per log.every steps), state_dict (what a checkpoint keeps).
+# The object the loop talks to: batches (the data wait), micro_batch (losses), optimizer_step (gradients, skipped
+# steps), log_interval (one all-reduce per log.every steps), state_dict (what a checkpoint keeps). It only
+# records: nothing it does changes what is trained.
 
 
 class Monitor:
@@ -109,10 +110,11 @@ class Monitor:
         state = state or {}
         self.skipped, self.bad_in_row = state.get("skipped_steps", 0), state.get("bad_in_row", 0)
         self.loss_state = state.get("loss_state", {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0})  # smoothed loss, spikes
-        self.since_log, self.analysis = 0, None
+        self.since_log, self.micro_batches, self.before = 0, 0, None  # `before`: weights kept for the update ratio
         # A progress bar on a terminal; in a log file (SLURM) a bar's carriage returns become one huge line, so
         # there log_interval prints one plain line per interval instead.
         self.start_step, self.t_start = state.get("step", 0), time.perf_counter()
+        self.steps_done = self.start_step
         self.show_lines = accelerator.is_local_main_process and not interactive()
         self.progress = tqdm(total=cfg.train.max_steps, initial=self.start_step, desc="train",
                              disable=not accelerator.is_local_main_process or self.show_lines)
@@ -139,46 +141,55 @@ class Monitor:
         """Throughput counts training only: called after validation, FID and checkpoints."""
         self.waited, self.t_last = 0.0, time.perf_counter()
 
-    def next_batch(self, batches, device):
-        """The next micro-batch on the device; the time spent waiting for it is the data-wait share."""
-        t0 = time.perf_counter()
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-        self.waited += time.perf_counter() - t0
-        return batch
+    def batches(self, loader, device):
+        """The micro-batches of `loader` on the device; the host's wait for each (the loader, then the copy, which
+        is asynchronous from pinned memory) is the data-wait share. Reads nothing back from the device."""
+        loader = iter(loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}
+            except StopIteration:
+                return
+            self.waited += time.perf_counter() - t0
+            yield batch
+
+    def analysing(self):
+        """Whether the step in progress is a gradient-analysis step (every log.grad_every, main process only)."""
+        every = self.cfg.log.grad_every
+        return bool(every) and (self.steps_done + 1) % every == 0 and self.accelerator.is_main_process
 
     def micro_batch(self, loss, bins):
-        """Per-sample losses of one micro-batch and the time bin (0 .. loss_bins - 1) of each sample."""
+        """After a micro-batch's backward: its per-sample losses and the time bin (0 .. loss_bins - 1) of each.
+        After the step's last one, on an analysis step, the weights are kept for the update ratio (once the
+        activations are freed, so the copy does not raise the step's peak memory)."""
         loss = loss.detach()
         self.per_step[self.since_log, 0] += loss.sum()
         self.per_step[self.since_log, 1] += len(loss)
         self.stats[:self.k_bins].index_add_(0, bins, loss)
         self.stats[self.k_bins:].index_add_(0, bins, torch.ones_like(loss))
+        self.micro_batches += 1
+        if self.micro_batches == self.cfg.train.grad_accum and self.analysing():
+            self.before = {g: [p.detach().clone() for p in ps] for g, ps in self.groups.items()}
 
-    def before_update(self, step, grad_norm, finite):
-        """On a gradient-analysis step (every log.grad_every, main process; it syncs, an ordinary step does not):
-        the per-group gradient norms before clipping, and the weights before the update for the update ratio."""
-        every = self.cfg.log.grad_every
-        self.analysis = None
-        if every and (step + 1) % every == 0 and self.accelerator.is_main_process:
-            norms = group_grad_norms(self.groups, grad_norm, self.cfg.train.grad_clip)
-            finite = bool(finite)
-            before = {g: [p.detach().clone() for p in ps] for g, ps in self.groups.items()} if finite else None
-            self.analysis = (norms, before, finite)
-
-    def after_update(self, step, grad_norm, finite, optimizer_skipped=False):
-        """Record the step's gradient norm and whether it was skipped (`finite`: 0-dim bool tensor), on the
-        device; finish the analysis on a gradient-analysis step."""
+    def optimizer_step(self, grad_norm, finite):
+        """After optimizer.step(), before the gradients are zeroed: the step's gradient norm and whether it was
+        skipped (`finite`: 0-dim bool tensor), recorded on the device. On an analysis step (it syncs, an
+        ordinary step does not): the gradient norm per layer group before clipping, the update / weight ratio
+        for an update that happened, and vanishing / exploding flags."""
         self.per_step[self.since_log, 2] = grad_norm.detach().float()
         self.per_step[self.since_log, 3] = ~finite
-        if self.analysis is not None:  # the update / weight ratio only for an update that happened
-            norms, before, finite = self.analysis
-            metrics = {"step": step + 1, "grad_norm_step": float(grad_norm), **{f"grad_norm/{g}": v for g, v in norms.items()}}
-            if finite and not optimizer_skipped:
-                metrics.update({f"update_ratio/{g}": v for g, v in group_update_ratios(self.groups, before).items()})
+        step = self.steps_done + 1
+        if self.analysing():
+            norms = group_grad_norms(self.groups, grad_norm, self.cfg.train.grad_clip)
+            metrics = {"step": step, "grad_norm_step": float(grad_norm), **{f"grad_norm/{g}": v for g, v in norms.items()}}
+            if bool(finite) and not self.accelerator.optimizer_step_was_skipped:  # fp16: the scaler skipped it
+                metrics.update({f"update_ratio/{g}": v for g, v in group_update_ratios(self.groups, self.before).items()})
             self.log(metrics)
             for g, kind in gradient_flags(norms, self.cfg.log.grad_flag_ratio):
-                self.log({"step": step + 1, "event": kind, "group": g, "grad_norm": norms[g]})
-                self.accelerator.print(f"step {step + 1}: {kind.replace('_', ' ')} in {g} (norm {norms[g]:.3g})")
+                self.log({"step": step, "event": kind, "group": g, "grad_norm": norms[g]})
+                self.accelerator.print(f"step {step}: {kind.replace('_', ' ')} in {g} (norm {norms[g]:.3g})")
+        self.steps_done, self.micro_batches, self.before = step, 0, None
         self.since_log += 1
         self.progress.update(1)
 
@@ -235,14 +246,11 @@ class Monitor:
                 f"{metrics['loss_smoothed']:.4f} | lr {metrics['lr']:.2e} | {metrics['images_per_s']:.1f} images/s | "
                 f"ETA {eta}")
 
-    def pause(self, work, step, name=None, main_only=False):
-        """Validation, FID or a checkpoint at `step`: `work(step)` on every rank (or the main process only, the
-        others waiting), announced in the log when named, and kept out of the training throughput."""
-        if self.accelerator.is_main_process or not main_only:
-            with self.phase(name, step) if name else contextlib.nullcontext():
-                work(step)
-        if main_only:
-            self.accelerator.wait_for_everyone()
+    def pause(self, work, step, name=None):
+        """Validation, FID or a checkpoint at `step`: `work(step)` on every rank, announced in the log when named,
+        and kept out of the training throughput."""
+        with self.phase(name, step) if name else contextlib.nullcontext():
+            work(step)
         self.restart_clock()
 
     def phase(self, name, step):

@@ -1,0 +1,269 @@
+"""The one prepared device check: both trainers' step on the imagenet256 recipe's model, on one GPU.
+
+    python benchmarks/gpu_check.py --out docs/gpu_check.json    # one H200: about 6 minutes (docs/performance.md)
+
+For each trainer it builds the recipe's model at the recipe's per-GPU batch on random latents of the recipe's
+shape (4 x 32 x 32 for 256 px through an SD-family VAE; no VAE, no dataset, nothing to download), compiles it
+in place before accelerate prepares it (as the trainers do), and runs the trainers' step as their loop writes it:
+micro-batches under no_sync and `accelerator.autocast()` (bf16), backward with the accumulation scale, clip, the
+device-side skip, optimizer.step(), zeroing in place, EMA. It prints
+
+  * graph breaks and recompiles: TORCH_LOGS=graph_breaks,recompiles logs each as it happens (set here unless
+    already set), and the summary counts them;
+  * peak memory of the compiling first step and of the timed steps;
+  * images/s and MFU: model FLOPs per image from benchmarks/sizing.py (FlopCounterMode on the meta device)
+    against the card's dense bf16 peak (benchmarks/gpu_throughput.py's table), which it names;
+  * a checkpoint written and read back with common's own functions, and whether the steps after it give the
+    same losses as the steps before it was read (the next step after a resume must be bitwise the same);
+  * eval_fid's sampling throughput: eval_fid.sample_batch from the EMA at the recipe's val sampler, steps and
+    guidance, under autocast, as eval_fid.py samples.
+
+A bare GPU machine without network lacks diffusers (and its importlib_metadata): put their wheels in .whl/
+(docs/performance.md has the download command) and this script installs them into /tmp/site before anything
+else. Extra --key=value arguments override the recipe; tests/test_performance.py runs a tiny form on CPU.
+"""
+import argparse
+import collections
+import contextlib
+import copy
+import gc
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_LOGS", "graph_breaks,recompiles")  # read when torch is imported
+
+
+def install_carried_wheels(wheels=ROOT / ".whl", target="/tmp/site"):
+    """The packages a bare GPU machine lacks (diffusers; the image has torch, accelerate, transformers,
+    safetensors), from the wheels carried in .whl/, without network."""
+    if importlib.util.find_spec("diffusers") is not None:
+        return
+    carried = sorted(str(w) for w in Path(wheels).glob("*.whl"))
+    if not carried:
+        sys.exit(f"diffusers is not installed and {wheels} holds no wheels: see docs/performance.md, 'The device check'")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", target, *carried], check=True)
+    sys.path.insert(0, target)
+
+
+install_carried_wheels()
+
+import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402
+import eval_fid  # noqa: E402
+import gpu_throughput  # noqa: E402
+import sizing  # noqa: E402
+import train_ddpm  # noqa: E402
+import train_flow_matching  # noqa: E402
+from training import config  # noqa: E402
+from training.model import build_denoiser  # noqa: E402
+
+TRAINERS = {"flow_matching": train_flow_matching, "ddpm": train_ddpm}
+COMPILE_LOGS = collections.Counter()  # records of dynamo's graph_breaks and recompiles loggers (TORCH_LOGS)
+
+
+class CountRecords(logging.Handler):
+    def emit(self, record):
+        COMPILE_LOGS[record.name.rsplit(".__", 1)[-1]] += 1
+
+
+for _name in [n for n in logging.Logger.manager.loggerDict if n.endswith(("__graph_breaks", "__recompiles"))]:
+    logging.getLogger(_name).addHandler(CountRecords())
+
+
+def objective(trainer, cfg, device):
+    """(time sampler, loss(model, x0, cond, t, noise)) of a trainer, as its loop uses them."""
+    if trainer is train_flow_matching:
+        shift = common.shift_of(cfg)
+        return (lambda n: trainer.sample_time(n, cfg.objective, shift, device),
+                lambda model, x0, cond, t, noise: trainer.flow_matching_loss(model, x0, cond, t, noise))
+    schedule, weight, time_input = (f(cfg).to(device, torch.float32) for f in
+                                    (trainer.schedule_of, trainer.loss_weight_of, trainer.time_input_of))
+    return (lambda n: torch.randint(0, cfg.objective.num_timesteps, (n,), device=device),
+            lambda model, x0, cond, t, noise: trainer.ddpm_loss(model, x0, cond, t, noise, schedule,
+                                                                cfg.objective.prediction, weight, time_input))
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_gb(device):
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def check(name, args, overrides):
+    """One trainer's check; returns its row of results."""
+    trainer = TRAINERS[name]
+    cfg = config.load_config(trainer.DEFAULTS, ["--config", args.config, *overrides])
+    tr, row = cfg.train, {"trainer": name}
+    accelerator = common.make_accelerator(tr.mixed_precision)
+    device = accelerator.device
+    torch._dynamo.reset()
+    counters.clear()
+    COMPILE_LOGS.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    x0, cond, text_dims = gpu_throughput.model_inputs(cfg, tr.batch_size, device, args.vae_factor, args.latent_channels)
+    with torch.device(device):
+        model = build_denoiser(cfg, x0.shape[1], x0.shape[-1], text_dims).train()
+    ema = copy.deepcopy(model).requires_grad_(False).float()
+    optimizer = common.make_optimizer(model, tr)
+    model.compile(backend=args.compile_backend)  # in place, before accelerate wraps it: as the trainers
+    model, optimizer = accelerator.prepare(model, optimizer)
+    raw = accelerator.unwrap_model(model)
+    sample_time, loss_of = objective(trainer, cfg, device)
+
+    def train_step(step):
+        """The trainers' step, in their loop's order (the batch is fixed: random latents of the recipe's shape)."""
+        for micro in range(tr.grad_accum):
+            noise, t = torch.randn_like(x0), sample_time(len(x0))
+            with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else contextlib.nullcontext():
+                with accelerator.autocast():
+                    loss = loss_of(model, x0, cond, t, noise)
+                accelerator.backward(loss.mean() / tr.grad_accum)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip)
+        finite = torch.isfinite(grad_norm)
+        common.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        common.ema_update(ema, raw, tr.ema_decay, step, applied=finite)
+        return loss.detach().mean()
+
+    # ---- Compile (the first step), warm-up, then the timed steps ------------------------------------------
+    reset_peak(device)
+    start = time.perf_counter()
+    train_step(0)
+    synchronize(device)
+    row.update(compile_s=time.perf_counter() - start, first_step_peak_gb=peak_gb(device))
+    for i in range(1, 1 + args.warmup):
+        train_step(i)
+    synchronize(device)
+    reset_peak(device)
+    start = time.perf_counter()
+    for i in range(1 + args.warmup, 1 + args.warmup + args.steps):
+        train_step(i)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    images_per_s = args.steps * tr.batch_size * tr.grad_accum / seconds
+    flops_per_image, params, tokens, context = sizing.training_flops_per_image(cfg)
+    peak = gpu_throughput.peak_tflops(device)
+    row.update(parameters_m=params / 1e6, image_tokens=tokens, context_tokens=context, batch_per_gpu=tr.batch_size,
+               grad_accum=tr.grad_accum, timed_steps=args.steps, step_ms=1e3 * seconds / args.steps,
+               images_per_s=images_per_s, tflop_per_image=flops_per_image / 1e12,
+               tflops=images_per_s * flops_per_image / 1e12, peak_memory_gb=peak_gb(device))
+    row["mfu"] = row["tflops"] / peak if peak else None
+
+    # ---- Checkpoint: written, read back; the steps after it must repeat bitwise -----------------------------
+    step = 1 + args.warmup + args.steps
+    with tempfile.TemporaryDirectory(dir=args.tmp) as run_dir:
+        start = time.perf_counter()
+        state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg))}
+        ckpt = common.save_checkpoint(accelerator, run_dir, step, {"model": raw.state_dict(), "ema": ema.state_dict()},
+                                      state, keep=1)
+        del state
+        row["checkpoint_write_s"] = time.perf_counter() - start
+        before = [train_step(step).item(), train_step(step + 1).item()]  # the RNG continues from the checkpoint's
+        start = time.perf_counter()
+        common.load_checkpoint(ckpt, raw, ema, optimizer, accelerator)  # weights, EMA, optimizer, RNG
+        row["checkpoint_read_s"] = time.perf_counter() - start
+        after = [train_step(step).item(), train_step(step + 1).item()]
+        row["checkpoint_gb"] = sum(f.stat().st_size for f in Path(ckpt).iterdir()) / 2**30
+    row.update(losses_before_resume=before, losses_after_resume=after, resume_exact=before == after,
+               resume_max_rel_diff=max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(after, before)))
+
+    # ---- eval_fid's sampling: the EMA, eager, at the recipe's sampler and guidance, under autocast ----------
+    ema.eval()
+    sample_cond = lambda idx: {k: v[:len(idx)] for k, v in cond.items() if k not in ("drop", "drop_controls")} | {  # noqa
+        "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
+    batch = list(range(args.sample_batch or tr.batch_size))
+    with accelerator.autocast():
+        eval_fid.sample_batch(ema, cfg, sample_cond, batch, 0, steps=2)  # warm-up
+        synchronize(device)
+        start = time.perf_counter()
+        eval_fid.sample_batch(ema, cfg, sample_cond, batch, 0)
+        synchronize(device)
+    row.update(sampling_images_per_s=len(batch) / (time.perf_counter() - start), sampler=cfg.val.sampler,
+               sampling_steps=cfg.val.steps, guidance_scale=cfg.val.guidance_scale)
+
+    # ---- What torch.compile did ---------------------------------------------------------------------------
+    logged = "recompiles" in os.environ.get("TORCH_LOGS", "")
+    row.update(graph_breaks=sum(counters["graph_break"].values()), graphs=counters["stats"]["unique_graphs"],
+               recompiles=COMPILE_LOGS["recompiles"] if logged else None)
+    return row
+
+
+def report(result):
+    rows = result["trainers"]
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"gpu_check {result['date']}: {result['config']} on {result['device']} (dense bf16 peak "
+             f"{fmt(result['peak_bf16_tflops'], '.0f')} TFLOP/s), torch {result['torch']}, {result['seconds']:.0f} s",
+             "| trainer | graph breaks | recompiles | compile (s) | peak GB: first step / timed | images/s | TFLOP/s | MFU "
+             "| checkpoint GB, write / read s | resume exact | sampling images/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['trainer']} | {r['graph_breaks']} | {r['recompiles']} | {r['compile_s']:.0f} | "
+                     f"{fmt(r['first_step_peak_gb'], '.1f')} / {fmt(r['peak_memory_gb'], '.1f')} | {r['images_per_s']:.1f} | "
+                     f"{r['tflops']:.3g} | {fmt(r['mfu'], '.1%')} | {r['checkpoint_gb']:.1f}, {r['checkpoint_write_s']:.0f} / "
+                     f"{r['checkpoint_read_s']:.0f} | {r['resume_exact']} | {r['sampling_images_per_s']:.2f} |")
+    r = rows[0]
+    lines.append(f"{r['parameters_m']:.0f}M parameters, {r['image_tokens']} + {r['context_tokens']} tokens, batch "
+                 f"{r['batch_per_gpu']} x {r['grad_accum']} micro-batches, {r['tflop_per_image']:.3g} TFLOP per image "
+                 f"(sizing.py), {r['timed_steps']} timed steps; sampling: {r['sampler']}, {r['sampling_steps']} steps, "
+                 f"guidance {r['guidance_scale']:g}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "imagenet256.json"))
+    parser.add_argument("--trainers", default="flow_matching,ddpm")
+    parser.add_argument("--steps", type=int, default=24, help="timed optimizer steps per trainer")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling first one")
+    parser.add_argument("--sample_batch", type=int, default=None, help="images in the timed sampling batch; "
+                        "default: train.batch_size")
+    parser.add_argument("--compile_backend", default="inductor", help="the suite's CPU run uses aot_eager "
+                        "(inductor's C++ build takes minutes on 2 cores)")
+    parser.add_argument("--vae_factor", type=int, default=8)
+    parser.add_argument("--latent_channels", type=int, default=4)
+    parser.add_argument("--tmp", default=None, help="where the checkpoint is written (21 GB for the XL recipes)")
+    parser.add_argument("--out", default=None, help="also write the results as JSON here")
+    args, overrides = parser.parse_known_args(argv)
+    started = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = {"date": time.strftime("%Y-%m-%d"), "config": Path(args.config).name, "overrides": overrides,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+              "peak_bf16_tflops": gpu_throughput.peak_tflops(device), "torch": torch.__version__, "trainers": []}
+    for name in args.trainers.split(","):
+        result["trainers"].append(check(name, args, overrides))
+        print(json.dumps(result["trainers"][-1]), flush=True)
+    result["seconds"] = time.perf_counter() - started
+    print(report(result), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
