@@ -490,10 +490,10 @@ def main(argv=None):
         accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
 
     def checkpoint(step):
-        state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
-                 "class_ids": d.class_ids, **monitor.state_dict()}
+        state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
+                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict()}  # the small part, in state.pt
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
-        common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
+        common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep)
 
     def fid(step):  # every rank samples its share
         eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, d.null_text is not None, log, step)

@@ -32,8 +32,8 @@ def assert_same_checkpoint(run_a, run_b, step):
     for name in ("model", "ema"):
         a, b = weights(run_a, step, name), weights(run_b, step, name)
         assert all(torch.equal(a[k], b[k]) for k in a), name
-    sa, sb = (torch.load(Path(r) / "checkpoints" / f"step_{step:08d}" / "state.pt", weights_only=True) for r in (run_a, run_b))
-    for (ka, va), (kb, vb) in zip(sa["optimizer"]["state"].items(), sb["optimizer"]["state"].items()):
+    sa, sb = (common.read_optimizer_state(Path(r) / "checkpoints" / f"step_{step:08d}") for r in (run_a, run_b))
+    for (ka, va), (kb, vb) in zip(sa["state"].items(), sb["state"].items()):
         assert all(torch.equal(va[s], vb[s]) for s in va)
     losses = [[m["loss"] for m in map(json.loads, (Path(r) / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
               for r in (run_a, run_b)]
@@ -94,6 +94,38 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
     assert "step_00000004 is incomplete or corrupt" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="no intact checkpoint"):
         common.find_checkpoint(run, str(run / "checkpoints" / "step_00000004"))
+
+
+@pytest.mark.slow
+def test_every_checkpoint_load_maps_to_the_cpu(tmp_path, monkeypatch):
+    """Resume, init_from (a run folder), eval_fid.load_model and sample.py's class ids: every torch.load and
+    safetensors load of a checkpoint file maps to the CPU. (Rank 0 saved tensors tagged cuda:0: without
+    map_location every rank of a node would load its copy onto GPU 0.)"""
+    import safetensors.torch
+
+    import eval_fid
+    import sample
+
+    run = fm.main(tiny_run_args(tmp_path, "cpu", steps=2) + ["--ckpt.every=2"])
+    loads, real_load, real_load_file = [], torch.load, safetensors.torch.load_file
+
+    def load(f, *args, **kwargs):
+        loads.append((Path(f).name, str(kwargs.get("map_location"))))
+        return real_load(f, *args, **kwargs)
+
+    def load_file(f, device="cpu"):
+        loads.append((Path(f).name, str(device)))
+        return real_load_file(f, device=device)
+
+    monkeypatch.setattr(torch, "load", load)
+    monkeypatch.setattr(safetensors.torch, "load_file", load_file)
+    fm.main(tiny_run_args(tmp_path, "cpu", steps=3) + ["--resume=latest"])
+    fm.main(tiny_run_args(tmp_path, "tuned", steps=1) + [f"--init_from={run}"])
+    eval_fid.load_model(run, "latest")
+    assert sample.run_class_ids(run, "latest") is not None
+    assert {"state.pt", "rng_0.pt", "model.safetensors", "ema.safetensors"} <= {name for name, _ in loads}
+    assert [(name, where) for name, where in loads if where != "cpu"] == []
+    assert not any(name == "optimizer.safetensors" for name, _ in loads)  # read through safe_open, on the CPU
 
 
 @pytest.mark.slow
