@@ -240,6 +240,69 @@ def test_damaged_shard_contents_are_detected_and_rebuilt(tmp_path, capsys):
     assert len(CachedDataset(nan_folder)) == 87 and "row 4: encoded to non-finite values" in capsys.readouterr().out
 
 
+def test_a_warm_start_reads_headers_and_reverifies_only_changed_shards(tmp_path, capsys, monkeypatch):
+    """Contents are verified when a shard is written (read back) and whenever its file changed since; an
+    unchanged cache is checked from headers alone, so a start does not read the whole cache."""
+    from training import cache
+
+    hashed, real_sha = [], cache.tensors_sha256
+    monkeypatch.setattr(cache, "tensors_sha256", lambda tensors: hashed.append(1) or real_sha(tensors))
+    build, calls = small_cache(tmp_path)
+    folder = build()
+    assert len(hashed) == 2 * 3  # each of the 3 shards: its checksum as written, then verified from the file
+    hashed.clear(), calls.clear()
+    assert build() == folder and not hashed and not calls  # warm: headers only, a hit
+    # An older cache's manifest without stamps: verified in full once, then warm again.
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "verified"}))
+    build()
+    assert len(hashed) == 3 and json.loads((folder / "manifest.json").read_text()) == manifest
+    # Bytes overwritten inside a shard's tensors, its modification time put back: the change time still moved,
+    # so the shard is verified again, found damaged and rebuilt.
+    hashed.clear()
+    shard = folder / "shard_00002.safetensors"
+    stat, data = shard.stat(), bytearray(shard.read_bytes())
+    data[-40:-24] = bytes(16)
+    time.sleep(0.01)
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    capsys.readouterr()
+    build()
+    assert f"{shard} is damaged (checksum mismatch" in capsys.readouterr().out and sum(calls) == 26 + 1
+    # A shard that does not read back as written stops the build, naming the storage.
+    real_save = cache.save_shard
+
+    def save_then_flip(path, tensors, rows, skipped):
+        real_save(path, tensors, rows, skipped)
+        data = bytearray(path.read_bytes())
+        data[-8:] = bytes(8) if any(data[-8:]) else b"\xff" * 8
+        path.write_bytes(bytes(data))
+
+    monkeypatch.setattr(cache, "save_shard", save_then_flip)
+    shard.unlink()
+    with pytest.raises(RuntimeError, match="reads back damaged right after writing"):
+        build()
+
+
+def test_the_source_fingerprint_of_a_folder_stats_no_file(tmp_path, monkeypatch):
+    """A local image folder's fingerprint is `datasets`' own, which already covers each file's modification
+    time: no second pass over a million files (an edit in place is still a miss:
+    test_image_edited_in_place_is_a_miss_that_names_the_source)."""
+    from training.cache import source_fingerprint
+
+    folder = tmp_path / "images" / "train"
+    folder.mkdir(parents=True)
+    for i in range(6):
+        Image.fromarray(np.full((20, 20, 3), 30 * i, np.uint8)).save(folder / f"{i}.png")
+    cfg = config.load_config(fm.DEFAULTS, [f"--data.source={tmp_path / 'images'}", "--data.val_holdout=2",
+                                           "--data.label_column=null", "--data.cache_dir", str(tmp_path / "cache")])
+    train, _ = open_splits(cfg.data)
+    stats, real_stat = [], os.stat
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: stats.append(path) or real_stat(path, *a, **k))
+    fingerprint = source_fingerprint(cfg.data, train)
+    assert fingerprint == {"dataset_fingerprint": train._fingerprint} and not stats
+
+
 def test_unreadable_or_missing_manifest_is_a_miss_that_reuses_finished_shards(tmp_path, capsys):
     build, calls = small_cache(tmp_path)
     folder = build()
