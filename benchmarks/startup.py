@@ -5,8 +5,9 @@
 Builds a synthetic local source (an image folder of `--files` tiny PNGs in 100 class folders, as ImageNet's
 layout is) and a cache of about `--cache_gb` GB for it (the real cache build: each image decoded and cropped,
 a stand-in encoder that emits `--cache_gb` worth of float16 per row), then times what every start of a run
-does before its first step, each part on its own, wall and CPU seconds (the faster of two tries: the file
-system's caches warm, as on a requeued node; a network file system is slower per metadata call):
+does before its first step, each part on its own, in wall and CPU seconds (the faster of two tries; one try
+for the open, which is unchanged), with the file system's caches warm, as on a requeued node (a network file
+system is slower per metadata call):
 
   1. open: `data.open_splits` on the warm `datasets` cache (datasets lists and stats the files itself)
   2. the source fingerprint: the former one (path, size and modification time of every file, reproduced
@@ -122,7 +123,7 @@ def main():
               f"{time.perf_counter() - t0:.1f} s", flush=True)
 
         rows = []
-        wall, cpu, (train, val) = best_of(lambda: open_splits(cfg.data, log=lambda *a: None))
+        wall, cpu, (train, val) = best_of(lambda: open_splits(cfg.data, log=lambda *a: None), repeats=1)
         rows.append(("open_splits (datasets lists and stats the files itself)", (wall, cpu), (wall, cpu)))
         before = best_of(lambda: former_fingerprint(source))[:2]
         rows.append(("source fingerprint", before, best_of(lambda: cache.source_fingerprint(cfg.data, train))[:2]))
@@ -141,7 +142,8 @@ def main():
         for name, (w0, c0), (w1, c1) in rows:
             print(f"| {name} | {w0:.2f} / {c0:.2f} | {w1:.2f} / {c1:.2f} |")
         total = [sum(r[i][j] for r in rows[:3]) for i in (1, 2) for j in (0, 1)]
-        print(f"| **data stage of a warm start** | **{total[0]:.1f} / {total[1]:.1f}** | **{total[2]:.1f} / {total[3]:.1f}** |")
+        print(f"| **data stage of a warm start** | **{total[0]:.1f} / {total[1]:.1f}** | "
+              f"**{total[2]:.1f} / {total[3]:.1f}** |")
 
         key = cache.cache_key(cfg, "train", train, len(train))
         edited = next((source / "class_003").iterdir())
