@@ -7,6 +7,7 @@ data.py and model.py. What a training step measures is monitor.py's; what a run 
 metrics.jsonl, sample grids, wandb, the report) is runlog.py's.
 """
 import contextlib
+import json
 import math
 import os
 import random
@@ -157,13 +158,19 @@ def step_unless_nonfinite(optimizer, finite, fp16=False):
 @torch.no_grad()
 def ema_update(ema, model, decay, num_updates, applied=None):
     """ema <- d * ema + (1 - d) * model with the warm-up d = min(decay, (1 + n) / (10 + n)), so a short run
-    samples from what it learned rather than from a blend with the random initialisation. `applied` (0-dim bool
-    tensor): the step's update happened; when False the EMA moves by 0, decided on the device."""
-    d = min(decay, (1 + num_updates) / (10 + num_updates))
-    ema_p = list(ema.parameters())
-    # A list of device tensors as weights: one tensor alone would be read on the host (a sync) by foreach lerp.
-    weight = 1 - d if applied is None else [(1 - d) * applied.float()] * len(ema_p)
-    torch._foreach_lerp_(ema_p, [p.detach().float() for p in model.parameters()], weight)
+    samples from what it learned rather than from a blend with the random initialisation. The tensors that
+    init_from took from another run's EMA (their names in `ema.inherited`) are already a long average: they get
+    d = decay from the first step, so a fine-tuning run keeps that EMA (with the warm-up from n = 0 it would
+    weigh 1e-5 after 10 steps); tensors init_from left at their fresh init warm up as usual. `applied` (0-dim
+    bool tensor): the step's update happened; when False the EMA moves by 0, decided on the device."""
+    warm = min(decay, (1 + num_updates) / (10 + num_updates))
+    inherited = getattr(ema, "inherited", ())
+    names, ema_p = zip(*ema.named_parameters())
+    rates = {True: 1 - decay, False: 1 - warm}  # (1 - d): how far each tensor moves toward the model
+    if applied is not None:  # device tensors: a float weight alone would be read on the host (a sync) by lerp
+        rates = {k: rate * applied.float() for k, rate in rates.items()}
+    weights = [rates[name in inherited] for name in names]
+    torch._foreach_lerp_(list(ema_p), [p.detach().float() for p in model.parameters()], weights)
 
 
 @contextlib.contextmanager
@@ -246,7 +253,7 @@ def restore_rng(ckpt, rank, world):
         print(f"warning: {ckpt} was written by {saved} processes and is resumed by {world}: weights, EMA, "
               f"optimizer and step continue, but data order and noise differ from an uninterrupted run")
     if (Path(ckpt) / f"rng_{rank}.pt").exists():
-        set_rng_state(torch.load(Path(ckpt) / f"rng_{rank}.pt", weights_only=True))
+        set_rng_state(torch.load(Path(ckpt) / f"rng_{rank}.pt", weights_only=True, map_location="cpu"))
 
 
 def set_rng_state(state):
@@ -258,14 +265,62 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# A checkpoint folder step_N holds model.safetensors and ema.safetensors (the weights), optimizer.safetensors
+# (Adam's moments: the largest file, twice the weights), state.pt (the small part: step, config, class ids,
+# monitor state) and rng_{rank}.pt. Every load maps to the CPU: rank 0 saved tensors tagged cuda:0, so without
+# map_location every rank of a node would put its copy on GPU 0 (optimizer.load_state_dict moves the moments
+# to the parameters' device itself). Checkpoints written before optimizer.safetensors existed keep the
+# optimizer in state.pt and still load.
+
+
+def read_state(ckpt):
+    """The small part of a checkpoint (step, config, class ids, monitor state), on the CPU, without the
+    optimizer (which an older checkpoint keeps in state.pt)."""
+    state = torch.load(Path(ckpt) / "state.pt", weights_only=True, map_location="cpu")
+    state.pop("optimizer", None)
+    return state
+
+
+def read_optimizer_state(ckpt):
+    """The optimizer's state dict of a checkpoint, on the CPU: from optimizer.safetensors (moments
+    "state.{param}.{name}", param_groups as JSON in its header), or from an older checkpoint's state.pt."""
+    path = Path(ckpt) / "optimizer.safetensors"
+    if not path.exists():
+        return torch.load(Path(ckpt) / "state.pt", weights_only=True, map_location="cpu")["optimizer"]
+    state = {}
+    with safe_open(str(path), "pt", device="cpu") as f:
+        groups = json.loads(f.metadata()["param_groups"])  # JSON made the tuples (betas) lists: back to tuples
+        groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()} for g in groups]
+        for key in f.keys():
+            _, param, name = key.split(".", 2)
+            state.setdefault(int(param), {})[name] = f.get_tensor(key)
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def optimizer_file(optimizer_state):
+    """(tensors, header metadata) of optimizer.safetensors for an optimizer's state dict."""
+    tensors = {}
+    for param, values in optimizer_state["state"].items():
+        for name, value in values.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {param}.{name} is a {type(value).__name__}, not a tensor")
+            tensors[f"state.{param}.{name}"] = value.detach().cpu().contiguous()
+    return tensors, {"param_groups": json.dumps(optimizer_state["param_groups"])}
+
+
 def checkpoint_ok(folder):
-    """Every file of a checkpoint opens: safetensors headers match the file sizes, state.pt unpickles."""
+    """Whether a checkpoint is intact, reading only headers and the small state.pt: every safetensors header
+    matches its file's size (safetensors checks it on opening), state.pt unpickles, and the weights, the EMA and
+    the optimizer are there. The optimizer's moments are never read here (an older checkpoint's state.pt,
+    which holds them, is read whole)."""
+    folder = Path(folder)
     try:
-        for path in Path(folder).glob("*.safetensors"):
+        for path in folder.glob("*.safetensors"):
             with safe_open(str(path), "pt") as f:
                 f.keys()
-        torch.load(Path(folder) / "state.pt", weights_only=True, map_location="cpu")
-        return (Path(folder) / "model.safetensors").exists()
+        state = torch.load(folder / "state.pt", weights_only=True, map_location="cpu")
+        return all((folder / f"{name}.safetensors").exists() for name in ("model", "ema")) and \
+            ("optimizer" in state or (folder / "optimizer.safetensors").exists())
     except Exception:
         return False
 
@@ -275,7 +330,8 @@ def find_checkpoint(run_dir, resume):
     truncated or corrupt newest checkpoint falls back to the previous one, with a warning."""
     if resume != "latest":
         if not checkpoint_ok(resume):
-            raise FileNotFoundError(f"resume: no intact checkpoint at {resume} (model.safetensors, state.pt)")
+            raise FileNotFoundError(f"resume: no intact checkpoint at {resume} (model.safetensors, ema.safetensors, "
+                                    f"optimizer.safetensors, state.pt)")
         return Path(resume)
     for folder in sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True):
         if checkpoint_ok(folder):
@@ -284,9 +340,10 @@ def find_checkpoint(run_dir, resume):
     return None
 
 
-def save_checkpoint(accelerator, run_dir, step, tensors, state, keep):
+def save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, keep):
     """Write checkpoints/step_N atomically: into a temporary folder, renamed when complete; keep the last
-    `keep`. Every rank calls this (each saves its own RNG state); the main process writes the rest."""
+    `keep`. `tensors`: {file name: state dict} (model, EMA); `state`: the small part. Every rank calls this
+    (each saves its own RNG state); the main process writes the rest."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
     if accelerator.is_main_process:
@@ -298,6 +355,9 @@ def save_checkpoint(accelerator, run_dir, step, tensors, state, keep):
     if accelerator.is_main_process:
         for name, sd in tensors.items():
             save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(tmp / f"{name}.safetensors"))
+        moments, header = optimizer_file(optimizer.state_dict())
+        save_file(moments, str(tmp / "optimizer.safetensors"), metadata=header)
+        del moments
         torch.save(state, tmp / "state.pt")  # written last: its presence marks a finished checkpoint
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -307,17 +367,16 @@ def save_checkpoint(accelerator, run_dir, step, tensors, state, keep):
     return final
 
 
-
-
 def load_checkpoint(ckpt, model, ema, optimizer, accelerator):
-    """Resume: weights, EMA, optimizer and this rank's RNG from a checkpoint; returns its state (step, ...)."""
+    """Resume: weights, EMA, optimizer and this rank's RNG from a checkpoint; returns its small state (step,
+    ...). The optimizer's CPU copy is dropped once load_state_dict has moved it to the parameters' device."""
     from safetensors.torch import load_file
 
-    model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
-    ema.load_state_dict(load_file(str(ckpt / "ema.safetensors")))
-    state = torch.load(ckpt / "state.pt", weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
+    model.load_state_dict(load_file(str(ckpt / "model.safetensors"), device="cpu"))
+    ema.load_state_dict(load_file(str(ckpt / "ema.safetensors"), device="cpu"))
+    optimizer.load_state_dict(read_optimizer_state(ckpt))  # a temporary: nothing keeps it after this line
+    state = read_state(ckpt)
+    ema.inherited = set(state.get("ema_inherited", ()))  # init_from's EMA tensors: no warm-up (ema_update)
     restore_rng(ckpt, accelerator.process_index, accelerator.num_processes)
     accelerator.print(f"resumed from {ckpt} at step {state['step']}")
     return state
-

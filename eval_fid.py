@@ -136,9 +136,9 @@ def load_model(run, checkpoint=None, weights="ema", phema_std=None):
     ckpt = common.find_checkpoint(run, checkpoint)
     if ckpt is None:
         raise FileNotFoundError(f"no finished checkpoint under {run}/checkpoints")
-    state = torch.load(ckpt / "state.pt", weights_only=True)
+    state = common.read_state(ckpt)  # the small part, on the CPU (never the optimizer)
     cfg = config.Config(state["config"])
-    tensors = load_file(str(ckpt / f"{'ema' if weights == 'ema' else 'model'}.safetensors"))
+    tensors = load_file(str(ckpt / f"{'ema' if weights == 'ema' else 'model'}.safetensors"), device="cpu")
     channels = tensors["transformer.pos_embed.proj.weight"].shape[1]
     size = math.isqrt(tensors["transformer.pos_embed.pos_embed"].shape[1]) * cfg["model"]["patch_size"]
     text_dims = None

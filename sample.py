@@ -65,7 +65,7 @@ def run_class_ids(run, checkpoint):
         path = export / "class_ids.json"
         return json.loads(path.read_text()) if path.is_file() else None
     ckpt = common.find_checkpoint(run, checkpoint)
-    return torch.load(ckpt / "state.pt", weights_only=True).get("class_ids") if ckpt else None
+    return common.read_state(ckpt).get("class_ids") if ckpt else None  # on the CPU, never the optimizer
 
 
 def pick_classes(spec, num_classes, ids):

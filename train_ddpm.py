@@ -36,7 +36,7 @@ import common
 from training import config
 import eval_fid
 from training import runlog
-from training.cache import prepare_data
+from training import cache
 from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options,
                   open_splits, text_features, validation_inputs)
 from training.model import export, guided, prepare_model
@@ -337,8 +337,17 @@ def main(argv=None):
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
     train_ds, val_ds = open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
     run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
-    d = prepare_data(cfg, train_ds, val_ds, accelerator, signals)  # cached sets, encoders, null and grid prompts
-    train_set, val_set, vae, text_encoder = d.train_set, d.val_set, d.vae, d.text_encoder
+    cache.check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
+    d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids
+    cached = {}
+    for part, ds in (("train", train_ds), ("val", val_ds)):
+        where = cache.locate_cache(cfg, part, ds, accelerator)  # key -> folder: a hash of all that changes it
+        todo = cache.check_cache(where, cfg, accelerator)  # each rank checks its share of the shards
+        if any(todo):  # miss: the missing or damaged shards are encoded and written (hit: nothing to do)
+            cache.write_cache(where, todo, d.encode, cfg, accelerator, signals)
+        cached[part] = cache.CachedDataset(where.folder)  # memory-mapped shards, read lazily
+    cache.release_encoders(d, data)  # off the GPU, unless the text encoder encodes at each step
+    train_set, val_set, vae, text_encoder = cached["train"], cached["val"], d.vae, d.text_encoder
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
     x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
@@ -399,10 +408,10 @@ def main(argv=None):
         accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
 
     def checkpoint(step):
-        state = {"step": step, "optimizer": optimizer.state_dict(), "config": json.loads(json.dumps(cfg)),
-                 "class_ids": d.class_ids, **monitor.state_dict()}
+        state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
+                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict()}  # the small part, in state.pt
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
-        common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
+        common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep)
 
     def fid(step):  # every rank samples its share
         eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, d.null_text is not None, log, step)

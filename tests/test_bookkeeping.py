@@ -31,7 +31,11 @@ def ckpt(run, step, name):
 
 
 def state(run, step):
-    return torch.load(Path(run) / "checkpoints" / f"step_{step:08d}" / "state.pt", weights_only=True)
+    return common.read_state(Path(run) / "checkpoints" / f"step_{step:08d}")
+
+
+def optimizer_state(run, step):
+    return common.read_optimizer_state(Path(run) / "checkpoints" / f"step_{step:08d}")
 
 
 def train_rows(run):
@@ -70,7 +74,7 @@ def test_accumulation_equals_one_big_batch(tmp_path, monkeypatch):
     norms = [train_rows(run)[0]["grad_norm"] for run in (accum, big)]
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)  # a dropped 1 / grad_accum doubles it
     # Adam's moments after one step are (1 - beta) g and (1 - beta2) g^2 of the clipped gradient: linear in it.
-    moments = [state(run, 1)["optimizer"]["state"] for run in (accum, big)]
+    moments = [optimizer_state(run, 1)["state"] for run in (accum, big)]
     for p in moments[0]:
         assert float(moments[0][p]["step"]) == float(moments[1][p]["step"]) == 1.0
         for key in ("exp_avg", "exp_avg_sq"):
@@ -113,7 +117,7 @@ def test_ema_and_counters_move_once_per_optimizer_step(three_steps_third_poisone
         torch.testing.assert_close(ema2[k], torch.lerp(ema1[k], model2[k], 1 - d), rtol=1e-6, atol=1e-7, msg=k)
     assert any(not torch.equal(ema1[k], ema2[k]) for k in ema1)
     assert [state(run, s)["step"] for s in (1, 2)] == [1, 2]
-    adam_steps = {float(v["step"]) for v in state(run, 2)["optimizer"]["state"].values()}
+    adam_steps = {float(v["step"]) for v in optimizer_state(run, 2)["state"].values()}
     assert adam_steps == {2.0}  # one Adam update per optimizer step, not per micro-batch
     assert [m["step"] for m in train_rows(run)] == [1, 2, 3]
 
@@ -123,7 +127,7 @@ def test_a_skipped_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_uncha
     for name in ("model", "ema"):
         before, after = ckpt(run, 2, name), ckpt(run, 3, name)
         assert all(torch.equal(before[k], after[k]) for k in before), name
-    before, after = state(run, 2)["optimizer"], state(run, 3)["optimizer"]
+    before, after = optimizer_state(run, 2), optimizer_state(run, 3)
     assert before["state"].keys() == after["state"].keys()
     for p in before["state"]:
         for key, value in before["state"][p].items():

@@ -1,5 +1,7 @@
 """Config loading, the embedded data, preprocessing and the cache."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -169,3 +171,107 @@ def test_a_run_ends_with_a_barrier_before_the_process_group_closes(tmp_path):
         common.exit_for_requeue(requeued, 10)
     assert stop.value.code == common.REQUEUE_EXIT_CODE
     assert finished.calls == requeued.calls == ["barrier", "end_training"]
+
+
+# ---- Checkpoints: the layout, loads on the CPU, the intact check on headers ----------------------------------------
+
+
+class OneProcess:
+    process_index, num_processes, is_main_process = 0, 1, True
+
+    def wait_for_everyone(self):
+        pass
+
+    def print(self, *args):
+        pass
+
+
+def tiny_checkpoint(tmp_path):
+    """A checkpoint of a small model after two Adam steps, written by save_checkpoint."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=True)
+    for _ in range(2):
+        model(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+    state = {"step": 2, "config": {"seed": 0}, "class_ids": ["a", "b"]}
+    folder = common.save_checkpoint(OneProcess(), tmp_path, 2, {"model": model.state_dict(), "ema": model.state_dict()},
+                                    optimizer, state, keep=3)
+    return folder, model, optimizer
+
+
+def fresh_optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=True)
+
+
+def assert_same_optimizer_state(a, b):
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for p in a["state"]:
+        assert a["state"][p].keys() == b["state"][p].keys()
+        assert all(torch.equal(a["state"][p][k], b["state"][p][k]) for k in a["state"][p]), p
+
+
+def test_checkpoint_keeps_the_optimizer_apart_and_resumes_old_and_new_layouts(tmp_path):
+    folder, model, optimizer = tiny_checkpoint(tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["ema.safetensors", "model.safetensors",
+                                                        "optimizer.safetensors", "rng_0.pt", "state.pt"]
+    small = torch.load(folder / "state.pt", weights_only=True, map_location="cpu")
+    assert "optimizer" not in small and small["step"] == 2 and small["class_ids"] == ["a", "b"]
+    # The moments come back bitwise, param_groups included; the small state never carries the optimizer.
+    resumed, ema = (torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 3)) for _ in range(2))
+    again = fresh_optimizer(resumed)
+    state = common.load_checkpoint(folder, resumed, ema, again, OneProcess())
+    assert "optimizer" not in state and state["step"] == 2
+    assert_same_optimizer_state(again.state_dict(), optimizer.state_dict())
+    # A checkpoint written before the optimizer had its own file (all of it in state.pt) still resumes.
+    torch.save({**small, "optimizer": optimizer.state_dict()}, folder / "state.pt")
+    (folder / "optimizer.safetensors").unlink()
+    assert common.checkpoint_ok(folder) and "optimizer" not in common.read_state(folder)
+    old = fresh_optimizer(resumed)
+    assert "optimizer" not in common.load_checkpoint(folder, resumed, ema, old, OneProcess())
+    assert_same_optimizer_state(old.state_dict(), optimizer.state_dict())
+
+
+def test_the_intact_checkpoint_check_reads_only_headers_and_the_small_state(tmp_path, monkeypatch):
+    import safetensors
+    import safetensors.torch
+
+    folder, _, _ = tiny_checkpoint(tmp_path)
+    optimizer_file = str(folder / "optimizer.safetensors")
+    opened, real_safe_open, real_load, real_load_file = [], common.safe_open, torch.load, safetensors.torch.load_file
+
+    class HeadersOnly:  # safe_open that refuses to hand out the optimizer's tensors
+        def __init__(self, path, *args, **kwargs):
+            self.path, self.f = str(path), real_safe_open(path, *args, **kwargs)
+            opened.append(Path(self.path).name)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def __getattr__(self, name):
+            if name in ("get_tensor", "get_slice") and self.path == optimizer_file:
+                raise AssertionError(f"the intact check read the optimizer's tensors ({name})")
+            return getattr(self.f, name)
+
+    def refuse_optimizer(real):
+        def load(path, *args, **kwargs):
+            assert str(path) != optimizer_file, "the intact check loaded optimizer.safetensors"
+            return real(path, *args, **kwargs)
+        return load
+
+    monkeypatch.setattr(common, "safe_open", HeadersOnly)
+    monkeypatch.setattr(safetensors, "safe_open", HeadersOnly)
+    monkeypatch.setattr(torch, "load", refuse_optimizer(real_load))
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse_optimizer(real_load_file))
+    assert common.checkpoint_ok(folder) and common.find_checkpoint(tmp_path, "latest") == folder
+    assert "optimizer.safetensors" in opened  # its header was checked
+    # A truncated optimizer file is caught from its header alone; a missing one too.
+    data = Path(optimizer_file).read_bytes()
+    Path(optimizer_file).write_bytes(data[:-64])
+    assert not common.checkpoint_ok(folder)
+    Path(optimizer_file).unlink()
+    assert not common.checkpoint_ok(folder)

@@ -115,7 +115,7 @@ def no_work(monkeypatch):
 
     for trainer in (fm, ddpm):
         monkeypatch.setattr(trainer, "open_splits", work)
-    monkeypatch.setattr(cache, "load_encoders", work)  # what prepare_data calls
+    monkeypatch.setattr(cache, "load_encoders", work)  # what cache.frozen_encoders calls
     monkeypatch.setattr(common, "make_accelerator", work)
 
 

@@ -166,3 +166,22 @@ def test_update_ratio_is_logged_for_real_optimizer_steps_only(tmp_path):
     skipped = [r for r in log if "grad_norm_step" in r and r["step"] in (5, 6)]
     assert len(skipped) == 2 and not any(k.startswith("update_ratio/") for r in skipped for k in r)
     assert {(r["step"], r["event"]) for r in log if r.get("event") == "grad_exploding"} >= {(5, "grad_exploding")}
+
+
+def test_peak_memory_is_the_peak_of_each_log_interval(monkeypatch):
+    """On CUDA each log reports its interval's allocator peak (the statistics reset after each read), so a
+    large first interval does not mask the later ones; on the CPU, the process's peak RSS (no reset exists)."""
+    from training.monitor import peak_memory
+
+    allocator = {"peak": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocator["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: allocator.update(peak=0))
+    cuda = torch.device("cuda")
+    reported = []
+    for interval_peak in (5 * 2**30, 2**30, 3 * 2**30):
+        allocator["peak"] = max(allocator["peak"], interval_peak)  # what the allocator records in the interval
+        reported.append(peak_memory(cuda))
+    assert reported == [5.0, 1.0, 3.0]
+    import resource
+
+    assert peak_memory(torch.device("cpu")) == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30

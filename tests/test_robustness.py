@@ -32,8 +32,8 @@ def assert_same_checkpoint(run_a, run_b, step):
     for name in ("model", "ema"):
         a, b = weights(run_a, step, name), weights(run_b, step, name)
         assert all(torch.equal(a[k], b[k]) for k in a), name
-    sa, sb = (torch.load(Path(r) / "checkpoints" / f"step_{step:08d}" / "state.pt", weights_only=True) for r in (run_a, run_b))
-    for (ka, va), (kb, vb) in zip(sa["optimizer"]["state"].items(), sb["optimizer"]["state"].items()):
+    sa, sb = (common.read_optimizer_state(Path(r) / "checkpoints" / f"step_{step:08d}") for r in (run_a, run_b))
+    for (ka, va), (kb, vb) in zip(sa["state"].items(), sb["state"].items()):
         assert all(torch.equal(va[s], vb[s]) for s in va)
     losses = [[m["loss"] for m in map(json.loads, (Path(r) / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
               for r in (run_a, run_b)]
@@ -94,6 +94,38 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
     assert "step_00000004 is incomplete or corrupt" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="no intact checkpoint"):
         common.find_checkpoint(run, str(run / "checkpoints" / "step_00000004"))
+
+
+@pytest.mark.slow
+def test_every_checkpoint_load_maps_to_the_cpu(tmp_path, monkeypatch):
+    """Resume, init_from (a run folder), eval_fid.load_model and sample.py's class ids: every torch.load and
+    safetensors load of a checkpoint file maps to the CPU. (Rank 0 saved tensors tagged cuda:0: without
+    map_location every rank of a node would load its copy onto GPU 0.)"""
+    import safetensors.torch
+
+    import eval_fid
+    import sample
+
+    run = fm.main(tiny_run_args(tmp_path, "cpu", steps=2) + ["--ckpt.every=2"])
+    loads, real_load, real_load_file = [], torch.load, safetensors.torch.load_file
+
+    def load(f, *args, **kwargs):
+        loads.append((Path(f).name, str(kwargs.get("map_location"))))
+        return real_load(f, *args, **kwargs)
+
+    def load_file(f, device="cpu"):
+        loads.append((Path(f).name, str(device)))
+        return real_load_file(f, device=device)
+
+    monkeypatch.setattr(torch, "load", load)
+    monkeypatch.setattr(safetensors.torch, "load_file", load_file)
+    fm.main(tiny_run_args(tmp_path, "cpu", steps=3) + ["--resume=latest"])
+    fm.main(tiny_run_args(tmp_path, "tuned", steps=1) + [f"--init_from={run}"])
+    eval_fid.load_model(run, "latest")
+    assert sample.run_class_ids(run, "latest") is not None
+    assert {"state.pt", "rng_0.pt", "model.safetensors", "ema.safetensors"} <= {name for name, _ in loads}
+    assert [(name, where) for name, where in loads if where != "cpu"] == []
+    assert not any(name == "optimizer.safetensors" for name, _ in loads)  # read through safe_open, on the CPU
 
 
 @pytest.mark.slow
@@ -206,6 +238,69 @@ def test_damaged_shard_contents_are_detected_and_rebuilt(tmp_path, capsys):
     overflow = lambda pixels, captions: {"x": pixels / (pixels[:, :1, :1, :1] > -2).float().cumsum(0).ne(5).float()}
     nan_folder = build_cache(train, "train", overflow, Accelerator(cpu=True), cfg)
     assert len(CachedDataset(nan_folder)) == 87 and "row 4: encoded to non-finite values" in capsys.readouterr().out
+
+
+def test_a_warm_start_reads_headers_and_reverifies_only_changed_shards(tmp_path, capsys, monkeypatch):
+    """Contents are verified when a shard is written (read back) and whenever its file changed since; an
+    unchanged cache is checked from headers alone, so a start does not read the whole cache."""
+    from training import cache
+
+    hashed, real_sha = [], cache.tensors_sha256
+    monkeypatch.setattr(cache, "tensors_sha256", lambda tensors: hashed.append(1) or real_sha(tensors))
+    build, calls = small_cache(tmp_path)
+    folder = build()
+    assert len(hashed) == 2 * 3  # each of the 3 shards: its checksum as written, then verified from the file
+    hashed.clear(), calls.clear()
+    assert build() == folder and not hashed and not calls  # warm: headers only, a hit
+    # An older cache's manifest without stamps: verified in full once, then warm again.
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "verified"}))
+    build()
+    assert len(hashed) == 3 and json.loads((folder / "manifest.json").read_text()) == manifest
+    # Bytes overwritten inside a shard's tensors, its modification time put back: the change time still moved,
+    # so the shard is verified again, found damaged and rebuilt.
+    hashed.clear()
+    shard = folder / "shard_00002.safetensors"
+    stat, data = shard.stat(), bytearray(shard.read_bytes())
+    data[-40:-24] = bytes(16)
+    time.sleep(0.01)
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    capsys.readouterr()
+    build()
+    assert f"{shard} is damaged (checksum mismatch" in capsys.readouterr().out and sum(calls) == 26 + 1
+    # A shard that does not read back as written stops the build, naming the storage.
+    real_save = cache.save_shard
+
+    def save_then_flip(path, tensors, rows, skipped):
+        real_save(path, tensors, rows, skipped)
+        data = bytearray(path.read_bytes())
+        data[-8:] = bytes(8) if any(data[-8:]) else b"\xff" * 8
+        path.write_bytes(bytes(data))
+
+    monkeypatch.setattr(cache, "save_shard", save_then_flip)
+    shard.unlink()
+    with pytest.raises(RuntimeError, match="reads back damaged right after writing"):
+        build()
+
+
+def test_the_source_fingerprint_of_a_folder_stats_no_file(tmp_path, monkeypatch):
+    """A local image folder's fingerprint is `datasets`' own, which already covers each file's modification
+    time: no second pass over a million files (an edit in place is still a miss:
+    test_image_edited_in_place_is_a_miss_that_names_the_source)."""
+    from training.cache import source_fingerprint
+
+    folder = tmp_path / "images" / "train"
+    folder.mkdir(parents=True)
+    for i in range(6):
+        Image.fromarray(np.full((20, 20, 3), 30 * i, np.uint8)).save(folder / f"{i}.png")
+    cfg = config.load_config(fm.DEFAULTS, [f"--data.source={tmp_path / 'images'}", "--data.val_holdout=2",
+                                           "--data.label_column=null", "--data.cache_dir", str(tmp_path / "cache")])
+    train, _ = open_splits(cfg.data)
+    stats, real_stat = [], os.stat
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: stats.append(path) or real_stat(path, *a, **k))
+    fingerprint = source_fingerprint(cfg.data, train)
+    assert fingerprint == {"dataset_fingerprint": train._fingerprint} and not stats
 
 
 def test_unreadable_or_missing_manifest_is_a_miss_that_reuses_finished_shards(tmp_path, capsys):

@@ -170,8 +170,9 @@ def test_init_from_starts_fresh_and_resume_continues(trainer, tmp_path, capsys):
                                                if k.startswith("conditioner.control_mlp.size"))
     assert report["unexpected"] == [] and report["reshaped"] == []
     # Fresh optimizer and step: the new run counts from 0 (3 steps, not 4 + 3).
-    state = torch.load(high / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)
-    assert state["step"] == 3 and next(iter(state["optimizer"]["state"].values()))["step"] == 3
+    ckpt = high / "checkpoints" / "step_00000003"
+    state, moments = common.read_state(ckpt), common.read_optimizer_state(ckpt)["state"]
+    assert state["step"] == 3 and next(iter(moments.values()))["step"] == 3
     # Weights and EMA came from the source (lr = 0 leaves the weights as loaded); the grid is the resampled one.
     src, dst = (load_file(str(p / "checkpoints" / name / "model.safetensors"))
                 for p, name in ((low, "step_00000004"), (high, "step_00000003")))
@@ -187,6 +188,36 @@ def test_init_from_starts_fresh_and_resume_continues(trainer, tmp_path, capsys):
     trainer.main(high_args[:] + ["--train.max_steps=5"])
     out = capsys.readouterr().out
     assert "resumed from" in out and "step_00000003 at step 3" in out and f"init_from {low}" not in out
+
+
+@pytest.mark.slow
+def test_init_from_keeps_the_source_ema(tmp_path):
+    """A fine-tuning run keeps the EMA it loads: after 20 steps at ema_decay 0.999 the EMA has moved 2% of the
+    way to the weights (d = decay, no warm-up), not restarted from them (the warm-up from n = 0 weighs the
+    loaded EMA prod (1 + n) / (10 + n) ~ 1e-7 after 20 steps). Tensors init_from leaves fresh (here the size
+    control's MLP) warm up as before. Resuming the fine-tuning run keeps the rule (ema_inherited in state.pt)."""
+    source = fm.main(tiny_run_args(tmp_path, "source", steps=4) + TINY_MODEL + ["--ckpt.every=4"])
+    args = tiny_run_args(tmp_path, "tuned", steps=20) + TINY_MODEL + [
+        f"--init_from={source}", "--train.ema_decay=0.999", "--ckpt.every=10", "--conditioning.controls", '["size"]']
+    tuned = fm.main(args)
+    source_ema = load_file(str(source / "checkpoints" / "step_00000004" / "ema.safetensors"))
+    ema, raw = (load_file(str(tuned / "checkpoints" / "step_00000020" / f"{n}.safetensors")) for n in ("ema", "model"))
+    shared = [k for k in source_ema if k in ema and ema[k].shape == source_ema[k].shape and k.endswith("weight")]
+
+    def distance(a, b):
+        return sum((a[k] - b[k]).double().pow(2).sum() for k in shared).sqrt().item()
+
+    moved = distance(raw, source_ema)  # how far training took the weights
+    assert moved > 0.1
+    # ema = 0.98 source EMA + 0.02 (recent weights): within about 2% of `moved` of the source's EMA
+    assert distance(ema, source_ema) < 0.05 * moved and distance(ema, raw) > 0.9 * moved
+    # The fresh tensors' EMA warmed up: it lags the weights by a step or two, where d = 0.999 from the start
+    # would have left it near the fresh init, about twice the last 10 steps' movement away.
+    fresh = [k for k in ema if k.startswith("conditioner.control_mlp.size")]
+    raw10 = load_file(str(tuned / "checkpoints" / "step_00000010" / "model.safetensors"))
+    lag = sum((ema[k] - raw[k]).double().pow(2).sum() for k in fresh).sqrt()
+    assert fresh and lag < 0.5 * sum((raw10[k] - raw[k]).double().pow(2).sum() for k in fresh).sqrt()
+    assert common.read_state(tuned / "checkpoints" / "step_00000020")["ema_inherited"]
 
 
 @pytest.mark.slow

@@ -1,9 +1,10 @@
 """How decoded images become cached tensors, and the data stage of a run (the seed's "cache check -> hit:
-load / miss: process -> cache results"):
+load / miss: process -> cache results"), which both trainers spell out:
 
-    prepare_data: check_cache_shared -> build_cache for the training and held-out rows: cache check (key,
-      manifest, checksums) -> hit: load / miss: DecodedShards (decode, crop in DataLoader workers) -> encode
-      here -> write_shards (atomic, checksummed) -> manifest -> CachedDataset
+    frozen_encoders -> for the training and held-out rows: locate_cache (key -> folder) -> check_cache (each
+      rank its share: headers, and the contents of any shard changed since verified) -> hit, or write_cache:
+      DecodedShards (decode, crop in DataLoader workers) -> encode here -> write_shards (atomic, checksummed,
+      read back) -> manifest -> CachedDataset; then release_encoders
 
 Where the rows come from (sources, streams, preprocessing, encoders) is data.py's.
 """
@@ -169,30 +170,30 @@ def human_bytes(n):
 # Each shard k holds dataset rows [k * S, (k + 1) * S) and is written by rank k % world_size, atomically, with
 # a checksum of its tensors in its header. A shard counts as finished only once it verifies (header, checksum,
 # finite values), so a damaged shard is rebuilt like a missing one and an interrupted extraction resumes at the
-# shards still missing. The folder is named by a hash of everything that changes the content, so a changed key
-# is a miss that names what changed, never a silent reuse.
+# shards still missing. Its contents are verified when it is written (read back) and again whenever its file
+# changed since (the manifest keeps each verified shard's size and times), not at every start. The folder is
+# named by a hash of everything that changes the content, so a changed key is a miss that names what changed,
+# never a silent reuse.
 
 
 def source_fingerprint(data, ds):
-    """A cheap fingerprint of the source's content, so that data changed under the same name is a miss: the
-    relative path, size and modification time of every file of a local source (an image edited in place
-    changes it), the dataset's own fingerprint for hub data (its revision and files), None for the demo
-    (its parameters are in the key)."""
+    """A fingerprint of the source's content, so that data changed under the same name is a miss, at no cost
+    per file of ours. A map-style source (hub data, a local image folder or parquet files): the dataset's own
+    fingerprint, which for local files already covers every file's path and modification time (`datasets`
+    lists and stats them itself, at every start, to name its Arrow cache), so an image edited in place changes
+    it; a pass of our own over a million-file folder doubled that: a million more metadata calls per start, on
+    every rank. Local tar shards (a stream has no fingerprint): the path, size and modification time of each of
+    the shard files (thousands, not millions). None for the demo (its parameters are in the key)."""
     if data.source == "embedded":
         return None
-    root = Path(data.source)
-    if is_stream(data) and ".tar" in data.source:  # local tar shards: the files the pattern names
-        root = Path("/")
-        files = sorted(Path(f).resolve() for pattern in expand_braces(data.source) for f in glob.glob(pattern))
-    elif not root.exists():
-        return {"dataset_fingerprint": getattr(ds, "_fingerprint", None)}  # hub data (a stream has none)
-    else:
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    if not (is_stream(data) and ".tar" in data.source):
+        return {"dataset_fingerprint": getattr(ds, "_fingerprint", None)}  # a hub stream has none
+    files = sorted(Path(f).resolve() for pattern in expand_braces(data.source) for f in glob.glob(pattern))
     digest, total = hashlib.sha256(), 0
     for path in files:
         stat = path.stat()
         total += stat.st_size
-        digest.update(f"{path.relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        digest.update(f"{path.relative_to('/')}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return {"files": len(files), "bytes": total, "sha256": digest.hexdigest()[:16]}
 
 
@@ -354,16 +355,12 @@ def save_shard(path, tensors, rows, skipped):
     os.replace(tmp, path)
 
 
-def build_cache(ds, part, encode, accelerator, cfg, signals=None):
-    """Cache split `part` ("train" or "val") of `ds`: return its folder, encoding what is missing first.
-    `encode(pixels, captions)` maps a batch to a dict of tensors (see make_encode). Images are decoded and
-    cropped in DataLoader workers (DecodedShards) while the encoders run here; a streamed source's shard k is
-    cache shard k. Every shard is checked before it is used (data.verify_cache: its checksum and finite values
-    too) by the rank that would write it; a missing or damaged one is (re)built. `signals` (common.StopSignals):
-    the ranks agree on a stop after each shard they write, so a stop signal ends the build after the shards in
-    progress, exiting for a requeue; the next run resumes from the finished shards."""
+def locate_cache(cfg, part, ds, accelerator):
+    """Where split `part` ("train" or "val") of `ds` is cached: a folder named by a hash of its key (everything
+    that changes what the shards hold), announced as a check, a miss that names what changed, or a resumed build.
+    Returns what check_cache and write_cache work on: the source shards, key, folder and manifest."""
     import datasets
-    from accelerate.utils import gather_object
+    from types import SimpleNamespace
 
     data = cfg.data
     streamed = isinstance(ds, datasets.IterableDataset)
@@ -377,11 +374,9 @@ def build_cache(ds, part, encode, accelerator, cfg, signals=None):
         accelerator.print(f"warning: cache ({part}): {folder / 'manifest.json'} cannot be read ({problem or 'no checksums'}); "
                           f"treating the folder as a miss: finished shards are verified and reused, the rest encoded")
         manifest = None
-    rank, world = accelerator.process_index, accelerator.num_processes
     found = len(list(folder.glob("shard_*.safetensors")))
     if manifest is not None:
-        accelerator.print(f"cache check ({part}): {folder}, {len(manifest['shards'])} shards"
-                          + (" (verifying checksums)" if data.verify_cache else ""))
+        accelerator.print(f"cache check ({part}): {folder}, {len(manifest['shards'])} shards")
     elif found:
         accelerator.print(f"cache miss ({part}): reusing {found} finished shards of {len(shards)} in {folder} "
                           f"(each verified first), encoding the rest")
@@ -392,54 +387,119 @@ def build_cache(ds, part, encode, accelerator, cfg, signals=None):
     if accelerator.is_main_process:
         (folder / "key.json").write_text(json.dumps(key, indent=1))  # names what changed for a later miss
     accelerator.wait_for_everyone()
-    names = class_names(data, ds) if data.label_captions else None
-    expected = manifest["sha256"] if manifest else {}
+    return SimpleNamespace(part=part, ds=ds, shards=shards, key=key, folder=folder, manifest=manifest, mine=[],
+                           verified={})
+
+
+def file_stamp(path):
+    """[size, modification time, change time] (ns) of a file: a write, truncation, replacement or copy changes it
+    (the change time cannot be set from user space, so even a copy that keeps modification times does)."""
+    stat = Path(path).stat()
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def check_cache(cache, cfg, accelerator):
+    """The cache check. The shard at position j of cache.shards is rank j % world's to check and, if missing or
+    damaged, to write. Every shard is checked from its header (it opens, its tensors hold the rows it claims,
+    its checksum is the manifest's), and its contents (checksum of the tensors, finite values) are verified
+    only if its file changed since they last were (the manifest's stamp of it: size and times), so a start
+    with an unchanged cache reads headers, not terabytes; data.verify_cache=false skips even that. Returns the
+    shards to write, per rank (the same lists on every rank); all empty: a hit, and the manifest is final."""
+    from accelerate.utils import gather_object
+
+    data, rank, world = cfg.data, accelerator.process_index, accelerator.num_processes
+    manifest = cache.manifest or {}
+    expected, stamps = manifest.get("sha256", {}), manifest.get("verified", {})
+    todo = []
+    for k in [k for j, k in enumerate(cache.shards) if j % world == rank]:
+        path = cache.folder / f"shard_{k:05d}.safetensors"
+        if path.exists():
+            stamp = file_stamp(path)
+            unchanged = stamps.get(path.name) == stamp  # its contents were verified as they are now
+            damage = shard_damage(path, data.verify_cache and not unchanged, expected.get(path.name))
+            if damage is None:
+                if unchanged or data.verify_cache:
+                    cache.verified[path.name] = stamp
+                continue  # finished before, and sound
+            print(f"cache ({cache.part}): {path} is damaged ({damage}): rebuilding it", flush=True)
+        todo.append(k)
+    cache.mine = todo
+    todo_by_rank = gather_object([todo]) if world > 1 else [todo]
+    if not any(todo_by_rank):
+        write_manifest(cache, 0, accelerator)
+    return todo_by_rank
+
+
+def write_cache(cache, todo_by_rank, encode, cfg, accelerator, signals=None):
+    """Miss: decode the shards still to write in DataLoader workers (DecodedShards), encode them here with
+    `encode(pixels, captions)` (see make_encode), write each atomically with the checksum of its tensors and
+    verify it again from its file; a streamed source's shard k is cache shard k. `signals` (StopSignals): the
+    ranks agree on a stop after each shard they write, so a stop signal ends the build after the shards in
+    progress, exiting for a requeue; the next run resumes from the finished shards. Then the manifest."""
+    data, part, folder = cfg.data, cache.part, cache.folder
+    names = class_names(data, cache.ds) if data.label_captions else None
     text = "tokens" if part == "train" and not data.cache_text else "features"  # held-out rows keep features
+    todo, missing = cache.mine, sorted(k for t in todo_by_rank for k in t)  # this rank's, everyone's
 
     def path_of(k):
         return folder / f"shard_{k:05d}.safetensors"
 
-    # The shard at position j of `shards` is rank j % world's to check and, if missing or damaged, to write.
-    todo = []
-    for k in [k for j, k in enumerate(shards) if j % world == rank]:
-        if path_of(k).exists():
-            damage = shard_damage(path_of(k), data.verify_cache, expected.get(path_of(k).name))
-            if damage is None:
-                continue  # finished before, and sound
-            print(f"cache ({part}): {path_of(k)} is damaged ({damage}): rebuilding it", flush=True)
-        todo.append(k)
-    todo_by_rank = gather_object([todo]) if world > 1 else [todo]
-    missing = sorted(k for t in todo_by_rank for k in t)
-    if missing:
-        rows = samples_per_shard(ds, missing, data.shard_size)
-        per_row, size = cache_size(encode, data, text, list(rows.values()))
-        free = shutil.disk_usage(folder).free
-        accelerator.print(f"cache ({part}): {len(missing)} of {len(shards)} shards to write, about "
-                          f"{sum(rows.values())} samples x {per_row} bytes = {human_bytes(size)}; {human_bytes(free)} "
-                          f"free on {data.cache_dir}")
-        if size > free:
-            raise SystemExit(f"data.cache_dir='{data.cache_dir}' has {human_bytes(free)} free, the {part} cache needs "
-                             f"about {human_bytes(size)}: free space, choose another data.cache_dir, or shrink the "
-                             f"cache (data.cache_text=false keeps token ids instead of text features)")
-        write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator, part, signals,
-                     rounds=max(len(t) for t in todo_by_rank))
-    built = len(missing)
+    rows = samples_per_shard(cache.ds, missing, data.shard_size)
+    per_row, size = cache_size(encode, data, text, list(rows.values()))
+    free = shutil.disk_usage(folder).free
+    accelerator.print(f"cache ({part}): {len(missing)} of {len(cache.shards)} shards to write, about "
+                      f"{sum(rows.values())} samples x {per_row} bytes = {human_bytes(size)}; {human_bytes(free)} "
+                      f"free on {data.cache_dir}")
+    if size > free:
+        raise SystemExit(f"data.cache_dir='{data.cache_dir}' has {human_bytes(free)} free, the {part} cache needs "
+                         f"about {human_bytes(size)}: free space, choose another data.cache_dir, or shrink the "
+                         f"cache (data.cache_text=false keeps token ids instead of text features)")
+    write_shards(cache.ds, todo, path_of, encode, data, names, text, rows, accelerator, part, signals,
+                 rounds=max(len(t) for t in todo_by_rank))
+    for k in todo:  # verified once from the file as written: a shard is trusted only as it reads back
+        if (damage := shard_damage(path_of(k), verify=True)) is not None:
+            raise RuntimeError(f"cache ({part}): {path_of(k)} reads back damaged right after writing ({damage}): "
+                               f"check the storage of data.cache_dir='{data.cache_dir}'")
+        cache.verified[path_of(k).name] = file_stamp(path_of(k))
+    write_manifest(cache, len(missing), accelerator)
+
+
+def write_manifest(cache, built, accelerator):
+    """The main process writes manifest.json (the shards, their checksums and skipped rows, and the stamps of the
+    shards whose contents were verified) when anything changed, and says whether the cache was a hit."""
+    from accelerate.utils import gather_object
+
+    verified = gather_object([cache.verified]) if accelerator.num_processes > 1 else [cache.verified]
+    folder, manifest = cache.folder, cache.manifest
     if accelerator.is_main_process:
-        shards, sums, skipped = [path_of(k).name for k in shards], {}, []
-        for name in shards:
-            with safe_open(str(folder / name), "pt") as f:
-                skipped += json.loads(f.metadata().get("skipped", "[]"))
-                sums[name] = f.metadata()["sha256"]
-        if built and skipped:
-            accelerator.print(f"cache ({part}): skipped {len(skipped)} unusable images, first: " + "; ".join(skipped[:5]))
-        if manifest is None or built:
+        stamps = {name: stamp for part in verified for name, stamp in part.items()}
+        shards = [f"shard_{k:05d}.safetensors" for k in cache.shards]
+        if manifest is None or built or stamps != manifest.get("verified", {}):
+            sums, skipped = {}, []
+            for name in shards:
+                with safe_open(str(folder / name), "pt") as f:
+                    skipped += json.loads(f.metadata().get("skipped", "[]"))
+                    sums[name] = f.metadata()["sha256"]
+            if built and skipped:
+                accelerator.print(f"cache ({cache.part}): skipped {len(skipped)} unusable images, first: "
+                                  + "; ".join(skipped[:5]))
             tmp = folder / "manifest.tmp"
-            tmp.write_text(json.dumps({"key": key, "shards": shards, "sha256": sums, "skipped": skipped}, indent=1))
+            tmp.write_text(json.dumps({"key": cache.key, "shards": shards, "sha256": sums, "skipped": skipped,
+                                       "verified": stamps}, indent=1))
             os.replace(tmp, folder / "manifest.json")
-        accelerator.print(f"cache {'hit' if not built else 'ready'} ({part}): {folder}, {len(shards)} shards"
+        accelerator.print(f"cache {'hit' if not built else 'ready'} ({cache.part}): {folder}, {len(shards)} shards"
                           + (f", {built} (re)built" if built else ", all sound"))
     accelerator.wait_for_everyone()
-    return folder
+
+
+def build_cache(ds, part, encode, accelerator, cfg, signals=None):
+    """The cache of split `part` of `ds`, as the trainers run it: locate -> check -> hit, or write what is
+    missing or damaged. Returns its folder."""
+    cache = locate_cache(cfg, part, ds, accelerator)
+    todo_by_rank = check_cache(cache, cfg, accelerator)
+    if any(todo_by_rank):
+        write_cache(cache, todo_by_rank, encode, cfg, accelerator, signals)
+    return cache.folder
 
 
 def explain_miss(folder, key, part, accelerator):
@@ -514,27 +574,28 @@ class CachedDataset(torch.utils.data.Dataset):
 # The data stage of a run, as both trainers take it.
 
 
-def prepare_data(cfg, train_ds, val_ds, accelerator, signals=None):
-    """Cache check -> hit: load / miss: encode and write, for the training and held-out rows; then the
-    encoders leave the GPU (the text encoder stays when it encodes at each step, data.cache_text=false).
-    Returns the cached datasets, the frozen encoders, the empty prompt's encoding (the null condition of
-    guidance), the validation grid's prompts or class names and their encoding, and the class ids."""
+def frozen_encoders(cfg, train_ds, val_ds, accelerator):
+    """The frozen encoders on the device and what the run conditions on: `encode` (pixels, captions -> cached
+    tensors), the VAE and text encoder, the empty prompt's encoding (the null condition of guidance), the
+    validation grid's prompts or class names and their encoding, and the class ids kept with the model."""
     from types import SimpleNamespace
 
     data, device = cfg.data, accelerator.device
-    check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
-    encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
     out = SimpleNamespace(vae=vae, text_encoder=text_encoder, null_text=None, val_text=None,
+                          encode=make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens),
                           val_prompts=validation_prompts(cfg, train_ds, val_ds),  # what each grid cell shows
-                          class_ids=read_class_ids(data, train_ds) if data.label_column else None)  # kept with the model
-    out.train_set = CachedDataset(build_cache(train_ds, "train", encode, accelerator, cfg, signals))
-    out.val_set = CachedDataset(build_cache(val_ds, "val", encode, accelerator, cfg, signals))
+                          class_ids=read_class_ids(data, train_ds) if data.label_column else None)
     if text_encoder is not None:
         out.null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
         out.val_text = encode_text(tokenizer, text_encoder, out.val_prompts, cfg.encoders.max_tokens)
-        text_encoder.to("cpu" if data.cache_text else device)
-    if vae is not None:
-        vae.cpu()
     return out
 
+
+def release_encoders(encoders, data):
+    """Once the cache is ready the encoders leave the GPU; the text encoder stays when it encodes at each
+    step (data.cache_text=false). The VAE decodes the validation samples, on the CPU."""
+    if encoders.text_encoder is not None and data.cache_text:
+        encoders.text_encoder.to("cpu")
+    if encoders.vae is not None:
+        encoders.vae.cpu()

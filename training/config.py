@@ -66,7 +66,7 @@ class Data(BaseModel, extra="forbid", strict=True):
     cache_dtype: Literal["float16", "bfloat16", "float32"] = Field("float16", description="of the cached values")
     cache_text: bool = Field(True, description="cache text features; False: token ids, encoded at each step (lean)")
     shard_size: int = Field(1024, ge=1, description="rows per cache shard (part of the cache key)")
-    verify_cache: bool = Field(True, description="check every cached value at start; False: headers only (huge caches)")
+    verify_cache: bool = Field(True, description="verify a shard's values when written and when its file changed; False: headers only")
     encode_batch_size: int = Field(64, ge=1, description="images per batch when the cache is built")
     num_workers: int = Field(0, ge=0, description="data loader workers per process")
     prefetch_factor: int = Field(2, ge=1, description="batches each worker loads ahead")

@@ -238,6 +238,7 @@ def prepare_model(cfg, x_shape, null_text, class_ids, run_dir, accelerator):
 
     model = build_for_run(cfg, x_shape, null_text)
     ema = copy.deepcopy(model).requires_grad_(False).float()
+    ema.inherited = set()  # names of EMA tensors init_from takes from another run's EMA (common.ema_update)
     ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
     if cfg.init_from and ckpt is None:
         report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print)
@@ -333,6 +334,7 @@ def adapt_state(source, target, source_ids=None, target_ids=None, pos_embed_mode
     embeddings are mapped by id when both runs know their class ids; any other shape change, missing or
     unexpected tensor keeps the target's fresh value and is reported."""
     out, report = dict(target), {"loaded": 0, "adapted": [], "missing": [], "unexpected": [], "reshaped": []}
+    report["taken"] = set()  # the keys whose value came from the source (loaded or adapted)
     for key, value in target.items():
         if key in TEXT_BUFFERS:
             continue  # the empty prompt of this run's own text encoder, set by the trainer
@@ -342,10 +344,12 @@ def adapt_state(source, target, source_ids=None, target_ids=None, pos_embed_mode
         src = source[key]
         if key.endswith("pos_embed.pos_embed") and src.shape != value.shape:
             out[key] = resample_pos_embed(src, math.isqrt(value.shape[1]), pos_embed_mode)
+            report["taken"].add(key)
             report["adapted"].append(f"{key}: {pos_embed_mode} {math.isqrt(src.shape[1])}^2 -> "
                                      f"{math.isqrt(value.shape[1])}^2 positions")
         elif key.endswith(("class_embed.weight", "class_vector.weight")) and source_ids and target_ids:
             out[key], unmatched = map_classes(src, value, source_ids, target_ids)
+            report["taken"].add(key)
             hint = "" if len(unmatched) < len(target_ids) else (
                 f" (no id in common: the source's look like {source_ids[:2]}, this run's like {target_ids[:2]};"
                 f" set data.class_ids so both name classes the same way)")
@@ -355,6 +359,7 @@ def adapt_state(source, target, source_ids=None, target_ids=None, pos_embed_mode
             report["reshaped"].append(f"{key}: {tuple(src.shape)} -> {tuple(value.shape)}")
         else:
             out[key], report["loaded"] = src.to(value.dtype), report["loaded"] + 1
+            report["taken"].add(key)
     report["unexpected"] = sorted(k for k in source if k not in target)
     return out, report
 
@@ -367,14 +372,14 @@ def read_weights(source):
     folder = Path(source)
     if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").exists():
         folder = common.find_checkpoint(folder, "latest") or folder / "checkpoints"
-    if common.checkpoint_ok(folder):
-        state = torch.load(folder / "state.pt", weights_only=True)
-        return (load_file(str(folder / "model.safetensors")), load_file(str(folder / "ema.safetensors")),
-                state.get("class_ids"), folder)
+    if common.checkpoint_ok(folder):  # on the CPU, and never the optimizer
+        return (load_file(str(folder / "model.safetensors"), device="cpu"),
+                load_file(str(folder / "ema.safetensors"), device="cpu"), common.read_state(folder).get("class_ids"), folder)
     if (folder / "transformer").is_dir() and (folder / "conditioner.safetensors").exists():
         weights = {f"transformer.{k}": v for f in sorted((folder / "transformer").glob("*.safetensors"))
-                   for k, v in load_file(str(f)).items()}
-        weights.update({f"conditioner.{k}": v for k, v in load_file(str(folder / "conditioner.safetensors")).items()})
+                   for k, v in load_file(str(f), device="cpu").items()}
+        weights.update({f"conditioner.{k}": v
+                        for k, v in load_file(str(folder / "conditioner.safetensors"), device="cpu").items()})
         ids = folder / "class_ids.json"
         return weights, weights, json.loads(ids.read_text()) if ids.exists() else None, folder
     raise FileNotFoundError(f"init_from: {source} is not a run folder with an intact checkpoint, a checkpoint "
@@ -383,14 +388,16 @@ def read_weights(source):
 
 def init_from(source, model, ema, class_ids=None, pos_embed_mode="resample", log=print):
     """Load another run's weights into `model` and its EMA into `ema` (see adapt_state); log every adapted,
-    missing, unexpected and reshaped tensor and return the report."""
+    missing, unexpected and reshaped tensor and return the report. The EMA tensors taken from the source are
+    named in `ema.inherited`: they keep averaging from the source's EMA, with no warm-up (common.ema_update)."""
     model_state, ema_state, source_ids, folder = read_weights(source)
     reports = []
     for module, state in ((model, model_state), (ema, ema_state)):
         adapted, report = adapt_state(state, module.state_dict(), source_ids, class_ids, pos_embed_mode)
         module.load_state_dict(adapted)
         reports.append(report)
-    report = {"source": str(folder), **reports[0]}
+    ema.inherited = {name for name, _ in ema.named_parameters() if name in reports[1]["taken"]}
+    report = {"source": str(folder), **{k: v for k, v in reports[0].items() if k != "taken"}}
     log(f"init_from {folder}: {report['loaded']} tensors loaded (weights and EMA); optimizer, step and data "
         f"position start fresh")
     for kind in ("adapted", "missing", "unexpected", "reshaped"):

@@ -96,6 +96,21 @@ def find_spikes(losses, state, threshold, warmup=100, decay=0.99):
 # records: nothing it does changes what is trained.
 
 
+PEAK_MEMORY = {True: "the CUDA allocator's peak of each log interval (reset after each log)",
+               False: "the process's peak resident memory since it started (CPU: the kernel's peak RSS, no reset)"}
+
+
+def peak_memory(device):
+    """GiB: on CUDA the allocator's peak since the previous call, whose peak statistics it resets (so each log
+    interval reports its own peak, validation and checkpoints in it included); elsewhere the process's peak RSS
+    so far (getrusage keeps one peak per process and cannot reset it). PEAK_MEMORY says which, in words."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
 class Monitor:
     """Interval statistics of a training run. The per-step losses, gradient norms and skip flags stay on the
     device and come over in one all-reduce per log interval, so an ordinary step adds no host-device sync."""
@@ -119,6 +134,8 @@ class Monitor:
         self.progress = tqdm(total=cfg.train.max_steps, initial=self.start_step, desc="train",
                              disable=not accelerator.is_local_main_process or self.show_lines)
         self.restart_clock()
+        peak_memory(device)  # CUDA: the first interval's peak counts from here (not the cache build's encoders)
+        accelerator.print(f"peak_memory_gb: {PEAK_MEMORY[device.type == 'cuda']}")
         interval = state.get("interval")
         if interval and len(interval["totals"]) == len(self.stats) + self.per_step.numel():
             # The interval in progress at the checkpoint, summed over ranks: restored on the main process only,
@@ -215,14 +232,12 @@ class Monitor:
             self.loss_state["spikes"] += 1
             self.log({"step": step - n_steps + 1 + i, "event": "loss_spike", "loss": losses[i], "loss_smoothed": mean})
         clipped = [n / tr.grad_clip for n in norms if math.isfinite(n) and n > tr.grad_clip]
-        device = self.accelerator.device
-        peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        peak = peak_memory(self.accelerator.device)
         metrics = {"step": step, "loss": loss_avg, "loss_smoothed": self.loss_state["mean"], "lr": lr,
                    "grad_norm": sum(n for n in norms if math.isfinite(n)) / n_steps, "skipped_steps": self.skipped,
                    "clip_share": len(clipped) / n_steps, "loss_spikes": self.loss_state["spikes"],
                    "images_per_s": n_steps * tr.batch_size * tr.grad_accum * self.world / elapsed,
-                   "data_wait_share": self.waited / elapsed, "peak_memory_gb": peak / 2**30}
+                   "data_wait_share": self.waited / elapsed, "peak_memory_gb": peak}
         counts = totals[k_bins:len(self.stats)].clamp(min=1)
         metrics.update({f"loss_t{k}": (totals[k] / counts[k]).item() for k in range(k_bins)})
         metrics["images_per_s_per_device"] = metrics["images_per_s"] / self.world
