@@ -90,6 +90,44 @@ def test_bad_labels_of_an_imagefolder_name_their_files(tmp_path):
         open_splits(data_cfg(f"--data.source={tmp_path / 'meta'}", "--data.num_classes=3"), print)
 
 
+LAYOUTS = {  # folder -> files: class folders, a split folder of class folders, metadata.jsonl, split folders named val
+    "classes": ["cat/0.png", "cat/1.png", "dog/2.png"],
+    "split_folders": ["train/cat/0.png", "train/dog/1.png", "test/cat/2.png", "test/dog/3.png", "test/dog/4.png"],
+    "metadata": ["train/0.png", "train/1.png", "train/metadata.jsonl"],
+    "val_folder": ["train/cat/a.png", "train/dog/d.png", "val/cat/b.png", "val/dog/c.png"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_an_imagefolder_opens_as_datasets_infers_it_without_its_split_search(tmp_path, layout):
+    """Naming the files (the fast path of a large folder's start) reads what datasets' own split inference reads
+    from data_dir: the same rows, labels and metadata columns (datasets is the oracle)."""
+    import datasets
+
+    from training.data import imagefolder_files, open_dataset
+
+    for i, name in enumerate(LAYOUTS[layout]):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".jsonl"):
+            (tmp_path / name).write_text("".join(json.dumps({"file_name": f"{k}.png", "label": k, "caption": f"c{k}"}) + "\n"
+                                                 for k in range(2)))
+        else:
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / name)
+    splits = {"split_folders": ("train", "test"), "val_folder": ("train", "validation")}.get(layout, ("train",))
+    fast = {"classes": True, "split_folders": True, "metadata": True, "val_folder": False}[layout]
+    for split in splits:
+        assert ("data_files" in imagefolder_files(tmp_path, split)) == (fast or split == "train")
+        expected = datasets.load_dataset("imagefolder", data_dir=str(tmp_path), split=split)
+        data = config.Config(source=str(tmp_path), image_column="image", label_column=None, caption_column=None)
+        got = open_dataset(data, split)
+        assert got.features.copy() | {"image": expected.features["image"]} == expected.features, (layout, split)
+        pixels = sorted(np.asarray(Image.open(io.BytesIO(r["image"]["bytes"]) if r["image"]["bytes"] else r["image"]["path"]))[0, 0, 0]
+                        for r in got)
+        assert pixels == sorted(np.asarray(r["image"])[0, 0, 0] for r in expected), (layout, split)
+        if "label" in expected.column_names:
+            assert sorted(got["label"]) == sorted(expected["label"]), (layout, split)
+
+
 def test_unset_num_classes_is_read_from_class_names_never_the_demo_default(tmp_path):
     lines = []
     open_splits(data_cfg(), lines.append)  # the embedded demo: its 9 ClassLabel names
