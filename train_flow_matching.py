@@ -33,6 +33,7 @@ from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches
                   open_splits, text_features, validation_inputs)
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
+from training import fit
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. Every default is here; a recipe (configs/*.json) names only what it changes.
@@ -114,7 +115,9 @@ DEFAULTS = {
     },
     "train": {
         "max_steps": 600,            # optimizer steps
-        "batch_size": 64,            # per device and micro-batch; global = batch x processes x grad_accum
+        "batch_size": 64,            # per device and micro-batch; global = batch x processes x grad_accum; "auto"
+                                     # (with global_batch): the largest that fits, probed at start (performance.md)
+        "global_batch": None,        # images per optimizer step; set: grad_accum = global / (batch x processes)
         "grad_accum": 1,             # micro-batches per step; the recipes use 2 to fit an 80 GB A100 (performance.md)
         "lr": 1e-3,                  # the paper: 1e-4 at batch 2048; the tiny demo model likes more
         "lr_schedule": "constant",   # after warm-up: "constant" (the paper's), "cosine" or "linear" decay to 0
@@ -128,6 +131,8 @@ DEFAULTS = {
         "mixed_precision": "no",     # "no", "fp16" or "bf16" (autocast; master weights and EMA stay fp32); the
                                      # recipes: bf16, tensor-core speed with fp32's range, so no loss scaling
         "ema_decay": 0.999,
+        "ema_device": "same",        # "cpu": the fp32 EMA in pinned CPU memory, 4 bytes per parameter off the GPU
+        "ema_every": 1,              # update the EMA every k steps, the k decays compounded (training/fit.py)
         "gradient_checkpointing": False,  # recompute activations in backward: far less memory for ~1/3 more FLOPs;
                                      # off in the recipes, where grad_accum fits the batch at no FLOP cost
         "compile": False,            # torch.compile the model: fused kernels, faster steps after a minute or two
@@ -268,10 +273,12 @@ def main(argv=None):
     model, ema, ckpt = prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
     optimizer = common.make_optimizer(model, tr)  # fused AdamW; weight_decay 0 = Adam, as in the paper
     model, optimizer = accelerator.prepare(model, optimizer)
-    base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
-    ema.to(device)
     forward = torch.compile(model) if tr.compile else model
     raw_model = accelerator.unwrap_model(model)
+    ema_update = fit.EMAUpdater(ema, raw_model, optimizer, tr, device)  # on the GPU or in pinned CPU memory
+    # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
+    fit.plan_batch(cfg, accelerator, model, forward, optimizer, train_set, text_encoder, ckpt)
+    base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; time shift a = {shift:g}")
@@ -288,6 +295,7 @@ def main(argv=None):
     val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,
                                             device, d.val_text)
 
+    @ema_update.on_device  # an offloaded EMA visits the GPU
     @torch.no_grad()
     @torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])  # draws nothing from training's RNG
     def validate(step):                                                        # (padding noise): exact resume
@@ -310,6 +318,7 @@ def main(argv=None):
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, state, cfg.ckpt.keep)
 
+    @ema_update.on_device
     def fid(step):  # every rank samples its share
         eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, d.null_text is not None, log, step)
 
@@ -346,7 +355,7 @@ def main(argv=None):
         monitor.before_update(step, grad_norm, finite)
         common.step_unless_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.zero_grad(set_to_none=True)
-        common.ema_update(ema, raw_model, tr.ema_decay, step, applied=finite)
+        ema_update(step, applied=finite)  # every train.ema_every steps, on the GPU or the CPU
         monitor.after_update(step, grad_norm, finite, accelerator.optimizer_step_was_skipped)
         step += 1
 

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from training.classes import class_names, label_problem, labels_are_the_condition, read_class_ids
-from training.data import (encode_text, expand_braces, is_stream, load_encoders, load_image, loader_options, make_encode, preprocess, shard_of, stream_shards, tag_shard, validation_prompts)
+from training.data import (encode_text, expand_braces, is_stream, load_encoders, load_image, loader_options, make_encode, place_encoders, preprocess, shard_of, stream_shards, tag_shard, validation_prompts)
 from training.monitor import interactive
 
 # ----------------------------------------------------------------------------------------------------------
@@ -533,8 +533,6 @@ def prepare_data(cfg, train_ds, val_ds, accelerator, signals=None):
     if text_encoder is not None:
         out.null_text = encode_text(tokenizer, text_encoder, [""], cfg.encoders.max_tokens)
         out.val_text = encode_text(tokenizer, text_encoder, out.val_prompts, cfg.encoders.max_tokens)
-        text_encoder.to("cpu" if data.cache_text else device)
-    if vae is not None:
-        vae.cpu()
+    place_encoders(vae, text_encoder, device, encode_each_step=not data.cache_text)
     return out
 

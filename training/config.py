@@ -37,6 +37,14 @@ def shard_range(key, value):
     return None
 
 
+def auto_or(rule):
+    """A key that also takes "auto" (train.batch_size: found at start-up, training/fit.py)."""
+    return lambda key, value: None if value == "auto" else rule_problem(key, value, rule)
+
+
+AUTO_KEYS = ("train.batch_size",)  # the merge accepts "auto" for these whatever their default's type
+
+
 # ----------------------------------------------------------------------------------------------------------
 # What each key may hold. A string is a numeric range ("int" first: whole numbers only), a tuple the allowed
 # values (for a list, of each element), `str` any string, `bool` / `float` any value of the default's type, a
@@ -64,12 +72,13 @@ RULES = {
     "conditioning.control_power.flip": ">= 0", "conditioning.semantic_dropout": "[0, 1]",
     "conditioning.control_dropout": "[0, 1]", "conditioning.replicate_padding": bool, "conditioning.padding_noise": ">= 0",
     "objective.time_shift": "> 0", "objective.shift_base_resolution": "int >= 1", "objective.loss_bins": ">= 1",
-    "train.max_steps": ">= 1", "train.batch_size": ">= 1", "train.grad_accum": ">= 1", "train.lr": ">= 0",
+    "train.max_steps": ">= 1", "train.batch_size": auto_or(">= 1"), "train.grad_accum": ">= 1", "train.lr": ">= 0",
     "train.lr_schedule": ("constant", "cosine", "linear"), "train.lr_scaling": ("none", "sqrt", "linear"),
     "train.lr_reference_batch": ">= 1", "train.betas": "[0, 1)", "train.weight_decay": ">= 0",
     "train.warmup_steps": ">= 0", "train.grad_clip": "> 0", "train.max_nonfinite_steps": ">= 1",
     "train.mixed_precision": ("no", "fp16", "bf16"), "train.ema_decay": "[0, 1]", "train.gradient_checkpointing": bool,
-    "train.compile": bool,
+    "train.compile": bool, "train.global_batch": "int >= 1", "train.ema_device": ("same", "cpu"),
+    "train.ema_every": "int >= 1",
     "val.every": ">= 1", "val.num_samples": ">= 1", "val.steps": ">= 1", "val.guidance_scale": ">= 0",
     "val.control_guidance_scale": ">= 0", "val.loss_samples": ">= 1", "val.fid_every": ">= 0", "val.fid_samples": ">= 2",
     "val.fid_reference": str, "val.inception_weights": str, "val.prompts": str,
@@ -144,7 +153,8 @@ def _merge(base, override, where, problems, prefix=""):
               or (type(default) is bool and type(value) is bool)
               or (type(default) is int and type(value) is int)
               or (type(default) is float and type(value) in (int, float))
-              or (type(default) in (str, list) and type(value) is type(default)))
+              or (type(default) in (str, list) and type(value) is type(default))
+              or (name in AUTO_KEYS and value == "auto"))
         if ok:
             out[key] = float(value) if type(default) is float else value
         else:
@@ -271,6 +281,12 @@ def combination_problems(cfg):
         problems.append(f"data.num_classes={d['num_classes']} must be >= 1 with data.label_column")
     if d["class_ids"] and not Path(d["class_ids"]).is_file() and d["class_ids"] not in ("imagenet-1k", "imagenet-22k"):
         problems.append(f"data.class_ids={d['class_ids']!r} must be 'imagenet-1k', 'imagenet-22k' or a file of ids")
+    if tr["batch_size"] == "auto" and not tr.get("global_batch"):
+        problems.append("train.batch_size='auto' finds the micro-batch that keeps train.global_batch: set "
+                        "train.global_batch (e.g. 2048, the paper's), or a number for train.batch_size")
+    elif tr.get("global_batch") and tr["batch_size"] != "auto" and tr["global_batch"] % tr["batch_size"]:
+        problems.append(f"train.global_batch={tr['global_batch']} is not a multiple of train.batch_size="
+                        f"{tr['batch_size']}: the accumulation global / (batch_size x processes) must be whole")
     if len(tr["betas"]) != 2:
         problems.append(f"train.betas={tr['betas']!r} must be two numbers [beta1, beta2] in [0, 1)")
     if tr["mixed_precision"] == "fp16":
