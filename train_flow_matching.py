@@ -272,13 +272,13 @@ def main(argv=None):
     # fp32 EMA; the checkpoint to resume, else another run's weights when init_from names one
     model, ema, ckpt = prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
     optimizer = common.make_optimizer(model, tr)  # fused AdamW; weight_decay 0 = Adam, as in the paper
+    ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
+    # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
+    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder, ckpt)
     model, optimizer = accelerator.prepare(model, optimizer)
+    base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
     forward = torch.compile(model) if tr.compile else model
     raw_model = accelerator.unwrap_model(model)
-    ema_update = fit.EMAUpdater(ema, raw_model, optimizer, tr, device)  # on the GPU or in pinned CPU memory
-    # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
-    fit.plan_batch(cfg, accelerator, model, forward, optimizer, train_set, text_encoder, ckpt)
-    base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; time shift a = {shift:g}")

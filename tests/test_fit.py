@@ -81,7 +81,7 @@ def test_checkpointing_is_chosen_by_measured_speed_only_when_it_matters():
 def test_ranks_take_the_minimum():
     """Two ranks (threads here) with different limits, exchanging through all_min as the all-reduce does: both
     take the same decisions, at the smaller rank's micro-batch."""
-    limits, barrier, slots, results = [16, 6], threading.Barrier(2), [None, None], [None, None]
+    limits, barrier, slots, results = [16, 6], threading.Barrier(2, timeout=60), [None, None], [None, None]
 
     def rank(r):
         def all_min(values):
@@ -92,7 +92,7 @@ def test_ranks_take_the_minimum():
             return out
         results[r] = fit.choose(fit.divisors(16), lambda m, c: m <= limits[r], lambda m, c: 1.0, all_min)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]  # a mismatch breaks the barrier
     [t.start() for t in threads], [t.join(timeout=30) for t in threads]
     assert results == [(4, False, []), (4, False, [])]
 
@@ -119,22 +119,19 @@ def tiny_run(tmp_path, *args):
                                            "--model.attention_head_dim=16", f"--run_dir={tmp_path}", *args])
     torch.manual_seed(0)
     model = build_for_run(cfg, (3, 16, 16))
-    accelerator = common.make_accelerator("no")
-    optimizer = common.make_optimizer(model, cfg.train)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    return cfg, accelerator, model, optimizer
+    return cfg, common.make_accelerator("no"), model, common.make_optimizer(model, cfg.train)  # before prepare
 
 
 def test_the_probe_chooses_the_largest_divisor_below_the_limit_and_changes_nothing(tmp_path, monkeypatch):
     oom_above(monkeypatch, 10)
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=24", "--train.batch_size=auto")
     weights, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
-    fit.plan_batch(cfg, accelerator, model, model, optimizer, Rows(64))
+    fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
     assert (cfg.train.batch_size, cfg.train.grad_accum, cfg.train.gradient_checkpointing) == (8, 3, False)
     # Not a training step: weights, optimizer state, gradients and the RNG as they were.
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state())
-    assert not optimizer.optimizer.state and "found_inf" not in optimizer.optimizer.__dict__
+    assert not optimizer.state and "found_inf" not in optimizer.__dict__
     assert all(p.grad is None for p in model.parameters())
     found = json.loads((tmp_path / "fit.json").read_text())
     assert found["micro_batch"] == 8 and found["grad_accum"] == 3 and found["candidates"] == [24, 12, 8, 6, 4, 3, 2, 1]
@@ -145,7 +142,7 @@ def test_the_probe_times_checkpointing_when_it_lets_a_larger_micro_batch_run(tmp
     oom_above(monkeypatch, 2, limit_checkpointed=6)
     monkeypatch.setattr(fit, "TIMED_REPEATS", 1)
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=12", "--train.batch_size=auto")
-    fit.plan_batch(cfg, accelerator, model, model, optimizer, Rows(64))
+    fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
     table = json.loads((tmp_path / "fit.json").read_text())["timed"]
     assert [(r["micro_batch"], r["gradient_checkpointing"]) for r in table] == [(2, False), (6, True), (4, True), (3, True)]
     best = max(table, key=lambda r: r["images_per_s"])
@@ -160,12 +157,12 @@ def test_a_resumed_run_reuses_its_recorded_choice_and_a_fixed_batch_derives_the_
     ckpt.mkdir()
     torch.save({"step": 2, "config": {"train": {"batch_size": 6, "gradient_checkpointing": True}}}, ckpt / "state.pt")
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=24", "--train.batch_size=auto")
-    fit.plan_batch(cfg, accelerator, model, model, optimizer, Rows(64), ckpt=ckpt)  # no probe: nothing OOMs here
+    fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64), ckpt=ckpt)  # no probe: nothing OOMs here
     assert (cfg.train.batch_size, cfg.train.grad_accum, cfg.train.gradient_checkpointing) == (6, 4, True)
     assert model.transformer.is_gradient_checkpointing
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=24", "--train.batch_size=12",
                                                   "--train.grad_accum=5")
-    fit.plan_batch(cfg, accelerator, model, model, optimizer, Rows(64))
+    fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
     assert (cfg.train.batch_size, cfg.train.grad_accum) == (12, 2)  # derived; the configured 5 is replaced
 
 
@@ -173,7 +170,7 @@ def test_nothing_fits_stops_naming_the_keys(tmp_path, monkeypatch):
     oom_above(monkeypatch, 0)
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=8", "--train.batch_size=auto")
     with pytest.raises(config.ConfigError, match=r"train.batch_size='auto': not even a micro-batch of 1 fits.*train.ema_device"):
-        fit.plan_batch(cfg, accelerator, model, model, optimizer, Rows(64))
+        fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
 
 
 def test_an_error_other_than_out_of_memory_is_not_swallowed(tmp_path, monkeypatch):
@@ -182,7 +179,7 @@ def test_an_error_other_than_out_of_memory_is_not_swallowed(tmp_path, monkeypatc
     monkeypatch.setattr(Denoiser, "forward", broken)
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=8", "--train.batch_size=auto")
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        fit.plan_batch(cfg, accelerator, model, model, optimizer, Rows(64))
+        fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
 
 
 @pytest.mark.parametrize("args,message", [

@@ -115,11 +115,10 @@ def probe_batch(train_set, text_encoder, micro, device):
 
 
 def probe_step(run, micro, checkpointing, timed=0):
-    """Forward and backward of a micro-batch as the loop runs them (compiled or not, the run's autocast, no
-    gradient all-reduce), then the optimizer step skipped on the device (found_inf = 1: the fused AdamW allocates
-    its moments, as the first real step will, and leaves weights and moments as they were), then the gradients
-    dropped. With `timed`, returns seconds per forward + backward over that many passes after the first."""
-    set_checkpointing(run.raw_model, checkpointing)
+    """Forward and backward of a micro-batch as the loop runs them (compiled or not, the run's autocast), then
+    the optimizer step skipped on the device (found_inf = 1: the fused AdamW allocates its moments, as the first
+    real step will, and leaves weights and moments as they were), then the gradients dropped. With `timed`, returns seconds per forward + backward over that many passes after the first."""
+    set_checkpointing(run.model, checkpointing)
     x, t, cond = probe_batch(run.train_set, run.text_encoder, micro, run.device)
     seconds = None
     try:
@@ -127,10 +126,9 @@ def probe_step(run, micro, checkpointing, timed=0):
             if i == 1:
                 synchronize(run.device)
                 start = time.perf_counter()
-            with run.accelerator.no_sync(run.model):
-                with run.accelerator.autocast():
-                    loss = run.forward(x, t, cond).float().pow(2).mean()  # costs nothing next to the model
-                loss.backward()
+            with run.accelerator.autocast():
+                loss = run.forward(x, t, cond).float().pow(2).mean()  # costs nothing next to the model
+            loss.backward()
         if timed:
             synchronize(run.device)
             seconds = (time.perf_counter() - start) / timed
@@ -213,14 +211,17 @@ def recorded_choice(ckpt):
     return train["batch_size"], train["gradient_checkpointing"]
 
 
-def plan_batch(cfg, accelerator, model, forward, optimizer, train_set, text_encoder=None, ckpt=None):
+def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None, ckpt=None):
     """train.global_batch: sets train.batch_size (the micro-batch), train.grad_accum and
     train.gradient_checkpointing in `cfg`, and on the model. batch_size "auto": a resumed run reuses the choice
     its checkpoint recorded; a new one probes the divisors of global_batch / processes (largest_fitting, choose)
-    with the run's model, precision, compile and optimizer, and takes the minimum over ranks. The probe changes
-    nothing the run keeps (weights, optimizer state, RNG, data position), so the run then equals the same run
-    configured by hand. The resolved train section is written to config.json and the probe's findings to
-    fit.json in the run folder. Without global_batch: nothing (batch_size x processes x grad_accum, as set)."""
+    with the run's model (moved to the device), precision, compile and optimizer, and takes the minimum over
+    ranks. Called before accelerator.prepare: the probe runs the bare model, so no DDP collective (its buffer
+    broadcast in every forward) can pair one rank's trial with another's, and its gradients take the memory that
+    DDP's buckets take in the run. The probe changes nothing the run keeps (weights, optimizer state, RNG, data
+    position), so the run then equals the same run configured by hand. The resolved train section is written to
+    config.json and the probe's findings to fit.json in the run folder. Without global_batch: nothing
+    (batch_size x processes x grad_accum, as set)."""
     tr, world, device = cfg.train, accelerator.num_processes, accelerator.device
     if tr.global_batch is None:
         return
@@ -228,7 +229,7 @@ def plan_batch(cfg, accelerator, model, forward, optimizer, train_set, text_enco
     if rest:
         raise config.ConfigError(f"train.global_batch={tr.global_batch} is not a multiple of the {world} processes:"
                                  f" choose a multiple of {world}, or another process count")
-    raw_model, found = accelerator.unwrap_model(model), {}
+    found = {}
     if tr.batch_size == "auto" and ckpt is not None:
         micro, checkpointing = recorded_choice(ckpt)
         how = f"recorded by the resumed run ({ckpt})"
@@ -236,9 +237,9 @@ def plan_batch(cfg, accelerator, model, forward, optimizer, train_set, text_enco
         inner = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's wrapper
         if any(inner.state.values()):
             raise RuntimeError("fit.plan_batch runs before the optimizer's first step (its state would be dropped)")
-        run = SimpleNamespace(accelerator=accelerator, model=model, raw_model=raw_model, forward=forward,
-                              optimizer=optimizer, inner=inner, train_set=train_set, text_encoder=text_encoder,
-                              device=device)
+        run = SimpleNamespace(accelerator=accelerator, model=model.to(device), optimizer=optimizer, inner=inner,
+                              forward=torch.compile(model) if tr.compile else model, train_set=train_set,
+                              text_encoder=text_encoder, device=device)
         candidates = divisors(per_process, at_most=len(train_set) // world)
         missing = object()
         found_inf = inner.__dict__.get("found_inf", missing)
@@ -254,7 +255,7 @@ def plan_batch(cfg, accelerator, model, forward, optimizer, train_set, text_enco
                 inner.found_inf = found_inf
             free_memory(device)
             if tr.compile:
-                torch._dynamo.reset()  # the run compiles for its own micro-batch, as a run configured by hand does
+                torch._dynamo.reset()  # the run compiles its own model for its micro-batch, as one configured by hand
         if micro == 0:
             raise config.ConfigError(
                 f"train.batch_size='auto': not even a micro-batch of 1 fits on {device} (with gradient checkpointing); "
@@ -268,7 +269,7 @@ def plan_batch(cfg, accelerator, model, forward, optimizer, train_set, text_enco
         raise config.ConfigError(f"train.batch_size={micro} x {world} processes does not divide train.global_batch="
                                  f"{tr.global_batch}: choose a divisor of {per_process} ({divisors(per_process)[:8]}"
                                  f"...) or train.batch_size='auto'")
-    set_checkpointing(raw_model, checkpointing)
+    set_checkpointing(model, checkpointing)
     if tr.grad_accum != accum and tr.batch_size != "auto":
         accelerator.print(f"fit: train.grad_accum {tr.grad_accum} -> {accum}, for train.global_batch={tr.global_batch}")
     tr.batch_size, tr.grad_accum, tr.gradient_checkpointing = micro, accum, checkpointing
