@@ -375,3 +375,21 @@ with pytest.MonkeyPatch.context() as patch:
     assert "fit: micro-batch 4 (" in out.stdout and "x 2 processes x 4 accumulation = 32" in out.stdout
     train = json.loads((tmp_path / "two" / "config.json").read_text())["train"]
     assert (train["batch_size"], train["grad_accum"]) == (4, 4)
+
+
+@pytest.mark.slow
+def test_the_sizing_table_applies_the_probes_rule_to_the_memory_model():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sizing
+
+    os.chdir(ROOT)
+    rows = sizing.fit_recipe("own_data_256", 1, {"24GB": 24564, "small": 6 * 1024})
+    for row in rows:
+        for ema in ("ema_gpu", "ema_cpu"):
+            r = row[ema]
+            assert r["micro"] == 0 or (256 % r["micro"] == 0 and r["accum"] * r["micro"] == 256)
+            assert r["micro"] == 0 or r["memory_gib"] <= fit.FIT_MARGIN * row["gib"]
+            assert r["on"] >= r["off"] or r["on"] == 0  # checkpointing never fits fewer images
+        assert row["ema_cpu"]["static_gib"] == pytest.approx(row["ema_gpu"]["static_gib"] * 16 / 20)
+    assert rows[0]["ema_gpu"]["micro"] > rows[1]["ema_gpu"]["micro"]  # a smaller card, a smaller micro-batch
+    assert "| own_data_256 | 24GB (24.0 GiB) | 256 (1) |" in sizing.fit_table(rows)
