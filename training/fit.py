@@ -117,7 +117,8 @@ def probe_batch(train_set, text_encoder, micro, device):
 def probe_step(run, micro, checkpointing, timed=0):
     """Forward and backward of a micro-batch as the loop runs them (compiled or not, the run's autocast), then
     the optimizer step skipped on the device (found_inf = 1: the fused AdamW allocates its moments, as the first
-    real step will, and leaves weights and moments as they were), then the gradients dropped. With `timed`, returns seconds per forward + backward over that many passes after the first."""
+    real step will, and leaves weights and moments as they were), then the gradients dropped. With `timed`,
+    returns seconds per forward + backward over that many passes after the first."""
     set_checkpointing(run.model, checkpointing)
     x, t, cond = probe_batch(run.train_set, run.text_encoder, micro, run.device)
     seconds = None
@@ -234,7 +235,7 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
         micro, checkpointing = recorded_choice(ckpt)
         how = f"recorded by the resumed run ({ckpt})"
     elif tr.batch_size == "auto":
-        inner = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's wrapper
+        inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer (also inside accelerate's wrapper)
         if any(inner.state.values()):
             raise RuntimeError("fit.plan_batch runs before the optimizer's first step (its state would be dropped)")
         run = SimpleNamespace(accelerator=accelerator, model=model.to(device), optimizer=optimizer, inner=inner,
@@ -260,7 +261,7 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
             raise config.ConfigError(
                 f"train.batch_size='auto': not even a micro-batch of 1 fits on {device} (with gradient checkpointing); "
                 f"offload the EMA (train.ema_device='cpu'), lower data.resolution or the model size (model.*)")
-        how = f"the largest of the divisors of {per_process} that fits (margin {1 - FIT_MARGIN:.0%})"
+        how = f"the largest divisor of {per_process} that fits, {1 - FIT_MARGIN:.0%} of the memory kept free"
         found = {"per_process": per_process, "candidates": candidates, "timed": table}
     else:
         micro, checkpointing, how = tr.batch_size, tr.gradient_checkpointing, "train.batch_size"
