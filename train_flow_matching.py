@@ -36,6 +36,7 @@ from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
 from training.phema import PowerEMA
+from training import fit
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. The shared sections (data, encoders, model, conditioning, train, val, log, ckpt) are typed once in
@@ -172,7 +173,7 @@ def main(argv=None):
         if any(todo):  # miss: the missing or damaged shards are encoded and written (hit: nothing to do)
             cache.write_cache(where, todo, d.encode, cfg, accelerator, signals)
         cached[part] = cache.CachedDataset(where.folder)  # memory-mapped shards, read lazily
-    cache.release_encoders(d, data)  # off the GPU, unless the text encoder encodes at each step
+    cache.release_encoders(d, data, device)  # off the GPU, unless the text encoder encodes at each step
     train_set, val_set, vae, text_encoder = cached["train"], cached["val"], d.vae, d.text_encoder
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
@@ -180,11 +181,14 @@ def main(argv=None):
     # fp32 EMA; the checkpoint to resume, else another run's weights when init_from names one
     model, ema, ckpt = prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
     optimizer = common.make_optimizer(model, tr)  # fused AdamW; weight_decay 0 = Adam, as in the paper
+    common.same_on_every_rank(ema.to(device), accelerator)  # DDP broadcasts the model; the EMA gets rank 0's
+    ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
+    # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
+    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder, ckpt)
     if tr.compile:  # in place and before DDP wraps it: one graph of the model, its state-dict keys unchanged
         model.compile()
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
-    common.same_on_every_rank(ema.to(device), accelerator)  # DDP broadcast the model; the EMA gets rank 0's too
     raw_model = accelerator.unwrap_model(model)
     phema = PowerEMA(raw_model, cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.batch_size * world * tr.grad_accum,
                      run_dir, accelerator.is_main_process)  # post-hoc EMA profiles (ckpt.phema_every; 0: off)
@@ -205,6 +209,7 @@ def main(argv=None):
     val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,
                                             device, d.val_text)
 
+    @ema_update.on_device  # an offloaded EMA visits the GPU
     @torch.no_grad()
     @torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])  # draws nothing from training's RNG
     def validate(step):                                                        # (padding noise): exact resume
@@ -233,6 +238,7 @@ def main(argv=None):
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep)
 
+    @ema_update.on_device
     def fid(step):  # every rank samples its share
         eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, d.null_text is not None, log, step)
 
@@ -273,7 +279,7 @@ def main(argv=None):
         optimizer.step()
         monitor.optimizer_step(grad_norm, finite)  # records it (on analysis steps it reads the gradients)
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay views of DDP's buckets, one copy
-        common.ema_update(ema, raw_model, tr.ema_decay, step, applied=finite)
+        ema_update(step, applied=finite)  # every train.ema_every steps, on the GPU or in pinned CPU memory
         phema.update(raw_model)  # post-hoc EMA profiles, on the device (ckpt.phema_every; off: nothing)
         step += 1
 

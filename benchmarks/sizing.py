@@ -3,6 +3,7 @@ step (counted with torch.utils.flop_counter on the recipe's model, built on the 
 GPU), A100 GPU-hours for the whole run at a stated MFU, and memory per GPU at the recipe's per-GPU batch.
 
     python benchmarks/sizing.py [--mfu 0.4] [--gpus 16] [--out docs/sizing.json]
+    python benchmarks/sizing.py --gpu_memory [A100-40GB,A100-80GB,H100-80GB,24GB or GiB numbers]
 
 Memory per GPU = 20 bytes per parameter (fp32 weights 4, gradients 4, Adam moments 8, fp32 EMA 4) plus the
 activations that one step keeps for its backward pass under bf16 autocast, without gradient checkpointing
@@ -10,6 +11,13 @@ activations that one step keeps for its backward pass under bf16 autocast, witho
 (gradient_as_bucket_view), which the trainers keep by zeroing them in place; set to None, each no_sync backward
 would allocate a second copy (4 more bytes per parameter, 5.3 GB for the XL recipes). benchmarks/gpu_throughput.py
 and benchmarks/gpu_check.py measure the real peak on a GPU.
+
+--gpu_memory: what train.batch_size="auto" (training/fit.py) would choose for each recipe's global batch on
+each GPU, by this memory model instead of a probe: the largest divisor of global batch / GPUs whose memory stays
+under fit.FIT_MARGIN of the card, without and with gradient checkpointing, with the EMA on the GPU and
+offloaded (train.ema_device="cpu": 16 bytes per parameter). Checkpointed activations = what the step saves
+outside the blocks (counted the same way, with checkpointing on) + every block's inputs (the fp32 residual
+streams of image and context tokens, kept for the recompute) + one block's activations (recomputed in backward).
 """
 import argparse
 import json
@@ -23,32 +31,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from gpu_throughput import build, count_flops, model_inputs  # noqa: E402
+from training import fit  # noqa: E402
 
 RECIPES = ["imagenet256", "imagenet512", "imagenet22k_256", "imagenet256_from22k", "imagenet22k_captions_256",
            "cc12m", "cc12m_512", "cc12m_from22k"]
 A100_BF16_TFLOPS = 312.0
+# Memory as nvidia-smi reports it (MiB); a "24 GB card": RTX 3090 / 4090, A5000, L4 (22.5 GiB: less).
+GPU_MIB = {"A100-40GB": 40960, "A100-80GB": 81920, "H100-80GB": 81559, "24GB": 24564}
+RECIPE_GPUS = {"own_data_256": 1}  # the single-GPU recipe; the others are for 2 nodes x 8 GPUs (--gpus)
 
 
-def activation_bytes(cfg, layers, batch):
-    """Bytes the autograd graph keeps for backward under bf16 autocast: the distinct tensors that a real forward
-    (CPU, full width) saves, at 1 and 2 blocks and 1 and 2 images, extrapolated linearly to `layers` blocks and
-    `batch` images (every block and image saves the same; autocast's bf16 weight copies are saved once, not
-    per image). About what a GPU holds at the peak of a step, the gradients' transients aside."""
-    saved = {}
-    for n in (1, 2):
-        small = config.load_config(fm.DEFAULTS, ["--config", cfg.config_path, f"--model.num_layers={n}"])
-        for b in (1, 2):
-            x0, cond, text_dims = model_inputs(small, b, torch.device("cpu"))
-            model, storages = build(small, x0, text_dims, torch.device("cpu"), checkpointing=False), {}
+def saved_bytes(cfg, blocks, batch, checkpointing=False):
+    """Bytes of the distinct tensors a real forward (CPU, full width, bf16 autocast) saves for backward."""
+    small = config.load_config(fm.DEFAULTS, ["--config", cfg.config_path, f"--model.num_layers={blocks}", *cfg.extra])
+    x0, cond, text_dims = model_inputs(small, batch, torch.device("cpu"))
+    model, storages = build(small, x0, text_dims, torch.device("cpu"), checkpointing=checkpointing), {}
 
-            def keep(t):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", torch.bfloat16):
-                fm.flow_matching_loss(model, x0, cond, torch.rand(b), torch.randn_like(x0))
-            saved[n, b] = sum(storages.values())
+    def keep(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+        fm.flow_matching_loss(model, x0, cond, torch.rand(batch), torch.randn_like(x0))
+    return sum(storages.values())
+
+
+def linear_model(measure):
+    """(fixed, per image) bytes at `layers` blocks, from measure(blocks, batch) at 1 and 2 blocks and 1 and 2
+    images, extrapolated linearly (every block and image saves the same; autocast's bf16 weight copies are saved
+    once, not per image)."""
+    saved = {(n, b): measure(n, b) for n in (1, 2) for b in (1, 2)}
     per_image = [saved[n, 2] - saved[n, 1] for n in (1, 2)]
     fixed = [saved[n, 1] - per_image[n - 1] for n in (1, 2)]
+    return fixed, per_image
+
+
+def activation_bytes(cfg, layers, batch, parts=None):
+    """Bytes the autograd graph keeps for backward under bf16 autocast: the distinct tensors that a real forward
+    (CPU, full width) saves, at 1 and 2 blocks and 1 and 2 images, extrapolated linearly to `layers` blocks and
+    `batch` images. About what a GPU holds at the peak of a step, the gradients' transients aside."""
+    fixed, per_image = parts or linear_model(lambda n, b: saved_bytes(cfg, n, b))
     at = lambda v: v[0] + (layers - 1) * (v[1] - v[0])  # linear in the number of blocks
     return at(fixed) + batch * at(per_image)
 
@@ -64,9 +85,28 @@ def training_flops_per_image(cfg):
     return flops, sum(p.numel() for p in model.parameters()), (x0.shape[-1] // cfg.model.patch_size) ** 2, context_tokens
 
 
+def checkpointed_activation_bytes(cfg, layers, batch, parts, ckpt_parts, width, tokens):
+    """With gradient checkpointing: what is saved outside the blocks (measured with it on) + each block's inputs,
+    held for the recompute (image and context tokens x width, fp32) + one block's activations (the slope of the
+    measurement without it)."""
+    (fixed, per_image), (c_fixed, c_per_image) = parts, ckpt_parts
+    at = lambda v: v[0] + (layers - 1) * (v[1] - v[0])
+    one_block = (fixed[1] - fixed[0]) + batch * (per_image[1] - per_image[0])
+    return at(c_fixed) + batch * at(c_per_image) + layers * batch * tokens * width * 4 + one_block
+
+
+def load_recipe(name):
+    path = f"configs/{name}.json"
+    cfg = config.load_config(fm.DEFAULTS, ["--config", path])
+    extra = [] if cfg.data.num_classes or cfg.encoders.text_encoder else ["--data.num_classes=1000"]  # own data
+    cfg = config.load_config(fm.DEFAULTS, ["--config", path, *extra])
+    cfg.config_path, cfg.extra = path, extra
+    return cfg
+
+
 def size_recipe(name, gpus, mfu):
-    cfg = config.load_config(fm.DEFAULTS, ["--config", f"configs/{name}.json"])
-    cfg.config_path, batch = f"configs/{name}.json", cfg.train.batch_size
+    cfg = load_recipe(name)
+    batch = cfg.train.batch_size
     flops_per_image, params, image_tokens, context_tokens = training_flops_per_image(cfg)
     global_batch = batch * gpus * cfg.train.grad_accum
     total_flops = flops_per_image * global_batch * cfg.train.max_steps
@@ -79,13 +119,80 @@ def size_recipe(name, gpus, mfu):
             "memory_gb": (20 * params + activations) / 2**30, "activations_gb": activations / 2**30}
 
 
+def fit_recipe(name, gpus, cards):
+    """For each card: what train.batch_size="auto" would choose for the recipe's global batch (its per-GPU batch x
+    --gpus x its grad_accum), by the memory model, with the EMA on the GPU and offloaded."""
+    cfg = load_recipe(name)
+    gpus = RECIPE_GPUS.get(name, gpus)
+    x0, cond, text_dims = model_inputs(cfg, 1, torch.device("meta"))
+    params = sum(p.numel() for p in build(cfg, x0, text_dims, torch.device("meta"), checkpointing=False).parameters())
+    width = cfg.model.num_attention_heads * cfg.model.attention_head_dim
+    tokens = (x0.shape[-1] // cfg.model.patch_size) ** 2 + (text_dims[0] if text_dims else cfg.model.class_tokens)
+    parts = linear_model(lambda n, b: saved_bytes(cfg, n, b))
+    ckpt_parts = linear_model(lambda n, b: saved_bytes(cfg, n, b, checkpointing=True))
+    global_batch = cfg.train.batch_size * gpus * cfg.train.grad_accum
+    per_gpu = global_batch // gpus
+    layers = cfg.model.num_layers
+
+    def memory(micro, ckpt, ema_on_gpu):
+        act = (checkpointed_activation_bytes(cfg, layers, micro, parts, ckpt_parts, width, tokens) if ckpt
+               else activation_bytes(cfg, layers, micro, parts))
+        return ((20 if ema_on_gpu else 16) * params + act) / 2**30
+
+    rows = []
+    for card, mib in cards.items():
+        budget = fit.FIT_MARGIN * mib / 1024
+        row = {"recipe": name, "gpu": card, "gib": mib / 1024, "gpus": gpus, "global_batch": global_batch}
+        for ema, on_gpu in (("ema_gpu", True), ("ema_cpu", False)):
+            largest = {ckpt: fit.largest_fitting(fit.divisors(per_gpu), lambda m: memory(m, ckpt, on_gpu) <= budget)
+                       for ckpt in (False, True)}
+            off, on = largest[False], largest[True]
+            if off == per_gpu or (off and on <= off):
+                choice, timed = (off, False), False
+            elif on:
+                choice, timed = ((off, False) if off else (on, True)), bool(off)  # timed: the probe measures both
+            else:
+                choice, timed = (0, False), False
+            micro, ckpt = choice
+            row[ema] = {"off": off, "on": on, "micro": micro, "checkpointing": ckpt, "timed": timed,
+                        "accum": per_gpu // micro if micro else None,
+                        "memory_gib": memory(micro, ckpt, on_gpu) if micro else None,
+                        "static_gib": (20 if on_gpu else 16) * params / 2**30}
+        rows.append(row)
+    return rows
+
+
+def fit_table(rows):
+    def cell(r):
+        if not r["micro"]:
+            return f"none fits ({r['static_gib']:.0f} GiB before activations)"
+        choice = f"{r['micro']} x {r['accum']}, checkpointing {'on' if r['checkpointing'] else 'off'}, {r['memory_gib']:.0f} GiB"
+        alt = f" (timed against {r['on']} with checkpointing)" if r["timed"] else ""
+        return choice + alt
+    lines = ["| recipe | GPU | global batch (GPUs) | EMA on the GPU: micro x accumulation, checkpointing, memory | "
+             "EMA offloaded (train.ema_device=cpu) |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['recipe']} | {r['gpu']} ({r['gib']:.1f} GiB) | {r['global_batch']} ({r['gpus']}) "
+                     f"| {cell(r['ema_gpu'])} | {cell(r['ema_cpu'])} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation on A100s")
     parser.add_argument("--gpus", type=int, default=16, help="the recipes' global batch is per-GPU batch x this")
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--gpu_memory", nargs="?", const=",".join(GPU_MIB), default=None,
+                        help="instead: what train.batch_size=auto would choose on these cards (names of GPU_MIB or GiB)")
     args = parser.parse_args(argv)
+    if args.gpu_memory:
+        cards = {c: GPU_MIB[c] if c in GPU_MIB else float(c) * 1024 for c in args.gpu_memory.split(",")}
+        rows = [r for name in args.recipes.split(",") for r in fit_recipe(name, args.gpus, cards)]
+        print(fit_table(rows))
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+        return rows
     rows = [size_recipe(name, args.gpus, args.mfu) for name in args.recipes.split(",")]
     print(f"| recipe | params | res | tokens / image (image + context) | global batch | steps | TFLOP / image "
           f"| PFLOP / step | A100 GPU-hours at {args.mfu:.0%} MFU | memory / GPU (GB) at its batch: total (activations) |")

@@ -32,7 +32,7 @@ def test_config_layers_and_dotted_overrides(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--train.lrr=1"], "unknown config key 'train.lrr'"),
     (["--trian.lr=1"], "unknown config key 'trian'"),
-    (["--train.batch_size=8.5"], r"train.batch_size=8.5 must be a whole number >= 1 \(from --train.batch_size=8.5\)"),
+    (["--train.batch_size=8.5"], r"train.batch_size=8.5 must be a whole number >= 1 or 'auto' \(from --train.batch_size=8.5\)"),
     (["--train.compile=1"], "train.compile=1 must be true or false"),
     (["--train.lr=fast"], "train.lr='fast' must be a number >= 0"),
     (["--train=3"], "'train' .* must be a section"),

@@ -68,7 +68,10 @@ def count_syncs(monkeypatch, counter):
 
 
 @pytest.mark.parametrize("trainer,extra", [("train_flow_matching", ["--train.grad_accum=2"]),
-                                           ("train_ddpm", ["--train.mixed_precision=bf16"])])
+                                           ("train_ddpm", ["--train.mixed_precision=bf16"]),
+                                           pytest.param("train_flow_matching", [  # fit.py: probe, EMA in a thread
+                                               "--train.global_batch=16", "--train.batch_size=auto",
+                                               "--train.ema_device=cpu", "--train.ema_every=2"], marks=pytest.mark.slow)])
 def test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer, extra):
     counter = SyncCounter()
     count_syncs(monkeypatch, counter)

@@ -108,7 +108,9 @@ class Conditioning(BaseModel, extra="forbid", strict=True):
 
 class Train(BaseModel, extra="forbid", strict=True):
     max_steps: int = Field(600, ge=1, description="optimizer steps")
-    batch_size: int = Field(64, ge=1, description="per device and micro-batch; global: x processes x grad_accum")
+    batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(64, description="per device and micro-batch; "
+                                                                   'global: x processes x grad_accum; "auto" (with global_batch): the largest that fits')
+    global_batch: Int = Field(None, ge=1, description="images per optimizer step; set: grad_accum = global / (batch x processes)")
     grad_accum: int = Field(1, ge=1, description="micro-batches per step (the recipes: 2, to fit an 80 GB A100)")
     lr: float = Field(1e-3, ge=0, description="the paper: 1e-4 at batch 2048; the tiny demo model likes more")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="after warm-up (decay to 0)")
@@ -122,6 +124,8 @@ class Train(BaseModel, extra="forbid", strict=True):
     max_nonfinite_steps: int = Field(20, ge=1, description="a NaN/inf skips the step; this many in a row stop the run")
     mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="autocast (fp32 master weights and EMA)")
     ema_decay: float = Field(0.999, ge=0, le=1, description="EMA of the weights, per optimizer step")
+    ema_device: Literal["same", "cpu"] = Field("same", description='"cpu": the fp32 EMA in pinned CPU memory (4 B/param off the GPU)')
+    ema_every: int = Field(1, ge=1, description="update the EMA every k steps, the k decays compounded (training/fit.py)")
     gradient_checkpointing: bool = Field(False, description="recompute activations: far less memory, ~1/3 more FLOPs")
     compile: bool = Field(False, description="torch.compile the model (on in the recipes; docs/performance.md)")
     timeout_minutes: float = Field(30.0, gt=0, description="how long a collective waits for a slow rank (NCCL's own: 10)")
@@ -407,6 +411,12 @@ def combination_problems(cfg):
         problems.append(f"data.num_classes={d['num_classes']} must be >= 1 with data.label_column")
     if d["class_ids"] and not Path(d["class_ids"]).is_file() and d["class_ids"] not in ("imagenet-1k", "imagenet-22k"):
         problems.append(f"data.class_ids={d['class_ids']!r} must be 'imagenet-1k', 'imagenet-22k' or a file of ids")
+    if tr["batch_size"] == "auto" and not tr["global_batch"]:
+        problems.append("train.batch_size='auto' finds the micro-batch that keeps train.global_batch: set "
+                        "train.global_batch (e.g. 2048, the paper's), or a number for train.batch_size")
+    elif tr["global_batch"] and tr["batch_size"] != "auto" and tr["global_batch"] % tr["batch_size"]:
+        problems.append(f"train.global_batch={tr['global_batch']} is not a multiple of train.batch_size="
+                        f"{tr['batch_size']}: the accumulation global / (batch_size x processes) must be whole")
     if val["guidance_interval"][0] > val["guidance_interval"][1]:
         problems.append(f"val.guidance_interval={val['guidance_interval']!r} must be [lo, hi] with lo <= hi (noise "
                         f"levels: flow-matching t, 1 = pure noise; [0, 1] guides every step)")

@@ -349,6 +349,18 @@ def load_encoders(enc, device):
     return vae, tokenizer, text_encoder
 
 
+def place_encoders(vae, text_encoder, device, encode_each_step):
+    """Once the cache is built: the VAE leaves the GPU (decode() brings it back for validation and FID); the text
+    encoder too, unless it encodes every batch (data.cache_text=false), where it stays on the GPU in bf16: half
+    its memory, and its features come out in fp32 like the cache's (encode_tokens)."""
+    if vae is not None:
+        vae.to("cpu")
+    if text_encoder is not None and encode_each_step:
+        text_encoder.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else text_encoder.dtype)
+    elif text_encoder is not None:
+        text_encoder.to("cpu")
+
+
 def tokenize(tokenizer, captions, max_tokens):
     tok = tokenizer(captions, padding="max_length", max_length=max_tokens, truncation=True, return_tensors="pt")
     return tok.input_ids, tok.attention_mask
@@ -367,7 +379,7 @@ def encode_tokens(encoder, input_ids, attention_mask):
     pooled = getattr(out, "pooler_output", None)
     if pooled is None:
         pooled = (out.last_hidden_state * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-    return {"text_tokens": out.last_hidden_state, "text_mask": mask, "text_pooled": pooled}
+    return {"text_tokens": out.last_hidden_state.float(), "text_mask": mask, "text_pooled": pooled.float()}
 
 
 def text_features(batch, text_encoder):
