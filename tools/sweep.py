@@ -256,13 +256,15 @@ def run_state(run):
     return "interrupted" if (run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file() else "new"
 
 
-def prepare(path):
+def prepare(path, write=True):
     """Read, expand and validate a sweep; write OUT/sweep.json (what compare.py reads); return (spec, out, runs)."""
     spec = read_sweep(path)
     out, runs = expand(spec)
     validate(runs)
     for run in runs:
         run["state"] = run_state(run)
+    if not write:
+        return spec, out, runs
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"sweep": str(Path(path).resolve()), "spec": spec,
                 "swept": [*spec.get("grid", {}), *((spec.get("random") or {}).get("keys") or {})],
@@ -442,7 +444,7 @@ def main(argv=None):
     how.add_argument("--dry_run", action="store_true", help="print the runs and their state; run nothing")
     args = parser.parse_args(argv)
     try:
-        spec, out, runs = prepare(args.sweep)
+        spec, out, runs = prepare(args.sweep, write=not args.dry_run)
     except SweepError as e:
         raise SystemExit(f"sweep: {e}") from None
     states = {s: sum(r["state"] == s for r in runs) for s in ("finished", "interrupted", "new")}
