@@ -123,6 +123,7 @@ def test_compare_writes_every_section_and_plot_with_the_right_numbers(tmp_path):
                     "Performance correlation", "Methodology comparison"):
         assert f"## {section}" in md
     assert "Swept: conditioning.mode." in md and "`class_accuracy` (higher is better)" in md
+    assert "clip_share](" not in md and "| clip_share |" not in md  # a training statistic, not sample quality
 
     # Hypothesis: A = disentangled (the sweep's first arm), B = adanorm; d = (0.10, 0.04, 0.10).
     a = [FINAL_ACC[("disentangled", s)] for s in range(3)]

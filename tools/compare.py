@@ -45,8 +45,8 @@ from training import config  # noqa: E402
 from training.report import fmt, last, load_metrics, style_axis, table, xy  # noqa: E402
 
 NOT_ARMS = {"seed", "run_dir", "resume"}  # differ between runs of one arm, or say nothing about the method
-QUALITY = re.compile(r"^(fid|kid|fd|precision|recall|density|coverage|clip|class_accuracy|colour_accuracy|shape_accuracy)")
-HIGHER_IS_BETTER = re.compile(r"accuracy|precision|recall|density|coverage|clip")
+QUALITY = re.compile(r"^(fid|kid|fd|precision|recall|density|coverage|clip_score|class_accuracy|colour_accuracy|shape_accuracy)")
+HIGHER_IS_BETTER = re.compile(r"accuracy|precision|recall|density|coverage|clip_score")
 EXACT_BOOTSTRAP_MAX_N = 6  # 6^6 = 46656 resamples
 
 
