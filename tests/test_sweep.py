@@ -67,6 +67,14 @@ def test_random_draws_are_reproducible_in_range_and_named_by_their_value(tmp_pat
     assert f"train.lr={first[0]['train.lr']}" in runs[0]["name"] and f"--train.lr={first[0]['train.lr']}" in runs[0]["argv"]
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("sweep_*.json")), ids=lambda p: p.stem)
+def test_the_sweep_files_in_configs_expand_into_valid_runs(path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # their base recipes are named from the repository root
+    spec, out, runs = sweep.prepare(path, write=False)
+    assert len(runs) == 6 and all(r["config"]["seed"] == r["seed"] for r in runs)
+    assert len({r["seed"] for r in runs}) == 3 and sweep.executor_parameters(spec, 6)["tasks_per_node"] == 1
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"grid": {"train.lr": [1e-3]}, "sedes": [0]}, "unknown key 'sedes'"),
     ({"grid": {"train.lr": 1e-3}}, "'grid' must map each key to a non-empty list"),
