@@ -1,0 +1,153 @@
+"""tools/compare.py: its statistics against closed forms and scipy, and compare.md / every plot from run folders
+written here with known numbers (no training)."""
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import scipy.stats
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import compare  # noqa: E402
+
+
+def test_t_interval_is_scipys():
+    values = [0.31, 0.35, 0.29, 0.40]
+    mean, low, high = compare.t_interval(values)
+    want = scipy.stats.t.interval(0.95, len(values) - 1, loc=np.mean(values), scale=scipy.stats.sem(values))
+    assert mean == pytest.approx(np.mean(values)) and (low, high) == pytest.approx(want)
+    assert math.isnan(compare.t_interval([1.0])[1])  # one value: no interval
+
+
+def test_exact_bootstrap_has_the_closed_form_moments():
+    # All n^n resamples, equally likely: E*[mean] = mean(d), Var*[mean] = (1/n) * (1/n) sum (d - mean)^2.
+    for d in ([0.3, -0.1, 0.7], [1.0, 2.0, 4.0, 8.0, -3.0]):
+        means = compare.bootstrap_means(d)
+        assert len(means) == len(d) ** len(d)
+        assert means.mean() == pytest.approx(np.mean(d))
+        assert means.var() == pytest.approx(np.var(d) / len(d))
+    means = compare.bootstrap_means(np.arange(10.0), reps=40000)  # n > 6: random resamples
+    assert len(means) == 40000 and means.mean() == pytest.approx(4.5, abs=0.05)
+    assert means.var() == pytest.approx(np.var(np.arange(10.0)) / 10, rel=0.05)
+
+
+def test_p_better_and_interval_on_known_data():
+    # d = a - b = (-1, 2): resampled means -1 (1/4), 0.5 (1/2), 2 (1/4).
+    lower = compare.paired_comparison([0.0, 3.0], [1.0, 1.0], higher_is_better=False)
+    assert lower["diff"] == [-1.0, 2.0] and lower["mean"] == 0.5 and lower["p_better"] == 0.25
+    assert compare.paired_comparison([0.0, 3.0], [1.0, 1.0], higher_is_better=True)["p_better"] == 0.75
+    # d = (-1, 1): the mean 0 (probability 1/2) counts half for each side.
+    assert compare.paired_comparison([0.0, 2.0], [1.0, 1.0], higher_is_better=False)["p_better"] == 0.5
+    # The percentile interval against scipy's bootstrap (random resamples, many of them).
+    a, b = np.array([0.52, 0.61, 0.58]), np.array([0.50, 0.49, 0.57])
+    cmp = compare.paired_comparison(a, b, higher_is_better=True)
+    ref = scipy.stats.bootstrap((a, b), lambda x, y: np.mean(x - y), paired=True, vectorized=False,
+                                method="percentile", n_resamples=20000, random_state=0).confidence_interval
+    assert (cmp["low"], cmp["high"]) == pytest.approx((ref.low, ref.high), abs=0.005)
+    assert cmp["low"] >= min(a - b) and cmp["high"] <= max(a - b)
+
+
+@pytest.mark.parametrize("n", range(3, 9))
+def test_smallest_wilcoxon_p_is_scipys_for_all_differences_on_one_side(n):
+    assert compare.min_wilcoxon_p(n) == pytest.approx(scipy.stats.wilcoxon(np.arange(1.0, n + 1), method="exact").pvalue)
+
+
+def test_verdict_says_no_rank_test_with_three_seeds_and_reports_one_with_six():
+    three = compare.paired_comparison([0.1, 0.2, 0.15], [0.3, 0.4, 0.35], higher_is_better=False)
+    text = compare.verdict(three, "A", "B", "fid", higher_is_better=False)
+    assert text.startswith("The data support the claim that A is better") and "2/2^3 = 0.25" in text
+    assert "No rank test can reach p < 0.05" in text and "Wilcoxon signed-rank test: p =" not in text
+    worse = compare.paired_comparison([0.3, 0.4, 0.35], [0.1, 0.2, 0.15], higher_is_better=False)
+    assert compare.verdict(worse, "A", "B", "fid", False).startswith("The data contradict")
+    mixed = compare.paired_comparison([0.1, 0.5, 0.3], [0.3, 0.2, 0.35], higher_is_better=False)
+    assert compare.verdict(mixed, "A", "B", "fid", False).startswith("The data do not settle")
+    six = compare.paired_comparison(np.zeros(6), np.arange(1.0, 7), higher_is_better=False)
+    text = compare.verdict(six, "A", "B", "fid", higher_is_better=False)
+    assert "No rank test" not in text and "Wilcoxon signed-rank test: p = 0.0312" in text
+
+
+def test_spearman_against_the_closed_form_and_scipy():
+    x, y = np.arange(8.0), np.array([2, 0, 1, 4, 3, 7, 5, 6], dtype=float)  # a permutation: no ties
+    closed = 1 - 6 * np.sum((x - y) ** 2) / (8 * (8**2 - 1))
+    assert compare.spearman(x, y) == pytest.approx(closed)
+    ties = [1.0, 2.0, 2.0, 3.0, 5.0, 5.0], [0.3, 0.1, 0.2, 0.2, 0.9, 0.4]
+    assert compare.spearman(*ties) == pytest.approx(scipy.stats.spearmanr(*ties).statistic)
+    assert compare.spearman(np.exp(x), -x**3) == pytest.approx(-1.0)  # any monotone pair: ranks only
+
+
+# ---- compare.md and the plots from run folders with known numbers ------------------------------------------
+
+FINAL_ACC = {("disentangled", 0): 0.60, ("disentangled", 1): 0.70, ("disentangled", 2): 0.65,
+             ("adanorm", 0): 0.50, ("adanorm", 1): 0.66, ("adanorm", 2): 0.55}
+STEPS = [50, 100, 150, 200]
+
+
+def write_run(folder, mode, seed):
+    """A run folder as the trainers write it, and a quality.jsonl as demo_quality.py --write does. Accuracy rises
+    as val_loss falls, over steps and across runs: their Spearman is exactly -1."""
+    folder.mkdir(parents=True)
+    cfg = {"seed": seed, "run_dir": str(folder), "resume": "latest", "conditioning": {"mode": mode},
+           "objective": {"time_sampling": "logit_normal"}, "train": {"batch_size": 64, "grad_accum": 1, "max_steps": 200}}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    acc = FINAL_ACC[(mode, seed)]
+    rows = []
+    for i, step in enumerate(STEPS):
+        rows.append({"step": step, "loss": 1.0 - 0.1 * i, "loss_smoothed": 1.0, "images_per_s": 100.0 + seed + (mode == "adanorm") * 10,
+                     "images_per_s_per_device": 100.0 + seed + (mode == "adanorm") * 10, "peak_memory_gb": 1.0 + 0.1 * i,
+                     "clip_share": 0.2 * (i % 2), "skipped_steps": 0, "loss_spikes": 1 if mode == "adanorm" else 0})
+        rows.append({"step": step, "val_loss": 1.0 - acc * (i + 1) / len(STEPS)})
+    rows.append({"step": 120, "event": "loss_spike", "loss": 3.0, "loss_smoothed": 1.0})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "quality.jsonl").write_text("".join(json.dumps({"step": s, "class_accuracy": acc * (i + 1) / len(STEPS)}) + "\n"
+                                                  for i, s in enumerate(STEPS)))
+
+
+def test_compare_writes_every_section_and_plot_with_the_right_numbers(tmp_path):
+    sweep = tmp_path / "sweep"
+    runs = []
+    for mode in ("disentangled", "adanorm"):
+        for seed in range(3):
+            write_run(sweep / f"conditioning.mode={mode},seed={seed}", mode, seed)
+            runs.append({"run_dir": str(sweep / f"conditioning.mode={mode},seed={seed}")})
+    (sweep / "sweep.json").write_text(json.dumps({"runs": runs}))
+
+    path = compare.main([str(sweep)])
+    md = path.read_text()
+    assert path == sweep / "compare.md"
+    for plot in ("evolution_val_loss", "evolution_class_accuracy", "sensitivity", "hypothesis", "correlation", "methods"):
+        assert (sweep / "compare" / f"{plot}.png").stat().st_size > 5000, plot
+        assert f"](compare/{plot}.png)" in md
+    for section in ("Quality metrics evolution", "Parameter sensitivity", "Hypothesis validation",
+                    "Performance correlation", "Methodology comparison"):
+        assert f"## {section}" in md
+    assert "Swept: conditioning.mode." in md and "`class_accuracy` (higher is better)" in md
+    assert "clip_share](" not in md and "| clip_share |" not in md  # a training statistic, not sample quality
+
+    # Hypothesis: A = disentangled (the sweep's first arm), B = adanorm; d = (0.10, 0.04, 0.10).
+    a = [FINAL_ACC[("disentangled", s)] for s in range(3)]
+    b = [FINAL_ACC[("adanorm", s)] for s in range(3)]
+    want = compare.paired_comparison(a, b, higher_is_better=True)
+    assert want["p_better"] == 1.0 and want["mean"] == pytest.approx(0.08)
+    assert "**A = conditioning.mode=disentangled, B = conditioning.mode=adanorm**" in md
+    assert (f"Mean difference {compare.fmt(want['mean'])}, 95% bootstrap interval [{compare.fmt(want['low'])}, "
+            f"{compare.fmt(want['high'])}], P(A better) = 1.00.") in md
+    assert "No rank test can reach p < 0.05 with 3 paired seeds" in md
+    # Sensitivity: each arm's mean and t-interval over its seeds.
+    mean, low, high = compare.t_interval(a)
+    assert f"| conditioning.mode=disentangled | 3 | {compare.fmt(mean)} [{compare.fmt(low)}, {compare.fmt(high)}] |" in md
+    # Correlation: accuracy rises exactly as val_loss falls, in every run: rho = -1 over all 24 points.
+    assert "| class_accuracy | 24 | 6 | -1 | -1 |" in md
+    # Methodology: images/s 100 + seed (+10 for adanorm) -> arm means 101 and 111; spikes 0 and 1.
+    row = next(line for line in md.splitlines() if line.startswith("| conditioning.mode=adanorm | 111 |"))
+    assert row.split(" | ")[3] == "1"  # loss spikes (the trainer's cumulative count)
+    assert "| conditioning.mode=disentangled | 101 |" in md
+
+
+def test_compare_refuses_a_folder_that_is_not_a_run_and_a_metric_not_logged(tmp_path):
+    with pytest.raises(SystemExit, match="neither a sweep folder"):
+        compare.main([str(tmp_path)])
+    write_run(tmp_path / "r0", "adanorm", 0)
+    with pytest.raises(SystemExit, match="metric 'fid_clean_1k' is not logged"):
+        compare.main([str(tmp_path / "r0"), "--metric", "fid_clean_1k"])
