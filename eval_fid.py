@@ -98,8 +98,9 @@ def interval_arg(text):
         value = [float(v) for v in text.split(",")]
     except ValueError:
         value = text
-    if problem := config.noise_interval("--guidance_interval", value):
-        raise argparse.ArgumentTypeError(problem)
+    if not (isinstance(value, list) and len(value) == 2 and 0 <= value[0] <= value[1] <= 1):
+        raise argparse.ArgumentTypeError(f"--guidance_interval={text!r} must be 'lo,hi' with 0 <= lo <= hi <= 1 "
+                                         f"(noise levels: flow-matching t, 1 = pure noise; '0,1' guides every step)")
     return value
 
 
