@@ -46,7 +46,7 @@ from training import fit
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. The shared sections (data, encoders, model, conditioning, train, val, log, ckpt) are typed once in
-# training/config.py; this method adds its objective section and its sampler keys. A recipe
+# training/sections.py; this method adds its objective section and its sampler keys. A recipe
 # (configs/*.json) names only what it changes; --help lists every key, its type, default and use.
 
 
