@@ -33,16 +33,13 @@ from accelerate.utils import set_seed
 from pydantic import BaseModel, Field
 
 import common
-from training import config
 import eval_fid
-from training import runlog
-from training import cache
+from training import cache, config, fit, runlog, stability
 from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options,
                   open_splits, text_features, validation_inputs)
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
 from training.phema import PowerEMA
-from training import fit
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. The shared sections (data, encoders, model, conditioning, train, val, log, ckpt) are typed once in
@@ -59,8 +56,11 @@ class Objective(BaseModel, extra="forbid", strict=True):
     zero_terminal_snr: bool = Field(True, description="rescale so ab_{T-1} = 0 (Lin et al. 2024); needs v or x0")
     prediction: Literal["v", "eps", "x0"] = Field("v", description="what the model predicts")
     min_snr_gamma: float = Field(5.0, ge=0, description="Min-SNR-gamma loss weight (Hang et al. 2023); 0: off")
-    min_snr_form: Literal["plus_one", "paper"] = Field("plus_one", description="min(SNR + 1, g) in x0 space: weight 1 "
-                                                       "at SNR = 0, trains the last step; paper: min(SNR, g)")
+    min_snr_form: Literal["plus_one", "paper", "floor"] = Field("plus_one", description="min(SNR + 1, g) in x0 space: "
+                                                                "weight 1 at SNR = 0; paper: min(SNR, g); floor: paper's, 1 at SNR = 0")
+    timestep_sampling: Literal["uniform", "adaptive"] = Field("uniform", description="adaptive: following the loss")
+    adaptive_bins: int = Field(16, ge=2, description="adaptive: bins of equal base mass")
+    adaptive_mix: float = Field(0.25, gt=0, le=1, description="adaptive: the uniform density's share (weights <= 1 / mix)")
     time_shift: float = Field(1.0, gt=0, description="a: SNR / a^2, flow matching's time shift at equal SNR")
     shift_base_resolution: int | None = Field(None, ge=1, description="if set, a = data.resolution / this")
     loss_bins: int = Field(5, ge=1, description="the loss is also logged per timestep bin [kT/K, (k+1)T/K)")
@@ -123,8 +123,8 @@ def check_objective(cfg):
         problems.append(f"val.steps={val['steps']} must be in [1, objective.num_timesteps={obj['num_timesteps']}]")
     if obj["loss_bins"] > obj["num_timesteps"]:
         problems.append(f"objective.loss_bins={obj['loss_bins']} must be <= objective.num_timesteps")
-    if obj.get("min_snr_form", "plus_one") not in ("plus_one", "paper"):  # .get: configs saved before the key
-        problems.append(f"objective.min_snr_form must be 'plus_one' or 'paper', got {obj['min_snr_form']!r}")
+    if obj.get("min_snr_form", "plus_one") not in ("plus_one", "paper", "floor"):  # .get: configs saved before the key
+        problems.append(f"objective.min_snr_form must be 'plus_one', 'paper' or 'floor', got {obj['min_snr_form']!r}")
     return problems
 
 
@@ -193,16 +193,21 @@ def min_snr_weight(snr, prediction, gamma, form="plus_one"):
     target, since ||eps err||^2 = SNR ||x0 err||^2 and ||v err||^2 = (SNR + 1) ||x0 err||^2:
       form "paper":    x0: min(SNR, g)      eps: min(SNR, g) / SNR = min(1, g / SNR)    v: min(SNR, g) / (SNR + 1)
       form "plus_one": x0: min(SNR + 1, g)  eps: as "paper"                            v: min(SNR + 1, g) / (SNR + 1)
+      form "floor":    the paper's, floored at plus_one's weight 1 only where SNR = 0 (the terminal step)
     The paper's x0 and v weights are 0 at SNR = 0: under zero terminal SNR the last timestep, where every
     sample starts and the model must predict the data mean from pure noise, gets no gradient, and about 160
     of 1000 timesteps (265 with a shift of 2) get less than 0.01. "plus_one" gives weight 1 there and the
     paper's value where SNR >> 1 (where min(., g) = g). eps keeps the paper's form, already 1 at SNR -> 0
-    (min(SNR + 1, g) / SNR would be unbounded). gamma <= 0: weight 1 everywhere."""
+    (min(SNR + 1, g) / SNR would be unbounded). But plus_one also changes every weight where SNR < g - 1 (839 of
+    1000 timesteps at g = 5): "floor" keeps the terminal step trained and the paper's weights everywhere else
+    (docs/methods.md measures the three on real images). gamma <= 0: weight 1 everywhere."""
     if gamma <= 0:
         return torch.ones_like(snr)
     if prediction == "eps":
         return (gamma / snr).clamp(max=1.0)  # gamma / 0 = inf -> 1
     x0_weight = (snr + 1 if form == "plus_one" else snr).clamp(max=gamma)
+    if form == "floor":
+        x0_weight = torch.where(snr > 0, x0_weight, torch.ones_like(x0_weight))
     return x0_weight if prediction == "x0" else x0_weight / (snr + 1)
 
 
@@ -375,11 +380,17 @@ def main(argv=None):
         accelerator.print(f"warning: {warning}")  # a model far larger than its data
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
-    state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
+    def load(ckpt):  # at resume, and on a rollback (train.on_divergence)
+        state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator)  # weights, EMA, optimizer, RNG
+        phema.load(ckpt)  # the post-hoc EMA profiles continue (ckpt.phema_every > 0)
+        return state
+
+    state = load(ckpt) if ckpt else {"step": 0}
     step = state["step"]
-    phema.load(ckpt)  # the post-hoc EMA profiles continue (ckpt.phema_every > 0)
     log = runlog.RunLog(cfg, run_dir, accelerator, step)  # metrics.jsonl (rows past `step` set aside), wandb
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
+    # time density, clip, rollback, noise scale, validation slopes (training/stability.py; all off: as before)
+    stab = stability.Stability(cfg, accelerator, model, log, state, lambda n: torch.randint(0, T, (n,), device=device), lambda u: (u * T).long().clamp(max=T - 1))
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
     val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,
@@ -408,13 +419,15 @@ def main(argv=None):
                     losses[k] += ddpm_loss(ema, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight,
                                            model_time).sum()
         losses = accelerator.reduce(losses, "sum").cpu() / n
+        stab.validation(step, losses.tolist())  # the slope of each bin's validation loss: still falling, or flat
         nfe = evals[0] / min(len(val_noise), -(-len(val_noise) // world))  # per sample, over rank 0's share of the grid
         log({"step": step, "val_loss": losses.mean().item(), "val_nfe": nfe, **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
         accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
 
     def checkpoint(step):
         state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
-                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict()}  # the small part, in state.pt
+                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict(),
+                 **stab.state_dict()}  # the small part, in state.pt
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep)
 
@@ -423,11 +436,14 @@ def main(argv=None):
         eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, d.null_text is not None, log, step)
 
     # ---- Training loop --------------------------------------------------------------------------------------
-    batches = monitor.batches(iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
-                                              loader_options(data, device)), device)  # on the device, wait timed
+    def batches_from(step):  # on the device, wait timed; after a rollback without the window it skipped
+        return monitor.batches(iterate_batches(train_set, stab.data_position(step), tr.batch_size, cfg.seed, rank,
+                                               world, loader_options(data, device)), device)
+
+    batches = batches_from(step)
     model.train()
     while step < tr.max_steps:
-        lr = common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
+        lr = stab.lr_factor * common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         for micro in range(tr.grad_accum):
@@ -440,22 +456,23 @@ def main(argv=None):
             cond["drop"] = drop_conditions(len(x0), cfg.conditioning.semantic_dropout, device)
             cond["drop_controls"] = drop_conditions(len(x0), cfg.conditioning.control_dropout, device)
             noise = torch.randn_like(x0)
-            t = torch.randint(0, T, (len(x0),), device=device)  # uniform over the T timesteps (Ho et al. 2020)
+            t, weight = stab.draw_time(len(x0))  # uniform over the T timesteps (Ho et al. 2020), or adaptive
             # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
             with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
                 with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32
                     loss = ddpm_loss(model, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight, model_time)
-                accelerator.backward(loss.mean() / tr.grad_accum)  # the step's loss: the mean over its micro-batches
-            monitor.micro_batch(loss, t * obj.loss_bins // T)
+                accelerator.backward((weight * loss).mean() / tr.grad_accum)  # the mean over the step's micro-batches
+            stab.micro_batch(micro, loss)  # the adaptive density's statistics; the noise scale's small batch
+            monitor.micro_batch(loss, t * obj.loss_bins // T, weight)
         # Everything below happens once per real optimizer step, never per micro-batch.
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip)
+        grad_norm = stab.clip(model.parameters())  # to train.grad_clip, or a percentile of recent norms
         # A non-finite loss or gradient skips the update (weights, EMA and optimizer state untouched), decided on
         # the device so the host never waits for it. The norm is of the all-reduced gradients, so every rank
         # decides the same. The step still counts: the data position and the LR stay pure functions of it.
         finite = torch.isfinite(grad_norm)
         common.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.step()
-        monitor.optimizer_step(grad_norm, finite)  # records it (on analysis steps it reads the gradients)
+        monitor.optimizer_step(grad_norm, finite, stab.clip_threshold)  # records it (on analysis steps it reads the gradients)
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay views of DDP's buckets, one copy
         ema_update(step, applied=finite)  # every train.ema_every steps, on the GPU or in pinned CPU memory
         phema.update(raw_model)  # post-hoc EMA profiles, on the device (ckpt.phema_every; off: nothing)
@@ -465,8 +482,11 @@ def main(argv=None):
         # statistics, the skipped-step check, the preemption check), validation, FID and checkpoints.
         stop = False
         if common.due(step, cfg.log.every, tr.max_steps):
-            monitor.log_interval(step, lr)
+            metrics = monitor.log_interval(step, lr)
             stop = signals.agreed(accelerator)  # a signal stops the run within log.every - 1 steps
+            if stab.diverged(step, metrics, monitor):  # train.on_divergence=rollback: every rank reloads the last
+                step = stab.roll_back(step, monitor, load)  # good checkpoint, LR lowered
+                batches = batches_from(step)
         if common.due(step, cfg.val.every, tr.max_steps):  # (pauses are not counted as training throughput)
             monitor.pause(validate, step, "validation")
         if common.due(step, cfg.val.fid_every, tr.max_steps):

@@ -18,6 +18,7 @@ metrics, gradient analysis, loss spikes) -> validation (samples, loss on a fixed
 -> export -> report.
 """
 import json
+import math
 import sys
 from contextlib import nullcontext
 from typing import Literal
@@ -27,16 +28,13 @@ from accelerate.utils import set_seed
 from pydantic import BaseModel, Field
 
 import common
-from training import config
 import eval_fid
-from training import runlog
-from training import cache
+from training import cache, config, fit, runlog, stability
 from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options,
                   open_splits, text_features, validation_inputs)
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
 from training.phema import PowerEMA
-from training import fit
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. The shared sections (data, encoders, model, conditioning, train, val, log, ckpt) are typed once in
@@ -46,7 +44,11 @@ from training import fit
 
 class Objective(BaseModel, extra="forbid", strict=True):
     """straight path, velocity target, logit-normal time, resolution shift, optional OT coupling"""
-    time_sampling: Literal["logit_normal", "uniform"] = Field("logit_normal", description="t ~ logit-normal or uniform")
+    time_sampling: Literal["logit_normal", "uniform", "adaptive"] = Field("logit_normal", description="t ~ logit-normal, "
+                                                                          "uniform, or adaptive: following the loss")
+    adaptive_base: Literal["logit_normal", "uniform"] = Field("logit_normal", description="adaptive: the base density")
+    adaptive_bins: int = Field(16, ge=2, description="adaptive: bins of equal base mass")
+    adaptive_mix: float = Field(0.25, gt=0, le=1, description="adaptive: the base density's share (weights <= 1 / mix)")
     logit_mean: float = Field(0.0, description="m in t = sigmoid(m + s n), n ~ N(0, 1) (SD3: m = 0, s = 1)")
     logit_std: float = Field(1.0, gt=0, description="s in t = sigmoid(m + s n)")
     time_shift: float = Field(1.0, gt=0, description="a in t' = a t / (1 + (a - 1) t)")
@@ -76,6 +78,15 @@ def sample_time(n, obj, shift, device):
     else:
         raise ValueError(f"objective.time_sampling must be 'logit_normal' or 'uniform', got {obj.time_sampling!r}")
     return common.time_shift(t, shift)
+
+
+def time_quantile(u, obj, shift):
+    """The base density's inverse CDF t = F^-1(u) (objective.adaptive_base; u ~ U[0, 1) gives sample_time's
+    density), shifted: what the adaptive time sampler (training/stability.py) maps its draws through.
+    Logit-normal: F^-1(u) = sigmoid(m + s Phi^-1(u)), Phi^-1(u) = sqrt(2) erfinv(2u - 1)."""
+    if obj.adaptive_base == "logit_normal":
+        u = torch.sigmoid(obj.logit_mean + obj.logit_std * math.sqrt(2) * torch.erfinv(2 * u - 1))
+    return common.time_shift(u, shift)
 
 
 def ot_pair(x0, noise, labels=None):
@@ -199,11 +210,17 @@ def main(argv=None):
         accelerator.print(f"warning: {warning}")  # a model far larger than its data
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
-    state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator) if ckpt else {"step": 0}
+    def load(ckpt):  # at resume, and on a rollback (train.on_divergence)
+        state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator)  # weights, EMA, optimizer, RNG
+        phema.load(ckpt)  # the post-hoc EMA profiles continue (ckpt.phema_every > 0)
+        return state
+
+    state = load(ckpt) if ckpt else {"step": 0}
     step = state["step"]
-    phema.load(ckpt)  # the post-hoc EMA profiles continue (ckpt.phema_every > 0)
     log = runlog.RunLog(cfg, run_dir, accelerator, step)  # metrics.jsonl (rows past `step` set aside), wandb
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
+    # time density, clip, rollback, noise scale, validation slopes (training/stability.py; all off: as before)
+    stab = stability.Stability(cfg, accelerator, model, log, state, lambda n: sample_time(n, obj, shift, device), lambda u: time_quantile(u, obj, shift))
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
     val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,
@@ -228,13 +245,15 @@ def main(argv=None):
                 with accelerator.autocast():
                     losses[k] += flow_matching_loss(ema, x0, cond, t, noise).sum()
         losses = accelerator.reduce(losses, "sum").cpu() / n
+        stab.validation(step, losses.tolist())  # the slope of each bin's validation loss: still falling, or flat
         nfe = evals[0] / min(len(val_noise), -(-len(val_noise) // world))  # per sample, over rank 0's share of the grid
         log({"step": step, "val_loss": losses.mean().item(), "val_nfe": nfe, **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
         accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
 
     def checkpoint(step):
         state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
-                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict()}  # the small part, in state.pt
+                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict(),
+                 **stab.state_dict()}  # the small part, in state.pt
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep)
 
@@ -243,11 +262,14 @@ def main(argv=None):
         eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, d.null_text is not None, log, step)
 
     # ---- Training loop --------------------------------------------------------------------------------------
-    batches = monitor.batches(iterate_batches(train_set, step * tr.grad_accum, tr.batch_size, cfg.seed, rank, world,
-                                              loader_options(data, device)), device)  # on the device, wait timed
+    def batches_from(step):  # on the device, wait timed; after a rollback without the window it skipped
+        return monitor.batches(iterate_batches(train_set, stab.data_position(step), tr.batch_size, cfg.seed, rank,
+                                               world, loader_options(data, device)), device)
+
+    batches = batches_from(step)
     model.train()
     while step < tr.max_steps:
-        lr = common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
+        lr = stab.lr_factor * common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         for micro in range(tr.grad_accum):
@@ -262,22 +284,23 @@ def main(argv=None):
             noise = torch.randn_like(x0)
             if obj.ot_coupling:
                 noise = ot_pair(x0, noise, batch.get("label"))
-            t = sample_time(len(x0), obj, shift, device)
+            t, weight = stab.draw_time(len(x0))  # objective.time_sampling; weight: base / adaptive density
             # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
             with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
                 with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32
                     loss = flow_matching_loss(model, x0, cond, t, noise)
-                accelerator.backward(loss.mean() / tr.grad_accum)  # the step's loss: the mean over its micro-batches
-            monitor.micro_batch(loss, (t * obj.loss_bins).long().clamp(max=obj.loss_bins - 1))
+                accelerator.backward((weight * loss).mean() / tr.grad_accum)  # the mean over the step's micro-batches
+            stab.micro_batch(micro, loss)  # the adaptive density's statistics; the noise scale's small batch
+            monitor.micro_batch(loss, (t * obj.loss_bins).long().clamp(max=obj.loss_bins - 1), weight)
         # Everything below happens once per real optimizer step, never per micro-batch.
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip)
+        grad_norm = stab.clip(model.parameters())  # to train.grad_clip, or a percentile of recent norms
         # A non-finite loss or gradient skips the update (weights, EMA and optimizer state untouched), decided on
         # the device so the host never waits for it. The norm is of the all-reduced gradients, so every rank
         # decides the same. The step still counts: the data position and the LR stay pure functions of it.
         finite = torch.isfinite(grad_norm)
         common.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.step()
-        monitor.optimizer_step(grad_norm, finite)  # records it (on analysis steps it reads the gradients)
+        monitor.optimizer_step(grad_norm, finite, stab.clip_threshold)  # records it (on analysis steps it reads the gradients)
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay views of DDP's buckets, one copy
         ema_update(step, applied=finite)  # every train.ema_every steps, on the GPU or in pinned CPU memory
         phema.update(raw_model)  # post-hoc EMA profiles, on the device (ckpt.phema_every; off: nothing)
@@ -287,8 +310,11 @@ def main(argv=None):
         # statistics, the skipped-step check, the preemption check), validation, FID and checkpoints.
         stop = False
         if common.due(step, cfg.log.every, tr.max_steps):
-            monitor.log_interval(step, lr)
+            metrics = monitor.log_interval(step, lr)
             stop = signals.agreed(accelerator)  # a signal stops the run within log.every - 1 steps
+            if stab.diverged(step, metrics, monitor):  # train.on_divergence=rollback: every rank reloads the last
+                step = stab.roll_back(step, monitor, load)  # good checkpoint, LR lowered
+                batches = batches_from(step)
         if common.due(step, cfg.val.every, tr.max_steps):  # (pauses are not counted as training throughput)
             monitor.pause(validate, step, "validation")
         if common.due(step, cfg.val.fid_every, tr.max_steps):

@@ -67,11 +67,20 @@ def count_syncs(monkeypatch, counter):
     monkeypatch.setattr(monitor.Monitor, "batches", host_data)
 
 
+STABILITY = ["--train.grad_clip_mode=adaptive", "--train.grad_clip_history=4", "--train.on_divergence=rollback"]
+
+
 @pytest.mark.parametrize("trainer,extra", [("train_flow_matching", ["--train.grad_accum=2"]),
                                            ("train_ddpm", ["--train.mixed_precision=bf16"]),
                                            pytest.param("train_flow_matching", [  # fit.py: probe, EMA in a thread
                                                "--train.global_batch=16", "--train.batch_size=auto",
-                                               "--train.ema_device=cpu", "--train.ema_every=2"], marks=pytest.mark.slow)])
+                                               "--train.ema_device=cpu", "--train.ema_every=2"], marks=pytest.mark.slow),
+                                           # every stability option on (training/stability.py), the noise scale
+                                           # measured on the gradient-analysis steps
+                                           pytest.param("train_flow_matching", ["--train.grad_accum=2", *STABILITY,
+                                                        "--objective.time_sampling=adaptive"], marks=pytest.mark.slow),
+                                           pytest.param("train_ddpm", ["--train.grad_accum=2", *STABILITY,
+                                                        "--objective.timestep_sampling=adaptive"], marks=pytest.mark.slow)])
 def test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer, extra):
     counter = SyncCounter()
     count_syncs(monkeypatch, counter)

@@ -70,20 +70,21 @@ def find_spikes(losses, state, threshold, warmup=100, decay=0.99):
     running standard deviations above the running mean, both EMAs over about 1 / (1 - decay) steps, after
     `warmup` steps.
     `state` ({"mean", "var", "n"}, saved in checkpoints) carries the EMAs across calls; its mean is the
-    smoothed loss."""
+    smoothed loss. Both are bias-corrected like Adam's moments (Kingma & Ba 2015, sec. 3): the n-th update
+    moves by a = (1 - d) / (1 - d^n), so the mean is sum_i d^(n-i) x_i / sum_i d^(n-i), a weighted mean of the
+    losses so far (the first is x_1, and the first loss does not linger for hundreds of steps as it would
+    as the EMA's start), and the variance is the same weighting's (West 1979's incremental form)."""
     spikes = []
     for i, x in enumerate(losses):
         if not math.isfinite(x):
             continue
-        if state["n"] == 0:
-            state["mean"] = x
         limit = state["mean"] + threshold * math.sqrt(state["var"])
         if state["n"] >= warmup and x > limit:
             spikes.append((i, state["mean"]))
             x = limit  # a spike enters the statistics clipped, so it does not hide the next one
-        delta = x - state["mean"]
-        state["mean"] += (1 - decay) * delta
-        state["var"] = decay * (state["var"] + (1 - decay) * delta ** 2)
+        delta, step = x - state["mean"], (1 - decay) / (1 - decay ** (state["n"] + 1))
+        state["mean"] += step * delta
+        state["var"] = (1 - step) * (state["var"] + step * delta ** 2)
         state["n"] += 1
     return spikes
 
@@ -121,27 +122,34 @@ class Monitor:
         self.groups = layer_groups(model)  # for the gradient analysis
         device = accelerator.device
         self.stats = torch.zeros(2 * self.k_bins, device=device)  # loss sums and counts per time bin
-        self.per_step = torch.zeros(cfg.log.every, 4, device=device)  # loss sum, count, grad norm, skipped, per step
+        # loss sum, count, grad norm, skipped, clip threshold, per step
+        self.per_step = torch.zeros(cfg.log.every, 5, device=device)
         state = state or {}
-        self.skipped, self.bad_in_row = state.get("skipped_steps", 0), state.get("bad_in_row", 0)
-        self.loss_state = state.get("loss_state", {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0})  # smoothed loss, spikes
-        self.since_log, self.micro_batches, self.before = 0, 0, None  # `before`: weights kept for the update ratio
         # A progress bar on a terminal; in a log file (SLURM) a bar's carriage returns become one huge line, so
         # there log_interval prints one plain line per interval instead.
         self.start_step, self.t_start = state.get("step", 0), time.perf_counter()
-        self.steps_done = self.start_step
         self.show_lines = accelerator.is_local_main_process and not interactive()
         self.progress = tqdm(total=cfg.train.max_steps, initial=self.start_step, desc="train",
                              disable=not accelerator.is_local_main_process or self.show_lines)
-        self.restart_clock()
         peak_memory(device)  # CUDA: the first interval's peak counts from here (not the cache build's encoders)
         accelerator.print(f"peak_memory_gb: {PEAK_MEMORY[device.type == 'cuda']}")
+        self.load_state_dict(state)
+
+    def load_state_dict(self, state):
+        """A checkpoint's counters, smoothed-loss statistics and interval in progress (at start, and on a
+        rollback: training/stability.py)."""
+        self.skipped, self.bad_in_row = state.get("skipped_steps", 0), state.get("bad_in_row", 0)
+        self.loss_state = state.get("loss_state", {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0})  # smoothed loss, spikes
+        self.since_log, self.micro_batches, self.before = 0, 0, None  # `before`: weights kept for the update ratio
+        self.steps_done, self.diverged_at, self.progress.n = state.get("step", 0), None, state.get("step", 0)
+        self.stats.zero_(), self.per_step.zero_()
+        self.restart_clock()
         interval = state.get("interval")
         if interval and len(interval["totals"]) == len(self.stats) + self.per_step.numel():
             # The interval in progress at the checkpoint, summed over ranks: restored on the main process only,
             # so the next log's all-reduce sums it once, and that row is the one an uninterrupted run logs.
-            if accelerator.is_main_process:
-                totals = torch.tensor(interval["totals"], device=device)
+            if self.accelerator.is_main_process:
+                totals = torch.tensor(interval["totals"], device=self.stats.device)
                 self.stats.copy_(totals[:len(self.stats)]), self.per_step.view(-1).copy_(totals[len(self.stats):])
             self.since_log, self.waited = interval["steps"], interval["waited"]
             self.t_last -= interval["seconds"]
@@ -176,12 +184,14 @@ class Monitor:
         every = self.cfg.log.grad_every
         return bool(every) and (self.steps_done + 1) % every == 0 and self.accelerator.is_main_process
 
-    def micro_batch(self, loss, bins):
+    def micro_batch(self, loss, bins, weight=1.0):
         """After a micro-batch's backward: its per-sample losses and the time bin (0 .. loss_bins - 1) of each.
-        After the step's last one, on an analysis step, the weights are kept for the update ratio (once the
+        `weight`: the adaptive time density's importance weights; the step's loss is the weighted one (what is
+        trained, an unbiased estimate of the base objective), the per-bin losses the unweighted ones. After the
+        step's last micro-batch, on an analysis step, the weights are kept for the update ratio (once the
         activations are freed, so the copy does not raise the step's peak memory)."""
         loss = loss.detach()
-        self.per_step[self.since_log, 0] += loss.sum()
+        self.per_step[self.since_log, 0] += (weight * loss).sum()
         self.per_step[self.since_log, 1] += len(loss)
         self.stats[:self.k_bins].index_add_(0, bins, loss)
         self.stats[self.k_bins:].index_add_(0, bins, torch.ones_like(loss))
@@ -189,16 +199,19 @@ class Monitor:
         if self.micro_batches == self.cfg.train.grad_accum and self.analysing():
             self.before = {g: [p.detach().clone() for p in ps] for g, ps in self.groups.items()}
 
-    def optimizer_step(self, grad_norm, finite):
-        """After optimizer.step(), before the gradients are zeroed: the step's gradient norm and whether it was
-        skipped (`finite`: 0-dim bool tensor), recorded on the device. On an analysis step (it syncs, an
+    def optimizer_step(self, grad_norm, finite, clip=None):
+        """After optimizer.step(), before the gradients are zeroed: the step's gradient norm, whether it was
+        skipped (`finite`: 0-dim bool tensor) and its clip threshold (a float or a device tensor; None:
+        train.grad_clip), recorded on the device. On an analysis step (it syncs, an
         ordinary step does not): the gradient norm per layer group before clipping, the update / weight ratio
         for an update that happened, and vanishing / exploding flags."""
         self.per_step[self.since_log, 2] = grad_norm.detach().float()
         self.per_step[self.since_log, 3] = ~finite
+        clip = self.cfg.train.grad_clip if clip is None else clip
+        self.per_step[self.since_log, 4] = clip
         step = self.steps_done + 1
         if self.analysing():
-            norms = group_grad_norms(self.groups, grad_norm, self.cfg.train.grad_clip)
+            norms = group_grad_norms(self.groups, grad_norm, float(clip))
             metrics = {"step": step, "grad_norm_step": float(grad_norm), **{f"grad_norm/{g}": v for g, v in norms.items()}}
             if bool(finite) and not self.accelerator.optimizer_step_was_skipped:  # fp16: the scaler skipped it
                 metrics.update({f"update_ratio/{g}": v for g, v in group_update_ratios(self.groups, self.before).items()})
@@ -212,26 +225,31 @@ class Monitor:
 
     def log_interval(self, step, lr):
         """Average the interval's statistics over steps and processes (the one sync), count skipped steps (too
-        many non-finite steps in a row stop the run, train.max_nonfinite_steps), find loss spikes, log."""
+        many non-finite steps in a row stop the run, train.max_nonfinite_steps, or mark where a divergence began
+        for a rollback), find loss spikes, log."""
         tr, k_bins = self.cfg.train, self.k_bins
         totals = self.accelerator.reduce(torch.cat([self.stats, self.per_step.flatten()]), "sum")
         n_steps, self.since_log = self.since_log, 0
         elapsed = time.perf_counter() - self.t_last
-        steps = totals[len(self.stats):].view(-1, 4)[:n_steps].tolist()
+        steps = totals[len(self.stats):].view(-1, 5)[:n_steps].tolist()
         for i, s in enumerate(steps):  # the skip flag is the same on every rank: s[3] is 0 or world
             self.skipped, self.bad_in_row = self.skipped + (s[3] > 0), self.bad_in_row + 1 if s[3] > 0 else 0
-            if self.bad_in_row >= tr.max_nonfinite_steps:
+            if self.bad_in_row >= tr.max_nonfinite_steps and tr.on_divergence == "rollback":
+                first_bad = step - n_steps + 2 + i - self.bad_in_row  # stability.Rollback reloads from before it
+                self.diverged_at = first_bad if self.diverged_at is None else min(self.diverged_at, first_bad)
+            elif self.bad_in_row >= tr.max_nonfinite_steps:
                 raise FloatingPointError(f"{self.bad_in_row} optimizer steps in a row had a non-finite loss or "
                                          f"gradient (last at step {step - n_steps + 1 + i}); the last good checkpoint "
                                          f"is in {self.cfg.run_dir}/checkpoints (train.max_nonfinite_steps)")
         loss_avg = sum(s[0] for s in steps) / sum(s[1] for s in steps)
         losses = [s[0] / max(s[1], 1) for s in steps]
         norms = [s[2] / self.world for s in steps]  # the same all-reduced norm on every rank
+        clips = [s[4] / self.world for s in steps]  # and the same threshold
         # Stability: spikes against the running mean and std of the per-step loss; how often the clip acts.
         for i, mean in find_spikes(losses, self.loss_state, self.cfg.log.spike_threshold):
             self.loss_state["spikes"] += 1
             self.log({"step": step - n_steps + 1 + i, "event": "loss_spike", "loss": losses[i], "loss_smoothed": mean})
-        clipped = [n / tr.grad_clip for n in norms if math.isfinite(n) and n > tr.grad_clip]
+        clipped = [n / c for n, c in zip(norms, clips) if math.isfinite(n) and n > c]
         peak = peak_memory(self.accelerator.device)
         metrics = {"step": step, "loss": loss_avg, "loss_smoothed": self.loss_state["mean"], "lr": lr,
                    "grad_norm": sum(n for n in norms if math.isfinite(n)) / n_steps, "skipped_steps": self.skipped,

@@ -173,6 +173,36 @@ def plot_all(series, events, cfg, out):
                 ax.plot(*xy(series, key), marker="o", color=matplotlib.colormaps["plasma"](k / max(len(bins), 2)),
                         label=f"bin {k}")
             style_axis(ax, "validation loss", logy=True, title="time bin\n(0: data end)")
+    if density := sorted((int(k.split("/")[1]), k) for k in series if re.fullmatch(r"time_density/\d+", k)):
+        steps = sorted(series[density[0][1]])
+        shown = sorted({steps[round(i * (len(steps) - 1) / 4)] for i in range(5)})  # 5 steps, first to last
+        with figure("time_density.png", "Adaptive time density", "where training spends its samples, relative to "
+                    "the base density (1: the base density); it follows the loss per time bin") as (fig, (ax,)):
+            for j, step in enumerate(shown):
+                ax.plot([(k + 0.5) / len(density) for k, _ in density], [series[key][step] for _, key in density],
+                        marker=".", color=matplotlib.colormaps["viridis"](j / max(len(shown) - 1, 1)), label=f"step {step}")
+            ax.axhline(1, color="grey", ls=":", lw=1)
+            ax.set_xlabel("base-density quantile of t (0: data end, 1: noise end)")
+            style_axis(ax, "p(t) / base(t)")
+    slopes = sorted((int(k[len("val_slope_t"):]), k) for k in series if re.fullmatch(r"val_slope_t\d+", k))
+    if "grad_noise_scale" in series or slopes:
+        rows = ("grad_noise_scale" in series) + bool(slopes)
+        with figure("convergence.png", "Convergence indicators", "the gradient noise scale B_noise (the critical "
+                    "batch size, McCandlish et al. 2018) against the global batch; validation-loss slopes per time "
+                    "bin near 0 once a bin has stopped improving", rows) as (fig, axes):
+            if "grad_noise_scale" in series:
+                axes[0].plot(*xy(series, "grad_noise_scale"), label="B_noise")
+                t = cfg.get("train", {})
+                if isinstance(t.get("batch_size"), int):
+                    axes[0].axhline(t["batch_size"] * t.get("grad_accum", 1), color="red", ls=":", lw=1,
+                                    label="batch per process")
+                style_axis(axes[0], "gradient noise scale", logy=True)
+            if slopes:
+                for k, key in slopes:
+                    axes[-1].plot(*xy(series, key), marker="o", label=f"bin {k}",
+                                  color=matplotlib.colormaps["plasma"](k / max(len(slopes), 2)))
+                axes[-1].axhline(0, color="grey", ls=":", lw=1)
+                style_axis(axes[-1], "val loss slope\n(relative, per 1k steps)")
     families = [("fid_",), ("kid_",), ("fd_",), MANIFOLD]
     if quality := [ks for ks in ([k for k in sorted(series) if k.startswith(f)] for f in families) if ks]:
         with figure("quality.png", "Sample quality during training (small-N FID, KID, FD-DINOv2, precision/recall)",
@@ -225,6 +255,13 @@ def final_rows(series, events):
     if "clip_share" in series:  # training rows (all but the last) cover log.every steps: the mean is the share
         rows.append(("clip share overall", fmt(statistics.mean(xy(series, "clip_share")[1]))))
     rows += [(f"{k} (last)", fmt(last(series, k))) for k in sorted(series) if k.startswith(QUALITY)]
+    if "grad_noise_scale" in series:
+        rows.append(("gradient noise scale B_noise (last)", fmt(last(series, "grad_noise_scale"))))
+    if slopes := sorted((int(k[len("val_slope_t"):]), k) for k in series if re.fullmatch(r"val_slope_t\d+", k)):
+        rows.append(("val loss slope per time bin (last; relative, per 1k steps)",
+                     ", ".join(f"t{k} {last(series, key):+.3g}" for k, key in slopes)))
+    if rollbacks := [e for e in events if e["event"] == "rollback"]:
+        rows.append(("rollbacks", f"{len(rollbacks)}, LR x {rollbacks[-1].get('lr_factor', '-')}"))
     n_events = sum(e["event"] == "loss_spike" for e in events)
     if "loss_spikes" in series or n_events:  # the trainer's cumulative count; else count the events
         rows.append(("loss spikes", int(last(series, "loss_spikes")) if "loss_spikes" in series else n_events))

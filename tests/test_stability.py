@@ -1,0 +1,342 @@
+"""training/stability.py and the smoothing in monitor.py, against closed forms and known answers: the adaptive
+time density's importance weights (unbiased), its update rule, the percentile clip on a planted spike, the
+gradient noise scale on synthetic gradients of known noise and signal, the bias-corrected smoothed loss on a
+falling curve, the validation slopes; end to end (slow): a planted NaN rolls back to the last good checkpoint
+with a lower LR and past the data window, on one and on two processes, and a run with every new state
+resumes bitwise."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file
+
+import common
+from training import config, monitor, stability
+import train_flow_matching as fm
+from conftest import ROOT, tiny_run_args
+
+
+def sampler(bins=8, mix=0.25, quantile=lambda u: u):
+    return stability.AdaptiveTimeSampler(bins, mix, quantile, Accelerator(cpu=True), log_every=1)
+
+
+# ---- Adaptive time density ---------------------------------------------------------------------------------
+
+
+def test_adaptive_weights_keep_the_objective_unbiased_in_closed_form():
+    """Per bin k: p(k) = q_k and weight 1 / (K q_k), so E_p[w L] = sum_k q_k L_k / (K q_k) = mean_k L_k, the
+    base objective (equal-mass bins), for any q. Checked in closed form from the weights the sampler returns,
+    and by Monte Carlo with a known per-bin loss."""
+    s, K = sampler(), 8
+    s.q.copy_(torch.tensor([0.30, 0.02, 0.05, 0.10, 0.13, 0.20, 0.15, 0.05]))
+    torch.manual_seed(0)
+    u, w = s.draw(400_000)
+    k = s.bins
+    loss_of_bin = torch.tensor([3.0, 0.1, 0.5, 1.0, 2.0, 0.2, 0.7, 5.0])
+    weight_of_bin = torch.stack([w[k == b][0] for b in range(K)])
+    assert torch.equal(w, weight_of_bin[k])  # one weight per bin
+    closed_form = (s.q * weight_of_bin * loss_of_bin).sum()  # sum_k p(k) w_k L_k
+    torch.testing.assert_close(closed_form, loss_of_bin.mean(), rtol=1e-6, atol=0)
+    # The draws: bin frequencies q, u inside its bin, and the Monte-Carlo estimate within 4 standard errors.
+    freq = torch.bincount(k, minlength=K).float() / len(k)
+    assert (freq - s.q).abs().max() < 4 * math.sqrt(0.3 * 0.7 / len(k))
+    assert torch.equal((u * K).floor().long().clamp(max=K - 1), k)
+    estimate = w * loss_of_bin[k]
+    assert abs(estimate.mean() - loss_of_bin.mean()) < 4 * estimate.std() / math.sqrt(len(k))
+
+
+def test_adaptive_density_is_the_square_root_of_the_second_moment_mixed_with_the_base():
+    """After one interval: q_k = (1 - mix) sqrt(E[L^2 | k]) / sum_j sqrt(E[L^2 | j]) + mix / K (the variance-
+    minimising density, mixed); bins never seen keep the base density; the variance of w L drops below the
+    base density's."""
+    s, K, mix = sampler(bins=4, mix=0.2), 4, 0.2
+    s.draw(4)
+    s.bins = torch.tensor([0, 1, 2, 2])  # bin 3 not seen yet: the density stays the base one
+    s.observe(torch.tensor([1.0, 2.0, 3.0, 5.0]))
+    s.update()
+    assert torch.equal(s.q, torch.full((K,), 1 / K))
+    second = torch.tensor([4.0, 1.0, 9.0, 0.25])  # E[L^2] per bin, from losses of known magnitude
+    s.second_moment = stability.BiasCorrectedEMA(K, s.decay, "cpu")
+    s.bins = torch.arange(K).repeat(10)
+    s.observe(second.sqrt().repeat(10))
+    s.update()
+    root = second.sqrt()
+    torch.testing.assert_close(s.q, (1 - mix) * root / root.sum() + mix / K)
+    variance = lambda q: (second / (K ** 2 * q)).sum() - (second.sqrt() / K).sum() ** 2  # constant-loss bins
+    assert variance(s.q) < variance(torch.full((K,), 1 / K))
+
+
+def test_flow_matching_base_quantile_is_the_logit_normal_inverse_cdf():
+    """time_quantile(F(t)) = t for F the logit-normal CDF Phi((logit t - m) / s) (scipy), so the adaptive
+    sampler's bins are equal-mass bins of sample_time's density."""
+    from scipy.stats import norm
+
+    obj = config.Config(adaptive_base="logit_normal", logit_mean=0.3, logit_std=0.8)
+    t = torch.linspace(0.01, 0.99, 99, dtype=torch.float64)
+    u = torch.from_numpy(norm.cdf((torch.logit(t).numpy() - 0.3) / 0.8))
+    torch.testing.assert_close(fm.time_quantile(u, obj, 1.0), t)
+    assert torch.equal(fm.time_quantile(u, config.Config(adaptive_base="uniform"), 1.0), u)
+
+
+# ---- Gradient clipping -------------------------------------------------------------------------------------
+
+
+def clipper(history=100, percentile=95.0, cap=10.0):
+    tr = config.Config(grad_clip_mode="adaptive", grad_clip=cap, grad_clip_percentile=percentile,
+                       grad_clip_history=history)
+    return stability.GradClipper(tr, "cpu")
+
+
+def clip_step(clip, p, norm, accelerator):
+    p.grad = torch.ones_like(p) * norm / math.sqrt(p.numel())
+    return clip(accelerator, [p])
+
+
+def test_a_planted_gradient_spike_is_clipped_to_the_historys_percentile_and_resume_is_exact():
+    acc, p = Accelerator(cpu=True), torch.nn.Parameter(torch.zeros(16))
+    clip, norms = clipper(), np.random.default_rng(0).uniform(0.5, 1.5, 120)
+    for i, n in enumerate(norms):
+        clip_step(clip, p, n, acc)
+        if i == 10:  # fewer than 50 norms seen: the cap is the threshold
+            assert float(clip.threshold) == 10.0
+    clip_step(clip, p, float("nan"), acc)  # a non-finite norm is not recorded
+    saved = json.loads(json.dumps(clip.state_dict()))
+    total = clip_step(clip, p, 50.0, acc)  # the spike
+    expected = np.percentile(norms[-100:], 95)  # the last N finite norms
+    assert float(total) == pytest.approx(50.0)
+    assert float(clip.threshold) == pytest.approx(expected, rel=1e-6)
+    assert float(p.grad.norm()) == pytest.approx(expected, rel=1e-5)
+    resumed = clipper()
+    resumed.load_state_dict(saved)
+    clip_step(resumed, p, 50.0, acc)
+    assert torch.equal(resumed.threshold, clip.threshold) and torch.equal(resumed.history, clip.history)
+    capped = clipper(cap=0.8)  # the cap bounds the percentile
+    for n in norms:
+        clip_step(capped, p, n, acc)
+    assert float(capped.threshold) == pytest.approx(0.8)
+
+
+# ---- Gradient noise scale ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("b_true", [8.0, 200.0])
+def test_noise_scale_recovers_a_known_critical_batch_from_two_batch_sizes(b_true):
+    """Per-sample gradients g + xi, xi ~ N(0, sigma^2 I): tr(Sigma) = D sigma^2 and B = tr(Sigma) / |g|^2.
+    The step's small batch (B_small samples) is part of its big batch (B_big), as in the trainer."""
+    gen, D, b_small, b_big = torch.Generator().manual_seed(0), 2000, 16, 128
+    g = torch.randn(D, generator=gen, dtype=torch.float64)
+    g /= g.norm()
+    sigma = math.sqrt(b_true / D)
+    est = stability.NoiseScale(b_small, b_big, "cpu", decay=0.995)
+    for _ in range(2000):
+        small = g + sigma / math.sqrt(b_small) * torch.randn(D, generator=gen, dtype=torch.float64)
+        rest = g + sigma / math.sqrt(b_big - b_small) * torch.randn(D, generator=gen, dtype=torch.float64)
+        big = (b_small * small + (b_big - b_small) * rest) / b_big
+        b = est.observe(small.pow(2).sum().float(), big.pow(2).sum().float())
+    assert float(b) == pytest.approx(b_true, rel=0.10)
+
+
+# ---- Smoothing -----------------------------------------------------------------------------------------------
+
+
+def test_smoothed_loss_tracks_a_falling_curve_from_the_first_steps():
+    """A weighted mean of a straight line is the line at the weights' centre of mass, and so is a centred
+    moving average there: on a falling (linear) loss with noise the smoothed loss must equal the centred
+    moving average at the point its weights are centred on, d^(s-i) normalised, from step 1 on. An EMA
+    started at the first loss (the old smoothing: 0.27 against 0.14 at step 300 in the demo) keeps d^(s-1)
+    of it, one started at 0 without the correction is low by that share: both are far off for hundreds of
+    steps."""
+    n, d = np.arange(1, 601), 0.99
+    loss = 2.5 - 0.004 * n + 0.01 * np.random.default_rng(0).standard_normal(len(n))
+    state, smoothed = {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0}, []
+    for i in range(0, len(loss), 10):  # as the monitor feeds it: one log interval at a time
+        for j in range(i, i + 10):
+            monitor.find_spikes([loss[j]], state, threshold=6.0)
+            smoothed.append(state["mean"])
+    for s in range(1, len(n) + 1):
+        w = d ** (s - np.arange(1, s + 1))
+        w /= w.sum()
+        centre = (w * np.arange(1, s + 1)).sum()
+        half = max(1, round((w * np.abs(np.arange(1, s + 1) - centre)).sum()))
+        c = round(centre)
+        cma = loss[max(c - half, 1) - 1:c + half].mean()
+        assert abs(smoothed[s - 1] - cma) < 0.02 * cma + 0.01, (s, smoothed[s - 1], cma)
+    # The spike detector's variance is the same weighting's: the population variance of the first two.
+    state = {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0}
+    monitor.find_spikes([1.0, 3.0], state, threshold=6.0)
+    assert state["mean"] == pytest.approx((d * 1.0 + 3.0) / (1 + d)) and state["var"] > 0
+    w = np.array([d, 1.0]) / (1 + d)
+    assert state["var"] == pytest.approx((w * (np.array([1.0, 3.0]) - state["mean"]) ** 2).sum())
+
+
+def test_validation_slopes_tell_falling_bins_from_flat_ones():
+    slopes = stability.ValidationSlopes(window=5)
+    rng = np.random.default_rng(0)
+    for i, step in enumerate(range(200, 1400, 200)):
+        metrics, flat = slopes(step, [1.0 - 0.05 * i + 0.002 * rng.standard_normal(), 0.5 + 0.01 * rng.standard_normal()])
+    assert len(slopes.history) == 5 and flat == [1]
+    # bin 0 falls by 0.05 per 200 steps: -0.25 per 1000, relative to its mean over the window
+    mean0 = sum(row[1] for row in slopes.history) / 5
+    assert metrics["val_slope_t0"] == pytest.approx(-0.25 / mean0, rel=0.05)
+
+
+# ---- Rollback (end to end) -----------------------------------------------------------------------------------
+
+
+def rows(run):
+    return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def poisoned_loss(monkeypatch, bad_calls):
+    """The flow-matching loss, NaN on the given calls (0-based); records each call's batch."""
+    original, batches = fm.flow_matching_loss, []
+
+    def loss(model, x0, cond, t, noise):
+        batches.append(x0.detach().clone())
+        out = original(model, x0, cond, t, noise)
+        return out * float("nan") if len(batches) - 1 in bad_calls else out
+
+    monkeypatch.setattr(fm, "flow_matching_loss", loss)
+    return batches
+
+
+@pytest.mark.slow
+def test_a_planted_nan_rolls_back_and_finishes_with_the_lower_lr(tmp_path, monkeypatch):
+    """Steps 7 and 8 have a NaN loss; with max_nonfinite_steps=2 the log of step 8 sees the divergence (begun
+    at step 7): the run reloads step 6's checkpoint, sets aside step 7's (written during the divergence),
+    halves the LR and skips the 2 micro-batches it saw since step 6, then finishes."""
+    args = tiny_run_args(tmp_path, "rb", steps=10) + [
+        "--log.every=1", "--ckpt.every=1", "--ckpt.keep=10", "--train.max_nonfinite_steps=2", "--log.report=false",
+        "--train.on_divergence=rollback", "--train.rollback_lr_factor=0.5", "--val.every=1000"]
+    clean = poisoned_loss(monkeypatch, set())
+    fm.main(tiny_run_args(tmp_path, "clean", steps=10) + args[len(tiny_run_args(tmp_path)):])
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    batches = poisoned_loss(monkeypatch, {6, 7})
+    run = fm.main(args)
+    events = [r for r in rows(run) if r.get("event") == "rollback"]
+    assert len(events) == 1 and events[0]["step"] == 6 and events[0]["detected_at"] == 8
+    assert events[0]["diverged_at"] == 7 and events[0]["skipped_batches"] == 2
+    train = [r for r in rows(run) if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 9)) + list(range(7, 11))
+    assert train[-1]["lr"] == pytest.approx(0.5e-3) and train[5]["lr"] == pytest.approx(1e-3)
+    assert math.isfinite(train[-1]["loss"])
+    # step 7 after the rollback trains on micro-batch 8 (the window 6, 7 skipped): the clean run's 9th batch
+    assert torch.equal(batches[8], clean[8]) and not torch.equal(batches[8], clean[6])
+    folders = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert "diverged1_step_00000007" in folders and "step_00000010" in folders
+    state = torch.load(run / "checkpoints" / "step_00000010" / "state.pt", weights_only=True)
+    assert state["stability"]["rollback"]["count"] == 1 and state["stability"]["rollback"]["lr_factor"] == 0.5
+    # max_rollbacks=0: the same divergence stops the run, naming the limit
+    AcceleratorState._reset_state(reset_partial_state=True)
+    poisoned_loss(monkeypatch, {6, 7})
+    with pytest.raises(FloatingPointError, match="max_rollbacks=0"):
+        fm.main(tiny_run_args(tmp_path, "none", steps=10) + args[len(tiny_run_args(tmp_path)):] + ["--train.max_rollbacks=0"])
+
+
+TWO_RANKS_NAN = '''
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+import train_flow_matching as fm
+original, calls = fm.flow_matching_loss, []
+
+def loss(model, x0, cond, t, noise):  # NaN on rank 1 only, at its 5th and 6th micro-batch
+    calls.append(1)
+    out = original(model, x0, cond, t, noise)
+    return out * float("nan") if os.environ["RANK"] == "1" and len(calls) in (5, 6) else out
+
+fm.flow_matching_loss = loss
+fm.main(sys.argv[2:])
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_roll_back_at_the_same_step(tmp_path):
+    """A NaN on one rank makes the all-reduced gradient non-finite on both: both see the divergence at the
+    same log step and reload the same checkpoint; the run finishes. Without accumulation the noise scale
+    reads each rank's gradient in the DDP communication hook."""
+    (tmp_path / "two.py").write_text(TWO_RANKS_NAN)
+    args = tiny_run_args(tmp_path, "two", steps=8) + [
+        "--log.every=1", "--ckpt.every=2", "--train.max_nonfinite_steps=2", "--train.on_divergence=rollback",
+        "--log.grad_every=2", "--log.report=false", "--train.batch_size=8"]
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           str(tmp_path / "two.py"), str(ROOT), *args], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = re.findall(r"rank (\d): step (\d+): divergence since step (\d+): rolled back to (\S+)", proc.stdout)
+    assert sorted(r for r, *_ in lines) == ["0", "1"], proc.stdout[-2000:]
+    assert len({tuple(rest) for _, *rest in lines}) == 1  # the same step and checkpoint on both ranks
+    assert lines[0][1:3] == ("6", "5") and lines[0][3].endswith("step_00000004")
+    train = [r for r in rows(tmp_path / "two") if "loss" in r]
+    assert train[-1]["step"] == 8 and train[-1]["lr"] == pytest.approx(0.5e-3)
+    noise = [r["grad_noise_scale"] for r in rows(tmp_path / "two") if "grad_noise_scale" in r]
+    assert noise and all(math.isfinite(b) for b in noise)
+
+
+@pytest.mark.slow
+def test_every_new_state_resumes_bitwise(tmp_path):
+    """Adaptive time density, adaptive clip, noise scale (accumulation 2) and a rollback (a poisoned row in the
+    cache): 8 steps straight against 6 steps then --resume latest to 8, bitwise the same weights, EMA,
+    optimizer, stability state and losses."""
+    prep = tiny_run_args(tmp_path, "prep", steps=1) + ["--log.report=false"]
+    fm.main(prep)
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    shard = next((tmp_path / "cache").glob("embedded-train-*/shard_00000.safetensors"))
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(shard), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(shard))
+    # micro-batch 8 (step 5 at accumulation 2) of epoch 0 holds row perm[8 * 16]: poison it
+    row = int(torch.randperm(len(tensors["x"]), generator=torch.Generator().manual_seed(0))[8 * 16])
+    tensors["x"][row] = float("nan")
+    save_file(tensors, str(shard), metadata=meta)
+    extra = ["--train.grad_accum=2", "--log.every=1", "--ckpt.every=2", "--log.grad_every=2", "--log.report=false",
+             "--objective.time_sampling=adaptive", "--train.grad_clip_mode=adaptive", "--train.grad_clip_history=3",
+             "--train.on_divergence=rollback", "--train.max_nonfinite_steps=1", "--data.verify_cache=false"]
+    for name, steps in (("straight", 8), ("resumed", 6), ("resumed", 8)):
+        fm.main(tiny_run_args(tmp_path, name, steps=steps) + extra + (["--resume=latest"] if steps == 8 and name == "resumed" else []))
+        AcceleratorState._reset_state(reset_partial_state=True)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert [r["step"] for r in rows(straight) if r.get("event") == "rollback"] == [4]
+    for name in ("model", "ema"):
+        a, b = (load_file(str(r / "checkpoints" / "step_00000008" / f"{name}.safetensors")) for r in (straight, resumed))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    oa, ob = (common.read_optimizer_state(r / "checkpoints" / "step_00000008") for r in (straight, resumed))
+    for p in oa["state"]:
+        assert all(torch.equal(v, ob["state"][p][k]) for k, v in oa["state"][p].items())
+    sa, sb = (common.read_state(r / "checkpoints" / "step_00000008") for r in (straight, resumed))
+    # (the validation slopes differ: the 6-step run validated at its last step, the straight one did not)
+    without_slopes = lambda st: {k: v for k, v in st["stability"].items() if k != "slopes"}
+    assert without_slopes(sa) == without_slopes(sb) and sa["loss_state"] == sb["loss_state"]
+    assert sa["stability"]["rollback"]["count"] == 1 and "sampler" in sa["stability"] and "noise" in sa["stability"]
+    nan_free = lambda run: [[None if isinstance(v, float) and math.isnan(v) else v for k, v in sorted(r.items())
+                             if k not in ("images_per_s", "images_per_s_per_device", "data_wait_share", "peak_memory_gb")]
+                            for r in rows(run) if "loss" in r or "time_density/0" in r or "grad_noise_scale" in r]
+    assert nan_free(straight) == nan_free(resumed)
+
+
+def test_report_shows_the_density_the_indicators_and_the_rollbacks(tmp_path):
+    from training import report
+
+    rows = [{"step": s, "loss": 1 / s, "lr": 1e-3} for s in range(10, 110, 10)]
+    rows += [{"step": s, **{f"time_density/{k}": 1 + 0.01 * k * s / 100 for k in range(8)}} for s in range(10, 110, 10)]
+    rows += [{"step": s, "grad_noise_scale": 30.0 + s} for s in (50, 100)]
+    rows += [{"step": 100, "val_slope_t0": -0.2, "val_slope_t1": 0.01}]
+    rows += [{"step": 40, "event": "rollback", "detected_at": 60, "diverged_at": 45, "lr_factor": 0.5, "skipped_batches": 20}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.json").write_text(json.dumps({"train": {"batch_size": 16, "grad_accum": 2}}))
+    md = report.write_report(tmp_path).read_text()
+    assert {"time_density.png", "convergence.png"} <= {p.name for p in (tmp_path / "report").glob("*.png")}
+    assert "| gradient noise scale B_noise (last) | 130 |" in md and "t0 -0.2, t1 +0.01" in md
+    assert "| rollbacks | 1, LR x 0.5 |" in md and "| 40 | rollback |" in md
