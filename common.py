@@ -58,11 +58,16 @@ def same_on_every_rank(module, accelerator):
             torch.distributed.broadcast(tensor, src=0)
 
 
+def share_of(n, accelerator, rank=None):
+    """This rank's (or `rank`'s) contiguous share of n rows, a slice: ceil(n / world) rows, fewer for the last."""
+    per, rank = -(-n // accelerator.num_processes), accelerator.process_index if rank is None else rank
+    return slice(min(n, rank * per), min(n, (rank + 1) * per))
+
+
 def split_over_ranks(work, n, accelerator):
-    """work(rows) -> a tensor of len(rows) rows, run by each rank on its contiguous share (a slice) of n rows, the
-    shares gathered in order on every rank: the result of one process, computed by all (validation samples)."""
-    per = -(-n // accelerator.num_processes)
-    rows = slice(min(n, accelerator.process_index * per), min(n, (accelerator.process_index + 1) * per))
+    """work(rows) -> a tensor of len(rows) rows, run by each rank on its share (share_of) of n rows, the shares
+    gathered in order on every rank: the result of one process, computed by all (validation samples)."""
+    per, rows = -(-n // accelerator.num_processes), share_of(n, accelerator)
     out = work(rows)
     if accelerator.num_processes == 1:
         return out
@@ -147,12 +152,6 @@ def skip_update_if_nonfinite(optimizer, finite, fp16=False):
     sync fp16 keeps."""
     if not fp16:
         getattr(optimizer, "optimizer", optimizer).found_inf = (~finite).float()  # inside accelerate's wrapper
-
-
-def step_unless_nonfinite(optimizer, finite, fp16=False):
-    """skip_update_if_nonfinite, then optimizer.step() (the benchmarks' one-line form)."""
-    skip_update_if_nonfinite(optimizer, finite, fp16)
-    optimizer.step()
 
 
 @torch.no_grad()

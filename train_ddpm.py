@@ -36,7 +36,7 @@ import common
 import eval_fid
 from training import cache, config, fit, runlog, stability
 from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options,
-                  open_splits, text_features, validation_inputs)
+                           open_splits, place_encoders, text_features, validation_inputs)
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
 from training.phema import PowerEMA
@@ -352,7 +352,8 @@ def main(argv=None):
         if any(todo):  # miss: the missing or damaged shards are encoded and written (hit: nothing to do)
             cache.write_cache(where, todo, d.encode, cfg, accelerator, signals)
         cached[part] = cache.CachedDataset(where.folder)  # memory-mapped shards, read lazily
-    cache.release_encoders(d, data, device)  # off the GPU, unless the text encoder encodes at each step
+    place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off the GPU (text: unless
+    # it encodes at each step, data.cache_text=false); the VAE comes back to decode the validation samples
     train_set, val_set, vae, text_encoder = cached["train"], cached["val"], d.vae, d.text_encoder
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
@@ -420,7 +421,8 @@ def main(argv=None):
                                            model_time).sum()
         losses = accelerator.reduce(losses, "sum").cpu() / n
         stab.validation(step, losses.tolist())  # the slope of each bin's validation loss: still falling, or flat
-        nfe = evals[0] / min(len(val_noise), -(-len(val_noise) // world))  # per sample, over rank 0's share of the grid
+        share = common.share_of(len(val_noise), accelerator, rank=0)  # the main process logs its own count
+        nfe = evals[0] / (share.stop - share.start)  # network evaluations per sample
         log({"step": step, "val_loss": losses.mean().item(), "val_nfe": nfe, **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
         accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
 

@@ -80,7 +80,8 @@ def train_step(model, forward, optimizer, ema, x0, cond, step, bf16, accum=1):
             loss = fm.flow_matching_loss(forward, x0, cond, torch.rand(len(x0), device=x0.device), torch.randn_like(x0))
         (loss.mean() / accum).backward()
     finite = torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-    common.step_unless_nonfinite(optimizer, finite)
+    common.skip_update_if_nonfinite(optimizer, finite)
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     common.ema_update(ema, model, 0.9999, step, applied=finite)
 

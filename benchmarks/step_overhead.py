@@ -74,7 +74,7 @@ def parts(cfg, train_set, repeats=20):
 
     steps = {
         "forward + backward (both loops)": forward_backward,
-        "fused AdamW step, device-side skip (both loops)": lambda: common.step_unless_nonfinite(opt, finite),
+        "fused AdamW step, device-side skip (both loops)": lambda: (common.skip_update_if_nonfinite(opt, finite), opt.step()),
         "gradient clipping (norm, then scale)": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), tr.grad_clip),
         "EMA (foreach lerp, the skip flag as weight)": lambda: common.ema_update(ema, model, tr.ema_decay, 1000, finite),
         "reading a micro-batch from the cache": lambda: next(batches),

@@ -109,7 +109,8 @@ def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
         if poison:
             model[1].weight.grad[0, 0] = float("nan")
         finite = torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-        common.step_unless_nonfinite(optimizer, finite)
+        common.skip_update_if_nonfinite(optimizer, finite)
+        optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         common.ema_update(ema, model, 0.9, step, applied=finite)
 

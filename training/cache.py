@@ -4,7 +4,7 @@ load / miss: process -> cache results"), which both trainers spell out:
     frozen_encoders -> for the training and held-out rows: locate_cache (key -> folder) -> check_cache (each
       rank its share: headers, and the contents of any shard changed since verified) -> hit, or write_cache:
       DecodedShards (decode, crop in DataLoader workers) -> encode here -> write_shards (atomic, checksummed,
-      read back) -> manifest -> CachedDataset; then release_encoders
+      read back) -> manifest -> CachedDataset; then data.place_encoders
 
 Where the rows come from (sources, streams, preprocessing, encoders) is data.py's.
 """
@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from training.classes import class_names, label_problem, labels_are_the_condition, read_class_ids
-from training.data import (encode_text, expand_braces, is_stream, load_encoders, load_image, loader_options, make_encode, place_encoders, preprocess, shard_of, stream_shards, tag_shard, validation_prompts)
+from training.data import (encode_text, expand_braces, is_stream, load_encoders, load_image, loader_options, make_encode, preprocess, shard_of, stream_shards, tag_shard, validation_prompts)
 from training.monitor import interactive
 
 # ----------------------------------------------------------------------------------------------------------
@@ -592,8 +592,3 @@ def frozen_encoders(cfg, train_ds, val_ds, accelerator):
     return out
 
 
-def release_encoders(encoders, data, device):
-    """Once the cache is ready the encoders leave the GPU (data.place_encoders): the VAE decodes the validation
-    samples and comes back for them; the text encoder stays, in bf16, when it encodes at each step
-    (data.cache_text=false)."""
-    place_encoders(encoders.vae, encoders.text_encoder, device, encode_each_step=not data.cache_text)
