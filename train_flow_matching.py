@@ -184,8 +184,7 @@ def main(argv=None):
         if any(todo):  # miss: the missing or damaged shards are encoded and written (hit: nothing to do)
             cache.write_cache(where, todo, d.encode, cfg, accelerator, signals)
         cached[part] = cache.CachedDataset(where.folder)  # memory-mapped shards, read lazily
-    place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off the GPU (text: unless
-    # it encodes at each step, data.cache_text=false); the VAE comes back to decode the validation samples
+    place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off the GPU, till needed
     train_set, val_set, vae, text_encoder = cached["train"], cached["val"], d.vae, d.text_encoder
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
@@ -211,17 +210,16 @@ def main(argv=None):
         accelerator.print(f"warning: {warning}")  # a model far larger than its data
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
-    def load(ckpt):  # at resume, and on a rollback (train.on_divergence)
-        state = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator)  # weights, EMA, optimizer, RNG
-        phema.load(ckpt)  # the post-hoc EMA profiles continue (ckpt.phema_every > 0)
+    def load(ckpt):  # at resume and on a rollback: weights, EMA, optimizer, RNG, then the post-hoc EMA profiles
+        state, _ = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator), phema.load(ckpt)
         return state
 
     state = load(ckpt) if ckpt else {"step": 0}
     step = state["step"]
     log = runlog.RunLog(cfg, run_dir, accelerator, step)  # metrics.jsonl (rows past `step` set aside), wandb
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
-    # time density, clip, rollback, noise scale, validation slopes (training/stability.py; all off: as before)
-    stab = stability.Stability(cfg, accelerator, model, log, state, lambda n: sample_time(n, obj, shift, device), lambda u: time_quantile(u, obj, shift))
+    stab = stability.Stability(cfg, accelerator, model, log, state, lambda n: sample_time(n, obj, shift, device),
+                               lambda u: time_quantile(u, obj, shift))  # time density, clip, rollback (all off: as before)
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
     val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,
