@@ -189,6 +189,30 @@ def test_validation_slopes_tell_falling_bins_from_flat_ones():
     assert metrics["val_slope_t0"] == pytest.approx(-0.25 / mean0, rel=0.05)
 
 
+# ---- The importance weight in the trainers' step ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["train_flow_matching", "train_ddpm"])
+def test_the_importance_weight_reaches_the_backward_pass(tmp_path, monkeypatch, trainer):
+    """With every adaptive weight 0 the step's gradient is 0, so Adam leaves the weights at their init and the
+    EMA (an average of init and itself) equals them bitwise; a trainer that backpropagated the unweighted loss
+    would move them. The logged step loss is the weighted one (0), the per-bin losses the unweighted ones."""
+    import importlib
+
+    module = importlib.import_module(trainer)
+    real = stability.Stability.draw_time
+    monkeypatch.setattr(stability.Stability, "draw_time", lambda self, n: (real(self, n)[0], torch.zeros(n)))
+    key = "objective.time_sampling" if trainer == "train_flow_matching" else "objective.timestep_sampling"
+    run = module.main(tiny_run_args(tmp_path, "zero", steps=2) + [f"--{key}=adaptive", "--ckpt.every=2",
+                                                                   "--log.report=false", "--train.warmup_steps=0"])
+    model, ema = (load_file(str(run / "checkpoints" / "step_00000002" / f"{n}.safetensors")) for n in ("model", "ema"))
+    assert all(torch.equal(model[k], ema[k]) for k in model)
+    train = [r for r in rows(run) if "loss" in r]
+    assert train[-1]["loss"] == 0.0 and min(v for k, v in train[-1].items() if k.startswith("loss_t")) >= 0
+    assert max(v for k, v in train[-1].items() if k.startswith("loss_t")) > 0
+
+
 # ---- Rollback (end to end) -----------------------------------------------------------------------------------
 
 
