@@ -102,6 +102,17 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (ddpm, ["--val.guidance_rescale=2"], r"val.guidance_rescale=2.0 must be in \[0, 1\]"),
     (fm, ["--val.prompts={tmp}/no_prompts.txt"], r"val.prompts=.*no_prompts.txt.*: no such file"),
     (fm, ["--data.val_shards=[-1]"], r"data.val_shards=\[-1\] must be 2 values, each a whole number or null"),
+    # stability (training/stability.py)
+    (fm, ["--objective.time_sampling=adaptve"], r"objective.time_sampling='adaptve' must be 'logit_normal' or 'uniform' or 'adaptive'"),
+    (ddpm, ["--objective.timestep_sampling=adaptive_"], r"objective.timestep_sampling='adaptive_' must be 'uniform' or 'adaptive'"),
+    (ddpm, ["--objective.min_snr_form=floored"], r"objective.min_snr_form='floored' must be 'plus_one' or 'paper' or 'floor'"),
+    (fm, ["--objective.adaptive_mix=0"], r"objective.adaptive_mix=0.0 must be in \(0, 1\]"),
+    (fm, ["--objective.adaptive_bins=1"], r"objective.adaptive_bins=1 must be a number >= 2"),
+    (fm, ["--train.grad_clip_mode=percentile"], r"train.grad_clip_mode='percentile' must be 'norm' or 'adaptive'"),
+    (fm, ["--train.grad_clip_percentile=0"], r"train.grad_clip_percentile=0.0 must be in \(0, 100\]"),
+    (fm, ["--train.on_divergence=restart"], r"train.on_divergence='restart' must be 'stop' or 'rollback'"),
+    (ddpm, ["--train.rollback_lr_factor=2"], r"train.rollback_lr_factor=2.0 must be in \(0, 1\]"),
+    (fm, ["--val.slope_window=2"], r"val.slope_window=2 must be a number >= 3"),
 ]
 if not torch.cuda.is_available():
     BAD.append((fm, ["--train.mixed_precision=fp16"], r"train.mixed_precision='fp16' needs a CUDA GPU"))
