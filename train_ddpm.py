@@ -72,7 +72,10 @@ class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in 
 
 
 CONFIG = config.schema(Objective, Sampler)  # the whole typed config: the shared sections with these two
-DEFAULTS = config.defaults(CONFIG, {})  # every key's default (this method changes none of the shared ones)
+# The defaults changed here: the demo's budget and guidance, chosen by benchmarks/demo_quality.py (docs/benchmarks.md,
+# "Demo quality"), as in train_flow_matching.py. The recipes set their own and pin the paper's constant LR.
+DEFAULTS = config.defaults(CONFIG, {"train.max_steps": 1000, "train.lr": 2e-3, "train.lr_schedule": "cosine",
+                                    "val.guidance_scale": 7.0})
 
 # ----------------------------------------------------------------------------------------------------------
 # The objective: beta schedule, zero terminal SNR, forward process, v / eps / x0 target, Min-SNR weight.

@@ -25,7 +25,7 @@ def test_config_layers_and_dotted_overrides(tmp_path):
     assert cfg.run_dir == "/x/y" and cfg.train.betas == [0.9, 0.95] and cfg.data.caption_column is None
     assert cfg.train.warmup_steps == fm.DEFAULTS["train"]["warmup_steps"]  # untouched defaults stay
     assert isinstance(cfg.train.lr, float)
-    assert fm.DEFAULTS["train"]["lr"] == 1e-3  # the defaults themselves are never mutated
+    assert fm.DEFAULTS["train"]["lr"] == 2e-3  # the defaults themselves are never mutated (the demo's lr)
     json.dumps(cfg)  # the resolved config is plain JSON
 
 
@@ -169,7 +169,7 @@ def test_help_lists_every_key_with_its_type_default_and_description(capsys):
         for key, value in config.flatten(trainer.DEFAULTS).items():
             assert f"--{key}={json.dumps(value)}  [" in out, key
         assert "--data.crop=\"center\"  ['center' or 'random' or 'random_resized']\n      drawn once, at cache time" in out
-        assert "--train.lr=0.001  [a number >= 0]\n      the paper: 1e-4 at batch 2048" in out
+        assert "--train.lr=0.002  [a number >= 0]\n      the paper: 1e-4 at batch 2048" in out
         assert "--data.max_samples=null  [a whole number >= 1 (or null)]\n      use only the first N" in out
         assert "--train.betas=[0.9, 0.999]  [2 values, each in [0, 1)]" in out
         assert "model:  (SD3Transformer2DModel)" in out

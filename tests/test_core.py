@@ -137,7 +137,7 @@ def alpha_bar_read_off(time_input):
 def test_ddpm_generate_equals_ddim_on_the_shifted_schedule(shift_args):
     """diffusers' DDIMScheduler with the betas of the shifted alpha_bar', guidance and its rescale; the model
     is given the timestep of equal noise level on the unshifted schedule (found here by bisection)."""
-    cfg = config.load_config(ddpm.DEFAULTS, shift_args + ["--val.steps=8"])
+    cfg = config.load_config(ddpm.DEFAULTS, shift_args + ["--val.steps=8", "--val.guidance_scale=3"])
     ab = ddpm.shift_schedule(ddpm.make_schedule(), 2.0)
     betas = torch.cat([1 - ab[:1], 1 - ab[1:] / ab[:-1]]).float()
     sched = DDIMScheduler(num_train_timesteps=T, trained_betas=betas.numpy(), timestep_spacing="trailing",

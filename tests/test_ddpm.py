@@ -271,7 +271,7 @@ def test_full_sampler_matches_a_diffusers_loop(method, steps):
 
 def test_generate_reads_a_plain_dict_config():
     cfg = json.loads(json.dumps(ddpm.DEFAULTS))  # as eval_fid.py passes an exported config.json
-    cfg["val"]["steps"] = 3
+    cfg["val"]["steps"], cfg["val"]["guidance_scale"] = 3, 3.0
     noise = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(7))
     cond = {"label": torch.tensor([1, 2]), "drop": torch.zeros(2, dtype=torch.bool)}
     x = ddpm.generate(ToyModel(), noise, cond, cfg)

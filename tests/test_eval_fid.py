@@ -106,7 +106,7 @@ def test_fid_of_samples_against_themselves_is_zero_and_report_is_complete(run, t
         assert field in on_disk, field
     assert on_disk["model"]["weights"] == "ema (export)" and on_disk["model"]["method"] == "train_flow_matching"
     assert on_disk["num_samples"] == 40 and on_disk["steps"] == 2 and on_disk["sampler"] == "euler"
-    assert on_disk["guidance_scale"] == 3.0 and on_disk["seeds"]["seed"] == 0 and on_disk["mode"] == "clean"
+    assert on_disk["guidance_scale"] == train_flow_matching.DEFAULTS["val"]["guidance_scale"] and on_disk["seeds"]["seed"] == 0 and on_disk["mode"] == "clean"
     assert on_disk["control_guidance_scale"] == 0.0 and on_disk["controls"] == "heldout"
     assert on_disk["reference"]["kind"] == "folder" and len(on_disk["reference"]["stats_sha256"]) == 64
     assert on_disk["feature_extractor"] == "tiny-random-conv"

@@ -98,7 +98,7 @@ def test_ddpm_sampler_guides_inside_the_interval_of_its_noise_level():
 
 
 def test_generate_reads_the_interval_from_the_config_and_a_bad_one_is_refused():
-    cfg = config.load_config(fm.DEFAULTS, ["--val.guidance_interval=[0.2, 0.6]", "--val.steps=6"])
+    cfg = config.load_config(fm.DEFAULTS, ["--val.guidance_interval=[0.2, 0.6]", "--val.steps=6", "--val.guidance_scale=3"])
     x = fm.generate(ToyModel(), NOISE, COND, cfg)
     torch.testing.assert_close(x, flow_oracle(6, 1.0, 3.0, [0.2, 0.6]), rtol=1e-6, atol=1e-6)
     for bad in ("[0.8, 0.2]", "[0, 1.5]", "[0.5]", '["a", 1]'):

@@ -111,8 +111,8 @@ def test_lr_schedules_and_the_scaling_rule():
 @pytest.mark.parametrize("trainer", [fm, ddpm])
 def test_a_run_logs_gradient_analysis_clipping_and_writes_its_report(trainer, tmp_path, capsys):
     run = trainer.main(tiny_run_args(tmp_path, "run", steps=6) + TINY_MODEL + [
-        "--log.grad_every=3", "--train.grad_clip=1e-3", "--train.lr_schedule=cosine", "--train.lr_scaling=sqrt",
-        "--train.lr_reference_batch=64", "--val.every=3"])
+        "--log.grad_every=3", "--train.grad_clip=1e-3", "--train.lr=1e-3", "--train.lr_schedule=cosine",
+        "--train.lr_scaling=sqrt", "--train.lr_reference_batch=64", "--val.every=3"])
     assert "lr 0.0005 = 0.001 x (16 / 64)^0.5 (sqrt scaling rule), cosine schedule" in capsys.readouterr().out
     log = rows(run)
     analysis = [r for r in log if "grad_norm_step" in r]
