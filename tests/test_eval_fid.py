@@ -256,7 +256,8 @@ def test_rate_generates_the_same_seeds_and_conditions_for_each_side(run, tmp_pat
     ckpt = next((run / "checkpoints").glob("step_*"))
     args = rate.parse_args([str(run), str(ckpt), "--num_samples", "4", "--steps", "2", "--batch_size", "4"])
     sides = rate.prepare(args.items, args)
-    assert [s["label"] for s in sides] == ["run/export-ema-euler2-g3", f"run/{ckpt.name}-ema-euler2-g3"]
+    g = f"g{train_flow_matching.DEFAULTS.val.guidance_scale:g}"  # each run's own guidance scale
+    assert [s["label"] for s in sides] == [f"run/export-ema-euler2-{g}", f"run/{ckpt.name}-ema-euler2-{g}"]
     assert all(s["run"] == run.resolve() and len(list((s["dir"] / "samples").glob("*.png"))) == 4 for s in sides)
     assert sides[0]["generation"]["seeds"] == sides[1]["generation"]["seeds"]
     names = rate.condition_names(sides[0])

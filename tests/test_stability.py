@@ -216,6 +216,11 @@ def test_the_importance_weight_reaches_the_backward_pass(tmp_path, monkeypatch, 
 # ---- Rollback (end to end) -----------------------------------------------------------------------------------
 
 
+# The LR these tests compute with: constant 1e-3 (the demo's default decays over max_steps, so a run resumed to
+# more steps would follow another schedule)
+CONSTANT_LR = ["--train.lr=1e-3", "--train.lr_schedule=constant"]
+
+
 def rows(run):
     return [json.loads(r) for r in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
@@ -240,7 +245,7 @@ def test_a_planted_nan_rolls_back_and_finishes_with_the_lower_lr(tmp_path, monke
     halves the LR and skips the 2 micro-batches it saw since step 6, then finishes."""
     args = tiny_run_args(tmp_path, "rb", steps=10) + [
         "--log.every=1", "--ckpt.every=1", "--ckpt.keep=10", "--train.max_nonfinite_steps=2", "--log.report=false",
-        "--train.on_divergence=rollback", "--train.rollback_lr_factor=0.5", "--val.every=1000"]
+        "--train.on_divergence=rollback", "--train.rollback_lr_factor=0.5", "--val.every=1000", *CONSTANT_LR]
     clean = poisoned_loss(monkeypatch, set())
     fm.main(tiny_run_args(tmp_path, "clean", steps=10) + args[len(tiny_run_args(tmp_path)):])
     from accelerate.state import AcceleratorState
@@ -291,7 +296,7 @@ def test_two_ranks_roll_back_at_the_same_step(tmp_path):
     (tmp_path / "two.py").write_text(TWO_RANKS_NAN)
     args = tiny_run_args(tmp_path, "two", steps=8) + [
         "--log.every=1", "--ckpt.every=2", "--train.max_nonfinite_steps=2", "--train.on_divergence=rollback",
-        "--log.grad_every=2", "--log.report=false", "--train.batch_size=8"]
+        "--log.grad_every=2", "--log.report=false", "--train.batch_size=8", *CONSTANT_LR]
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                            str(tmp_path / "two.py"), str(ROOT), *args], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
@@ -327,7 +332,7 @@ def test_every_new_state_resumes_bitwise(tmp_path):
     save_file(tensors, str(shard), metadata=meta)
     extra = ["--train.grad_accum=2", "--log.every=1", "--ckpt.every=2", "--log.grad_every=2", "--log.report=false",
              "--objective.time_sampling=adaptive", "--train.grad_clip_mode=adaptive", "--train.grad_clip_history=3",
-             "--train.on_divergence=rollback", "--train.max_nonfinite_steps=1", "--data.verify_cache=false"]
+             "--train.on_divergence=rollback", "--train.max_nonfinite_steps=1", "--data.verify_cache=false", *CONSTANT_LR]
     for name, steps in (("straight", 8), ("resumed", 6), ("resumed", 8)):
         fm.main(tiny_run_args(tmp_path, name, steps=steps) + extra + (["--resume=latest"] if steps == 8 and name == "resumed" else []))
         AcceleratorState._reset_state(reset_partial_state=True)
