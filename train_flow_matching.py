@@ -38,7 +38,7 @@ from training.phema import PowerEMA
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. The shared sections (data, encoders, model, conditioning, train, val, log, ckpt) are typed once in
-# training/sections.py; this method adds its objective section and its sampler key and changes one default.
+# training/sections.py; this method adds its objective section and its sampler key, and changes a few defaults.
 # A recipe (configs/*.json) names only what it changes; --help lists every key, its type, default and use.
 
 
