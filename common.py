@@ -75,6 +75,20 @@ def split_over_ranks(work, n, accelerator):
     return accelerator.gather(padded)[:n]
 
 
+
+def my_batches(num_samples, batch_size, rank, world):
+    """Sample indices cut into fixed batches [b B, (b + 1) B), dealt to the ranks round robin: this rank's list
+    (sampling and feature extraction at scale, whose results do not depend on the process count)."""
+    starts = range(0, num_samples, batch_size)
+    return [list(range(s, min(s + batch_size, num_samples))) for s in starts][rank::world]
+
+
+def gathered(pairs):
+    """[(index, row)] from every rank -> rows in index order, on every rank (a collective)."""
+    from accelerate.utils import gather_object
+
+    return np.stack([row for _, row in sorted(gather_object(pairs), key=lambda p: p[0])])
+
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; launch/slurm.sbatch requeues the job on it
 
 

@@ -1,5 +1,6 @@
 """Sample a trained run at scale and score it: FID and KID (clean-fid), precision, recall, density and
-coverage on the same features, FD-DINOv2 (--dino), CLIP score, in one file.
+coverage on the same features, FD-DINOv2 (--dino), CLIP score. What it scores against (the Inception network,
+reference statistics) is training/reference.py's; the scores themselves are training/metrics.py's.
 
     python eval_fid.py --run runs/flow_matching_demo --num_samples 1000 --inception_weights inception-2015-12-05.pt
     accelerate launch eval_fid.py --run runs/flow_matching_imagenet256 --reference ILSVRC/imagenet-1k --reference_split validation
@@ -8,9 +9,9 @@ coverage on the same features, FD-DINOv2 (--dino), CLIP score, in one file.
 
 Pipeline: arguments -> model (the exported EMA model, or a checkpoint's EMA or raw weights, with the run's
 resolved config) -> generation (sample i always has the same seed, so the images do not depend on the process
-count; lossless PNGs) -> reference statistics (computed once, cached in our own .npz keyed on the source and
-its preprocessing) -> metrics (FID/KID with clean-fid's math and resizing; precision, recall, density and
-coverage of training/metrics.py on the same features; FD-DINOv2; CLIP score) -> report (JSON + table).
+count; lossless PNGs) -> features -> reference statistics (computed once, cached in our own .npz keyed on the
+source and its preprocessing) -> metrics (FID/KID with clean-fid's math and resizing; precision, recall, density
+and coverage on the same features; FD-DINOv2; CLIP score) -> report (JSON + table).
 `fid_during_training` is the same path at small N, in memory, for the trainers' validation.
 
 Conventions: generated pixels in [-1, 1] become uint8 by round((x + 1) * 127.5), as in runlog.save_image_grid.
@@ -19,7 +20,6 @@ clean-fid's Inception, the tests pass a tiny fixed conv net. Every multi-rank st
 call it. For several nodes, --out_dir and --stats_cache must be on a shared file system.
 """
 import argparse
-import contextlib
 import hashlib
 import importlib
 import io
@@ -27,23 +27,20 @@ import json
 import math
 import os
 import platform
-import re
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate.utils import gather_object
 from PIL import Image
 
 import common
 from training import config
-from training.metrics import DINO_DEFAULT, dinov2_features, feature_tag, manifold_metrics
-from training.data import (decode, encode_text, is_stream, load_encoders, load_image, open_dataset, open_splits, preprocess,
-                  stream_heldout)
+from training.data import decode, encode_text, load_encoders, preprocess
+from training.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores, dinov2_features,
+                              feature_tag, size_tag)
+from training.reference import heldout, inception_features, reference_for, to_uint8
 from training.model import build_denoiser, load_exported
 from training.monitor import progress
 from training.phema import apply_reconstruction
@@ -104,11 +101,6 @@ def interval_arg(text):
     return value
 
 
-INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
-INCEPTION_FILE = "inception-2015-12-05.pt"
-# sha256 of that file (95,607,719 bytes; k-diffusion pins the same digest): checked before every use
-INCEPTION_SHA256 = "f58cb9b6ec323ed63459aa4fb441fe750cfe39fafad6da5cb504a16f19e958f4"
-
 # ----------------------------------------------------------------------------------------------------------
 # Model: the exported EMA model, or a checkpoint's EMA or raw weights, and the run's own sampler.
 
@@ -159,25 +151,6 @@ def load_model(run, checkpoint=None, weights="ema", phema_std=None):
 def seed_for(*path):
     """A 63-bit seed per (base seed, stream, index) from numpy's SeedSequence: streams never overlap."""
     return int(np.random.SeedSequence(list(path)).generate_state(2, np.uint64)[0] >> np.uint64(1))
-
-
-def my_batches(num_samples, batch_size, rank, world):
-    starts = range(0, num_samples, batch_size)
-    return [list(range(s, min(s + batch_size, num_samples))) for s in starts][rank::world]
-
-
-def to_uint8(x):
-    """Pixels in [-1, 1] (N, 3, H, W) -> uint8 (N, H, W, 3), rounded as runlog.save_image_grid does."""
-    return x.float().clamp(-1, 1).add(1).mul(127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
-
-
-def heldout(data):
-    """The rows the trainer validated on: a streamed source's first held-out samples (the trainer's own
-    function), data.val_split when set (opened alone, so no CC12M-sized train split is read), else
-    open_splits' seeded hold-out of the training split."""
-    if is_stream(data):
-        return stream_heldout(data)
-    return open_dataset(data, data.val_split) if data.val_split else open_splits(data)[1]
 
 
 def load_prompts(prompts, cfg):
@@ -250,254 +223,6 @@ def read_png(folder, i):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Features: clean-fid's Inception (the TF-ported TorchScript network of StyleGAN2-ADA) and its resizer. The
-# file is looked for before anything is downloaded, and a download is bounded, so an offline node fails at
-# once with instructions instead of hanging.
-
-
-def inception_cache_dir():
-    """Where the network is downloaded: a per-user cache ($XDG_CACHE_HOME or ~/.cache, /minimal-diffusion),
-    never a world-writable folder such as /tmp, where anyone could have left a file of that name."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minimal-diffusion"
-
-
-def sha256_of(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def inception_path(weights=None, timeout=20):
-    """The Inception file, verified: `weights` if given, else the per-user cache (downloaded there once, into
-    a .part file that is checked before it is renamed). A file whose sha256 is not INCEPTION_SHA256 is an error
-    naming it: a truncated download or another network would give FIDs comparable with nothing."""
-    if weights is not None and not Path(weights).is_file():
-        raise FileNotFoundError(f"--inception_weights {weights}: no such file. Download {INCEPTION_URL} on a "
-                                f"machine with network and copy it to {weights}")
-    path = Path(weights) if weights is not None else inception_cache_dir() / INCEPTION_FILE
-    if not path.is_file():
-        part = path.with_suffix(".part")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with urllib.request.urlopen(INCEPTION_URL, timeout=timeout) as r:
-                part.write_bytes(r.read())
-        except OSError as e:
-            part.unlink(missing_ok=True)
-            raise FileNotFoundError(
-                f"the Inception FID network is not here and could not be downloaded ({e}). On a machine with "
-                f"network run\n    wget {INCEPTION_URL}\nthen copy the file to this machine and pass "
-                f"--inception_weights /path/to/{INCEPTION_FILE} (or put it at {path}).") from None
-        if sha256_of(part) != INCEPTION_SHA256:
-            part.unlink()
-            raise ValueError(f"the Inception network downloaded from {INCEPTION_URL} has the wrong sha256 (expected "
-                             f"{INCEPTION_SHA256}); nothing was kept. Try again, or download it yourself and "
-                             f"pass --inception_weights")
-        os.replace(part, path)  # atomically: never a half-written file under the real name
-    digest = sha256_of(path)
-    if digest != INCEPTION_SHA256:
-        raise ValueError(f"{path}: sha256 {digest} is not that of {INCEPTION_FILE} ({INCEPTION_SHA256}): a damaged "
-                         f"or different file. Delete it (it is downloaded again) or pass --inception_weights with "
-                         f"the right file.")
-    return path
-
-
-def inception_features(mode="clean", weights=None, device="cpu", accelerator=None):
-    """feature_fn for FID: clean-fid's resizer (mode 'clean': PIL bicubic on float channels to 299 x 299;
-    'legacy_tensorflow': the network's own TF-style resize) and its network -> float64 (N, 2048)."""
-    from cleanfid.inception_torchscript import InceptionV3W
-    from cleanfid.resize import build_resizer
-
-    with accelerator.main_process_first() if accelerator else contextlib.nullcontext():  # one download
-        path = inception_path(weights)
-    with tempfile.TemporaryDirectory() as tmp:  # InceptionV3W loads <folder>/inception-2015-12-05.pt
-        folder = path.parent if path.name == INCEPTION_FILE else Path(tmp)
-        if path.name != INCEPTION_FILE:
-            (folder / INCEPTION_FILE).symlink_to(path.resolve())
-        net = InceptionV3W(str(folder), download=False, resize_inside=mode == "legacy_tensorflow").to(device)
-    resize = build_resizer(mode)
-
-    @torch.no_grad()
-    def feature_fn(images):
-        if len({img.shape for img in images}) > 1:  # legacy_tensorflow resizes inside: one size per batch
-            return np.concatenate([feature_fn([img]) for img in images])
-        x = np.stack([np.asarray(resize(img), dtype=np.float32) for img in images])
-        return net(torch.from_numpy(x).permute(0, 3, 1, 2).to(device)).double().cpu().numpy()
-    feature_fn.name, feature_fn.tag, feature_fn.path = f"inception-2015-12-05/{mode}", "inception", str(path)
-    feature_fn.sha256 = INCEPTION_SHA256  # verified by inception_path; for the report
-    return feature_fn
-
-
-def gathered(pairs):
-    """[(index, row)] from every rank -> rows in index order, on every rank (a collective)."""
-    return np.stack([row for _, row in sorted(gather_object(pairs), key=lambda p: p[0])])
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Reference statistics: mu and sigma (FID) and the features (KID), computed once and cached in
-# <stats_cache>/<source>-<hash>.npz. The hash covers the source and all preprocessing: a change is a miss.
-
-
-def reference_key(args, cfg, feature_name):
-    data, source = cfg["data"], args.reference or cfg["data"]["source"]
-    key = {"source": source, "feature": feature_name, "num": args.reference_num, "format": 1}
-    if files := image_files(source):
-        listing = "\n".join(f"{f.relative_to(source)}:{f.stat().st_size}" for f in files)
-        return {**key, "kind": "folder", "files": hashlib.sha256(listing.encode()).hexdigest()}
-    key.update(kind="dataset", split=args.reference_split, crop=args.reference_crop,
-               resolution=args.reference_resolution or data["resolution"],
-               image_column=args.reference_image_column or data["image_column"])
-    if args.reference_split == "heldout":
-        key["heldout"] = [data["split"], data["val_split"], data["val_holdout"]]
-    if source == "embedded":
-        key["demo"] = [data["demo_samples"], data["demo_resolution"]]
-    return key
-
-
-def image_files(source):
-    """The images of a plain folder, scored as they are (clean-fid's convention); [] for anything else (a
-    folder with metadata.jsonl or parquet files is a dataset, preprocessed as in training)."""
-    p = Path(source)
-    if not p.is_dir() or any(p.glob("**/*.parquet")) or any(p.glob("**/metadata.jsonl")):
-        return []
-    return sorted(f for f in p.rglob("*") if f.suffix.lower() in {".png", ".jpg", ".jpeg", ".webp", ".bmp"})
-
-
-def reference_images(key, cfg):
-    """One loader per reference image, each returning uint8 (H, W, 3): a folder's files as they are, or
-    dataset rows through load_image and preprocess, exactly as the trainer's cache sees them."""
-    if key["kind"] == "folder":
-        items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in image_files(key["source"])]
-    else:
-        data = config.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
-                              "label_column": None, "caption_column": None, "max_samples": None,
-                              "crop": key["crop"], "random_flip": False})
-        ds = heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
-
-        def load(i):
-            x, _ = preprocess(load_image(ds[i][key["image_column"]]), key["resolution"], data)
-            return to_uint8(x[None])[0]
-        items = [lambda i=i: load(i) for i in range(len(ds))]
-    return items[:key["num"]] if key["num"] else items
-
-
-def reference_stats(key, cfg, feature_fn, accelerator, cache_dir, batch_size=64):
-    """{mu, sigma, feats, path, key_sha256, sha256}; on a miss the ranks share the feature extraction."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"{re.sub(r'[^A-Za-z0-9]+', '-', key['source']).strip('-')[-40:]}-{digest}.npz"
-    accelerator.print(f"reference statistics: cache {'hit' if path.exists() else 'miss'}, {path}")
-    if not path.exists():
-        items, pairs = reference_images(key, cfg), []
-        for idx in progress(my_batches(len(items), batch_size, accelerator.process_index, accelerator.num_processes),
-                            "reference features", accelerator.is_local_main_process):
-            pairs += zip(idx, feature_fn([items[i]() for i in idx]))
-        feats = gathered(pairs)
-        if accelerator.is_main_process:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(path.with_suffix(".tmp.npz"), mu=feats.mean(0), sigma=np.cov(feats, rowvar=False),
-                     feats=feats.astype(np.float32), key=json.dumps(key, sort_keys=True))
-            os.replace(path.with_suffix(".tmp.npz"), path)
-        accelerator.wait_for_everyone()
-    with np.load(path) as f, open(path, "rb") as raw:
-        return {"mu": f["mu"], "sigma": f["sigma"], "feats": f["feats"], "path": str(path), "key_sha256": digest,
-                "sha256": hashlib.file_digest(raw, "sha256").hexdigest()}
-
-
-def named_reference_stats(spec, mode, accelerator=None):
-    """clean-fid's precomputed statistics, cleanfid:NAME:RES:SPLIT (e.g. cleanfid:cifar10:32:train), which
-    clean-fid downloads into its package folder; its urlopen has no timeout, so we bound the wait."""
-    import socket
-
-    from cleanfid.features import get_reference_statistics
-
-    _, name, res, split = spec.split(":")
-    old, feats = socket.getdefaulttimeout(), None
-    socket.setdefaulttimeout(30)
-    try:
-        with accelerator.main_process_first() if accelerator else contextlib.nullcontext():  # one download
-            mu, sigma = get_reference_statistics(name, int(res), mode=mode, split=split)
-            with contextlib.suppress(OSError):  # not every named set has KID features
-                feats = get_reference_statistics(name, int(res), mode=mode, split=split, metric="KID")
-    finally:
-        socket.setdefaulttimeout(old)
-    return {"mu": mu, "sigma": sigma, "feats": feats, "path": spec, "key_sha256": None,
-            "sha256": hashlib.sha256(mu.tobytes() + sigma.tobytes()).hexdigest()}
-
-
-def reference_for(args, cfg, feature_fn, accelerator):
-    """(key, statistics) of --reference: one of our .npz files as is, clean-fid's named statistics, or a
-    folder or dataset through the cache."""
-    if str(args.reference).endswith(".npz"):
-        with np.load(args.reference) as f, open(args.reference, "rb") as raw:
-            return {"source": args.reference}, {"mu": f["mu"], "sigma": f["sigma"], "feats": f.get("feats"),
-                                                "path": args.reference, "key_sha256": None,
-                                                "sha256": hashlib.file_digest(raw, "sha256").hexdigest()}
-    if str(args.reference).startswith("cleanfid:"):
-        return {"source": args.reference}, named_reference_stats(args.reference, args.mode, accelerator)
-    key = reference_key(args, cfg, getattr(feature_fn, "name", "custom"))
-    return key, reference_stats(key, cfg, feature_fn, accelerator, args.stats_cache, args.batch_size)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Metrics. FID = ||mu1 - mu2||^2 + Tr(S1 + S2 - 2 sqrt(S1 S2)) (Heusel et al. 2017); KID: unbiased MMD^2 with
-# the cubic polynomial kernel (Binkowski et al. 2018); both as clean-fid computes them (Parmar et al. 2022).
-# Precision/recall/density/coverage (training/metrics.py) use the same features and the cached reference
-# features; FD-DINOv2 is the same Frechet distance on DINOv2 features (Stein et al. 2023).
-
-
-def size_tag(n):
-    """50000 -> '50k', 1000 -> '1k', 999 -> '999', 1500 -> '1500' (only whole thousands get a 'k')."""
-    return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
-
-
-def fid_kid(feats, ref, mode, n):
-    from cleanfid.fid import frechet_distance, kernel_distance
-
-    fid = frechet_distance(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
-    out = {f"fid_{mode}_{size_tag(n)}": float(fid)}
-    if ref["feats"] is not None and min(len(feats), len(ref["feats"])) >= 2:
-        np.random.seed(0)  # kernel_distance draws its subsets from numpy's global RNG
-        out[f"kid_{mode}_{size_tag(n)}"] = float(kernel_distance(feats, ref["feats"]))
-    return out
-
-
-def all_scores(feats, ref, mode, n, tag, device="cpu"):
-    """fid_kid plus '<precision|recall|density|coverage>_<tag>_<N>' (k = 5) against the reference features."""
-    return {**fid_kid(feats, ref, mode, n), **manifold_metrics(feats, ref["feats"], tag, size_tag(n), device)}
-
-
-def dino_scores(feats, ref, n, device="cpu"):
-    """'fd_dinov2_<N>' and the manifold metrics on DINOv2 features."""
-    from cleanfid.fid import frechet_distance
-
-    fd = frechet_distance(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
-    return {f"fd_dinov2_{size_tag(n)}": float(fd), **manifold_metrics(feats, ref["feats"], "dinov2", size_tag(n), device)}
-
-
-def check_dino_reference(reference):
-    """FD-DINOv2 needs reference images: a statistics file or clean-fid's named statistics are Inception's."""
-    if str(reference).endswith(".npz") or str(reference).startswith("cleanfid:"):
-        raise ValueError(f"--dino: the reference {reference} is precomputed Inception statistics; DINOv2 needs the "
-                         f"images (a folder or a dataset) to compute its own, cached like Inception's")
-
-
-@torch.no_grad()
-def clip_scores(model_id, images, captions, device):
-    """Per image, 100 * max(cos(E_img, E_txt), 0) (CLIPScore, Hessel et al. 2021, w = 100 as torchmetrics),
-    with CLIP's own preprocessing: its image processor, its tokenizer truncated to its context length."""
-    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
-
-    if getattr(clip_scores, "cache", (None,))[0] != model_id:
-        clip_scores.cache = (model_id, CLIPModel.from_pretrained(model_id, use_safetensors=True).to(device).eval(),
-                             AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id))
-    _, clip, tokenizer, processor = clip_scores.cache
-    pixels = processor(images=list(images), return_tensors="pt")["pixel_values"].to(device)
-    text = tokenizer(list(captions), padding=True, truncation=True, return_tensors="pt",
-                     max_length=clip.config.text_config.max_position_embeddings).to(device)
-    out = clip(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=pixels)
-    cos = (out.image_embeds * out.text_embeds).sum(-1)  # CLIPModel returns both L2-normalised
-    return (100 * cos.clamp(min=0)).double().cpu().numpy()
-
-
-# ----------------------------------------------------------------------------------------------------------
 # In training: a small-N FID every M steps, in memory (no PNGs), on all ranks.
 
 
@@ -550,7 +275,7 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
                             "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
     pairs, was_training = [], model.training
     model.eval()
-    for idx in progress(my_batches(num_samples, batch_size, accelerator.process_index, accelerator.num_processes),
+    for idx in progress(common.my_batches(num_samples, batch_size, accelerator.process_index, accelerator.num_processes),
                         "FID samples", accelerator.is_local_main_process):
         with accelerator.autocast():
             images = sample_batch(model, cfg, cond, idx, seed, steps, guidance_scale, sampler, vae,
@@ -562,9 +287,9 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
     args = parse_args(["--run", "-", "--mode", mode, "--stats_cache", stats_cache, "--batch_size", str(batch_size),
                        *(["--reference", str(reference)] if reference else [])])
     ref = reference_for(args, cfg, feature_fn, accelerator)[1]
-    out = all_scores(gathered(pairs), ref, mode, num_samples, feature_tag(feature_fn), device)
+    out = all_scores(common.gathered(pairs), ref, mode, num_samples, feature_tag(feature_fn), device)
     if dino_fn is not None:
-        out.update(dino_scores(gathered(dino_pairs), reference_for(args, cfg, dino_fn, accelerator)[1], num_samples,
+        out.update(dino_scores(common.gathered(dino_pairs), reference_for(args, cfg, dino_fn, accelerator)[1], num_samples,
                                device))
     return out
 
@@ -629,7 +354,7 @@ def main(argv=None, feature_fn=None):
     # ---- Generation: this rank's batches; a batch already on disk is skipped (resume) ----------------------
     vae = load_encoders(config.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
     cond = make_condition(cfg, model, prompts, device, make_controls(cfg, args.controls))
-    batches, nfe = my_batches(args.num_samples, args.batch_size, rank, world), [0, 0]  # evaluations, samples
+    batches, nfe = common.my_batches(args.num_samples, args.batch_size, rank, world), [0, 0]  # evaluations, samples
     for idx in progress(batches, "generate", accelerator.is_local_main_process):
         if all(png_path(samples_dir, i).exists() for i in idx):
             continue
@@ -657,7 +382,7 @@ def main(argv=None, feature_fn=None):
         if use_clip:
             clip_pairs += zip(idx, clip_scores(args.clip_model, images, [prompts[i % len(prompts)] for i in idx],
                                                device))
-    feats = gathered(pairs)
+    feats = common.gathered(pairs)
     key, ref = reference_for(args, cfg, feature_fn, accelerator)
 
     # ---- Metrics, ADM export, report ------------------------------------------------------------------------
@@ -667,9 +392,9 @@ def main(argv=None, feature_fn=None):
     dino_ref = None
     if dino_fn is not None:
         dino_ref = reference_for(args, cfg, dino_fn, accelerator)[1]
-        metrics.update(dino_scores(gathered(dino_pairs), dino_ref, args.num_samples, device))
+        metrics.update(dino_scores(common.gathered(dino_pairs), dino_ref, args.num_samples, device))
     if use_clip:  # gathered on every rank, also one that had no batch
-        metrics[f"clip_score_{n_tag}"] = float(gathered(clip_pairs).mean())
+        metrics[f"clip_score_{n_tag}"] = float(common.gathered(clip_pairs).mean())
     if not accelerator.is_main_process:
         accelerator.wait_for_everyone()
         return None

@@ -18,8 +18,9 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import common  # noqa: E402
 import eval_fid  # noqa: E402
-from training import config  # noqa: E402
+from training import config, metrics, reference  # noqa: E402
 import train_flow_matching  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))  # conftest's helpers, also when accelerate launch imports this file
@@ -71,7 +72,7 @@ def test_fid_of_gaussians_matches_closed_form():
     feats = mu1 + np.sqrt(var1) * rng.standard_normal((n, d))
     ref_feats = mu2 + np.sqrt(var2) * rng.standard_normal((n, d))
     ref = {"mu": ref_feats.mean(0), "sigma": np.cov(ref_feats, rowvar=False), "feats": None}  # None: no KID
-    fid = eval_fid.fid_kid(feats, ref, "clean", n)["fid_clean_20k"]
+    fid = metrics.fid_kid(feats, ref, "clean", n)["fid_clean_20k"]
     # Independently, from the same sample estimates: ||mu1 - mu2||^2 + Tr(S1 + S2 - 2 sqrtm(S1 S2)).
     s1 = np.cov(feats, rowvar=False)
     expected = (np.sum((feats.mean(0) - ref["mu"]) ** 2)
@@ -83,7 +84,7 @@ def test_fid_of_gaussians_matches_closed_form():
 
 
 def test_size_tags():
-    assert [eval_fid.size_tag(n) for n in (50000, 1000, 999, 8, 1500)] == ["50k", "1k", "999", "8", "1500"]
+    assert [metrics.size_tag(n) for n in (50000, 1000, 999, 8, 1500)] == ["50k", "1k", "999", "8", "1500"]
 
 
 # ---- End to end: generation, reference, report -------------------------------------------------------------
@@ -137,14 +138,14 @@ def test_reference_stats_are_cached_and_invalidated_by_preprocessing(run, tmp_pa
     cfg = json.loads((run / "export" / "config.json").read_text())
     args = eval_fid.parse_args(["--run", str(run)])
     feature_fn, acc, cache = TinyFeatures(), Accelerator(), tmp_path / "stats"
-    key = eval_fid.reference_key(args, cfg, feature_fn.name)
-    first = eval_fid.reference_stats(key, cfg, feature_fn, acc, cache)
+    key = reference.reference_key(args, cfg, feature_fn.name)
+    first = reference.reference_stats(key, cfg, feature_fn, acc, cache)
     calls = feature_fn.calls
     assert calls > 0 and first["feats"].shape == (64, 16)  # the 64 held-out rows
-    again = eval_fid.reference_stats(eval_fid.reference_key(args, cfg, feature_fn.name), cfg, feature_fn, acc, cache)
+    again = reference.reference_stats(reference.reference_key(args, cfg, feature_fn.name), cfg, feature_fn, acc, cache)
     assert feature_fn.calls == calls and again["path"] == first["path"]  # a hit: nothing recomputed
     args.reference_resolution = 8  # a preprocessing change is a miss, never a silent reuse
-    other = eval_fid.reference_stats(eval_fid.reference_key(args, cfg, feature_fn.name), cfg, feature_fn, acc, cache)
+    other = reference.reference_stats(reference.reference_key(args, cfg, feature_fn.name), cfg, feature_fn, acc, cache)
     assert feature_fn.calls > calls and other["path"] != first["path"]
     assert not np.allclose(other["mu"], first["mu"])
     assert len(list(cache.glob("*.npz"))) == 2
@@ -199,7 +200,7 @@ def test_fid_during_training(run, tmp_path):
     # Closed form: ||mu - mu_r||^2 + Tr(S + S_r - 2 sqrtm(S S_r)) of the same 12 samples' features.
     cond = eval_fid.make_condition(cfg, model, None, "cpu", eval_fid.make_controls(cfg, "heldout"))
     images = {b: np.concatenate([eval_fid.sample_batch(model, cfg, cond, idx, 0, 2)
-                                 for idx in eval_fid.my_batches(12, b, 0, 1)]) for b in (6, 4)}
+                                 for idx in common.my_batches(12, b, 0, 1)]) for b in (6, 4)}
     feats = TinyFeatures()(list(images[6]))
     stats_file = next((tmp_path / "stats").glob("*.npz"))  # our cached statistics also serve as a reference
     with np.load(stats_file) as ref:
@@ -276,17 +277,17 @@ def test_rate_generates_the_same_seeds_and_conditions_for_each_side(run, tmp_pat
 
 def test_missing_inception_file_gives_clear_error(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="inception-2015-12-05.pt") as err:
-        eval_fid.inception_features(weights=str(tmp_path / "nope.pt"))
-    assert eval_fid.INCEPTION_URL in str(err.value)
+        reference.inception_features(weights=str(tmp_path / "nope.pt"))
+    assert reference.INCEPTION_URL in str(err.value)
 
     def offline(*a, **k):
         raise OSError("network is unreachable")
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(eval_fid.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(reference.urllib.request, "urlopen", offline)
     with pytest.raises(FileNotFoundError, match="--inception_weights") as err:
-        eval_fid.inception_features()
-    assert eval_fid.INCEPTION_URL in str(err.value) and "unreachable" in str(err.value)
+        reference.inception_features()
+    assert reference.INCEPTION_URL in str(err.value) and "unreachable" in str(err.value)
     assert not list((tmp_path / "minimal-diffusion").iterdir())  # no half-written file left behind
 
 
@@ -298,19 +299,19 @@ def test_inception_file_is_verified_and_downloaded_into_a_per_user_cache(tmp_pat
 
     served = [b"not the inception network"]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(eval_fid.urllib.request, "urlopen", lambda *a, **k: io.BytesIO(served[0]))
+    monkeypatch.setattr(reference.urllib.request, "urlopen", lambda *a, **k: io.BytesIO(served[0]))
     with pytest.raises(ValueError, match="wrong sha256"):  # a corrupted or substituted download
-        eval_fid.inception_path()
+        reference.inception_path()
     assert not list((tmp_path / "xdg" / "minimal-diffusion").iterdir())
-    monkeypatch.setattr(eval_fid, "INCEPTION_SHA256", hashlib.sha256(served[0]).hexdigest())
-    path = eval_fid.inception_path()  # the right bytes this time
+    monkeypatch.setattr(reference, "INCEPTION_SHA256", hashlib.sha256(served[0]).hexdigest())
+    path = reference.inception_path()  # the right bytes this time
     assert path == tmp_path / "xdg" / "minimal-diffusion" / "inception-2015-12-05.pt" and path.read_bytes() == served[0]
     path.write_bytes(b"tampered with later")
     with pytest.raises(ValueError, match=f"{path}: sha256 .* not that of inception-2015-12-05.pt"):
-        eval_fid.inception_path()
+        reference.inception_path()
     with pytest.raises(ValueError, match="mine.pt: sha256"):
         (tmp_path / "mine.pt").write_bytes(b"some other network")
-        eval_fid.inception_features(weights=str(tmp_path / "mine.pt"))
+        reference.inception_features(weights=str(tmp_path / "mine.pt"))
 
 
 def test_local_inception_file_under_any_name_is_loaded_without_download(tmp_path, monkeypatch):
@@ -327,11 +328,11 @@ def test_local_inception_file_under_any_name_is_loaded_without_download(tmp_path
             return self.layers(x / 255)
 
     torch.jit.script(FakeInception()).save(str(tmp_path / "my_inception.pt"))
-    monkeypatch.setattr(eval_fid, "INCEPTION_SHA256", eval_fid.sha256_of(tmp_path / "my_inception.pt"))
-    monkeypatch.setattr(eval_fid.urllib.request, "urlopen", None)  # any download attempt would fail loudly
+    monkeypatch.setattr(reference, "INCEPTION_SHA256", reference.sha256_of(tmp_path / "my_inception.pt"))
+    monkeypatch.setattr(reference.urllib.request, "urlopen", None)  # any download attempt would fail loudly
     images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
     for mode in ("clean", "legacy_tensorflow"):
-        feature_fn = eval_fid.inception_features(mode, weights=str(tmp_path / "my_inception.pt"))
+        feature_fn = reference.inception_features(mode, weights=str(tmp_path / "my_inception.pt"))
         feats = feature_fn(images)
         assert feats.shape == (3, 2048) and np.isfinite(feats).all()
         assert feature_fn.name == f"inception-2015-12-05/{mode}" and feature_fn.path.endswith("my_inception.pt")
@@ -357,19 +358,19 @@ def test_fid_end_to_end_equals_clean_fids_own_compute_fid(run, tmp_path, monkeyp
     from cleanfid import fid
     from cleanfid.inception_torchscript import InceptionV3W
 
-    monkeypatch.setattr(eval_fid.urllib.request, "urlopen", None)  # any download attempt would fail loudly
-    weights = tmp_path / "inception" / eval_fid.INCEPTION_FILE
+    monkeypatch.setattr(reference.urllib.request, "urlopen", None)  # any download attempt would fail loudly
+    weights = tmp_path / "inception" / reference.INCEPTION_FILE
     weights.parent.mkdir()
     torch.jit.script(FakeInceptionLayers()).save(str(weights))
-    monkeypatch.setattr(eval_fid, "INCEPTION_SHA256", eval_fid.sha256_of(weights))  # the stand-in's own digest
-    reference = tmp_path / "reference"
-    eval_fid.main(["--run", str(run), "--num_samples", "24", *GEN, "--seed", "1", "--out_dir", str(reference),
+    monkeypatch.setattr(reference, "INCEPTION_SHA256", reference.sha256_of(weights))  # the stand-in's own digest
+    reference_dir = tmp_path / "reference"
+    eval_fid.main(["--run", str(run), "--num_samples", "24", *GEN, "--seed", "1", "--out_dir", str(reference_dir),
                    "--generate_only"])
     report = eval_fid.main(["--run", str(run), "--num_samples", "24", *GEN, "--out_dir", str(tmp_path / "ours"),
-                            "--reference", str(reference / "samples"), "--inception_weights", str(weights),
+                            "--reference", str(reference_dir / "samples"), "--inception_weights", str(weights),
                             "--stats_cache", str(tmp_path / "stats")])
     network = InceptionV3W(str(weights.parent), download=False, resize_inside=False)
-    theirs = fid.compute_fid(str(tmp_path / "ours" / "samples"), str(reference / "samples"), mode="clean",
+    theirs = fid.compute_fid(str(tmp_path / "ours" / "samples"), str(reference_dir / "samples"), mode="clean",
                              custom_feat_extractor=network, device=torch.device("cpu"), num_workers=0,
                              batch_size=8, verbose=False)
     assert report["metrics"]["fid_clean_24"] == pytest.approx(theirs, rel=1e-6)
@@ -424,5 +425,5 @@ def test_clip_score_for_a_text_model(tmp_path):
         e_txt = model.get_text_features(**AutoTokenizer.from_pretrained(clip)(["a red circle"], return_tensors="pt"))
     e_img, e_txt = [getattr(e, "pooler_output", e) for e in (e_img, e_txt)]
     cos = torch.nn.functional.cosine_similarity(e_img, e_txt).item()
-    got = eval_fid.clip_scores(str(clip), img[None], ["a red circle"], "cpu")[0]
+    got = metrics.clip_scores(str(clip), img[None], ["a red circle"], "cpu")[0]
     assert got == pytest.approx(100 * max(cos, 0), abs=1e-4)

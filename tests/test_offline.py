@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from training import config
+from training import config, reference
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -21,7 +21,7 @@ def plan_of(recipe, *overrides):
     return [(item["key"], item["name"], item.get("split"), item["local"]) for item in prefetch.plan(cfg)]
 
 
-INCEPTION = ("val.inception_weights", prefetch.eval_fid.INCEPTION_URL, None, False)
+INCEPTION = ("val.inception_weights", reference.INCEPTION_URL, None, False)
 
 
 def test_plan_names_dataset_splits_encoders_clip_and_inception_without_network():
@@ -79,7 +79,7 @@ def test_fetch_goes_through_the_trainers_loading_calls(tmp_path, tiny_vae, tiny_
     assert prefetch.fetch(dataset, cfg, None) == "40 rows"
     for key, name in (("encoders.vae", tiny_vae), ("encoders.text_encoder", tiny_text_encoder)):
         assert prefetch.fetch({"key": key, "name": name}, cfg, None) == "loaded"
-    inception = tmp_path / prefetch.eval_fid.INCEPTION_FILE
+    inception = tmp_path / reference.INCEPTION_FILE
     inception.write_bytes(b"already here")  # present: not downloaded again
     assert prefetch.fetch({"key": "val.inception_weights", "name": "http://unreachable.invalid/x"}, cfg,
                           inception) == str(inception)
@@ -155,7 +155,7 @@ def test_prefetch_reports_each_failure_says_what_to_copy_and_fails(tmp_path, mon
     assert "accept its terms on its hub page (https://huggingface.co/datasets/ILSVRC/imagenet-1k" in out
     assert "encoders.vae: loaded" in out and "val.inception_weights: loaded" in out
     assert f"Copy {tmp_path} (0.0 GB)" in out and "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1" in out
-    assert f"--val.inception_weights=$HF_HOME/{prefetch.eval_fid.INCEPTION_FILE}" in out
+    assert f"--val.inception_weights=$HF_HOME/{reference.INCEPTION_FILE}" in out
 
 
 def test_prefetch_refuses_to_run_offline(monkeypatch):

@@ -9,7 +9,7 @@ A config needs: its dataset (data.source, the split and the held-out split), the
 encoder and tokenizer (encoders.text_encoder), the CLIP model of eval_fid.py's CLIP score for text-to-image
 runs, the Inception network of FID, and the DINOv2 model of FD-DINOv2 when asked (--dino [MODEL], default
 facebook/dinov2-base, for eval_fid.py --dino; or val.fid_dino in the config). Each is fetched through the very call that training or evaluation
-makes (data.open_dataset, data.load_encoders, eval_fid.clip_scores,
+makes (data.open_dataset, data.load_encoders, metrics.clip_scores,
 metrics.dinov2_features), so the offline node finds exactly the files
 it will ask for. Then copy the cache folder to storage the nodes see and run with HF_HUB_OFFLINE=1 and
 HF_DATASETS_OFFLINE=1 (launch/slurm.sbatch sets both). Local folders (an imagefolder, a model saved with
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from training import config  # noqa: E402
 from training import data  # noqa: E402
 from training import metrics  # noqa: E402
+from training import reference  # noqa: E402
 import eval_fid  # noqa: E402
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
@@ -60,7 +61,7 @@ def plan(cfg, dino=None):
         item["local"] = Path(item["name"]).exists()
     local = cfg.val.inception_weights and Path(cfg.val.inception_weights).is_file()
     items.append({"key": "val.inception_weights", "what": "Inception network of FID", "local": bool(local),
-                  "name": cfg.val.inception_weights if local else eval_fid.INCEPTION_URL})
+                  "name": cfg.val.inception_weights if local else reference.INCEPTION_URL})
     return items
 
 
@@ -79,7 +80,7 @@ def fetch(item, cfg, inception_file):
     if key == "eval_fid.py --clip_model":
         from PIL import Image
 
-        eval_fid.clip_scores(name, [Image.new("RGB", (32, 32))], ["a photo"], "cpu")  # model and processors
+        metrics.clip_scores(name, [Image.new("RGB", (32, 32))], ["a photo"], "cpu")  # model and processors
         return "loaded"
     if key == "eval_fid.py --dino":
         metrics.dinov2_features(name, "cpu")  # the model and its image processor
@@ -112,7 +113,7 @@ def main(argv=None):
     from huggingface_hub import constants
 
     hf_home = Path(constants.HF_HOME)
-    inception_file = hf_home / eval_fid.INCEPTION_FILE
+    inception_file = hf_home / reference.INCEPTION_FILE
     items = plan(cfg, dino)
     print(f"The config needs ({'plan only' if dry_run else 'fetching into ' + str(hf_home)}):")
     for item in items:
@@ -144,8 +145,8 @@ def main(argv=None):
     sizes = ", ".join(f"{f} ({folder_size(f) / 1e9:.1f} GB)" for f in folders)
     print(f"\nCopy {sizes} to storage every node sees, then on the nodes:\n"
           f"    export HF_HOME=/path/to/the/copy HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1\n"
-          f"and pass the Inception file: --val.inception_weights=$HF_HOME/{eval_fid.INCEPTION_FILE} to a trainer "
-          f"(for val.fid_every), --inception_weights $HF_HOME/{eval_fid.INCEPTION_FILE} to eval_fid.py.")
+          f"and pass the Inception file: --val.inception_weights=$HF_HOME/{reference.INCEPTION_FILE} to a trainer "
+          f"(for val.fid_every), --inception_weights $HF_HOME/{reference.INCEPTION_FILE} to eval_fid.py.")
     local = [f"{item['key']}={item['name']}" for item in items if item["local"]]
     if local:
         print("Not fetched, local paths the nodes must see at the same place: " + ", ".join(local))

@@ -1,6 +1,6 @@
-"""Sample quality beyond FID, on features eval_fid.py already has: improved precision and recall, density and
-coverage (k-NN balls), and the DINOv2 features of FD-DINOv2. eval_fid.py (and its small-N FID in training)
-calls these; nothing here samples a model.
+"""Sample-quality scores on features eval_fid.py already has: FID and KID (clean-fid's math), improved precision
+and recall, density and coverage (k-NN balls), FD-DINOv2 and its DINOv2 features, and the CLIP score.
+eval_fid.py (and its small-N FID in training) calls these; nothing here samples a model.
 
 Precision, recall (Kynkaanniemi et al. 2019, eq. 1-3) and density, coverage (Naeem et al. 2020, eq. 3-4), with
 real features X (N rows), fake features Y (M rows), and r_k(x) the distance from x to its k-th nearest
@@ -114,3 +114,64 @@ def dinov2_features(model_id=DINO_DEFAULT, device="cpu", accelerator=None, batch
     feature_fn.name, feature_fn.tag, feature_fn.path = f"dinov2/{model_id}", "dinov2", str(model_id)
     feature_fn.sha256 = None  # a hub model is pinned by its revision in the HF cache, not by one file
     return feature_fn
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FID = ||mu1 - mu2||^2 + Tr(S1 + S2 - 2 sqrt(S1 S2)) (Heusel et al. 2017); KID: unbiased MMD^2 with the cubic
+# polynomial kernel (Binkowski et al. 2018); both as clean-fid computes them (Parmar et al. 2022). Precision,
+# recall, density and coverage (above) use the same features and the cached reference features; FD-DINOv2 is
+# the same Frechet distance on DINOv2 features (Stein et al. 2023).
+
+
+def size_tag(n):
+    """50000 -> '50k', 1000 -> '1k', 999 -> '999', 1500 -> '1500' (only whole thousands get a 'k')."""
+    return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
+
+
+def fid_kid(feats, ref, mode, n):
+    from cleanfid.fid import frechet_distance, kernel_distance
+
+    fid = frechet_distance(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
+    out = {f"fid_{mode}_{size_tag(n)}": float(fid)}
+    if ref["feats"] is not None and min(len(feats), len(ref["feats"])) >= 2:
+        np.random.seed(0)  # kernel_distance draws its subsets from numpy's global RNG
+        out[f"kid_{mode}_{size_tag(n)}"] = float(kernel_distance(feats, ref["feats"]))
+    return out
+
+
+def all_scores(feats, ref, mode, n, tag, device="cpu"):
+    """fid_kid plus '<precision|recall|density|coverage>_<tag>_<N>' (k = 5) against the reference features."""
+    return {**fid_kid(feats, ref, mode, n), **manifold_metrics(feats, ref["feats"], tag, size_tag(n), device)}
+
+
+def dino_scores(feats, ref, n, device="cpu"):
+    """'fd_dinov2_<N>' and the manifold metrics on DINOv2 features."""
+    from cleanfid.fid import frechet_distance
+
+    fd = frechet_distance(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
+    return {f"fd_dinov2_{size_tag(n)}": float(fd), **manifold_metrics(feats, ref["feats"], "dinov2", size_tag(n), device)}
+
+
+def check_dino_reference(reference):
+    """FD-DINOv2 needs reference images: a statistics file or clean-fid's named statistics are Inception's."""
+    if str(reference).endswith(".npz") or str(reference).startswith("cleanfid:"):
+        raise ValueError(f"--dino: the reference {reference} is precomputed Inception statistics; DINOv2 needs the "
+                         f"images (a folder or a dataset) to compute its own, cached like Inception's")
+
+
+@torch.no_grad()
+def clip_scores(model_id, images, captions, device):
+    """Per image, 100 * max(cos(E_img, E_txt), 0) (CLIPScore, Hessel et al. 2021, w = 100 as torchmetrics),
+    with CLIP's own preprocessing: its image processor, its tokenizer truncated to its context length."""
+    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+    if getattr(clip_scores, "cache", (None,))[0] != model_id:
+        clip_scores.cache = (model_id, CLIPModel.from_pretrained(model_id, use_safetensors=True).to(device).eval(),
+                             AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id))
+    _, clip, tokenizer, processor = clip_scores.cache
+    pixels = processor(images=list(images), return_tensors="pt")["pixel_values"].to(device)
+    text = tokenizer(list(captions), padding=True, truncation=True, return_tensors="pt",
+                     max_length=clip.config.text_config.max_position_embeddings).to(device)
+    out = clip(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=pixels)
+    cos = (out.image_embeds * out.text_embeds).sum(-1)  # CLIPModel returns both L2-normalised
+    return (100 * cos.clamp(min=0)).double().cpu().numpy()

@@ -1,0 +1,222 @@
+"""What generated samples are scored against: FID's Inception network (clean-fid's, looked for before anything is
+downloaded, fetched with a bound, verified by its sha256) and the reference statistics of a folder, a dataset or
+the run's held-out rows (computed once, shared by the ranks, cached in an .npz keyed on the source and all its
+preprocessing), or clean-fid's named statistics. eval_fid.py and the small-N FID in training use these.
+"""
+import contextlib
+import hashlib
+import json
+import os
+import re
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+import common
+from training import config
+from training.data import is_stream, load_image, open_dataset, open_splits, preprocess, stream_heldout
+from training.monitor import progress
+
+INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
+INCEPTION_FILE = "inception-2015-12-05.pt"
+# sha256 of that file (95,607,719 bytes; k-diffusion pins the same digest): checked before every use
+INCEPTION_SHA256 = "f58cb9b6ec323ed63459aa4fb441fe750cfe39fafad6da5cb504a16f19e958f4"
+
+# ----------------------------------------------------------------------------------------------------------
+# Features: clean-fid's Inception (the TF-ported TorchScript network of StyleGAN2-ADA) and its resizer. The
+# file is looked for before anything is downloaded, and a download is bounded, so an offline node fails at
+# once with instructions instead of hanging.
+
+
+def inception_cache_dir():
+    """Where the network is downloaded: a per-user cache ($XDG_CACHE_HOME or ~/.cache, /minimal-diffusion),
+    never a world-writable folder such as /tmp, where anyone could have left a file of that name."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minimal-diffusion"
+
+
+def sha256_of(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def inception_path(weights=None, timeout=20):
+    """The Inception file, verified: `weights` if given, else the per-user cache (downloaded there once, into
+    a .part file that is checked before it is renamed). A file whose sha256 is not INCEPTION_SHA256 is an error
+    naming it: a truncated download or another network would give FIDs comparable with nothing."""
+    if weights is not None and not Path(weights).is_file():
+        raise FileNotFoundError(f"--inception_weights {weights}: no such file. Download {INCEPTION_URL} on a "
+                                f"machine with network and copy it to {weights}")
+    path = Path(weights) if weights is not None else inception_cache_dir() / INCEPTION_FILE
+    if not path.is_file():
+        part = path.with_suffix(".part")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with urllib.request.urlopen(INCEPTION_URL, timeout=timeout) as r:
+                part.write_bytes(r.read())
+        except OSError as e:
+            part.unlink(missing_ok=True)
+            raise FileNotFoundError(
+                f"the Inception FID network is not here and could not be downloaded ({e}). On a machine with "
+                f"network run\n    wget {INCEPTION_URL}\nthen copy the file to this machine and pass "
+                f"--inception_weights /path/to/{INCEPTION_FILE} (or put it at {path}).") from None
+        if sha256_of(part) != INCEPTION_SHA256:
+            part.unlink()
+            raise ValueError(f"the Inception network downloaded from {INCEPTION_URL} has the wrong sha256 (expected "
+                             f"{INCEPTION_SHA256}); nothing was kept. Try again, or download it yourself and "
+                             f"pass --inception_weights")
+        os.replace(part, path)  # atomically: never a half-written file under the real name
+    digest = sha256_of(path)
+    if digest != INCEPTION_SHA256:
+        raise ValueError(f"{path}: sha256 {digest} is not that of {INCEPTION_FILE} ({INCEPTION_SHA256}): a damaged "
+                         f"or different file. Delete it (it is downloaded again) or pass --inception_weights with "
+                         f"the right file.")
+    return path
+
+
+def inception_features(mode="clean", weights=None, device="cpu", accelerator=None):
+    """feature_fn for FID: clean-fid's resizer (mode 'clean': PIL bicubic on float channels to 299 x 299;
+    'legacy_tensorflow': the network's own TF-style resize) and its network -> float64 (N, 2048)."""
+    from cleanfid.inception_torchscript import InceptionV3W
+    from cleanfid.resize import build_resizer
+
+    with accelerator.main_process_first() if accelerator else contextlib.nullcontext():  # one download
+        path = inception_path(weights)
+    with tempfile.TemporaryDirectory() as tmp:  # InceptionV3W loads <folder>/inception-2015-12-05.pt
+        folder = path.parent if path.name == INCEPTION_FILE else Path(tmp)
+        if path.name != INCEPTION_FILE:
+            (folder / INCEPTION_FILE).symlink_to(path.resolve())
+        net = InceptionV3W(str(folder), download=False, resize_inside=mode == "legacy_tensorflow").to(device)
+    resize = build_resizer(mode)
+
+    @torch.no_grad()
+    def feature_fn(images):
+        if len({img.shape for img in images}) > 1:  # legacy_tensorflow resizes inside: one size per batch
+            return np.concatenate([feature_fn([img]) for img in images])
+        x = np.stack([np.asarray(resize(img), dtype=np.float32) for img in images])
+        return net(torch.from_numpy(x).permute(0, 3, 1, 2).to(device)).double().cpu().numpy()
+    feature_fn.name, feature_fn.tag, feature_fn.path = f"inception-2015-12-05/{mode}", "inception", str(path)
+    feature_fn.sha256 = INCEPTION_SHA256  # verified by inception_path; for the report
+    return feature_fn
+
+
+def heldout(data):
+    """The rows the trainer validated on: a streamed source's first held-out samples (the trainer's own
+    function), data.val_split when set (opened alone, so no CC12M-sized train split is read), else
+    open_splits' seeded hold-out of the training split."""
+    if is_stream(data):
+        return stream_heldout(data)
+    return open_dataset(data, data.val_split) if data.val_split else open_splits(data)[1]
+
+
+def to_uint8(x):
+    """Pixels in [-1, 1] (N, 3, H, W) -> uint8 (N, H, W, 3), rounded as runlog.save_image_grid does."""
+    return x.float().clamp(-1, 1).add(1).mul(127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference statistics: mu and sigma (FID) and the features (KID), computed once and cached in
+# <stats_cache>/<source>-<hash>.npz. The hash covers the source and all preprocessing: a change is a miss.
+
+
+def reference_key(args, cfg, feature_name):
+    data, source = cfg["data"], args.reference or cfg["data"]["source"]
+    key = {"source": source, "feature": feature_name, "num": args.reference_num, "format": 1}
+    if files := image_files(source):
+        listing = "\n".join(f"{f.relative_to(source)}:{f.stat().st_size}" for f in files)
+        return {**key, "kind": "folder", "files": hashlib.sha256(listing.encode()).hexdigest()}
+    key.update(kind="dataset", split=args.reference_split, crop=args.reference_crop,
+               resolution=args.reference_resolution or data["resolution"],
+               image_column=args.reference_image_column or data["image_column"])
+    if args.reference_split == "heldout":
+        key["heldout"] = [data["split"], data["val_split"], data["val_holdout"]]
+    if source == "embedded":
+        key["demo"] = [data["demo_samples"], data["demo_resolution"]]
+    return key
+
+
+def image_files(source):
+    """The images of a plain folder, scored as they are (clean-fid's convention); [] for anything else (a
+    folder with metadata.jsonl or parquet files is a dataset, preprocessed as in training)."""
+    p = Path(source)
+    if not p.is_dir() or any(p.glob("**/*.parquet")) or any(p.glob("**/metadata.jsonl")):
+        return []
+    return sorted(f for f in p.rglob("*") if f.suffix.lower() in {".png", ".jpg", ".jpeg", ".webp", ".bmp"})
+
+
+def reference_images(key, cfg):
+    """One loader per reference image, each returning uint8 (H, W, 3): a folder's files as they are, or
+    dataset rows through load_image and preprocess, exactly as the trainer's cache sees them."""
+    if key["kind"] == "folder":
+        items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in image_files(key["source"])]
+    else:
+        data = config.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
+                              "label_column": None, "caption_column": None, "max_samples": None,
+                              "crop": key["crop"], "random_flip": False})
+        ds = heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
+
+        def load(i):
+            x, _ = preprocess(load_image(ds[i][key["image_column"]]), key["resolution"], data)
+            return to_uint8(x[None])[0]
+        items = [lambda i=i: load(i) for i in range(len(ds))]
+    return items[:key["num"]] if key["num"] else items
+
+
+def reference_stats(key, cfg, feature_fn, accelerator, cache_dir, batch_size=64):
+    """{mu, sigma, feats, path, key_sha256, sha256}; on a miss the ranks share the feature extraction."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"{re.sub(r'[^A-Za-z0-9]+', '-', key['source']).strip('-')[-40:]}-{digest}.npz"
+    accelerator.print(f"reference statistics: cache {'hit' if path.exists() else 'miss'}, {path}")
+    if not path.exists():
+        items, pairs = reference_images(key, cfg), []
+        for idx in progress(common.my_batches(len(items), batch_size, accelerator.process_index, accelerator.num_processes),
+                            "reference features", accelerator.is_local_main_process):
+            pairs += zip(idx, feature_fn([items[i]() for i in idx]))
+        feats = common.gathered(pairs)
+        if accelerator.is_main_process:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(path.with_suffix(".tmp.npz"), mu=feats.mean(0), sigma=np.cov(feats, rowvar=False),
+                     feats=feats.astype(np.float32), key=json.dumps(key, sort_keys=True))
+            os.replace(path.with_suffix(".tmp.npz"), path)
+        accelerator.wait_for_everyone()
+    with np.load(path) as f, open(path, "rb") as raw:
+        return {"mu": f["mu"], "sigma": f["sigma"], "feats": f["feats"], "path": str(path), "key_sha256": digest,
+                "sha256": hashlib.file_digest(raw, "sha256").hexdigest()}
+
+
+def named_reference_stats(spec, mode, accelerator=None):
+    """clean-fid's precomputed statistics, cleanfid:NAME:RES:SPLIT (e.g. cleanfid:cifar10:32:train), which
+    clean-fid downloads into its package folder; its urlopen has no timeout, so we bound the wait."""
+    import socket
+
+    from cleanfid.features import get_reference_statistics
+
+    _, name, res, split = spec.split(":")
+    old, feats = socket.getdefaulttimeout(), None
+    socket.setdefaulttimeout(30)
+    try:
+        with accelerator.main_process_first() if accelerator else contextlib.nullcontext():  # one download
+            mu, sigma = get_reference_statistics(name, int(res), mode=mode, split=split)
+            with contextlib.suppress(OSError):  # not every named set has KID features
+                feats = get_reference_statistics(name, int(res), mode=mode, split=split, metric="KID")
+    finally:
+        socket.setdefaulttimeout(old)
+    return {"mu": mu, "sigma": sigma, "feats": feats, "path": spec, "key_sha256": None,
+            "sha256": hashlib.sha256(mu.tobytes() + sigma.tobytes()).hexdigest()}
+
+
+def reference_for(args, cfg, feature_fn, accelerator):
+    """(key, statistics) of --reference: one of our .npz files as is, clean-fid's named statistics, or a
+    folder or dataset through the cache."""
+    if str(args.reference).endswith(".npz"):
+        with np.load(args.reference) as f, open(args.reference, "rb") as raw:
+            return {"source": args.reference}, {"mu": f["mu"], "sigma": f["sigma"], "feats": f.get("feats"),
+                                                "path": args.reference, "key_sha256": None,
+                                                "sha256": hashlib.file_digest(raw, "sha256").hexdigest()}
+    if str(args.reference).startswith("cleanfid:"):
+        return {"source": args.reference}, named_reference_stats(args.reference, args.mode, accelerator)
+    key = reference_key(args, cfg, getattr(feature_fn, "name", "custom"))
+    return key, reference_stats(key, cfg, feature_fn, accelerator, args.stats_cache, args.batch_size)
