@@ -5,7 +5,7 @@
 1. Throughput: images/s of build_cache from local tar shards of JPEGs (512 x 384, like CC12M's) with
    data.num_workers = 0, 2, 4: decoding and cropping in DataLoader workers while a small randomly initialised
    AutoencoderKL and a tiny CLIP text encoder encode in the main process, at 64 px.
-2. Bytes per sample with and without cached text features (data.cache_text), measured by cache.cache_size at
+2. Bytes per sample with and without cached text features (data.cache_text), measured by encoding.cache_size at
    the recipes' real shapes (SD VAE at 256 / 512 px, CLIP-L: randomly initialised, the shapes are what count),
    and the cache sizes of the CC12M and ImageNet recipes.
 3. The extra step cost of encoding text on the fly (cache_text=false): CLIP-L's forward FLOPs per sample as a
@@ -27,7 +27,8 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from training import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
-from training.cache import CachedDataset, build_cache, cache_size, human_bytes  # noqa: E402
+from training.cache import CachedDataset, build_cache  # noqa: E402
+from training.encoding import cache_size, human_bytes  # noqa: E402
 from training.data import make_encode, open_splits  # noqa: E402
 from training.model import build_denoiser  # noqa: E402
 

@@ -63,7 +63,7 @@ def test_cache_hit_miss_invalidation_and_resume(tmp_path):
         return {"x": pixels}
 
     folder = build_cache(train, "train", encode, accelerator, cfg)
-    probe = 1  # before a build, the size estimate encodes one blank image (cache.cache_size)
+    probe = 1  # before a build, the size estimate encodes one blank image (encoding.cache_size)
     assert sum(calls) == 90 + probe and len(list(folder.glob("shard_*.safetensors"))) == 3
     ds = CachedDataset(folder)
     row = ds[40]

@@ -19,7 +19,8 @@ from training import data as data_module
 import eval_fid
 import train_flow_matching as fm
 from conftest import DEMO_WORDS, tiny_run_args
-from training.cache import CachedDataset, build_cache, cache_size, samples_per_shard
+from training.cache import CachedDataset, build_cache
+from training.encoding import cache_size, samples_per_shard
 from training.data import encode_text, make_encode, open_splits
 
 SHARDS, PER_SHARD = 8, 32  # 256 samples
