@@ -24,6 +24,45 @@ def tiny_run_args(tmp_path, name="run", steps=4):
             "--val.loss_samples=16", "--log.wandb=off", "--log.every=2", "--val.every=1000", "--ckpt.every=1000"]
 
 
+def global_state():
+    """What one test could leave behind for the next: torch's global switches, dynamo's config, the environment,
+    and the attributes tests patch on torch (a patch not undone, or undone into a deleted entry, as pytest's
+    monkeypatch does to torch._dynamo.config on torch 2.14)."""
+    import torch._dynamo
+
+    patched = {name: dict(vars(obj)) for name, obj in [("torch", torch), ("torch.nn.Module", torch.nn.Module),
+                                                       ("torch.Tensor", torch.Tensor), ("torch.distributed",
+                                                       torch.distributed), ("torch.cuda", torch.cuda)]}
+    return {"switches": (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads(),
+                         torch.are_deterministic_algorithms_enabled(), torch.is_anomaly_enabled()),
+            "dynamo": {k: getattr(torch._dynamo.config, k, "<deleted>") for k in torch._dynamo.config.get_config_copy()},
+            "environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, "patched": patched}
+
+
+def leaked(before, after):
+    """The differences that matter: a changed or deleted entry (new attributes are lazily imported submodules)."""
+    found = [f"torch switches {before['switches']} -> {after['switches']}"] if before["switches"] != after["switches"] else []
+    found += [f"torch._dynamo.config.{k}: {v} -> {after['dynamo'][k]}" for k, v in before["dynamo"].items()
+              if after["dynamo"][k] != v]
+    found += [f"os.environ[{k!r}]" for k in set(before["environ"]) ^ set(after["environ"])]
+    found += [f"os.environ[{k!r}]" for k in before["environ"] if after["environ"].get(k, before["environ"][k])
+              != before["environ"][k]]
+    for name, attributes in before["patched"].items():
+        now = after["patched"][name]
+        found += [f"{name}.{k}" for k, v in attributes.items() if k not in now or now[k] is not v]
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_global_state_left_behind():
+    """Every test leaves torch, dynamo and the environment as it found them, so that no test passes or fails
+    because of the one that ran before it."""
+    before = global_state()
+    yield
+    found = leaked(before, global_state())
+    assert not found, "this test left global state behind: " + "; ".join(found)
+
+
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
     """Each in-process run starts from a clean accelerate state (mixed precision is set once per process)."""

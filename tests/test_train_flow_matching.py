@@ -159,11 +159,13 @@ def test_two_processes_compiled_give_the_one_process_validation_and_keep_gradien
             buckets = {ptr for at, ptr in watched["buckets"] if at == i // 2 * 2 + 1}
             assert None not in grads[i] and set(grads[i]) <= buckets, (rank, i)
 
+    # dynamo's own scoped patch: pytest's monkeypatch on torch._dynamo.config deletes the entry on undo (torch 2.14),
+    # which broke every later test that compiles.
     import torch._dynamo
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     compile = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compile(self, backend="aot_eager"))
-    one = fm.main([a.replace(str(tmp_path / "ddp"), str(tmp_path / "one")) for a in args])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        one = fm.main([a.replace(str(tmp_path / "ddp"), str(tmp_path / "one")) for a in args])
     val_one, val_two = ([m for m in read_metrics(run) if "val_loss" in m] for run in (one, tmp_path / "ddp"))
     assert len(val_one) == len(val_two) == 1
     for key in val_one[0]:
