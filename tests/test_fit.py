@@ -266,6 +266,42 @@ def test_ema_every_k_equals_todays_ema_when_the_weights_hold_over_each_window():
     assert not torch.equal(history[-1], start)
 
 
+@pytest.mark.parametrize("every,device_setting", [(1, "cpu"), (3, "same"), (3, "cpu")])
+def test_an_inherited_ema_gets_no_warm_up_on_every_path(every, device_setting):
+    """init_from's EMA tensors (`ema.inherited`) are a long average already: common.ema_update gives them the decay
+    from the first step. The updater must too, bitwise for k = 1 (skipped steps included), and within rounding for k
+    steps over which the weights hold. An inherited EMA of 5.0 at decay 0.999 then moves 0.05 in 10 steps, not 5."""
+    n, decay = 12, 0.999
+    weights = [w for w in trajectory(n // every) for _ in range(every)]
+    applied = [every > 1 or step != 5 for step in range(n)]  # k = 1: a skipped step included
+    runs = []
+    for path in ("updater", "today"):
+        model = torch.nn.Linear(4, 3)
+        ema = copy.deepcopy(model).requires_grad_(False)
+        with torch.no_grad():
+            ema.weight.fill_(5.0)
+            ema.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+        ema.inherited = {"weight"}  # the bias is fresh: it warms up
+        tr = config.Config(ema_decay=decay, ema_every=every, max_steps=n, ema_device=device_setting)
+        update = fit.EMAUpdater(ema, model, None, tr, torch.device("cpu"))
+        for step, (w, ok) in enumerate(zip(weights, applied)):
+            with torch.no_grad():
+                model.weight.copy_(w)
+                model.bias.copy_(w[:, 0])
+            if path == "updater":
+                update(step, torch.tensor(ok))
+                update.wait()
+            else:
+                common.ema_update(ema, model, decay, step, applied=torch.tensor(ok))
+        runs.append(dict(ema.named_parameters()))
+    assert (runs[1]["weight"] - 5.0).abs().max() < 0.1  # today's EMA keeps the source's average
+    for name in ("weight", "bias"):
+        if every == 1:
+            assert torch.equal(runs[0][name], runs[1][name]), name
+        else:
+            torch.testing.assert_close(runs[0][name], runs[1][name], rtol=1e-5, atol=1e-6)
+
+
 def test_a_checkpoint_of_the_offloaded_ema_waits_for_the_update_in_flight(monkeypatch):
     lerp = fit.EMAUpdater.lerp
     monkeypatch.setattr(fit.EMAUpdater, "lerp", lambda self: time.sleep(0.3) or lerp(self))  # a slow host
