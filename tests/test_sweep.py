@@ -133,6 +133,36 @@ def test_a_run_folder_made_with_another_config_is_an_error_and_a_finished_one_is
         sweep.prepare(path)
 
 
+def test_a_rerun_resumes_runs_whose_batch_the_trainer_resolved_from_global_batch(tmp_path):
+    """train.global_batch: the trainer writes the resolved micro-batch, accumulation and checkpointing to the run's
+    config.json (fit.plan_batch). A rerun compares like with like and resumes those runs; a real change is still an
+    error, and its message never advises deleting the folder (its checkpoints)."""
+    import torch
+
+    import common
+    from training import fit
+    from training.model import build_for_run
+
+    fixed = {"train.global_batch": 32, "train.max_steps": 5, "data.num_classes": 9, "model.num_layers": 2,
+             "model.num_attention_heads": 2, "model.attention_head_dim": 16}
+    path = write_sweep(tmp_path, grid={"train.batch_size": ["auto", 8]}, overrides=fixed)
+    runs = sweep.prepare(path)[2]
+    for run in runs:  # what each run's trainer wrote at its start (auto: the choice a probe made, 16 with checkpointing)
+        cfg, run_dir = sweep.resolve_config(run["method"], run["argv"]), Path(run["run_dir"])
+        ckpt = run_dir / "checkpoints" / "step_00000002"
+        ckpt.mkdir(parents=True)
+        torch.save({"step": 2, "config": {"train": {"batch_size": 16, "gradient_checkpointing": True}}}, ckpt / "state.pt")
+        fit.plan_batch(cfg, common.make_accelerator("no"), build_for_run(cfg, (3, 16, 16)), None, None,
+                       ckpt=ckpt if cfg.train.batch_size == "auto" else None)
+    saved = [json.loads((Path(r["run_dir"]) / "config.json").read_text())["train"] for r in runs]
+    assert [(t["batch_size"], t["grad_accum"], t["gradient_checkpointing"]) for t in saved] == [(16, 2, True), (8, 4, False)]
+    assert [r["state"] for r in sweep.prepare(path)[2]] == ["interrupted", "interrupted"]  # resumed, not refused
+    path = write_sweep(tmp_path, grid={"train.batch_size": ["auto", 8]}, overrides={**fixed, "train.global_batch": 64})
+    with pytest.raises(sweep.SweepError, match=r"train\.global_batch: 32 there, 64 now") as error:
+        sweep.prepare(path)
+    assert "delete" not in str(error.value) and "another 'out'" in str(error.value)
+
+
 # ---- the SLURM side --------------------------------------------------------------------------------------
 
 def test_slurm_parameters_reach_submitits_sbatch_file(tmp_path, monkeypatch):

@@ -212,6 +212,18 @@ def recorded_choice(ckpt):
     return train["batch_size"], train["gradient_checkpointing"]
 
 
+def resolved_keys(train):
+    """The keys of a train section that plan_batch replaces by what it resolved (and config.json then holds):
+    with train.global_batch the accumulation, and with batch_size "auto" the micro-batch and, unless forced on,
+    gradient checkpointing. What a run asked for is compared with a run folder on the other keys (tools/sweep.py)."""
+    if train.get("global_batch") is None:
+        return set()
+    keys = {"train.grad_accum"}
+    if train["batch_size"] == "auto":
+        keys |= {"train.batch_size"} | ({"train.gradient_checkpointing"} if not train["gradient_checkpointing"] else set())
+    return keys
+
+
 def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None, ckpt=None):
     """train.global_batch: sets train.batch_size (the micro-batch), train.grad_accum and
     train.gradient_checkpointing in `cfg`, and on the model. batch_size "auto": a resumed run reuses the choice
