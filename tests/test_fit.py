@@ -25,11 +25,13 @@ from training.model import Denoiser, build_for_run
 
 def oom_above(monkeypatch, limit, limit_checkpointed=None):
     """Every forward with gradients of more than `limit` samples (`limit_checkpointed` with gradient
-    checkpointing on) raises the error a GPU raises, before any work: what a probe on a GPU of that size sees."""
+    checkpointing on; either a callable: the limit now) raises the error a GPU raises, before any work: what a
+    probe on a GPU of that size sees."""
     forward = Denoiser.forward
 
     def limited(self, x, *args, **kwargs):
         k = limit_checkpointed if limit_checkpointed and self.transformer.is_gradient_checkpointing else limit
+        k = k() if callable(k) else k
         if torch.is_grad_enabled() and len(x) > k:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected: {len(x)} > {k})")
         return forward(self, x, *args, **kwargs)
@@ -388,6 +390,29 @@ def test_an_auto_run_equals_the_run_configured_by_hand_and_resumes_exactly(tmp_p
     ema2, ema4 = (torch.load(tmp_path / "auto" / "checkpoints" / f"step_0000000{s}" / "state.pt", weights_only=True)
                   for s in (2, 4))
     assert ema2["config"]["train"]["batch_size"] == ema4["config"]["train"]["batch_size"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["flow_matching", "ddpm"])
+def test_the_batch_probe_runs_with_the_post_hoc_ema_profiles_allocated(tmp_path, monkeypatch, method):
+    """A GPU that fits 10 samples, only 4 once the post-hoc EMA profiles (ckpt.phema_every > 0: two fp32 copies of
+    the weights) are allocated. The probe must measure with them in memory, or the micro-batch it picks (8 of 24)
+    runs out of memory at the first step; with them it picks 4 and the run trains."""
+    import importlib
+
+    from training import phema
+
+    trainer, live, init = importlib.import_module(f"train_{method}"), [], phema.PowerEMA.__init__
+    monkeypatch.setattr(phema.PowerEMA, "__init__", lambda self, *args: init(self, *args) or live.append(self))
+    oom_above(monkeypatch, lambda: 4 if any(p.profiles for p in live) else 10)
+    # Stopped after the first step as by a signal (a checkpoint, exit 75): no validation or export to wait for.
+    monkeypatch.setattr(common.StopSignals, "agreed", lambda self, accelerator: bool(live and live[0].images))
+    with pytest.raises(SystemExit) as stop:
+        trainer.main(tiny_run_args(tmp_path, steps=2) + ["--train.global_batch=24", "--train.batch_size=auto",
+                                                         "--ckpt.phema_every=24", "--log.every=1"])
+    assert stop.value.code == common.REQUEUE_EXIT_CODE
+    assert json.loads((tmp_path / "run" / "fit.json").read_text())["micro_batch"] == 4
+    assert live[0].images == 24 and (tmp_path / "run" / "checkpoints" / "step_00000001").is_dir()  # it trained
 
 
 @pytest.mark.slow
