@@ -120,6 +120,40 @@ def test_reconstruction_matches_a_third_power_ema_tracked_exactly(tmp_path, monk
     assert load_file(str(next((tmp_path / "fp16" / "phema").glob("*.safetensors"))))["0.05/a"].dtype == torch.float16
 
 
+def test_a_checkpoints_post_hoc_ema_is_reconstructed_at_its_own_step(tmp_path, monkeypatch):
+    """eval_fid.py / sample.py --checkpoint X --phema_std s: the EMA of std s at X's time (snapshots before X and
+    X's own fp32 profiles), equal to a third power EMA tracked exactly to X; the run's last snapshot, 145 steps
+    later, is another EMA (what --checkpoint X used to be labelled with)."""
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(phema, "SNAPSHOT_DTYPE", torch.float32)
+    x_step, target, run = 255, 0.08, tmp_path / "run"  # X between the snapshots of steps 250 and 260
+    model, traj = Weights(), trajectory().float()
+    ema = phema.PowerEMA(model, [0.05, 0.10], 10 * BATCH, BATCH, run, True)
+    third = phema.PowerEMA(model, [target], 10**9, BATCH, tmp_path / "third", True)
+    for step in range(1, STEPS + 1):
+        with torch.no_grad():
+            model.a.copy_(traj[step - 1, :DIM]), model.b.copy_(traj[step - 1, DIM:].view(2, 3))
+        ema.update(model), third.update(model)
+        if ema.due(step, STEPS):
+            ema.snapshot(step)
+        if step == x_step:  # the checkpoint as save_checkpoint writes it: the profiles, and the config in state.pt
+            ckpt = run / "checkpoints" / f"step_{step:08d}"
+            ckpt.mkdir(parents=True)
+            save_file(ema.checkpoint_tensors()["phema"], str(ckpt / "phema.safetensors"))
+            torch.save({"step": step, "config": {"ckpt": {"phema_stds": [0.05, 0.10]}}}, ckpt / "state.pt")
+            exact = flat(third.profiles[0])
+    weights, info = phema.reconstruct(run / "phema", target, checkpoint=ckpt)
+    ours = flat([weights["a"], weights["b"]])
+    assert info["images"] == x_step * BATCH and info["snapshots"] == x_step // 10 + 1
+    assert ((ours - exact).norm() / exact.norm()).item() < 1e-4
+    last, info = phema.reconstruct(run / "phema", target)
+    assert info["images"] == STEPS * BATCH and ((flat([last["a"], last["b"]]) - exact).norm() / exact.norm()) > 0.1
+    (ckpt / "phema.safetensors").unlink()  # a checkpoint from before the run tracked profiles: a clear error
+    with pytest.raises(FileNotFoundError, match=r"holds no post-hoc EMA profiles.*ckpt.phema_every"):
+        phema.reconstruct(run / "phema", target, checkpoint=ckpt)
+
+
 KILLED_WRITE = '''
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -190,6 +224,12 @@ def test_profiles_resume_bitwise_and_the_tool_exports_a_reconstruction(tmp_path)
     from training.model import load_exported
     model, _ = load_exported(export)
     weights, _ = phema.reconstruct(tmp_path / "straight" / "phema", 0.08)
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    import eval_fid  # --checkpoint X --phema_std: the EMA at X's step (32 images), labelled with X
+    ckpt = tmp_path / "straight" / "checkpoints" / "step_00000002"
+    model, _, desc = eval_fid.load_model(tmp_path / "straight", str(ckpt), phema_std=0.08)
+    weights, _ = phema.reconstruct(tmp_path / "straight" / "phema", 0.08, checkpoint=ckpt)
+    assert desc["step"] == 2 and desc["phema"]["images"] == 32 and desc["phema"]["checkpoint"] == str(ckpt)
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
     import sample
     folder = sample.main(["--run", str(tmp_path / "straight"), "--phema_std", "0.08", "--classes", "0,1",
