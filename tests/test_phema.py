@@ -154,6 +154,58 @@ def test_a_checkpoints_post_hoc_ema_is_reconstructed_at_its_own_step(tmp_path, m
         phema.reconstruct(run / "phema", target, checkpoint=ckpt)
 
 
+def test_loading_a_checkpoint_reads_the_profiles_only_where_they_live(tmp_path, monkeypatch):
+    """PowerEMA.load at a resume or rollback: every rank needs the image count, only the main process the
+    profiles (10 GB for the recipe model). The other ranks read one 8-byte tensor; the main process reads each
+    profile tensor once, never the whole file at once, and gets them back bitwise."""
+    import safetensors
+    import safetensors.torch
+
+    source = train([0.05, 0.10], every=10**9, run_dir=tmp_path / "run")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    safetensors.torch.save_file(source.checkpoint_tensors()["phema"], str(ckpt / "phema.safetensors"))
+    read, real_safe_open = [], safetensors.safe_open
+
+    class Counted:  # safe_open that records every tensor handed out
+        def __init__(self, *args, **kwargs):
+            self.f = real_safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.f.get_tensor(key)
+
+        def __getattr__(self, name):
+            if name == "get_slice":
+                raise AssertionError("a slice read")
+            return getattr(self.f, name)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the whole file was loaded")
+
+    monkeypatch.setattr(safetensors, "safe_open", Counted)
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    other = phema.PowerEMA(Weights(), [0.05, 0.10], 10**9, BATCH, tmp_path / "other", main_process=False)
+    other.load(ckpt)
+    assert read == ["images"] and other.images == STEPS * BATCH and other.profiles == []
+    read.clear()
+    main = phema.PowerEMA(Weights(), [0.05, 0.10], 10**9, BATCH, tmp_path / "main", main_process=True)
+    main.load(ckpt)
+    assert sorted(read) == sorted(["images", *(f"{s:g}/{n}" for s in (0.05, 0.1) for n in ("a", "b"))])
+    assert main.images == STEPS * BATCH
+    assert all(torch.equal(a, b) for pa, pb in zip(main.profiles, source.profiles) for a, b in zip(pa, pb))
+    bad = phema.PowerEMA(Weights(), [0.05, 0.2], 10**9, BATCH, tmp_path / "bad", main_process=True)
+    with pytest.raises(ValueError, match="has no profile of std 0.2"):
+        bad.load(ckpt)
+
+
 KILLED_WRITE = '''
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
