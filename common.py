@@ -382,12 +382,26 @@ def save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, keep)
     return final
 
 
+def same_checkpoint(ckpt, accelerator):
+    """`ckpt` (or None) once every rank has picked the same (each picks from the file system alone: a shared file
+    system slow to show one rank a checkpoint would have the replicas train apart): one all-gather, or an error."""
+    from accelerate.utils import gather_object
+
+    picks = gather_object([ckpt and Path(ckpt).name]) if accelerator.num_processes > 1 else []
+    if len(set(picks)) > 1:
+        raise RuntimeError("the ranks picked different checkpoints to load (" + ", ".join(
+            f"rank {r}: {p or 'none'}" for r, p in enumerate(picks)) + "): every rank must see the same checkpoints "
+            "folder; on a shared file system, wait until it shows every rank the same files, then rerun")
+    return ckpt
+
+
 def load_checkpoint(ckpt, model, ema, optimizer, accelerator):
     """Resume (and roll back): weights, EMA, optimizer, the fp16 gradient scaler and this rank's RNG from a
     checkpoint; returns its small state (step, ...). The optimizer's CPU copy is dropped once load_state_dict has
     moved it to the parameters' device."""
     from safetensors.torch import load_file
 
+    same_checkpoint(ckpt, accelerator)  # a rollback's pick, and a resume's again
     model.load_state_dict(load_file(str(ckpt / "model.safetensors"), device="cpu"))
     ema.load_state_dict(load_file(str(ckpt / "ema.safetensors"), device="cpu"))
     optimizer.load_state_dict(read_optimizer_state(ckpt))  # a temporary: nothing keeps it after this line

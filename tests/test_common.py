@@ -267,6 +267,33 @@ def test_the_fp16_gradient_scaler_is_checkpointed_and_restored_at_resume_and_rol
     assert scaler.get_scale() == 2.0 ** 15
 
 
+def test_every_rank_must_pick_the_same_checkpoint_at_resume_and_at_every_load(tmp_path, monkeypatch):
+    """Each rank picks its checkpoint from the file system alone (a resume's latest, a rollback's last good one).
+    One all-gather of the picks (two ranks here: the other rank's pick injected into gather_object) turns a
+    file system that shows one rank a checkpoint late into an error naming each rank's pick, before any load."""
+    import accelerate.utils
+    import safetensors.torch
+
+    from training.model import prepare_model
+
+    folder, model, _ = tiny_checkpoint(tmp_path)
+    two_ranks, other = type("TwoRanks", (OneProcess,), {"num_processes": 2})(), []
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda picks: picks + other)
+    resumed, ema = (torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 3)) for _ in range(2))
+    other[:] = ["step_00000002"]  # the same pick: loads
+    assert common.load_checkpoint(folder, resumed, ema, fresh_optimizer(resumed), two_ranks)["step"] == 2
+    other[:] = ["step_00000001"]  # a rollback whose other rank picked an older checkpoint
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("loaded before the check"))
+    with pytest.raises(RuntimeError, match=r"different checkpoints to load \(rank 0: step_00000002, rank 1: step_00000001\)"):
+        common.load_checkpoint(folder, resumed, ema, fresh_optimizer(resumed), two_ranks)
+    other[:] = [None]  # a resume whose other rank sees no checkpoint at all (it would start from step 0)
+    cfg = config.load_config(fm.DEFAULTS, ["--resume=latest", f"--run_dir={tmp_path}", "--data.num_classes=9",
+                                           "--model.num_layers=1", "--model.num_attention_heads=2",
+                                           "--model.attention_head_dim=8"])
+    with pytest.raises(RuntimeError, match=r"rank 0: step_00000002, rank 1: none"):
+        prepare_model(cfg, (3, 16, 16), None, None, tmp_path, two_ranks)
+
+
 def test_the_intact_checkpoint_check_reads_only_headers_and_the_small_state(tmp_path, monkeypatch):
     import safetensors
     import safetensors.torch

@@ -168,6 +168,17 @@ def test_a_resumed_run_reuses_its_recorded_choice_and_a_fixed_batch_derives_the_
     assert (cfg.train.batch_size, cfg.train.grad_accum) == (12, 2)  # derived; the configured 5 is replaced
 
 
+def test_the_recorded_choice_is_read_onto_the_cpu(tmp_path, monkeypatch):
+    """Rank 0 saved state.pt with tensors tagged cuda:0: every load maps to the CPU (common.py), this one too."""
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    torch.save({"step": 2, "config": {"train": {"batch_size": 6, "gradient_checkpointing": False}}}, ckpt / "state.pt")
+    loads, real_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *args, **kwargs: loads.append(str(kwargs.get("map_location")))
+                        or real_load(f, *args, **kwargs))
+    assert fit.recorded_choice(ckpt) == (6, False) and loads == ["cpu"]
+
+
 def test_nothing_fits_stops_naming_the_keys(tmp_path, monkeypatch):
     oom_above(monkeypatch, 0)
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=8", "--train.batch_size=auto")

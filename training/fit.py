@@ -208,7 +208,7 @@ def probe(run, candidates, checkpointing, log):
 def recorded_choice(ckpt):
     """The micro-batch and checkpointing a resumed run chose at its start, from its checkpoint's config (memory-
     mapped: the optimizer state in the same file is not read)."""
-    train = torch.load(Path(ckpt) / "state.pt", mmap=True, weights_only=True)["config"]["train"]
+    train = torch.load(Path(ckpt) / "state.pt", mmap=True, weights_only=True, map_location="cpu")["config"]["train"]
     return train["batch_size"], train["gradient_checkpointing"]
 
 
