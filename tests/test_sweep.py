@@ -196,6 +196,27 @@ def test_a_task_launches_accelerate_over_its_nodes_gpus_or_the_trainer_alone():
     assert alone == [sys.executable, str(ROOT / "train_ddpm.py"), *run["argv"]]
 
 
+@pytest.mark.parametrize("code", [1, sweep.REQUEUE_EXIT_CODE])
+def test_a_task_whose_run_fails_with_an_ordinary_error_is_not_requeued(tmp_path, monkeypatch, code):
+    """RunTask on its node: a trainer that exits 75 (checkpoint written after a stop signal) is requeued through
+    submitit's signal; one that fails with any other code (a bug, bad data) fails the task with its exit code
+    and is never requeued, so a broken run does not loop on the cluster."""
+    import submitit
+
+    class Env:
+        USR_SIG, global_rank, num_nodes, node, raw_job_id, hostnames = "USR2", 0, 1, 0, "1", ["localhost"]
+
+    kills = []
+    monkeypatch.setattr(submitit, "JobEnvironment", Env)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # RunTask's SIGTERM handler: not in the test process
+    monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append(sig))  # submitit's requeue signal, recorded
+    monkeypatch.setattr(sweep, "launch_command", lambda run, env, gpus: [sys.executable, "-c", f"raise SystemExit({code})"])
+    run = {"name": "r", "run_dir": str(tmp_path / "r"), "max_steps": 5, "report": True}
+    with pytest.raises(RuntimeError, match=f"run r failed: exit code {code}"):  # (75: the signal was only recorded)
+        sweep.RunTask()(run)
+    assert kills == ([signal.SIGUSR2] if code == sweep.REQUEUE_EXIT_CODE else [])
+
+
 def test_process_tree_finds_descendants_in_other_sessions():
     parent = subprocess.Popen(["sh", "-c", "setsid sleep 30 & sleep 30 & wait"])
     try:
