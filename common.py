@@ -280,9 +280,9 @@ def set_rng_state(state):
 
 # A checkpoint folder step_N holds model.safetensors and ema.safetensors (the weights), optimizer.safetensors
 # (Adam's moments: the largest file, twice the weights), state.pt (the small part: step, config, class ids,
-# monitor state) and rng_{rank}.pt. Every load maps to the CPU: rank 0 saved tensors tagged cuda:0, so without
-# map_location every rank of a node would put its copy on GPU 0 (optimizer.load_state_dict moves the moments
-# to the parameters' device itself). Checkpoints written before optimizer.safetensors existed keep the
+# monitor state, fp16's gradient scaler) and rng_{rank}.pt. Every load maps to the CPU: rank 0 saved tensors
+# tagged cuda:0, so without map_location every rank of a node would put its copy on GPU 0
+# (optimizer.load_state_dict moves the moments to the parameters' device itself). Checkpoints written before optimizer.safetensors existed keep the
 # optimizer in state.pt and still load.
 
 
@@ -371,6 +371,8 @@ def save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, keep)
         moments, header = optimizer_file(optimizer.state_dict())
         save_file(moments, str(tmp / "optimizer.safetensors"), metadata=header)
         del moments
+        scaler = getattr(accelerator, "scaler", None)  # fp16's loss scale: the same on every rank (all-reduced grads)
+        state = {**state, "scaler": scaler.state_dict()} if scaler is not None else state
         torch.save(state, tmp / "state.pt")  # written last: its presence marks a finished checkpoint
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -380,16 +382,34 @@ def save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, keep)
     return final
 
 
+def same_checkpoint(ckpt, accelerator):
+    """`ckpt` (or None) once every rank has picked the same (each picks from the file system alone: a shared file
+    system slow to show one rank a checkpoint would have the replicas train apart): one all-gather, or an error."""
+    from accelerate.utils import gather_object
+
+    picks = gather_object([ckpt and Path(ckpt).name]) if accelerator.num_processes > 1 else []
+    if len(set(picks)) > 1:
+        raise RuntimeError("the ranks picked different checkpoints to load (" + ", ".join(
+            f"rank {r}: {p or 'none'}" for r, p in enumerate(picks)) + "): every rank must see the same checkpoints "
+            "folder; on a shared file system, wait until it shows every rank the same files, then rerun")
+    return ckpt
+
+
 def load_checkpoint(ckpt, model, ema, optimizer, accelerator):
-    """Resume: weights, EMA, optimizer and this rank's RNG from a checkpoint; returns its small state (step,
-    ...). The optimizer's CPU copy is dropped once load_state_dict has moved it to the parameters' device."""
+    """Resume (and roll back): weights, EMA, optimizer, the fp16 gradient scaler and this rank's RNG from a
+    checkpoint; returns its small state (step, ...). The optimizer's CPU copy is dropped once load_state_dict has
+    moved it to the parameters' device."""
     from safetensors.torch import load_file
 
+    same_checkpoint(ckpt, accelerator)  # a rollback's pick, and a resume's again
     model.load_state_dict(load_file(str(ckpt / "model.safetensors"), device="cpu"))
     ema.load_state_dict(load_file(str(ckpt / "ema.safetensors"), device="cpu"))
     optimizer.load_state_dict(read_optimizer_state(ckpt))  # a temporary: nothing keeps it after this line
     state = read_state(ckpt)
     ema.inherited = set(state.get("ema_inherited", ()))  # init_from's EMA tensors: no warm-up (ema_update)
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is not None and "scaler" in state:  # fp16: a resume continues the loss scale, a rollback undoes its cuts
+        scaler.load_state_dict(state["scaler"])
     restore_rng(ckpt, accelerator.process_index, accelerator.num_processes)
     accelerator.print(f"resumed from {ckpt} at step {state['step']}")
     return state

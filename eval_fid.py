@@ -114,13 +114,14 @@ def method_of(cfg):
 def load_model(run, checkpoint=None, weights="ema", phema_std=None):
     """(model, cfg, description). A checkpoint's shapes come from its tensors (channels from the patch
     projection, side from the positional grid), so rebuilding it needs neither data nor encoders. phema_std:
-    the export's model with the post-hoc EMA of that std reconstructed from the run's snapshots."""
+    the export's model with the post-hoc EMA of that std reconstructed from the run's snapshots (with a checkpoint:
+    at the checkpoint's step, from the snapshots before it and its own profiles, so the label is true)."""
     from safetensors.torch import load_file
 
     run = Path(run)
     if phema_std is not None:
         model, cfg, desc = load_model(run, checkpoint, weights)
-        info = apply_reconstruction(model, run, phema_std)
+        info = apply_reconstruction(model, run, phema_std, None if checkpoint is None else desc["source"])
         return model, cfg, {**desc, "weights": f"post-hoc EMA, std {phema_std:g}", "phema": info}
     if checkpoint is None:
         export = run if (run / "transformer").is_dir() else run / "export"

@@ -365,6 +365,9 @@ def main(argv=None):
     optimizer = common.make_optimizer(model, tr)  # fused AdamW; weight_decay 0 = Adam, as in the paper
     common.same_on_every_rank(ema.to(device), accelerator)  # DDP broadcasts the model; the EMA gets rank 0's
     ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
+    # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe sees memory
+    phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or
+                     tr.batch_size * world * tr.grad_accum, run_dir, accelerator.is_main_process)
     # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
     fit.plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder, ckpt)
     if tr.compile:  # in place and before DDP wraps it: one graph of the model, its state-dict keys unchanged
@@ -372,8 +375,6 @@ def main(argv=None):
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
     raw_model = accelerator.unwrap_model(model)
-    phema = PowerEMA(raw_model, cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.batch_size * world * tr.grad_accum,
-                     run_dir, accelerator.is_main_process)  # post-hoc EMA profiles (ckpt.phema_every; 0: off)
     accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
                       f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
                       f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; {obj.beta_schedule} betas, zero terminal SNR "

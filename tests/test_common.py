@@ -232,6 +232,68 @@ def test_checkpoint_keeps_the_optimizer_apart_and_resumes_old_and_new_layouts(tm
     assert_same_optimizer_state(old.state_dict(), optimizer.state_dict())
 
 
+def test_the_fp16_gradient_scaler_is_checkpointed_and_restored_at_resume_and_rollback(tmp_path):
+    """train.mixed_precision=fp16: the loss scale and its growth tracker go into state.pt and come back through the
+    load that resume and rollback share. A rollback after a run of non-finite steps gets the checkpoint's scale
+    back, not the one the overflows cut (here 2^-6 of it). torch.amp.GradScaler runs on the CPU."""
+    model = torch.nn.Linear(8, 1)
+    optimizer = fresh_optimizer(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=4)
+
+    def steps(n, overflow):
+        for _ in range(n):
+            loss = model(torch.ones(2, 8)).sum() * (float("inf") if overflow else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+
+    steps(2, overflow=True)  # the scale halves twice
+    steps(3, overflow=False)  # and counts 3 of the 4 good steps it needs to grow
+    saved = scaler.state_dict()
+    assert (saved["scale"], saved["_growth_tracker"]) == (2.0 ** 14, 3)
+    accelerator = type("FP16Process", (OneProcess,), {"scaler": scaler})()
+    folder = common.save_checkpoint(accelerator, tmp_path, 5, {"model": model.state_dict(), "ema": model.state_dict()},
+                                    optimizer, {"step": 5}, keep=3)
+    steps(6, overflow=True)  # a run of non-finite steps: the scale 2^-6 of the checkpoint's
+    assert scaler.get_scale() == 2.0 ** 8
+    common.load_checkpoint(folder, model, torch.nn.Linear(8, 1), optimizer, accelerator)  # the rollback's load
+    assert scaler.state_dict() == saved and scaler.get_scale() == 2.0 ** 14
+    fresh = torch.amp.GradScaler("cpu")  # a resume: a new scaler, not yet used
+    common.load_checkpoint(folder, model, torch.nn.Linear(8, 1), optimizer, type("FP16Process", (OneProcess,),
+                                                                                {"scaler": fresh})())
+    assert fresh.state_dict() == saved
+    steps(1, overflow=False)  # and it goes on as the saved one would: the 4th good step doubles the scale
+    assert scaler.get_scale() == 2.0 ** 15
+
+
+def test_every_rank_must_pick_the_same_checkpoint_at_resume_and_at_every_load(tmp_path, monkeypatch):
+    """Each rank picks its checkpoint from the file system alone (a resume's latest, a rollback's last good one).
+    One all-gather of the picks (two ranks here: the other rank's pick injected into gather_object) turns a
+    file system that shows one rank a checkpoint late into an error naming each rank's pick, before any load."""
+    import accelerate.utils
+    import safetensors.torch
+
+    from training.model import prepare_model
+
+    folder, model, _ = tiny_checkpoint(tmp_path)
+    two_ranks, other = type("TwoRanks", (OneProcess,), {"num_processes": 2})(), []
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda picks: picks + other)
+    resumed, ema = (torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 3)) for _ in range(2))
+    other[:] = ["step_00000002"]  # the same pick: loads
+    assert common.load_checkpoint(folder, resumed, ema, fresh_optimizer(resumed), two_ranks)["step"] == 2
+    other[:] = ["step_00000001"]  # a rollback whose other rank picked an older checkpoint
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("loaded before the check"))
+    with pytest.raises(RuntimeError, match=r"different checkpoints to load \(rank 0: step_00000002, rank 1: step_00000001\)"):
+        common.load_checkpoint(folder, resumed, ema, fresh_optimizer(resumed), two_ranks)
+    other[:] = [None]  # a resume whose other rank sees no checkpoint at all (it would start from step 0)
+    cfg = config.load_config(fm.DEFAULTS, ["--resume=latest", f"--run_dir={tmp_path}", "--data.num_classes=9",
+                                           "--model.num_layers=1", "--model.num_attention_heads=2",
+                                           "--model.attention_head_dim=8"])
+    with pytest.raises(RuntimeError, match=r"rank 0: step_00000002, rank 1: none"):
+        prepare_model(cfg, (3, 16, 16), None, None, tmp_path, two_ranks)
+
+
 def test_the_intact_checkpoint_check_reads_only_headers_and_the_small_state(tmp_path, monkeypatch):
     import safetensors
     import safetensors.torch

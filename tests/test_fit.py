@@ -25,11 +25,13 @@ from training.model import Denoiser, build_for_run
 
 def oom_above(monkeypatch, limit, limit_checkpointed=None):
     """Every forward with gradients of more than `limit` samples (`limit_checkpointed` with gradient
-    checkpointing on) raises the error a GPU raises, before any work: what a probe on a GPU of that size sees."""
+    checkpointing on; either a callable: the limit now) raises the error a GPU raises, before any work: what a
+    probe on a GPU of that size sees."""
     forward = Denoiser.forward
 
     def limited(self, x, *args, **kwargs):
         k = limit_checkpointed if limit_checkpointed and self.transformer.is_gradient_checkpointing else limit
+        k = k() if callable(k) else k
         if torch.is_grad_enabled() and len(x) > k:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected: {len(x)} > {k})")
         return forward(self, x, *args, **kwargs)
@@ -166,6 +168,17 @@ def test_a_resumed_run_reuses_its_recorded_choice_and_a_fixed_batch_derives_the_
     assert (cfg.train.batch_size, cfg.train.grad_accum) == (12, 2)  # derived; the configured 5 is replaced
 
 
+def test_the_recorded_choice_is_read_onto_the_cpu(tmp_path, monkeypatch):
+    """Rank 0 saved state.pt with tensors tagged cuda:0: every load maps to the CPU (common.py), this one too."""
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    torch.save({"step": 2, "config": {"train": {"batch_size": 6, "gradient_checkpointing": False}}}, ckpt / "state.pt")
+    loads, real_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *args, **kwargs: loads.append(str(kwargs.get("map_location")))
+                        or real_load(f, *args, **kwargs))
+    assert fit.recorded_choice(ckpt) == (6, False) and loads == ["cpu"]
+
+
 def test_nothing_fits_stops_naming_the_keys(tmp_path, monkeypatch):
     oom_above(monkeypatch, 0)
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=8", "--train.batch_size=auto")
@@ -266,6 +279,42 @@ def test_ema_every_k_equals_todays_ema_when_the_weights_hold_over_each_window():
     assert not torch.equal(history[-1], start)
 
 
+@pytest.mark.parametrize("every,device_setting", [(1, "cpu"), (3, "same"), (3, "cpu")])
+def test_an_inherited_ema_gets_no_warm_up_on_every_path(every, device_setting):
+    """init_from's EMA tensors (`ema.inherited`) are a long average already: common.ema_update gives them the decay
+    from the first step. The updater must too, bitwise for k = 1 (skipped steps included), and within rounding for k
+    steps over which the weights hold. An inherited EMA of 5.0 at decay 0.999 then moves 0.05 in 10 steps, not 5."""
+    n, decay = 12, 0.999
+    weights = [w for w in trajectory(n // every) for _ in range(every)]
+    applied = [every > 1 or step != 5 for step in range(n)]  # k = 1: a skipped step included
+    runs = []
+    for path in ("updater", "today"):
+        model = torch.nn.Linear(4, 3)
+        ema = copy.deepcopy(model).requires_grad_(False)
+        with torch.no_grad():
+            ema.weight.fill_(5.0)
+            ema.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+        ema.inherited = {"weight"}  # the bias is fresh: it warms up
+        tr = config.Config(ema_decay=decay, ema_every=every, max_steps=n, ema_device=device_setting)
+        update = fit.EMAUpdater(ema, model, None, tr, torch.device("cpu"))
+        for step, (w, ok) in enumerate(zip(weights, applied)):
+            with torch.no_grad():
+                model.weight.copy_(w)
+                model.bias.copy_(w[:, 0])
+            if path == "updater":
+                update(step, torch.tensor(ok))
+                update.wait()
+            else:
+                common.ema_update(ema, model, decay, step, applied=torch.tensor(ok))
+        runs.append(dict(ema.named_parameters()))
+    assert (runs[1]["weight"] - 5.0).abs().max() < 0.1  # today's EMA keeps the source's average
+    for name in ("weight", "bias"):
+        if every == 1:
+            assert torch.equal(runs[0][name], runs[1][name]), name
+        else:
+            torch.testing.assert_close(runs[0][name], runs[1][name], rtol=1e-5, atol=1e-6)
+
+
 def test_a_checkpoint_of_the_offloaded_ema_waits_for_the_update_in_flight(monkeypatch):
     lerp = fit.EMAUpdater.lerp
     monkeypatch.setattr(fit.EMAUpdater, "lerp", lambda self: time.sleep(0.3) or lerp(self))  # a slow host
@@ -352,6 +401,29 @@ def test_an_auto_run_equals_the_run_configured_by_hand_and_resumes_exactly(tmp_p
     ema2, ema4 = (torch.load(tmp_path / "auto" / "checkpoints" / f"step_0000000{s}" / "state.pt", weights_only=True)
                   for s in (2, 4))
     assert ema2["config"]["train"]["batch_size"] == ema4["config"]["train"]["batch_size"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["flow_matching", "ddpm"])
+def test_the_batch_probe_runs_with_the_post_hoc_ema_profiles_allocated(tmp_path, monkeypatch, method):
+    """A GPU that fits 10 samples, only 4 once the post-hoc EMA profiles (ckpt.phema_every > 0: two fp32 copies of
+    the weights) are allocated. The probe must measure with them in memory, or the micro-batch it picks (8 of 24)
+    runs out of memory at the first step; with them it picks 4 and the run trains."""
+    import importlib
+
+    from training import phema
+
+    trainer, live, init = importlib.import_module(f"train_{method}"), [], phema.PowerEMA.__init__
+    monkeypatch.setattr(phema.PowerEMA, "__init__", lambda self, *args: init(self, *args) or live.append(self))
+    oom_above(monkeypatch, lambda: 4 if any(p.profiles for p in live) else 10)
+    # Stopped after the first step as by a signal (a checkpoint, exit 75): no validation or export to wait for.
+    monkeypatch.setattr(common.StopSignals, "agreed", lambda self, accelerator: bool(live and live[0].images))
+    with pytest.raises(SystemExit) as stop:
+        trainer.main(tiny_run_args(tmp_path, steps=2) + ["--train.global_batch=24", "--train.batch_size=auto",
+                                                         "--ckpt.phema_every=24", "--log.every=1"])
+    assert stop.value.code == common.REQUEUE_EXIT_CODE
+    assert json.loads((tmp_path / "run" / "fit.json").read_text())["micro_batch"] == 4
+    assert live[0].images == 24 and (tmp_path / "run" / "checkpoints" / "step_00000001").is_dir()  # it trained
 
 
 @pytest.mark.slow

@@ -120,6 +120,92 @@ def test_reconstruction_matches_a_third_power_ema_tracked_exactly(tmp_path, monk
     assert load_file(str(next((tmp_path / "fp16" / "phema").glob("*.safetensors"))))["0.05/a"].dtype == torch.float16
 
 
+def test_a_checkpoints_post_hoc_ema_is_reconstructed_at_its_own_step(tmp_path, monkeypatch):
+    """eval_fid.py / sample.py --checkpoint X --phema_std s: the EMA of std s at X's time (snapshots before X and
+    X's own fp32 profiles), equal to a third power EMA tracked exactly to X; the run's last snapshot, 145 steps
+    later, is another EMA (what --checkpoint X used to be labelled with)."""
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(phema, "SNAPSHOT_DTYPE", torch.float32)
+    x_step, target, run = 255, 0.08, tmp_path / "run"  # X between the snapshots of steps 250 and 260
+    model, traj = Weights(), trajectory().float()
+    ema = phema.PowerEMA(model, [0.05, 0.10], 10 * BATCH, BATCH, run, True)
+    third = phema.PowerEMA(model, [target], 10**9, BATCH, tmp_path / "third", True)
+    for step in range(1, STEPS + 1):
+        with torch.no_grad():
+            model.a.copy_(traj[step - 1, :DIM]), model.b.copy_(traj[step - 1, DIM:].view(2, 3))
+        ema.update(model), third.update(model)
+        if ema.due(step, STEPS):
+            ema.snapshot(step)
+        if step == x_step:  # the checkpoint as save_checkpoint writes it: the profiles, and the config in state.pt
+            ckpt = run / "checkpoints" / f"step_{step:08d}"
+            ckpt.mkdir(parents=True)
+            save_file(ema.checkpoint_tensors()["phema"], str(ckpt / "phema.safetensors"))
+            torch.save({"step": step, "config": {"ckpt": {"phema_stds": [0.05, 0.10]}}}, ckpt / "state.pt")
+            exact = flat(third.profiles[0])
+    weights, info = phema.reconstruct(run / "phema", target, checkpoint=ckpt)
+    ours = flat([weights["a"], weights["b"]])
+    assert info["images"] == x_step * BATCH and info["snapshots"] == x_step // 10 + 1
+    assert ((ours - exact).norm() / exact.norm()).item() < 1e-4
+    last, info = phema.reconstruct(run / "phema", target)
+    assert info["images"] == STEPS * BATCH and ((flat([last["a"], last["b"]]) - exact).norm() / exact.norm()) > 0.1
+    (ckpt / "phema.safetensors").unlink()  # a checkpoint from before the run tracked profiles: a clear error
+    with pytest.raises(FileNotFoundError, match=r"holds no post-hoc EMA profiles.*ckpt.phema_every"):
+        phema.reconstruct(run / "phema", target, checkpoint=ckpt)
+
+
+def test_loading_a_checkpoint_reads_the_profiles_only_where_they_live(tmp_path, monkeypatch):
+    """PowerEMA.load at a resume or rollback: every rank needs the image count, only the main process the
+    profiles (10 GB for the recipe model). The other ranks read one 8-byte tensor; the main process reads each
+    profile tensor once, never the whole file at once, and gets them back bitwise."""
+    import safetensors
+    import safetensors.torch
+
+    source = train([0.05, 0.10], every=10**9, run_dir=tmp_path / "run")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    safetensors.torch.save_file(source.checkpoint_tensors()["phema"], str(ckpt / "phema.safetensors"))
+    read, real_safe_open = [], safetensors.safe_open
+
+    class Counted:  # safe_open that records every tensor handed out
+        def __init__(self, *args, **kwargs):
+            self.f = real_safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.f.get_tensor(key)
+
+        def __getattr__(self, name):
+            if name == "get_slice":
+                raise AssertionError("a slice read")
+            return getattr(self.f, name)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the whole file was loaded")
+
+    monkeypatch.setattr(safetensors, "safe_open", Counted)
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    other = phema.PowerEMA(Weights(), [0.05, 0.10], 10**9, BATCH, tmp_path / "other", main_process=False)
+    other.load(ckpt)
+    assert read == ["images"] and other.images == STEPS * BATCH and other.profiles == []
+    read.clear()
+    main = phema.PowerEMA(Weights(), [0.05, 0.10], 10**9, BATCH, tmp_path / "main", main_process=True)
+    main.load(ckpt)
+    assert sorted(read) == sorted(["images", *(f"{s:g}/{n}" for s in (0.05, 0.1) for n in ("a", "b"))])
+    assert main.images == STEPS * BATCH
+    assert all(torch.equal(a, b) for pa, pb in zip(main.profiles, source.profiles) for a, b in zip(pa, pb))
+    bad = phema.PowerEMA(Weights(), [0.05, 0.2], 10**9, BATCH, tmp_path / "bad", main_process=True)
+    with pytest.raises(ValueError, match="has no profile of std 0.2"):
+        bad.load(ckpt)
+
+
 KILLED_WRITE = '''
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -190,6 +276,12 @@ def test_profiles_resume_bitwise_and_the_tool_exports_a_reconstruction(tmp_path)
     from training.model import load_exported
     model, _ = load_exported(export)
     weights, _ = phema.reconstruct(tmp_path / "straight" / "phema", 0.08)
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    import eval_fid  # --checkpoint X --phema_std: the EMA at X's step (32 images), labelled with X
+    ckpt = tmp_path / "straight" / "checkpoints" / "step_00000002"
+    model, _, desc = eval_fid.load_model(tmp_path / "straight", str(ckpt), phema_std=0.08)
+    weights, _ = phema.reconstruct(tmp_path / "straight" / "phema", 0.08, checkpoint=ckpt)
+    assert desc["step"] == 2 and desc["phema"]["images"] == 32 and desc["phema"]["checkpoint"] == str(ckpt)
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
     import sample
     folder = sample.main(["--run", str(tmp_path / "straight"), "--phema_std", "0.08", "--classes", "0,1",

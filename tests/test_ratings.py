@@ -28,12 +28,41 @@ def test_win_rate_counts_ties_as_half_and_its_interval_is_the_binomial_one():
     assert (r["wins"], r["losses"], r["ties"], r["skips"], r["n"]) == (6, 2, 2, 1, 10)
     assert r["rate"] == pytest.approx(0.7)
     assert ratings.win_rate(votes, "B", "A")["rate"] == pytest.approx(0.3)
-    # Large n: the bootstrap percentile interval approaches p +- 1.96 sqrt(p (1 - p) / n).
-    big = ratings.win_rate(pair_votes("a" * 240 + "b" * 160), "A", "B", rounds=4000)
+    assert (r["low"], r["high"]) == pytest.approx(ratings.wilson_interval(7, 10))  # ties: half a success each
+    # Large n: the Wilson interval approaches p +- 1.96 sqrt(p (1 - p) / n).
+    big = ratings.win_rate(pair_votes("a" * 240 + "b" * 160), "A", "B")
     half = 1.96 * math.sqrt(0.6 * 0.4 / 400)
     assert big["rate"] == 0.6
-    assert big["low"] == pytest.approx(0.6 - half, abs=0.006) and big["high"] == pytest.approx(0.6 + half, abs=0.006)
+    assert big["low"] == pytest.approx(0.6 - half, abs=0.002) and big["high"] == pytest.approx(0.6 + half, abs=0.002)
     assert ratings.win_rate([], "A", "B")["rate"] is None
+
+
+@pytest.mark.parametrize("wins,n", [(3, 3), (0, 3), (1, 1), (2, 5), (7, 9), (30, 50), (240, 400)])
+def test_the_win_rate_interval_is_wilsons_and_three_unanimous_votes_are_too_few_to_tell(wins, n):
+    """scipy's binomtest(...).proportion_ci(method="wilson") is the oracle. Three unanimous votes used to read
+    "win rate 1.000 [95% CI 1.000, 1.000]" (a bootstrap of three equal votes); Wilson gives [0.44, 1], which
+    includes 0.5, and the summary says the votes are too few to tell."""
+    r = ratings.win_rate(pair_votes("a" * wins + "b" * (n - wins)), "A", "B")
+    ci = scipy.stats.binomtest(wins, n).proportion_ci(confidence_level=0.95, method="wilson")
+    assert (r["low"], r["high"]) == pytest.approx((ci.low, ci.high), abs=1e-9)
+    if n == 3 and wins == 3:
+        assert r["low"] == pytest.approx(0.4385, abs=1e-4) and r["high"] == 1.0
+        text = "\n".join(ratings.summary_lines(pair_votes("aaa")))
+        assert "[95% CI 0.439, 1.000]" in text and "too few votes to tell" in text
+
+
+def test_the_mean_rating_interval_is_students_t_and_equal_ratings_give_none():
+    """scipy's one-sample t-test interval is the oracle; fewer than 2 ratings, or ratings all equal (3 fives: a
+    bootstrap said [5.00, 5.00]), give no interval, and the summary says they are too few to tell."""
+    stars = [4, 3, 3, 4, 2, 4, 3, 5, 3, 4]
+    ci = scipy.stats.ttest_1samp(stars, 3.0).confidence_interval(0.95)
+    assert 1 < ci.low and ci.high < 5 and ratings.mean_interval(np.array(stars, float)) == pytest.approx((ci.low, ci.high), abs=1e-9)
+    assert ratings.mean_interval(np.array([5.0, 4.0]))[1] == 5.0  # kept within the scale (t_1 is wide)
+    votes = [{"id": str(i), "kind": "rating", "index": i, "seed": 0, "condition": "c", "side": "run/x", "choice": 5}
+             for i in range(3)]
+    s = ratings.star_summary(votes)["run/x"]
+    assert (s["count"], s["mean"], s["low"], s["high"]) == (3, 5.0, None, None)
+    assert "too few ratings to tell" in "\n".join(ratings.summary_lines(votes))
 
 
 def test_bradley_terry_two_sides_has_the_closed_form():

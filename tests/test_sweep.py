@@ -133,6 +133,36 @@ def test_a_run_folder_made_with_another_config_is_an_error_and_a_finished_one_is
         sweep.prepare(path)
 
 
+def test_a_rerun_resumes_runs_whose_batch_the_trainer_resolved_from_global_batch(tmp_path):
+    """train.global_batch: the trainer writes the resolved micro-batch, accumulation and checkpointing to the run's
+    config.json (fit.plan_batch). A rerun compares like with like and resumes those runs; a real change is still an
+    error, and its message never advises deleting the folder (its checkpoints)."""
+    import torch
+
+    import common
+    from training import fit
+    from training.model import build_for_run
+
+    fixed = {"train.global_batch": 32, "train.max_steps": 5, "data.num_classes": 9, "model.num_layers": 2,
+             "model.num_attention_heads": 2, "model.attention_head_dim": 16}
+    path = write_sweep(tmp_path, grid={"train.batch_size": ["auto", 8]}, overrides=fixed)
+    runs = sweep.prepare(path)[2]
+    for run in runs:  # what each run's trainer wrote at its start (auto: the choice a probe made, 16 with checkpointing)
+        cfg, run_dir = sweep.resolve_config(run["method"], run["argv"]), Path(run["run_dir"])
+        ckpt = run_dir / "checkpoints" / "step_00000002"
+        ckpt.mkdir(parents=True)
+        torch.save({"step": 2, "config": {"train": {"batch_size": 16, "gradient_checkpointing": True}}}, ckpt / "state.pt")
+        fit.plan_batch(cfg, common.make_accelerator("no"), build_for_run(cfg, (3, 16, 16)), None, None,
+                       ckpt=ckpt if cfg.train.batch_size == "auto" else None)
+    saved = [json.loads((Path(r["run_dir"]) / "config.json").read_text())["train"] for r in runs]
+    assert [(t["batch_size"], t["grad_accum"], t["gradient_checkpointing"]) for t in saved] == [(16, 2, True), (8, 4, False)]
+    assert [r["state"] for r in sweep.prepare(path)[2]] == ["interrupted", "interrupted"]  # resumed, not refused
+    path = write_sweep(tmp_path, grid={"train.batch_size": ["auto", 8]}, overrides={**fixed, "train.global_batch": 64})
+    with pytest.raises(sweep.SweepError, match=r"train\.global_batch: 32 there, 64 now") as error:
+        sweep.prepare(path)
+    assert "delete" not in str(error.value) and "another 'out'" in str(error.value)
+
+
 # ---- the SLURM side --------------------------------------------------------------------------------------
 
 def test_slurm_parameters_reach_submitits_sbatch_file(tmp_path, monkeypatch):
@@ -164,6 +194,27 @@ def test_a_task_launches_accelerate_over_its_nodes_gpus_or_the_trainer_alone():
     assert args.training_script == str(ROOT / "train_ddpm.py") and args.training_script_args == run["argv"]
     alone = sweep.launch_command(run, SimpleNamespace(num_nodes=1, node=0, hostnames=["n"], raw_job_id="1"), 1)
     assert alone == [sys.executable, str(ROOT / "train_ddpm.py"), *run["argv"]]
+
+
+@pytest.mark.parametrize("code", [1, sweep.REQUEUE_EXIT_CODE])
+def test_a_task_whose_run_fails_with_an_ordinary_error_is_not_requeued(tmp_path, monkeypatch, code):
+    """RunTask on its node: a trainer that exits 75 (checkpoint written after a stop signal) is requeued through
+    submitit's signal; one that fails with any other code (a bug, bad data) fails the task with its exit code
+    and is never requeued, so a broken run does not loop on the cluster."""
+    import submitit
+
+    class Env:
+        USR_SIG, global_rank, num_nodes, node, raw_job_id, hostnames = "USR2", 0, 1, 0, "1", ["localhost"]
+
+    kills = []
+    monkeypatch.setattr(submitit, "JobEnvironment", Env)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # RunTask's SIGTERM handler: not in the test process
+    monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append(sig))  # submitit's requeue signal, recorded
+    monkeypatch.setattr(sweep, "launch_command", lambda run, env, gpus: [sys.executable, "-c", f"raise SystemExit({code})"])
+    run = {"name": "r", "run_dir": str(tmp_path / "r"), "max_steps": 5, "report": True}
+    with pytest.raises(RuntimeError, match=f"run r failed: exit code {code}"):  # (75: the signal was only recorded)
+        sweep.RunTask()(run)
+    assert kills == ([signal.SIGUSR2] if code == sweep.REQUEUE_EXIT_CODE else [])
 
 
 def test_process_tree_finds_descendants_in_other_sessions():

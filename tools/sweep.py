@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from training import config  # noqa: E402
+from training import config, fit  # noqa: E402
 
 REQUEUE_EXIT_CODE = common.REQUEUE_EXIT_CODE
 METHODS = ("flow_matching", "ddpm")
@@ -240,17 +240,20 @@ def finished(run_dir, max_steps, report=True):
 
 def run_state(run):
     """'finished', 'interrupted' (a folder with a checkpoint or metrics) or 'new'. A folder whose config.json
-    differs from the sweep's config for that run (ignoring what the trainer fills in: resume, keys left None) is
-    an error: rerunning would mix two experiments under one name."""
+    differs from the sweep's config for that run (ignoring what the trainer fills in: resume, keys left None, and
+    what train.global_batch resolves at the start, fit.resolved_keys) is an error: rerunning would mix two
+    experiments under one name."""
     run_dir, cfg = Path(run["run_dir"]), run["config"]
     saved_file = run_dir / "config.json"
     if saved_file.is_file():
         saved, wanted = config.flatten(json.loads(saved_file.read_text())), config.flatten(cfg)
-        differ = [k for k, v in wanted.items() if k != "resume" and v is not None and saved.get(k, v) != v]
+        filled = {"resume"} | fit.resolved_keys(cfg["train"])
+        differ = [k for k, v in wanted.items() if k not in filled and v is not None and saved.get(k, v) != v]
         if differ:
             raise SweepError(f"run {run['name']}: {saved_file} was written with another config ("
                              + ", ".join(f"{k}: {saved.get(k)!r} there, {wanted[k]!r} now" for k in differ[:5])
-                             + "); delete that folder or give the sweep another 'out'")
+                             + "); give the sweep another 'out' (that folder and its checkpoints stay as they are), "
+                             "or set those keys back to resume it")
     if finished(run_dir, cfg["train"]["max_steps"], cfg["log"]["report"]):
         return "finished"
     return "interrupted" if (run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file() else "new"

@@ -208,8 +208,20 @@ def probe(run, candidates, checkpointing, log):
 def recorded_choice(ckpt):
     """The micro-batch and checkpointing a resumed run chose at its start, from its checkpoint's config (memory-
     mapped: the optimizer state in the same file is not read)."""
-    train = torch.load(Path(ckpt) / "state.pt", mmap=True, weights_only=True)["config"]["train"]
+    train = torch.load(Path(ckpt) / "state.pt", mmap=True, weights_only=True, map_location="cpu")["config"]["train"]
     return train["batch_size"], train["gradient_checkpointing"]
+
+
+def resolved_keys(train):
+    """The keys of a train section that plan_batch replaces by what it resolved (and config.json then holds):
+    with train.global_batch the accumulation, and with batch_size "auto" the micro-batch and, unless forced on,
+    gradient checkpointing. What a run asked for is compared with a run folder on the other keys (tools/sweep.py)."""
+    if train.get("global_batch") is None:
+        return set()
+    keys = {"train.grad_accum"}
+    if train["batch_size"] == "auto":
+        keys |= {"train.batch_size"} | ({"train.gradient_checkpointing"} if not train["gradient_checkpointing"] else set())
+    return keys
 
 
 def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None, ckpt=None):
@@ -305,7 +317,8 @@ class EMAUpdater:
     recipes). Which steps update is a pure function of the step (no state beyond the EMA: exact resume holds,
     whatever max_steps the run has); the run's last k - 1 steps at most are not in its final EMA. A skipped
     (non-finite) update step moves the EMA only by the window's other k - 1 decays; a skipped step inside a window
-    counts as one with unchanged weights. k = 1 and the same device: common.ema_update itself.
+    counts as one with unchanged weights. The tensors init_from took from another run's EMA (`ema.inherited`) get
+    no warm-up, d_n = decay, as in common.ema_update. k = 1 and the same device: common.ema_update itself.
 
     train.ema_device = "cpu": the fp32 EMA lives in pinned CPU memory (4 bytes per parameter less on the GPU;
     8 per parameter of pinned host memory with the staging copy). At an update step the weights are copied into
@@ -326,7 +339,7 @@ class EMAUpdater:
         for tensor in (*ema.parameters(), *ema.buffers()):
             tensor.data = tensor.data.to("cpu").pin_memory() if pin else tensor.data.to("cpu")
         self.staged = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in ema.parameters()]
-        self.weight = torch.zeros((), pin_memory=pin)  # 1 - D of the update in flight
+        self.weight = torch.zeros(2, pin_memory=pin)  # 1 - D of the update in flight: fresh, inherited tensors
         if device.type == "cuda":
             self.stream, self.copied = torch.cuda.Stream(device), torch.cuda.Event()
             inner = getattr(optimizer, "optimizer", optimizer)  # the weights change only in the optimizer step
@@ -345,31 +358,34 @@ class EMAUpdater:
             self.wait()  # the export reads the final EMA
 
     def update(self, step, applied):
-        before = math.prod(decay_at(self.decay, n) for n in range(step + 1 - self.every, step))
-        d = decay_at(self.decay, step)
-        # 1 - D, as a device tensor when `applied` is (for k = 1 it is bitwise common.ema_update's 1 - d)
-        weight = 1 - before * d if applied is None else torch.where(applied, 1 - before * d, 1 - before)
+        # 1 - D for the fresh tensors (the warm-up's decays) and for the inherited ones (decay from the first step),
+        # as device tensors when `applied` is (for k = 1 each is bitwise common.ema_update's 1 - d)
+        weight = []
+        fresh = [decay_at(self.decay, n) for n in range(step + 1 - self.every, step + 1)]
+        for decays in (fresh, [self.decay] * self.every):
+            before, d = math.prod(decays[:-1]), decays[-1]
+            weight.append(1 - before * d if applied is None else torch.where(applied, 1 - before * d, 1 - before))
+        inherited = getattr(self.ema, "inherited", ())
+        which = [int(name in inherited) for name, _ in self.ema.named_parameters()]  # 0: fresh, 1: inherited
         if not self.offload:
             ema_p = list(self.ema.parameters())
-            torch._foreach_lerp_(ema_p, [p.detach().float() for p in self.model.parameters()],
-                                 weight if applied is None else [weight] * len(ema_p))
+            torch._foreach_lerp_(ema_p, [p.detach().float() for p in self.model.parameters()], [weight[i] for i in which])
             return
         self.wait()  # the previous update, k steps ago, is done with the staging buffers
+        self.which = which
         weights = [p.detach() for p in self.model.parameters()]
+        weight = torch.tensor(weight) if applied is None else torch.stack(weight)
         if self.device.type == "cuda":
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after this step's optimizer step
             with torch.cuda.stream(self.stream):
                 torch._foreach_copy_(self.staged, weights, non_blocking=True)
-                if applied is None:
-                    self.weight.fill_(weight)
-                else:
-                    self.weight.copy_(weight, non_blocking=True)
+                self.weight.copy_(weight, non_blocking=True)
                 self.copied.record(self.stream)
             if applied is not None:
                 weight.record_stream(self.stream)  # made on the main stream, read on the side one
         else:
             torch._foreach_copy_(self.staged, weights)
-            self.weight.copy_(torch.as_tensor(weight))
+            self.weight.copy_(weight)
         self.thread = threading.Thread(target=self.lerp, name="ema-update", daemon=True)
         self.thread.start()
 
@@ -378,7 +394,7 @@ class EMAUpdater:
             if self.device.type == "cuda":
                 self.copied.synchronize()  # this thread waits for the copy, the training loop does not
             ema_p = list(self.ema.parameters())
-            torch._foreach_lerp_(ema_p, self.staged, [self.weight] * len(ema_p))
+            torch._foreach_lerp_(ema_p, self.staged, [self.weight[i] for i in self.which])
         except BaseException as e:  # raised in the training thread by wait()
             self.error = e
 

@@ -239,7 +239,7 @@ def prepare_model(cfg, x_shape, null_text, class_ids, run_dir, accelerator):
     model = build_for_run(cfg, x_shape, null_text)
     ema = copy.deepcopy(model).requires_grad_(False).float()
     ema.inherited = set()  # names of EMA tensors init_from takes from another run's EMA (common.ema_update)
-    ckpt = common.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
+    ckpt = common.same_checkpoint(common.find_checkpoint(run_dir, cfg.resume), accelerator) if cfg.resume else None
     if cfg.init_from and ckpt is None:
         report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print)
         if accelerator.is_main_process:

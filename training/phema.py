@@ -138,23 +138,24 @@ class PowerEMA:
 
     def load(self, ckpt):
         """Continue the profiles of a checkpoint; one written without them (post-hoc EMA switched on mid-run)
-        starts them from the current weights, i.e. as if the whole past had been these weights (warned)."""
+        starts them from the current weights, i.e. as if the whole past had been these weights (warned). Every
+        rank reads the image count (8 bytes); only the main process, which holds the profiles, reads them, one
+        tensor at a time (two fp32 copies of the weights: 10 GB for the recipe model)."""
         if not self.every or ckpt is None:
             return
         path = Path(ckpt) / "phema.safetensors"
         if not path.exists():
             print(f"warning: {ckpt} has no post-hoc EMA profiles: they start now, from the current weights")
             return
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        saved = load_file(str(path))
-        self.images = int(saved["images"])
-        for std, profile in zip(self.stds, self.profiles):
-            missing = [n for n in self.names if f"{std:g}/{n}" not in saved]
-            if missing:
-                raise ValueError(f"{path} has no profile of std {std:g} (ckpt.phema_stds changed on resume?)")
-            for name, p in zip(self.names, profile):
-                p.copy_(saved[f"{std:g}/{name}"])
+        with safe_open(str(path), "pt", device="cpu") as f:
+            self.images, keys = int(f.get_tensor("images")), set(f.keys())
+            for std, profile in zip(self.stds, self.profiles):  # no profiles off the main process: nothing more read
+                if any(f"{std:g}/{n}" not in keys for n in self.names):
+                    raise ValueError(f"{path} has no profile of std {std:g} (ckpt.phema_stds changed on resume?)")
+                for name, p in zip(self.names, profile):
+                    p.copy_(f.get_tensor(f"{std:g}/{name}"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -183,15 +184,36 @@ def snapshot_folder(run):
     return run / "phema" if (run / "phema").is_dir() or not (run.parent / "phema").is_dir() else run.parent / "phema"
 
 
-def reconstruct(folder, std, max_images=None):
+def checkpoint_profiles(ckpt):
+    """(path, images, stds, gammas) of a training checkpoint's profiles, phema.safetensors (fp32, ending exactly at
+    the checkpoint's time), read from its header and the checkpoint's small state only."""
+    from safetensors import safe_open
+
+    path = Path(ckpt) / "phema.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{ckpt} holds no post-hoc EMA profiles (phema.safetensors): the run did not track "
+                                f"them at that step (ckpt.phema_every was 0)")
+    with safe_open(str(path), "pt", device="cpu") as f:
+        images = int(f.get_tensor("images"))
+    state = torch.load(Path(ckpt) / "state.pt", weights_only=True, map_location="cpu")
+    stds = list(state["config"]["ckpt"]["phema_stds"])
+    return path, images, stds, [gamma_of_std(s) for s in stds]
+
+
+def reconstruct(folder, std, max_images=None, checkpoint=None):
     """The weights of the power EMA of relative std `std` at the time of the last snapshot (or the last at
     or before max_images), as {parameter name: fp32 tensor}, and a description: sum_ij x_ij theta_hat_ij over
-    every profile j of every snapshot i up to then, accumulated in fp32 one snapshot at a time."""
+    every profile j of every snapshot i up to then, accumulated in fp32 one snapshot at a time. With `checkpoint`
+    (a training checkpoint folder): at that checkpoint's time, from the snapshots before it and the checkpoint's
+    own fp32 profiles, which end exactly there (eval_fid.py / sample.py --checkpoint X --phema_std s)."""
     from safetensors.torch import load_file
 
     if not 0 < std <= MAX_STD:
         raise ValueError(f"--phema_std must be in (0, {MAX_STD}], got {std}")
     snaps = [s for s in list_snapshots(folder) if max_images is None or s[1] <= max_images]
+    if checkpoint is not None:
+        own = checkpoint_profiles(checkpoint)
+        snaps = [s for s in snaps if s[1] < own[1]] + [own]
     if not snaps:
         raise FileNotFoundError(f"no post-hoc EMA snapshots in {folder}: train with ckpt.phema_every > 0")
     terms = [(path, t, s, g) for path, t, stds, gammas in snaps for s, g in zip(stds, gammas)]
@@ -209,13 +231,13 @@ def reconstruct(folder, std, max_images=None):
             k += 1
     return weights, {"phema_std": std, "gamma": gamma_of_std(std), "images": t_target,
                      "snapshots": len(snaps), "profiles": len(terms), "profile_fit_error": fit_error,
-                     "folder": str(folder)}
+                     "folder": str(folder), **({"checkpoint": str(checkpoint)} if checkpoint is not None else {})}
 
 
-def apply_reconstruction(model, run, std):
-    """Replace `model`'s parameters by the reconstructed EMA of std `std` from run's snapshots (buffers are
-    constants and stay); returns the description."""
-    weights, info = reconstruct(snapshot_folder(run), std)
+def apply_reconstruction(model, run, std, checkpoint=None):
+    """Replace `model`'s parameters by the reconstructed EMA of std `std` from run's snapshots (at `checkpoint`'s
+    time when given; buffers are constants and stay); returns the description."""
+    weights, info = reconstruct(snapshot_folder(run), std, checkpoint=checkpoint)
     params = dict(model.named_parameters())
     if set(weights) != set(params):
         raise ValueError(f"the snapshots in {snapshot_folder(run)} do not match this model's parameters "
