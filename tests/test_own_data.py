@@ -86,8 +86,13 @@ def test_bad_labels_of_an_imagefolder_name_their_files(tmp_path):
     for row in rows:
         Image.fromarray(np.full((12, 12, 3), 90, np.uint8)).save(folder / row["file_name"])
     (folder / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    with pytest.raises(ValueError, match=r"1 of the 4 rows .* rows 3 \(label 5, img_3.png\)"):
+    with pytest.raises(ValueError, match=r"1 of the 4 rows .* rows 3 \(label 5, train/img_3.png\)"):
         open_splits(data_cfg(f"--data.source={tmp_path / 'meta'}", "--data.num_classes=3"), print)
+    for c in range(4):  # class folders, each with its 000.png: the row names its folder
+        (tmp_path / "classes" / f"c{c}").mkdir(parents=True)
+        Image.fromarray(np.full((12, 12, 3), 90, np.uint8)).save(tmp_path / "classes" / f"c{c}" / "000.png")
+    with pytest.raises(ValueError, match=r"rows 3 \(label 3, c3/000.png\)"):
+        open_splits(data_cfg(f"--data.source={tmp_path / 'classes'}", "--data.num_classes=3", "--data.val_holdout=1"), print)
 
 
 LAYOUTS = {  # folder -> files: class folders, a split folder of class folders, metadata.jsonl, split folders named val
