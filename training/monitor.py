@@ -312,12 +312,12 @@ def interactive():
 
 def eta_of(step, total, per_step, pauses, every):
     """Time left at `step` of `total`, in words: the training steps left at `per_step` seconds (training only),
-    plus each periodic pause still to come (every[kind] steps, and at the last step, as common.due) at its
-    mean measured duration (pauses[kind] = [seconds, count]); one not yet timed is named, not guessed:
-    "0:00:11 + 1 validation not yet timed"."""
-    seconds, untimed = per_step * (total - step), []
+    plus each periodic pause still to come (every[kind] steps, and at the last step, as common.due; those of
+    `step` itself too, which follow its log line) at its mean measured duration (pauses[kind] = [seconds,
+    count]); one not yet timed is named, not guessed: "0:00:11 + 1 validation not yet timed"."""
+    seconds, untimed, done = per_step * (total - step), [], max(step, 1) - 1
     for kind, k in every.items():
-        to_come = (total // k - step // k + (total % k != 0)) if k and step < total else 0
+        to_come = (total // k - done // k + (total % k != 0)) if k and step <= total else 0
         spent, count = pauses.get(kind, [0.0, 0])
         if to_come and count:
             seconds += to_come * spent / count
