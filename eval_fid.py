@@ -39,8 +39,8 @@ import common
 from training import config
 from training.data import decode, encode_text, load_encoders, preprocess
 from training.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores, dinov2_features,
-                              feature_tag, size_tag)
-from training.reference import heldout, inception_features, reference_for, to_uint8
+                              feature_tag, fid_size_warning, size_tag)
+from training.reference import heldout, inception_features, reference_for, reference_size, to_uint8
 from training.model import build_denoiser, load_exported
 from training.monitor import progress
 from training.phema import apply_reconstruction
@@ -50,6 +50,10 @@ from training.phema import apply_reconstruction
 
 
 def parse_args(argv=None):
+    return parser().parse_args(argv)
+
+
+def parser():
     a = (p := argparse.ArgumentParser(description=__doc__.split("\n")[0])).add_argument
     a("--run", required=True, help="run folder (uses run/export) or an export folder")
     a("--checkpoint", default=None, help="score a checkpoint folder (or 'latest') instead of the export")
@@ -86,7 +90,7 @@ def parse_args(argv=None):
     a("--adm_npz", default=None, help="also write the samples as uint8 NHWC 'arr_0' for ADM's evaluator")
     a("--generate_only", action="store_true", help="write the PNGs and stop (score later, anywhere)")
     a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
-    return p.parse_args(argv)
+    return p
 
 
 def interval_arg(text):
@@ -323,7 +327,6 @@ def main(argv=None, feature_fn=None):
     tag = f"{weights}-{sampler}{steps}-g{guidance:g}{cg}{gi}-seed{args.seed}"
     out_dir = Path(args.out_dir or Path(args.run) / "eval" / tag)
     samples_dir = out_dir / "samples"
-    samples_dir.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(args.prompts, cfg) if is_text else None
     settings = {  # everything that decides the images; recorded with them and in the report
         "model": {"run": str(args.run), **model_desc, "method": method_of(cfg).__name__},
@@ -345,6 +348,14 @@ def main(argv=None, feature_fn=None):
     if args.dino and not args.generate_only:  # as early: a missing DINOv2 or a reference it cannot use
         check_dino_reference(args.reference or "")
         dino_fn = dinov2_features(args.dino, device, accelerator)
+    warnings = []  # FID's covariances against the feature dimension, before any sampling
+    if feature_fn is not None:
+        dim = feature_fn([np.zeros((cfg["data"]["resolution"],) * 2 + (3,), np.uint8)]).shape[1]
+        n_ref = reference_size(args, cfg, getattr(feature_fn, "name", "custom"))
+        warnings += [w for w in [fid_size_warning(n_ref, args.num_samples, dim)] if w]
+        for w in warnings:
+            accelerator.print(f"warning: {w}")
+    samples_dir.mkdir(parents=True, exist_ok=True)  # only now: a run stopped above leaves no empty folder
     record = out_dir / "generation.json"  # PNGs made with other settings are never silently reused
     if record.exists() and json.loads(record.read_text()) != json.loads(json.dumps(settings)):
         raise ValueError(f"{out_dir} holds samples made with other settings ({record}); use another --out_dir")
@@ -412,7 +423,7 @@ def main(argv=None, feature_fn=None):
         "feature_weights_sha256": getattr(feature_fn, "sha256", None), "samples_dir": str(samples_dir),
         "dino": None if dino_ref is None else {"model": args.dino, "stats": dino_ref["path"],
                                                "key_sha256": dino_ref["key_sha256"], "stats_sha256": dino_ref["sha256"]},
-        "adm_npz": args.adm_npz, "num_processes": world, "seconds": round(time.time() - t_start, 1),
+        "adm_npz": args.adm_npz, "warnings": warnings, "num_processes": world, "seconds": round(time.time() - t_start, 1),
         "versions": {"python": platform.python_version(), **{p: md.version(p) for p in (
             "torch", "diffusers", "transformers", "accelerate", "clean-fid", "numpy", "scipy", "pillow")}},
         "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
@@ -427,4 +438,7 @@ def main(argv=None, feature_fn=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, config.ConfigError) as e:  # a missing file or source: its one line, no traceback
+        sys.exit(f"eval_fid.py: {e}")

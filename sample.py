@@ -9,11 +9,12 @@ them) -> conditions (class ids or names, or a text file of prompts encoded by th
 samples (the run's own sampler, `generate` of its trainer, through eval_fid.sample_batch: image i has the
 noise seed_for(seed, 0, i), so the same command gives the same images, and image i is eval_fid.py's sample i
 when its condition is the same) -> out/grid.png (one row per class or prompt, labelled), out/grid.txt,
-out/NNNN_<label>.png and out/sample.json (the settings).
+out/NNNN_<label>.png and out/sample.json (the settings); a second call to the same out replaces it whole.
 """
 import argparse
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +52,24 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0)
     a("--batch_size", type=int, default=16)
     a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
-    a("--out", default=None, help="default: <run>/sampled/<sampler><steps>-g<guidance>-seed<seed>")
+    a("--out", default=None, help="default: <run>/sampled/<sampler><steps>-g<guidance>-seed<seed>; an earlier "
+      "call's folder there is replaced whole")
     return p.parse_args(argv)
+
+
+def check_out(out):
+    """--out must be new, empty or an earlier call's (its sample.json): that one is replaced whole at the end,
+    so two calls' images never mix; a folder of other files is refused before any work."""
+    if out.is_dir() and any(out.iterdir()) and not (out / "sample.json").is_file():
+        raise ValueError(f"--out {out} holds files that sample.py did not write (no sample.json): choose a new folder")
+
+
+def publish(part, out):
+    """Move the finished folder `part` to `out`, replacing an earlier call's folder whole."""
+    if out.exists():
+        check_out(out)
+        shutil.rmtree(out)
+    part.rename(out)
 
 # ----------------------------------------------------------------------------------------------------------
 # Conditions: which classes or prompts, and their labels.
@@ -106,6 +123,8 @@ def read_prompts(path):
 @torch.no_grad()
 def main(argv=None):
     args = parse_args(argv)
+    if args.out:
+        check_out(Path(args.out))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, cfg, model_desc = eval_fid.load_model(args.run, args.checkpoint, args.weights, args.phema_std)
     model.to(device)
@@ -146,7 +165,7 @@ def main(argv=None):
     tag = (f"{sampler}{steps}-g{guidance:g}" + (f"-gi{interval[0]:g}-{interval[1]:g}" if list(interval) != [0, 1] else "")
            + (f"-phema{args.phema_std:g}" if args.phema_std is not None else "") + f"-seed{args.seed}")
     out = Path(args.out or Path(args.run) / "sampled" / tag)
-    out.mkdir(parents=True, exist_ok=True)
+    check_out(out)
     vae = load_encoders(config.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
     precision = args.mixed_precision or cfg["train"]["mixed_precision"]  # the run's, as its validation sampled
     autocast = torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16,
@@ -159,18 +178,23 @@ def main(argv=None):
                                                  control_guidance, interval))
         print(f"sampled {idx[-1] + 1}/{len(items)}", flush=True)
 
-    # ---- Out: single PNGs, the labelled grid, the settings --------------------------------------------------
+    # ---- Out: single PNGs, the labelled grid, the settings, written beside out and then moved there whole ---
+    part = out.with_name(out.name + ".partial")
+    shutil.rmtree(part, ignore_errors=True)  # left by a call that died writing
+    part.mkdir(parents=True)
     for i, (img, (_, label)) in enumerate(zip(images, items)):
-        Image.fromarray(img).save(out / f"{i:04d}_{re.sub(r'[^A-Za-z0-9]+', '-', label).strip('-')[:60]}.png")
+        Image.fromarray(img).save(part / f"{i:04d}_{re.sub(r'[^A-Za-z0-9]+', '-', label).strip('-')[:60]}.png")
     pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
-    runlog.save_image_grid(pixels, out / "grid.png", nrow=args.per_class, labels=[label for _, label in items])
+    runlog.save_image_grid(pixels, part / "grid.png", nrow=args.per_class, labels=[label for _, label in items])
     settings = {"model": {"run": str(args.run), **model_desc}, "sampler": sampler, "steps": steps,
                 "mixed_precision": precision, "guidance_scale": guidance, "control_guidance_scale": control_guidance,
                 "guidance_interval": list(interval), "seed": args.seed,
                 "noise": "image i: eval_fid.seed_for(seed, 0, i)", "batch_size": args.batch_size,
                 "conditions": [label for _, label in items]}
-    (out / "sample.json").write_text(json.dumps(settings, indent=1))
-    print(f"{len(items)} images in {out}; grid: {out / 'grid.png'} (labels: {out / 'grid.txt'})")
+    (part / "sample.json").write_text(json.dumps(settings, indent=1))
+    replaced = out.exists()
+    publish(part, out)
+    print(("replaced the earlier samples: " if replaced else "") + f"{len(items)} images in {out}; grid: {out / 'grid.png'} (labels: {out / 'grid.txt'})")
     return out
 
 

@@ -21,37 +21,47 @@ def test_t_interval_is_scipys():
     assert math.isnan(compare.t_interval([1.0])[1])  # one value: no interval
 
 
-def test_exact_bootstrap_has_the_closed_form_moments():
-    # All n^n resamples, equally likely: E*[mean] = mean(d), Var*[mean] = (1/n) * (1/n) sum (d - mean)^2.
-    for d in ([0.3, -0.1, 0.7], [1.0, 2.0, 4.0, 8.0, -3.0]):
-        means = compare.bootstrap_means(d)
-        assert len(means) == len(d) ** len(d)
-        assert means.mean() == pytest.approx(np.mean(d))
-        assert means.var() == pytest.approx(np.var(d) / len(d))
-    means = compare.bootstrap_means(np.arange(10.0), reps=40000)  # n > 6: random resamples
-    assert len(means) == 40000 and means.mean() == pytest.approx(4.5, abs=0.05)
-    assert means.var() == pytest.approx(np.var(np.arange(10.0)) / 10, rel=0.05)
+def test_paired_interval_and_p_better_are_scipys_t():
+    a, b = np.array([0.52, 0.61, 0.58, 0.49]), np.array([0.50, 0.49, 0.57, 0.51])
+    for higher in (True, False):
+        cmp = compare.paired_comparison(a, b, higher_is_better=higher)
+        ref = scipy.stats.ttest_rel(a, b)
+        assert (cmp["low"], cmp["high"]) == pytest.approx(tuple(ref.confidence_interval(0.95)))
+        # P(true mean difference > 0) under the t distribution of the mean: t.cdf of the t statistic
+        want = scipy.stats.t.cdf(ref.statistic, len(a) - 1)
+        assert cmp["p_better"] == pytest.approx(want if higher else 1 - want)
+    # The issue's two seeds (d = 0.073, 0.087): a bootstrap said [0.073, 0.087]; the t-interval is ten times wider.
+    two = compare.paired_comparison([0.173, 0.187], [0.1, 0.1], higher_is_better=True)
+    half = scipy.stats.t.ppf(0.975, 1) * np.std([0.073, 0.087], ddof=1) / np.sqrt(2)
+    assert (two["low"], two["high"]) == pytest.approx((0.08 - half, 0.08 + half)) and two["low"] < 0 < two["high"]
+    same = compare.paired_comparison([0.5, 0.75, 1.0], [0.25, 0.5, 0.75], higher_is_better=False)  # no spread
+    assert same["p_better"] == 0.0 and same["low"] == same["high"] == 0.25
 
 
-def test_p_better_and_interval_on_known_data():
-    # d = a - b = (-1, 2): resampled means -1 (1/4), 0.5 (1/2), 2 (1/4).
-    lower = compare.paired_comparison([0.0, 3.0], [1.0, 1.0], higher_is_better=False)
-    assert lower["diff"] == [-1.0, 2.0] and lower["mean"] == 0.5 and lower["p_better"] == 0.25
-    assert compare.paired_comparison([0.0, 3.0], [1.0, 1.0], higher_is_better=True)["p_better"] == 0.75
-    # d = (-1, 1): the mean 0 (probability 1/2) counts half for each side.
-    assert compare.paired_comparison([0.0, 2.0], [1.0, 1.0], higher_is_better=False)["p_better"] == 0.5
-    # The percentile interval against scipy's bootstrap (random resamples, many of them).
-    a, b = np.array([0.52, 0.61, 0.58]), np.array([0.50, 0.49, 0.57])
-    cmp = compare.paired_comparison(a, b, higher_is_better=True)
-    ref = scipy.stats.bootstrap((a, b), lambda x, y: np.mean(x - y), paired=True, vectorized=False,
-                                method="percentile", n_resamples=20000, random_state=0).confidence_interval
-    assert (cmp["low"], cmp["high"]) == pytest.approx((ref.low, ref.high), abs=0.005)
-    assert cmp["low"] >= min(a - b) and cmp["high"] <= max(a - b)
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_the_paired_interval_covers_95_percent_at_small_n(n):
+    """Normal differences, 2000 draws: the t-interval covers the true mean 95% of the time (a percentile
+    bootstrap covers 50% at n = 2, about 75% at n = 3)."""
+    rng = np.random.default_rng(n)
+    hits = 0
+    for _ in range(2000):
+        cmp = compare.paired_comparison(rng.normal(0.3, 1.0, n), np.zeros(n), higher_is_better=True)
+        hits += cmp["low"] <= 0.3 <= cmp["high"]
+    assert abs(hits / 2000 - 0.95) < 0.02  # 4 standard errors
 
 
 @pytest.mark.parametrize("n", range(3, 9))
 def test_smallest_wilcoxon_p_is_scipys_for_all_differences_on_one_side(n):
     assert compare.min_wilcoxon_p(n) == pytest.approx(scipy.stats.wilcoxon(np.arange(1.0, n + 1), method="exact").pvalue)
+
+
+def test_two_seeds_say_first_that_they_are_too_few_and_give_no_verdict():
+    two = compare.paired_comparison([0.173, 0.187], [0.1, 0.1], higher_is_better=False)
+    text = compare.verdict(two, "A", "B", "fid", higher_is_better=False)
+    assert text.startswith("Too few seeds for a verdict: 2 paired seeds cannot say whether A is better than B on fid.")
+    assert "support" not in text and "contradict" not in text and "Run at least 3 seeds" in text
+    one = compare.verdict(compare.paired_comparison([0.2], [0.1], False), "A", "B", "fid", False)
+    assert one.startswith("Too few seeds") and "No interval can be computed" in one
 
 
 def test_verdict_says_no_rank_test_with_three_seeds_and_reports_one_with_six():
@@ -129,10 +139,12 @@ def test_compare_writes_every_section_and_plot_with_the_right_numbers(tmp_path):
     a = [FINAL_ACC[("disentangled", s)] for s in range(3)]
     b = [FINAL_ACC[("adanorm", s)] for s in range(3)]
     want = compare.paired_comparison(a, b, higher_is_better=True)
-    assert want["p_better"] == 1.0 and want["mean"] == pytest.approx(0.08)
+    assert want["p_better"] == pytest.approx(scipy.stats.t.cdf(0.08 / (np.std([0.1, 0.04, 0.1], ddof=1) / 3**0.5), 2))
+    assert want["mean"] == pytest.approx(0.08)
     assert "**A = conditioning.mode=disentangled, B = conditioning.mode=adanorm**" in md
-    assert (f"Mean difference {compare.fmt(want['mean'])}, 95% bootstrap interval [{compare.fmt(want['low'])}, "
-            f"{compare.fmt(want['high'])}], P(A better) = 1.00.") in md
+    assert (f"Mean difference {compare.fmt(want['mean'])}, 95% paired t-interval [{compare.fmt(want['low'])}, "
+            f"{compare.fmt(want['high'])}], P(A better) = 0.97.") in md
+    assert "The data do not settle whether conditioning.mode=disentangled is better" in md  # [-0.006, 0.166]
     assert "No rank test can reach p < 0.05 with 3 paired seeds" in md
     # Sensitivity: each arm's mean and t-interval over its seeds.
     mean, low, high = compare.t_interval(a)
@@ -143,6 +155,16 @@ def test_compare_writes_every_section_and_plot_with_the_right_numbers(tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| conditioning.mode=adanorm | 111 |"))
     assert row.split(" | ")[3] == "1"  # loss spikes (the trainer's cumulative count)
     assert "| conditioning.mode=disentangled | 101 |" in md
+
+
+def test_compare_md_with_two_seeds_says_so_before_the_numbers_and_gives_no_verdict(tmp_path):
+    for mode in ("disentangled", "adanorm"):
+        for seed in range(2):
+            write_run(tmp_path / f"{mode}{seed}", mode, seed)
+    md = compare.main([str(p) for p in sorted(tmp_path.iterdir())] + ["--out", str(tmp_path / "out")]).read_text()
+    section = md[md.index("## Hypothesis validation"):md.index("## Performance correlation")]
+    assert section.index("Too few seeds for a verdict: 2 paired seeds") < section.index("| seed | A | B | A - B |")
+    assert "The data" not in section and "95% paired t-interval [" in section
 
 
 def test_compare_refuses_a_folder_that_is_not_a_run_and_a_metric_not_logged(tmp_path):

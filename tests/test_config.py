@@ -150,6 +150,14 @@ def test_all_problems_are_reported_at_once(no_work, tmp_path):
         assert f"\n  {key}=" in message
 
 
+def test_an_unknown_key_and_a_bad_value_are_reported_together(no_work, tmp_path):
+    with pytest.raises(config.ConfigError) as err:
+        fm.main(tiny_run_args(tmp_path) + ["--train.lrr=1", "--data.crop=middle"])
+    message = str(err.value)
+    assert message.startswith("invalid config (2 problems):")
+    assert "unknown config key 'train.lrr'" in message and "\n  data.crop='middle' must be" in message
+
+
 def test_every_key_has_a_type_and_a_description():
     for trainer in (fm, ddpm):
         specs = dict(config.fields(trainer.CONFIG))

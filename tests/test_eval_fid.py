@@ -275,20 +275,71 @@ def test_rate_generates_the_same_seeds_and_conditions_for_each_side(run, tmp_pat
 # ---- Offline Inception ---------------------------------------------------------------------------------------
 
 
+def no_offline_variables(monkeypatch):
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_missing_inception_file_gives_clear_error(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="inception-2015-12-05.pt") as err:
         reference.inception_features(weights=str(tmp_path / "nope.pt"))
-    assert reference.INCEPTION_URL in str(err.value)
+    assert reference.INCEPTION_URL in str(err.value) and "tools/prefetch.py" in str(err.value)
 
-    def offline(*a, **k):
+    def unreachable(*a, **k):
         raise OSError("network is unreachable")
 
+    no_offline_variables(monkeypatch)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(reference.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(reference.urllib.request, "urlopen", unreachable)
     with pytest.raises(FileNotFoundError, match="--inception_weights") as err:
         reference.inception_features()
     assert reference.INCEPTION_URL in str(err.value) and "unreachable" in str(err.value)
     assert not list((tmp_path / "minimal-diffusion").iterdir())  # no half-written file left behind
+
+
+def test_offline_a_missing_inception_file_is_one_line_and_no_download_is_tried(tmp_path, monkeypatch):
+    """With the offline variables set, nothing is downloaded: one line naming where it looked, --inception_weights
+    and tools/prefetch.py. The file prefetch.py writes ($HF_HOME/inception-2015-12-05.pt) is found there."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(reference.urllib.request, "urlopen", lambda *a, **k: pytest.fail("a download was tried"))
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        no_offline_variables(monkeypatch)
+        monkeypatch.setenv(name, "1")
+        with pytest.raises(FileNotFoundError) as err:
+            reference.inception_path()
+        message = str(err.value)
+        assert "\n" not in message and "no download tried" in message
+        assert str(tmp_path / "xdg" / "minimal-diffusion" / "inception-2015-12-05.pt") in message
+        assert str(tmp_path / "hf" / "inception-2015-12-05.pt") in message
+        assert "--inception_weights" in message and "python tools/prefetch.py" in message
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "inception-2015-12-05.pt").write_bytes(b"as prefetch.py wrote it")
+    monkeypatch.setattr(reference, "INCEPTION_SHA256", reference.sha256_of(tmp_path / "hf" / "inception-2015-12-05.pt"))
+    assert reference.inception_path() == tmp_path / "hf" / "inception-2015-12-05.pt"
+
+
+def test_what_a_fid_on_few_images_can_mean_is_said_and_a_failed_sqrtm_loses_nothing(monkeypatch):
+    assert metrics.fid_size_warning(5000, 10000, 2048) is None and metrics.fid_size_warning(None, 10000, 2048) is None
+    text = metrics.fid_size_warning(18, 1000, 2048)
+    assert "more dimensions (2048) than images (the reference has 18 and the samples 1000)" in text
+    assert "KID" in text and "--reference FOLDER" in text and "cannot be compared with other FIDs" in text
+    assert "(the samples 16)" in metrics.fid_size_warning(None, 16, 16)
+    with pytest.raises(ValueError, match="the FID reference has 1 image"):
+        metrics.fid_size_warning(1, 1000, 2048)
+    # clean-fid's sqrtm failing ('Imaginary component') on singular covariances: the eigenvalue trace instead,
+    # equal to clean-fid's where clean-fid works.
+    import cleanfid.fid
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((12, 8)) @ rng.standard_normal((8, 8)), rng.standard_normal((40, 8)) + 0.3
+    ref = {"mu": a.mean(0), "sigma": np.cov(a, rowvar=False), "feats": a}
+    want = metrics.fid_kid(b, ref, "clean", 40)
+    monkeypatch.setattr(cleanfid.fid, "frechet_distance", lambda *x: (_ for _ in ()).throw(ValueError("Imaginary component 0.2")))
+    got = metrics.fid_kid(b, ref, "clean", 40)
+    assert got["fid_clean_40"] == pytest.approx(want["fid_clean_40"], rel=1e-8) and got["kid_clean_40"] == want["kid_clean_40"]
 
 
 def test_inception_file_is_verified_and_downloaded_into_a_per_user_cache(tmp_path, monkeypatch):
@@ -298,6 +349,7 @@ def test_inception_file_is_verified_and_downloaded_into_a_per_user_cache(tmp_pat
     import io
 
     served = [b"not the inception network"]
+    no_offline_variables(monkeypatch)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(reference.urllib.request, "urlopen", lambda *a, **k: io.BytesIO(served[0]))
     with pytest.raises(ValueError, match="wrong sha256"):  # a corrupted or substituted download
@@ -349,6 +401,23 @@ class FakeInceptionLayers(torch.nn.Module):
 
     def forward(self, x, return_features: bool = False):
         return self.layers(x / 255)
+
+
+@pytest.mark.slow
+def test_few_reference_images_are_flagged_before_sampling_and_a_missing_network_leaves_no_folder(run, tmp_path,
+                                                                                                 monkeypatch, capsys):
+    with pytest.raises(FileNotFoundError, match="--inception_weights"):
+        eval_fid.main(["--run", str(run), "--num_samples", "8", *GEN, "--out_dir", str(tmp_path / "none"),
+                       "--inception_weights", str(tmp_path / "nope.pt")])
+    assert not (tmp_path / "none").exists()  # stopped before any folder was made
+    monkeypatch.setattr(eval_fid, "sample_batch", lambda *a, **k: pytest.fail("sampled before the reference check"))
+    with pytest.raises(pytest.fail.Exception, match="sampled before"):
+        eval_fid.main(["--run", str(run), "--num_samples", "8", *GEN, "--out_dir", str(tmp_path / "e"),
+                       "--stats_cache", str(tmp_path / "stats")], feature_fn=TinyFeatures(dim=64))
+    out = capsys.readouterr().out
+    heldout = len(eval_fid.heldout(config.Config(json.loads((run / "config.json").read_text())["data"])))
+    assert f"warning: FID's covariances have more dimensions (64) than images (the reference has {heldout} and " \
+           f"the samples 8)" in out
 
 
 @pytest.mark.slow

@@ -86,8 +86,13 @@ def test_bad_labels_of_an_imagefolder_name_their_files(tmp_path):
     for row in rows:
         Image.fromarray(np.full((12, 12, 3), 90, np.uint8)).save(folder / row["file_name"])
     (folder / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    with pytest.raises(ValueError, match=r"1 of the 4 rows .* rows 3 \(label 5, img_3.png\)"):
+    with pytest.raises(ValueError, match=r"1 of the 4 rows .* rows 3 \(label 5, train/img_3.png\)"):
         open_splits(data_cfg(f"--data.source={tmp_path / 'meta'}", "--data.num_classes=3"), print)
+    for c in range(4):  # class folders, each with its 000.png: the row names its folder
+        (tmp_path / "classes" / f"c{c}").mkdir(parents=True)
+        Image.fromarray(np.full((12, 12, 3), 90, np.uint8)).save(tmp_path / "classes" / f"c{c}" / "000.png")
+    with pytest.raises(ValueError, match=r"rows 3 \(label 3, c3/000.png\)"):
+        open_splits(data_cfg(f"--data.source={tmp_path / 'classes'}", "--data.num_classes=3", "--data.val_holdout=1"), print)
 
 
 LAYOUTS = {  # folder -> files: class folders, a split folder of class folders, metadata.jsonl, split folders named val
@@ -126,6 +131,48 @@ def test_an_imagefolder_opens_as_datasets_infers_it_without_its_split_search(tmp
         assert pixels == sorted(np.asarray(r["image"])[0, 0, 0] for r in expected), (layout, split)
         if "label" in expected.column_names:
             assert sorted(got["label"]) == sorted(expected["label"]), (layout, split)
+
+
+def test_a_wrong_data_source_names_the_key_what_was_tried_and_why(tmp_path, monkeypatch):
+    """One message naming data.source: the local folder (a near name in its folder), then the hub id and why
+    it failed; a path (./, absolute) never reaches the hub; no datasets traceback."""
+    import datasets
+
+    from training.data import open_dataset
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mydata").mkdir()
+    hub_calls = []
+    load = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: hub_calls.append(a[0]) or load(*a, **k))
+    with pytest.raises(config.ConfigError) as err:
+        open_dataset(data_cfg("--data.source=mydat"), "train")
+    message = str(err.value)
+    assert message.startswith("data.source='mydat' cannot be opened. Tried as a local folder: ")
+    assert f"{tmp_path / 'mydat'} does not exist (in its folder: ['mydata'])" in message
+    assert "tried as a hub id: ConnectionError: Couldn't reach 'mydat' on the Hub" in message
+    assert "\n" not in message  # a ConfigError: the trainers print it alone, without a traceback
+    assert hub_calls == ["mydat"]
+    for path in ("./mydat", str(tmp_path / "mydat")):
+        with pytest.raises(config.ConfigError, match=r"does not exist .*; not tried as a hub id \(it is a path\)"):
+            open_dataset(data_cfg(f"--data.source={path}"), "train")
+    assert hub_calls == ["mydat"]
+    with pytest.raises(config.ConfigError, match=r"data.source='mydata': .*mydata could not be read as an image folder"):
+        open_dataset(data_cfg("--data.source=mydata"), "train")  # an empty folder
+
+
+def test_a_local_folder_opens_without_datasets_download_bars(tmp_path, capfd):
+    from datasets.utils.tqdm import are_progress_bars_disabled
+
+    from training.data import open_dataset
+
+    for i in range(20):
+        (tmp_path / "pets" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(tmp_path / "pets" / f"c{i % 2}" / f"{i}.png")
+    was = are_progress_bars_disabled()
+    assert len(open_dataset(data_cfg(f"--data.source={tmp_path / 'pets'}"), "train")) == 20
+    assert "Downloading data" not in capfd.readouterr().err
+    assert are_progress_bars_disabled() == was  # the switch set back
 
 
 def test_unset_num_classes_is_read_from_class_names_never_the_demo_default(tmp_path):

@@ -288,3 +288,16 @@ def test_profiles_resume_bitwise_and_the_tool_exports_a_reconstruction(tmp_path)
                           "--per_class", "1", "--steps", "2", "--guidance_interval", "0.2,0.8"])
     settings = json.loads((folder / "sample.json").read_text())
     assert settings["model"]["weights"] == "post-hoc EMA, std 0.08" and settings["guidance_interval"] == [0.2, 0.8]
+
+
+def test_help_lists_what_a_sweep_passes_on_to_eval_fid(capsys):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import phema as tool
+
+    with pytest.raises(SystemExit):
+        tool.main(["--help"])
+    out = capsys.readouterr().out
+    listed = out[out.index("passed on to eval_fid.py"):]
+    for flag in ("--reference", "--steps", "--guidance_scale", "--features", "--inception_weights", "--batch_size"):
+        assert f"\n  {flag} " in listed, flag
+    assert "\n  --phema_std" not in listed and "\n  --num_samples" not in listed  # set by the sweep itself

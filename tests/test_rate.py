@@ -157,6 +157,29 @@ def test_a_restarted_study_skips_what_was_voted_and_sides_must_match(tmp_path, s
         rate.prepare([str(tmp_path / "nothing")], rate.parse_args(["-"]))
 
 
+def test_a_pair_shown_but_not_voted_comes_back_and_the_votes_reach_the_report(tmp_path, server_of):
+    red, blue = make_side(tmp_path, "red", n=3), make_side(tmp_path, "blue", n=3)
+    (tmp_path / "red" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")  # a training run
+    study, url = server_of([red, blue], num_samples=3)
+    left_behind = json.loads(get(url + "/next"))  # then the page is reloaded (or the tab closed)
+    left_colour = colour_of(get(f"{url}/image/{left_behind['token']}/left.png"))
+    for left in (2, 1):  # the pair left behind counts as still to do
+        shown = json.loads(get(url + "/next"))
+        assert shown["index"] != left_behind["index"] and shown["remaining"] == left
+        assert post(url, {"token": shown["token"], "choice": "tie"})[0] == 200
+    again = json.loads(get(url + "/next"))  # not "done": the pair left behind is shown again, as it was
+    assert not again["done"] and again["index"] == left_behind["index"] and again["remaining"] == 0
+    assert colour_of(get(f"{url}/image/{again['token']}/left.png")) == left_colour
+    assert not (tmp_path / "red" / "report.md").exists()
+    assert post(url, {"token": again["token"], "choice": "left"})[0] == 200
+    assert post(url, {"token": left_behind["token"], "choice": "left"})[0] == 400  # one vote per pair
+    assert json.loads(get(url + "/next"))["done"]
+    assert len(lines(tmp_path / "red" / "ratings.jsonl")) == 3
+    report = (tmp_path / "red" / "report.md").read_text()  # written when the study was done, no command by hand
+    assert "## Human ratings (tools/rate.py, 3 votes)" in report and "win rate" in report
+    assert not (tmp_path / "blue" / "report.md").exists()  # not a training run folder: no report
+
+
 def test_one_run_mode_rates_1_to_5_and_lists_the_worst_seeds(tmp_path, server_of, capsys):
     green = make_side(tmp_path, "green", n=5)
     study, url = server_of([green], num_samples=5)
@@ -237,14 +260,19 @@ def test_rating_in_a_headless_browser_by_clicks_and_keys_in_two_tabs(tmp_path, s
         other = loaded(other)
         driver.find_element(By.ID, "vote-tie").click()
         other = loaded(other)
-        # Back in tab 1, whose pair is still pending: blue by click; the queue is then empty there.
+        # Back in tab 1, whose pair is still pending: blue by click. The queue is then empty, but tab 2's pair has
+        # no vote: tab 1 is shown it too (not "done"), and skips it by key; now it is done.
         driver.switch_to.window(tabs[0])
         driver.find_element(By.ID, f"vote-{'right' if red_side() == 'left' else 'left'}").click()
+        token = loaded(token)
+        assert token != "done" and "Done" not in driver.find_element(By.ID, "condition").text
+        driver.find_element(By.TAG_NAME, "body").send_keys("s")
         assert loaded(token) == "done"
-        # Tab 2 holds the last pair: skip it by key; then it is done too, with the summary.
+        # Tab 2 still shows that pair: its vote is refused (the pair has one), and it is done too, with the summary.
         driver.switch_to.window(tabs[1])
         driver.find_element(By.TAG_NAME, "body").send_keys("s")
         assert loaded(other) == "done" and "Done" in driver.find_element(By.ID, "condition").text
+        assert "vote refused" in driver.find_element(By.ID, "error").text
         summary = driver.find_element(By.ID, "summary").text
         assert "red/export-ema-euler2-g3 vs blue/export-ema-euler2-g3: win rate 0.700" in summary  # (3 + 1/2) / 5
     finally:

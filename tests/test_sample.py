@@ -37,6 +37,12 @@ def test_classes_by_name_and_id_give_a_labelled_grid_and_eval_fids_images(run, t
     assert [line.split("\t")[2] for line in lines] == ["red circle"] * 2 + ["blue square"] * 2 + ["blue triangle"] * 2
     assert Image.open(out / "grid.png").height > Image.open(out / "grid.png").width * 3 // 2 - 10  # 3 rows of 2, labelled
     assert json.loads((out / "sample.json").read_text())["steps"] == 2
+    # A second call to the same folder replaces it whole: none of the first call's six images stays beside it.
+    again = sample.main(["--run", str(run), "--classes", "0", "--per_class", "1", "--steps", "2",
+                         "--out", str(tmp_path / "s")])
+    assert again == out and sorted(pngs(out)) == ["0000_red-circle.png"]
+    assert json.loads((out / "sample.json").read_text())["conditions"] == ["red circle"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]  # no .partial folder left
     # Every class once, in order: image i is class i with noise seed_for(seed, 0, i), as eval_fid.py's sample i.
     every = sample.main(["--run", str(run), "--per_class", "1", "--steps", "2", "--batch_size", "3",
                          "--out", str(tmp_path / "every")])
@@ -60,6 +66,21 @@ def test_unknown_class_and_wrong_kind_of_condition_are_refused(run, tmp_path):
         sample.main(["--run", str(run), "--classes", "9", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--prompts: this is a class-conditional run"):
         sample.main(["--run", str(run), "--prompts", "p.txt", "--out", str(tmp_path)])
+
+
+def test_a_folder_sample_py_did_not_write_is_refused_before_any_work(tmp_path, monkeypatch):
+    (tmp_path / "mine.txt").write_text("not samples")
+    monkeypatch.setattr(eval_fid, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(ValueError, match=r"--out .* holds files that sample.py did not write \(no sample.json\)"):
+        sample.main(["--run", str(tmp_path / "run"), "--out", str(tmp_path)])
+    assert (tmp_path / "mine.txt").exists()
+    (tmp_path / "old").mkdir()  # an earlier call's folder (its sample.json) is replaced whole by publish
+    for name in ("sample.json", "0000_a.png", "0001_a.png"):
+        (tmp_path / "old" / name).write_text("old")
+    (tmp_path / "old.partial").mkdir()
+    (tmp_path / "old.partial" / "0000_b.png").write_text("new")
+    sample.publish(tmp_path / "old.partial", tmp_path / "old")
+    assert [p.name for p in (tmp_path / "old").iterdir()] == ["0000_b.png"] and not (tmp_path / "old.partial").exists()
 
 
 def test_help_lists_the_options(capsys):

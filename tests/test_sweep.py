@@ -51,6 +51,21 @@ def test_grid_times_seeds_expands_into_named_trainer_runs(tmp_path):
                            "--run_dir", str(out / run["name"]), "--resume", "latest"]
 
 
+def test_a_dry_run_prints_pasteable_commands_and_ends_with_a_summary(tmp_path, capsys):
+    import shlex
+
+    path = write_sweep(tmp_path, grid={"method": ["flow_matching", "ddpm"]}, seeds=[0], overrides=TINY)
+    runs = sweep.main([str(path), "--dry_run"])
+    lines = capsys.readouterr().out.splitlines()
+    commands = [line.split(": ", 1)[1] for line in lines if line.startswith("new ")]
+    assert len(commands) == 2
+    for run, command in zip(runs, commands):
+        words = shlex.split(command)  # what a shell would run: python, the trainer, its arguments
+        assert words[:2] == ["python", str(ROOT / f"train_{run['method']}.py")] and words[2:] == run["argv"]
+    assert lines[-1] == "dry run: nothing was run; 2 of 2 runs would run (--local here, or on SLURM without it)"
+    assert not (tmp_path / "out").exists()
+
+
 def test_random_draws_are_reproducible_in_range_and_named_by_their_value(tmp_path):
     keys = {"train.lr": {"log_uniform": [1e-4, 1e-2]}, "objective.logit_std": {"uniform": [0.5, 1.5]},
             "model.num_layers": {"int_uniform": [1, 3]}, "val.sampler": {"choice": ["euler", "heun"]}}
@@ -240,6 +255,8 @@ def test_local_sweep_of_two_values_and_two_seeds_reruns_skip_and_resume_then_com
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the trainers inherit it: 2 busy cores, no thread thrashing
     path = write_sweep(tmp_path, grid={"method": ["flow_matching", "ddpm"]}, seeds=[0, 1], overrides=overrides)
     done = sweep.main([str(path), "--local"])
+    assert f"sweep: 4 run(s) done here, 0 finished before; compare them: python tools/compare.py {tmp_path / 'out'}" \
+        in capfd.readouterr().out
     assert [r["name"] for r in done] == ["method=flow_matching,seed=0", "method=flow_matching,seed=1",
                                          "method=ddpm,seed=0", "method=ddpm,seed=1"]
     for run in done:
@@ -267,7 +284,7 @@ def test_local_sweep_of_two_values_and_two_seeds_reruns_skip_and_resume_then_com
     assert [row["step"] for row in scored] == [2, 4] and all(0 <= row["class_accuracy"] <= 1 for row in scored)
     md = compare.main([str(tmp_path / "out")]).read_text()
     assert "Swept: method (method brings val.sampler along)." in md and "**A = method=flow_matching, B = method=ddpm**" in md
-    assert "No rank test can reach p < 0.05 with 2 paired seeds" in md and "| class_accuracy | 8 | 4 |" in md
+    assert "Too few seeds for a verdict: 2 paired seeds" in md and "| class_accuracy | 8 | 4 |" in md
     for plot in ("evolution_val_loss", "evolution_class_accuracy", "sensitivity", "hypothesis", "correlation", "methods"):
         assert (tmp_path / "out" / "compare" / f"{plot}.png").is_file(), plot
 

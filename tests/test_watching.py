@@ -1,5 +1,6 @@
 """Watching a run: plain log lines when stdout is a file (SLURM), the bar's loss labelled as smoothed,
 wandb online when logged in, and the wandb run id kept in the run folder so a resumed run continues it."""
+import datetime
 import re
 
 import numpy as np
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import common
 from training import config
 from training import monitor
 from training import runlog
@@ -14,7 +16,7 @@ import train_flow_matching as fm
 from training.model import build_denoiser
 
 LINE = re.compile(r"^step 2/4 \(50%\) \| loss (\d\.\d{4}) \| smoothed loss (\d\.\d{4}) \| lr 5\.00e-04 \| "
-                  r"(\d+\.\d) images/s \| ETA (\d+:\d\d:\d\d)$")
+                  r"(\d+\.\d) images/s \| ETA (\d+:\d\d:\d\d.*)$")
 
 
 def two_logged_steps(interactive, monkeypatch):
@@ -42,8 +44,25 @@ def test_log_file_gets_one_plain_line_per_interval(monkeypatch, capsys):
     loss, smoothed, _, eta = LINE.match(lines[0]).groups()
     assert float(loss) == pytest.approx(metrics["loss"], abs=1e-4) == 0.6
     assert float(smoothed) == pytest.approx(metrics["loss_smoothed"], abs=1e-4)
-    assert eta == "0:00:10"
+    assert eta == "0:00:10 + 1 validation not yet timed + 1 checkpoint not yet timed"  # both at step 4, the last
     mon.close()
+
+
+def test_the_eta_counts_the_validations_and_checkpoints_still_to_come(monkeypatch, capsys):
+    """A run at step 2 of 4 (5 s per step) whose one validation took 54 s: the validation of step 4 is in the ETA,
+    the checkpoint not yet timed is named; training time per step leaves the validation out."""
+    mon, _ = two_logged_steps(False, monkeypatch)
+    mon.pauses = {"validation": [54.0, 1], "snapshot": [1.0, 1]}  # snapshots: not scheduled, stay in the rate
+    mon.t_start -= 54.0
+    assert mon.eta(2) == "0:01:04 + 1 checkpoint not yet timed"
+    mon.pauses["checkpoint"], mon.t_start = [4.0, 2], mon.t_start - 4.0  # 2 s each
+    assert mon.eta(2) == "0:01:06"
+    mon.close()
+    for total, every in ((1000, 300), (1000, 500), (7, 2), (10, 1), (5, 0), (5, 9)):  # the pauses common.due gives
+        for step in range(total + 1):
+            due = sum(common.due(s, every, total) for s in range(max(step, 1), total + 1))  # step's own too
+            text = monitor.eta_of(step, total, 0.0, {"validation": [2.0, 1]}, {"validation": every})
+            assert text == str(datetime.timedelta(seconds=2 * due)), (total, every, step)
 
 
 def test_terminal_gets_the_bar_with_its_loss_labelled_smoothed(monkeypatch, capsys):

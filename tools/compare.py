@@ -13,20 +13,22 @@ benchmarks/demo_quality.py --write). Written, in order:
                           mean over seeds), the seeds' range as a band (evolution_<metric>.png)
   parameter sensitivity   the final metric against each swept key: mean and 95% t-interval over the runs with
                           that value (sensitivity.png)
-  hypothesis validation   arm A against arm B: the paired difference per seed, its mean with a 95% bootstrap
-                          interval and P(A better) (the bootstrap's share of resampled means on A's side), and a
-                          sentence on whether the data support the claim (hypothesis.png)
+  hypothesis validation   arm A against arm B: the paired difference per seed, its mean with a 95% paired
+                          t-interval and P(A better), and a sentence on whether the data support the claim, or,
+                          below 3 seeds, first that they cannot (hypothesis.png)
   performance correlation Spearman correlation of val_loss with each quality metric over every run and
                           checkpoint step where both are logged: does the cheap number rank runs as the
                           expensive one does (correlation.png)
   methodology comparison  images/s, peak memory, final quality and stability (loss spikes, skipped steps, clip
                           share) per arm (methods.png)
 
-Statistics (the paired design: A and B share each seed's data order, noise and validation set). The bootstrap
-resamples the n paired differences with replacement; for n <= 6 it enumerates all n^n resamples (exact), above
-that it draws 20000. A percentile interval of n values cannot be wider than their range, so with 3 seeds it is
-optimistic; and an exact two-sided Wilcoxon signed-rank test cannot go below p = 2/2^n (0.25 with 3 seeds,
-0.0625 with 5): below 6 seeds no rank test can reach p < 0.05, and compare.md says so instead of printing one.
+Statistics (the paired design: A and B share each seed's data order, noise and validation set). The interval is
+Student's t on the n paired differences: exact coverage for normal differences at any n, where a percentile
+bootstrap of n values cannot be wider than their range (with 2 seeds it is that range, and covers about half
+the time). Below 3 seeds no verdict is given: the interval rests on one degree of freedom and on a normality two
+values cannot show. Without the normality, no 95% interval exists below 6 seeds, and an exact two-sided Wilcoxon
+signed-rank test cannot go below p = 2/2^n (0.25 with 3 seeds, 0.0625 with 5): compare.md says so instead of
+printing one.
 """
 import argparse
 import itertools
@@ -47,7 +49,7 @@ from training.report import fmt, last, load_metrics, style_axis, table, xy  # no
 NOT_ARMS = {"seed", "run_dir", "resume"}  # differ between runs of one arm, or say nothing about the method
 QUALITY = re.compile(r"^(fid|kid|fd|precision|recall|density|coverage|clip_score|class_accuracy|colour_accuracy|shape_accuracy)")
 HIGHER_IS_BETTER = re.compile(r"accuracy|precision|recall|density|coverage|clip_score")
-EXACT_BOOTSTRAP_MAX_N = 6  # 6^6 = 46656 resamples
+MIN_SEEDS = 3  # paired seeds below which compare.md gives no verdict (verdict)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -66,30 +68,25 @@ def t_interval(values, level=0.95):
     return mean, mean - half, mean + half
 
 
-def bootstrap_means(d, reps=20000, seed=0):
-    """The bootstrap distribution of the mean of `d`: all n^n resamples (equally likely) for n <= 6, else `reps`
-    random ones."""
-    d = np.asarray(d, dtype=float)
-    n = len(d)
-    if n <= EXACT_BOOTSTRAP_MAX_N:
-        idx = np.stack(np.meshgrid(*[np.arange(n)] * n, indexing="ij"), -1).reshape(-1, n)
-    else:
-        idx = np.random.default_rng(seed).integers(0, n, size=(reps, n))
-    return d[idx].mean(1)
-
-
 def paired_comparison(a, b, higher_is_better, level=0.95):
-    """A against B over paired seeds: d = a - b. Returns the mean difference, its percentile bootstrap interval
-    and P(A better): the share of bootstrap means on A's side of 0 (ties count half)."""
+    """A against B over paired seeds: d = a - b. The mean difference with its paired t-interval, and P(A better):
+    the probability that the true mean difference lies on A's side of 0 under the t distribution of the mean
+    (Student's, centred at the mean with scale s / sqrt(n): the posterior under a flat prior). For normal
+    differences the interval covers 95% at any n >= 2; a percentile bootstrap of n values cannot be wider than
+    their range, so at n = 2..5 it covers far less than it claims (tests/test_compare.py measures both)."""
+    from scipy.stats import t
+
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
-    means = bootstrap_means(d)
-    # inverted_cdf: quantiles of the resampling distribution itself (with 3 seeds each extreme resample has mass
-    # 1/27, more than 2.5%, so the interval reaches it; linear interpolation between sorted values would not)
-    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2], method="inverted_cdf")
-    better = means > 0 if higher_is_better else means < 0
-    p_better = float(better.mean() + 0.5 * (means == 0).mean())
-    return {"n": len(d), "diff": d.tolist(), "mean": float(d.mean()), "low": float(low), "high": float(high),
-            "p_better": p_better}
+    n = len(d)
+    mean, low, high = t_interval(d, level)
+    se = float(d.std(ddof=1) / math.sqrt(n)) if n >= 2 else math.nan
+    if n < 2:
+        p_better = math.nan
+    elif se == 0:  # every seed gave the same difference
+        p_better = 0.5 if mean == 0 else float((mean > 0) == higher_is_better)
+    else:
+        p_better = float(t.cdf(mean / se, n - 1) if higher_is_better else t.sf(mean / se, n - 1))
+    return {"n": n, "diff": d.tolist(), "mean": mean, "low": low, "high": high, "p_better": p_better}
 
 
 def min_wilcoxon_p(n):
@@ -99,27 +96,33 @@ def min_wilcoxon_p(n):
 
 
 def verdict(cmp, name_a, name_b, metric, higher_is_better):
-    """The sentence(s) on whether the data support 'A is better than B'."""
+    """The sentence(s) on whether the data support 'A is better than B'. Below MIN_SEEDS paired seeds it says
+    first that no interval can be trusted and gives no verdict."""
     n = cmp["n"]
-    if n < 2:
-        return f"Only {n} paired seed: no interval can be computed, so the data cannot support a claim either way."
     interval = f"[{fmt(cmp['low'])}, {fmt(cmp['high'])}]"
+    if n < MIN_SEEDS:
+        return (f"Too few seeds for a verdict: {n} paired seed{'s' * (n != 1)} cannot say whether {name_a} is better "
+                f"than {name_b} on {metric}. " + (
+                    f"The 95% t-interval of the paired difference, {interval}, rests on one degree of freedom (the "
+                    f"spread of two numbers) and covers 95% only if the differences are normal, which two values "
+                    f"cannot show. " if n == 2 else "No interval can be computed from one seed. ")
+                + f"Run at least {MIN_SEEDS} seeds per arm (6 for a test that assumes nothing about the differences).")
     a_side = (cmp["low"] > 0) if higher_is_better else (cmp["high"] < 0)
     b_side = (cmp["high"] < 0) if higher_is_better else (cmp["low"] > 0)
     better = "higher" if higher_is_better else "lower"
     if a_side:
         out = (f"The data support the claim that {name_a} is better than {name_b} on {metric} ({better} is better): "
-               f"the 95% bootstrap interval of the paired difference, {interval}, excludes 0")
+               f"the 95% t-interval of the paired difference, {interval}, excludes 0")
     elif b_side:
-        out = (f"The data contradict the claim that {name_a} is better than {name_b} on {metric}: the 95% bootstrap "
-               f"interval of the paired difference, {interval}, lies on {name_b}'s side of 0")
+        out = (f"The data contradict the claim that {name_a} is better than {name_b} on {metric}: the 95% t-interval "
+               f"of the paired difference, {interval}, lies on {name_b}'s side of 0")
     else:
-        out = (f"The data do not settle whether {name_a} is better than {name_b} on {metric}: the 95% bootstrap "
-               f"interval of the paired difference, {interval}, includes 0")
+        out = (f"The data do not settle whether {name_a} is better than {name_b} on {metric}: the 95% t-interval "
+               f"of the paired difference, {interval}, includes 0")
     out += f" (P({name_a} better) = {cmp['p_better']:.2f}, {n} paired seeds)."
     if n <= 5:
-        out += (f" With {n} seeds the percentile interval cannot be wider than the range of the {n} differences, "
-                f"so it is optimistic; more seeds would make it honest.")
+        out += (f" With {n} seeds the interval assumes roughly normal differences: no interval that assumes nothing "
+                f"reaches 95% below 6 seeds (a sign-test interval covers 1 - 2/2^{n} = {1 - 2 / 2**n:.3g}).")
     p_min = min_wilcoxon_p(n)
     if p_min >= 0.05:
         out += (f" No rank test can reach p < 0.05 with {n} paired seeds (an exact two-sided Wilcoxon signed-rank "
@@ -316,7 +319,8 @@ def plot_hypothesis(comparisons, metric, path):
     for ax, ((a, b), cmp, seeds) in zip(axes[:, 0], comparisons):
         ax.plot(seeds, cmp["diff"], "o", label="paired difference per seed")
         ax.axhline(cmp["mean"], color="black", label=f"mean {fmt(cmp['mean'])}")
-        ax.axhspan(cmp["low"], cmp["high"], color="tab:blue", alpha=0.2, label="95% bootstrap interval")
+        if math.isfinite(cmp["low"]):
+            ax.axhspan(cmp["low"], cmp["high"], color="tab:blue", alpha=0.2, label="95% t-interval")
         ax.axhline(0, color="red", ls=":", lw=1)
         ax.set_xticks(seeds)
         ax.set_xlabel("seed")
@@ -431,11 +435,13 @@ def compare(paths, out, metric=None, arm_a=None, arm_b=None):
             continue
         cmp = paired_comparison([by_seed_a[s] for s in seeds], [by_seed_b[s] for s in seeds], higher)
         comparisons.append(((a, b), cmp, seeds))
+        if cmp["n"] < MIN_SEEDS:  # said first, and no verdict after the numbers
+            md += [verdict(cmp, a, b, metric, higher), ""]
         md += table([(s, fmt(by_seed_a[s]), fmt(by_seed_b[s]), fmt(d)) for s, d in zip(seeds, cmp["diff"])],
                     ("seed", "A", "B", "A - B"))
-        md += ["", f"Mean difference {fmt(cmp['mean'])}, 95% bootstrap interval [{fmt(cmp['low'])}, "
-                   f"{fmt(cmp['high'])}], P(A better) = {cmp['p_better']:.2f}.", "",
-               verdict(cmp, a, b, metric, higher), ""]
+        md += ["", f"Mean difference {fmt(cmp['mean'])}" + (f", 95% paired t-interval [{fmt(cmp['low'])}, "
+                   f"{fmt(cmp['high'])}], P(A better) = {cmp['p_better']:.2f}." if cmp["n"] >= 2 else "."), ""]
+        md += [verdict(cmp, a, b, metric, higher), ""] if cmp["n"] >= MIN_SEEDS else []
     if comparisons:
         plot_hypothesis(comparisons, metric, plots_dir / "hypothesis.png")
         md += ["![hypothesis](compare/hypothesis.png)", ""]

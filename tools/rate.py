@@ -14,8 +14,10 @@ The page (Python's http.server, bound to 127.0.0.1 only; no external assets) sho
 two sides in random left/right order with the condition named, buttons and keys a / b / t / s (or the arrow
 keys and space); in one-run mode 1-5 and s. Every vote is appended (under a lock, one write per line) to
 ratings.jsonl in the run folder of each side it involves (format: training/ratings.py). A vote must name a
-token the server issued for a pair it showed, once; anything else is HTTP 400 and writes nothing. Restarting
-the same study skips what was already voted on. --summary prints the results; report.py shows them too.
+token the server issued for a pair it showed, once; anything else is HTTP 400 and writes nothing. A pair shown
+but not voted on (a reload, a closed tab) is shown again once the queue is empty; the page says done only when
+every pair has a vote. Restarting the same study skips what was already voted on. When the study is done, and
+when rate.py stops, each run's report.md is rewritten with the votes; --summary prints them.
 """
 import argparse
 import fcntl
@@ -161,10 +163,14 @@ class BadVote(ValueError):
 
 
 class Study:
-    """The queue of (index, sides) still to vote on, the tokens of what was shown, and the vote files."""
+    """The queue of (index, sides) still to vote on, the tokens of what was shown, and the vote files.
+
+    An item shown but not voted on (a reload, a closed tab, another tab) stays pending: once the queue is empty
+    it is shown again, under a new token, so nothing shown is lost and the study is done only when every item
+    has a vote (skip counts). The first vote on an item ends it: its other tokens are refused (HTTP 400)."""
 
     def __init__(self, sides, num_samples):
-        self.sides, self.lock, self.pending = sides, threading.Lock(), {}
+        self.sides, self.lock, self.pending = sides, threading.Lock(), {}  # token -> (index, shown), in issue order
         self.kind = "rating" if len(sides) == 1 else "pair"
         self.seed = sides[0]["generation"]["seeds"]["seed"]
         self.names = condition_names(sides[0])
@@ -180,18 +186,20 @@ class Study:
         self.queue = [(i, rng.sample(p, len(p))) for i in range(num_samples) for p in pairs
                       if (i, *(sides[j]["label"] for j in p)) not in done]
         rng.shuffle(self.queue)
-        self.voted = 0
+        self.voted, self.reported = 0, 0
 
     def next(self):
-        """The page's next item and a token for it, or {'done': True}."""
+        """The page's next item and a token for it: from the queue, else the item shown longest ago without a
+        vote; {'done': True} when neither is left."""
         with self.lock:
-            if not self.queue:
+            if not self.queue and not self.pending:
                 return {"done": True, "voted": self.voted, "summary": self.summary()}
-            index, shown = self.queue.pop()
+            index, shown = self.queue.pop() if self.queue else next(iter(self.pending.values()))
             token = secrets.token_hex(16)
             self.pending[token] = (index, shown)
+            open_items = {(i, tuple(s)) for i, s in self.pending.values()}
             return {"done": False, "token": token, "kind": self.kind, "index": index, "condition": self.names(index),
-                    "remaining": len(self.queue), "voted": self.voted}
+                    "remaining": len(self.queue) + len(open_items) - 1, "voted": self.voted}
 
     def image(self, token, slot):
         """The PNG bytes of a pending token's left, right (pairs) or only image, or None."""
@@ -214,6 +222,8 @@ class Study:
             if not isinstance(body["token"], str) or body["token"] not in self.pending:
                 raise BadVote("this token was not issued for a shown pair, or was already used")
             index, shown = self.pending.pop(body["token"])
+            for token in [t for t, item in self.pending.items() if item == (index, shown)]:  # shown again elsewhere
+                del self.pending[token]
             record = {"id": secrets.token_hex(8), "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "kind": self.kind, "index": index, "seed": self.seed, "condition": self.names(index)}
             sides = [self.sides[j] for j in shown]
@@ -232,6 +242,18 @@ class Study:
                     fcntl.flock(f, fcntl.LOCK_UN)
             self.voted += 1
             return record
+
+    def write_reports(self):
+        """Rewrite report.md of each side's run (a training run folder: metrics.jsonl) when votes came since the
+        last time, so the votes reach the report (its "Human ratings" section) without a command by hand."""
+        from training.report import write_report
+
+        with self.lock:
+            if self.voted == self.reported:
+                return []
+            self.reported = self.voted
+            runs = sorted({s["run"] for s in self.sides if (s["run"] / "metrics.jsonl").is_file()})
+            return [write_report(run) for run in runs]
 
     def summary(self):
         labels = {s["label"] for s in self.sides}
@@ -259,7 +281,10 @@ def handler_for(study):
             if parts == [""]:
                 return self.reply(200, PAGE, "text/html; charset=utf-8")
             if parts == ["next"]:
-                return self.reply(200, study.next())
+                shown = study.next()
+                if shown["done"]:
+                    study.write_reports()
+                return self.reply(200, shown)
             if parts == ["summary"]:
                 return self.reply(200, {"lines": study.summary()})
             if len(parts) == 3 and parts[0] == "image" and parts[2].endswith(".png"):
@@ -320,7 +345,7 @@ async function next() {
   images.replaceChildren(); buttons.replaceChildren();
   document.body.dataset.token = current.token || "done";
   if (current.done) {
-    document.getElementById("condition").textContent = "Done: every sample is rated. Thank you.";
+    document.getElementById("condition").textContent = "Done: every sample has a vote (or a skip). Thank you.";
     document.getElementById("progress").textContent = current.voted + " votes this session";
     document.getElementById("summary").textContent = current.summary.join("\\n");
     return;
@@ -382,6 +407,8 @@ def main(argv=None):
     finally:
         server.server_close()
     print("\n".join(study.summary()))
+    for path in study.write_reports():
+        print(f"votes in the report: {path}")
     return study
 
 

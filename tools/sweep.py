@@ -284,12 +284,17 @@ def trainer_command(run):
     return [sys.executable, str(ROOT / f"train_{run['method']}.py"), *run["argv"]]
 
 
+def shown(run):
+    """The trainer command as a user pastes it into a shell: `python train_....py --... --seed=0 ...`."""
+    return shlex.join(["python", *trainer_command(run)[1:]])
+
+
 def run_local(runs):
     """Each unfinished run in turn, in its own process (so each peak memory is its own). A run stopped by a
     signal (exit 75, checkpoint written) or failing stops the sweep; rerunning it resumes."""
     todo = [r for r in runs if r["state"] != "finished"]
     for i, run in enumerate(todo):
-        print(f"[{i + 1}/{len(todo)}] {run['name']} ({run['state']}): {shlex.join(trainer_command(run)[1:])}", flush=True)
+        print(f"[{i + 1}/{len(todo)}] {run['name']} ({run['state']}): {shown(run)}", flush=True)
         code = subprocess.run(trainer_command(run)).returncode
         if code == REQUEUE_EXIT_CODE:
             raise SystemExit(f"run {run['name']} stopped by a signal with a checkpoint; run the sweep again to resume")
@@ -452,13 +457,16 @@ def main(argv=None):
         raise SystemExit(f"sweep: {e}") from None
     states = {s: sum(r["state"] == s for r in runs) for s in ("finished", "interrupted", "new")}
     print(f"{len(runs)} runs in {out} (" + ", ".join(f"{n} {s}" for s, n in states.items()) + ")")
+    todo = sum(r["state"] != "finished" for r in runs)
     if args.dry_run:
         for run in runs:
-            print(f"{run['state']:12s} {run['name']}: {shlex.join(trainer_command(run)[1:])}")
+            print(f"{run['state']:12s} {run['name']}: {shown(run)}")
+        print(f"dry run: nothing was run; {todo} of {len(runs)} runs would run (--local here, or on SLURM without it)")
         return runs
-    if args.local:
-        return run_local(runs)
-    return submit(spec, out, runs)
+    done = run_local(runs) if args.local else submit(spec, out, runs)
+    print(f"sweep: {len(done)} run(s) {'done here' if args.local else 'submitted'}, {len(runs) - todo} finished before"
+          f"; {'when they finish, ' * (not args.local)}compare them: python tools/compare.py {out}")
+    return done
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ def check_labels(data, ds, split, show=5):
     rows = []
     for i in bad[:show].tolist():
         path = (ds[i][data.image_column] or {}).get("path")
-        rows.append(f"{i} (label {labels[i]:g}{', ' + Path(path).name if path else ''})")
+        where = "/".join(Path(path).parts[-2:]) if path else ""  # with its folder: every class has a 000.png
+        rows.append(f"{i} (label {labels[i]:g}{', ' + where if path else ''})")
     valid = labels[~np.isnan(labels)] if labels.dtype.kind == "f" else labels
     found = f"{valid.min():g} .. {valid.max():g}" if len(valid) else "none (all missing)"
     hint = ""

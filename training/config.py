@@ -181,7 +181,7 @@ def load_config(defaults, argv=None, method="run", schema=None, check=None):
         cfg.run_dir = f"runs/{method}_{name}"
     if cfg.get("init_from"):
         cfg.init_from = cfg.init_from.replace("{method}", method)
-    if schema is not None and not problems:  # values once the keys are right, combinations once values are
+    if schema is not None:  # the values beside any unknown key (never merged), combinations once all are right
         problems += schema_problems(schema, cfg, origin)
         problems += combination_problems(cfg) if not problems else []
         problems += check(cfg) if check is not None and not problems else []

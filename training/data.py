@@ -8,6 +8,8 @@
 
 Condition dropout (drop_conditions) is applied when the cache is read, never baked into it.
 """
+import contextlib
+import difflib
 import random
 import re
 from pathlib import Path
@@ -69,20 +71,68 @@ def open_dataset(data, split):
     import datasets
 
     source = data.source
-    if source == "embedded":
-        ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution)
-    elif source.endswith(".parquet") or (Path(source).is_dir() and any(Path(source).glob("**/*.parquet"))):
-        files = source if source.endswith(".parquet") else str(Path(source) / "**/*.parquet")
-        ds = datasets.load_dataset("parquet", data_files={split: files}, split=split)
-    elif Path(source).is_dir():
-        ds = datasets.load_dataset("imagefolder", **imagefolder_files(Path(source), split), split=split)
-    else:
-        ds = datasets.load_dataset(source, split=split)
+    ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution) if source == "embedded" \
+        else load_source(source, split)
     for key in ("image_column", "label_column", "caption_column"):
         if data[key] is not None and data[key] not in ds.column_names:
             raise ValueError(f"data.{key}='{data[key]}' is not a column of {source} (split '{split}'); "
                              f"its columns are {ds.column_names}")
     return ds.cast_column(data.image_column, datasets.Image(decode=False))
+
+
+def load_source(source, split):
+    """datasets' reading of data.source: parquet files, a local folder, else a hub id. What cannot be read stops
+    the run with one ConfigError naming data.source, what was tried (the local path, then the hub id) and why
+    each failed. A path that cannot be a hub id (absolute, ./, ../, ~, a trailing /) is never sent to the hub."""
+    import datasets
+
+    from training.config import ConfigError
+
+    path = Path(source).expanduser()
+    parquet = source.endswith(".parquet") or (path.is_dir() and any(path.glob("**/*.parquet")))
+    if parquet or path.is_dir():
+        files = {split: str(path) if source.endswith(".parquet") else str(path / "**/*.parquet")}
+        try:
+            with quiet_datasets():  # a local folder's "Downloading data: 180 files" downloads nothing
+                return datasets.load_dataset("parquet", data_files=files, split=split) if parquet else \
+                    datasets.load_dataset("imagefolder", **imagefolder_files(path, split), split=split)
+        except Exception as e:  # datasets raises many types; the first line of its message says why
+            raise ConfigError(f"data.source='{source}': {path.resolve()} could not be read as "
+                              f"{'parquet files' if parquet else 'an image folder'} (split '{split}'): "
+                              f"{first_line(e)}") from None
+    near = difflib.get_close_matches(path.name, [p.name for p in path.parent.iterdir()]) if path.parent.is_dir() else []
+    local = (f"{path.resolve()} is a file, neither a folder nor parquet" if path.exists() else
+             f"{path.resolve()} does not exist" + (f" (in its folder: {sorted(near)})" if near else ""))
+    hub = "not tried as a hub id (it is a path)"
+    if not (path.exists() or source.startswith((".", "/", "~")) or source.endswith("/")):
+        try:
+            return datasets.load_dataset(source, split=split)
+        except Exception as e:
+            from huggingface_hub import constants
+
+            hub = f"tried as a hub id: {first_line(e)}" + " (HF_HUB_OFFLINE=1)" * bool(constants.HF_HUB_OFFLINE)
+    raise ConfigError(f"data.source='{source}' cannot be opened. Tried as a local folder: {local}; {hub}. Set "
+                      f"data.source to a folder of images (class folders or metadata.jsonl), parquet files, or a "
+                      f"Hugging Face dataset id (user/name).")
+
+
+def first_line(error):
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0].rstrip('.') if lines else ''}"
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """datasets' progress bars off (they are one global switch: set back as it was)."""
+    from datasets.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was:
+            enable_progress_bars()
 
 
 def imagefolder_files(folder, split):

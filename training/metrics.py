@@ -128,10 +128,43 @@ def size_tag(n):
     return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
 
 
-def fid_kid(feats, ref, mode, n):
-    from cleanfid.fid import frechet_distance, kernel_distance
+def fid_size_warning(n_ref, n_samples, dim):
+    """What a FID can and cannot mean when its covariances have fewer images than feature dimensions (then they
+    are singular and FID is mostly the estimator's bias), with what fits instead; None when both sets are
+    larger. Fewer than 2 reference images give no covariance at all: a ValueError."""
+    if n_ref is not None and n_ref < 2:
+        raise ValueError(f"the FID reference has {n_ref} image(s): a covariance needs at least 2. Score against "
+                         f"more real images: --reference FOLDER, or more held-out rows (data.val_holdout)")
+    small = ([f"the reference has {n_ref}"] if n_ref is not None and n_ref <= dim else []) + \
+        ([f"the samples {n_samples}"] if n_samples <= dim else [])
+    if not small:
+        return None
+    return (f"FID's covariances have more dimensions ({dim}) than images ({' and '.join(small)}): they are "
+            f"singular, so this FID is mostly the estimator's bias and noise. It can rank models scored against "
+            f"the same reference with the same --num_samples, roughly; it cannot be compared with other FIDs "
+            f"(papers, other references) nor read as a distance. KID, reported beside it, is unbiased at any size "
+            f"and fits small sets. For a FID that means more, score more than {dim} samples against more than {dim} "
+            f"real images: --reference FOLDER (a larger folder of real images), a dataset split (--reference "
+            f"SOURCE --reference_split SPLIT) or clean-fid's statistics (--reference cleanfid:NAME:RES:SPLIT).")
 
-    fid = frechet_distance(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
+
+def frechet(mu1, sigma1, mu2, sigma2):
+    """clean-fid's Frechet distance; where its sqrtm of a singular S1 S2 fails ('Imaginary component'), the
+    same trace from the eigenvalues of S1 S2 (those of S1^1/2 S2 S1^1/2: real, >= 0 up to rounding), so a
+    run of sampling is never lost to it."""
+    from cleanfid.fid import frechet_distance
+
+    try:
+        return float(frechet_distance(mu1, sigma1, mu2, sigma2))
+    except ValueError:
+        roots = np.sqrt(np.clip(np.linalg.eigvals(sigma1 @ sigma2).real, 0, None))
+        return float(np.sum((mu1 - mu2) ** 2) + np.trace(sigma1) + np.trace(sigma2) - 2 * roots.sum())
+
+
+def fid_kid(feats, ref, mode, n):
+    from cleanfid.fid import kernel_distance
+
+    fid = frechet(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
     out = {f"fid_{mode}_{size_tag(n)}": float(fid)}
     if ref["feats"] is not None and min(len(feats), len(ref["feats"])) >= 2:
         np.random.seed(0)  # kernel_distance draws its subsets from numpy's global RNG
@@ -146,9 +179,7 @@ def all_scores(feats, ref, mode, n, tag, device="cpu"):
 
 def dino_scores(feats, ref, n, device="cpu"):
     """'fd_dinov2_<N>' and the manifold metrics on DINOv2 features."""
-    from cleanfid.fid import frechet_distance
-
-    fd = frechet_distance(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
+    fd = frechet(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
     return {f"fd_dinov2_{size_tag(n)}": float(fd), **manifold_metrics(feats, ref["feats"], "dinov2", size_tag(n), device)}
 
 

@@ -128,6 +128,7 @@ class Monitor:
         # A progress bar on a terminal; in a log file (SLURM) a bar's carriage returns become one huge line, so
         # there log_interval prints one plain line per interval instead.
         self.start_step, self.t_start = state.get("step", 0), time.perf_counter()
+        self.pauses = {}  # kind -> [seconds, count] of validation, FID and checkpoints in this process, for the ETA
         self.show_lines = accelerator.is_local_main_process and not interactive()
         self.progress = tqdm(total=cfg.train.max_steps, initial=self.start_step, desc="train",
                              disable=not accelerator.is_local_main_process or self.show_lines)
@@ -262,28 +263,37 @@ class Monitor:
         if clipped:  # by how much the clip acted, on the steps where it did
             metrics["clip_excess"] = sum(clipped) / len(clipped)
         self.log(metrics)
-        self.progress.set_postfix({"smoothed loss": f"{self.loss_state['mean']:.4f}", "lr": f"{lr:.1e}"})
+        self.progress.set_postfix({"smoothed loss": f"{self.loss_state['mean']:.4f}", "lr": f"{lr:.1e}",
+                                   "ETA": self.eta(step)})  # tqdm's own remaining time leaves validation out
         if self.show_lines:
             print(self.line(step, metrics), flush=True)
         self.stats.zero_(), self.per_step.zero_()
         self.restart_clock()
         return metrics
 
+    def eta(self, step):
+        """The time left, in words: see eta_of."""
+        every = {"validation": self.cfg.val.every, "FID": self.cfg.val.fid_every, "checkpoint": self.cfg.ckpt.every}
+        paused = sum(self.pauses.get(kind, [0])[0] for kind in every)
+        per_step = (time.perf_counter() - self.t_start - paused) / max(1, step - self.start_step)
+        return eta_of(step, self.cfg.train.max_steps, per_step, self.pauses, every)
+
     def line(self, step, metrics):
-        """The plain log line of an interval. ETA: the wall time per step since this process started (so
-        validation, FID and checkpoints are included) times the steps left."""
+        """The plain log line of an interval, with the ETA (eta_of)."""
         total = self.cfg.train.max_steps
-        per_step = (time.perf_counter() - self.t_start) / max(1, step - self.start_step)
-        eta = datetime.timedelta(seconds=round(per_step * (total - step)))
         return (f"step {step}/{total} ({100 * step / total:.0f}%) | loss {metrics['loss']:.4f} | smoothed loss "
                 f"{metrics['loss_smoothed']:.4f} | lr {metrics['lr']:.2e} | {metrics['images_per_s']:.1f} images/s | "
-                f"ETA {eta}")
+                f"ETA {self.eta(step)}")
 
     def pause(self, work, step, name=None):
         """Validation, FID or a checkpoint at `step`: `work(step)` on every rank, announced in the log when named,
-        and kept out of the training throughput."""
+        kept out of the training throughput and timed for the ETA (its kind: the name's first word, else the
+        work's name)."""
+        t0 = time.perf_counter()
         with self.phase(name, step) if name else contextlib.nullcontext():
             work(step)
+        kind = self.pauses.setdefault(name.split()[0] if name else work.__name__, [0.0, 0])
+        kind[0], kind[1] = kind[0] + time.perf_counter() - t0, kind[1] + 1
         self.restart_clock()
 
     def phase(self, name, step):
@@ -298,6 +308,22 @@ def interactive():
     """Whether both output streams are a terminal (tqdm draws on stderr, the lines go to stdout); not in SLURM's
     or nohup's log files, nor with `> log.txt`."""
     return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def eta_of(step, total, per_step, pauses, every):
+    """Time left at `step` of `total`, in words: the training steps left at `per_step` seconds (training only),
+    plus each periodic pause still to come (every[kind] steps, and at the last step, as common.due; those of
+    `step` itself too, which follow its log line) at its mean measured duration (pauses[kind] = [seconds,
+    count]); one not yet timed is named, not guessed: "0:00:11 + 1 validation not yet timed"."""
+    seconds, untimed, done = per_step * (total - step), [], max(step, 1) - 1
+    for kind, k in every.items():
+        to_come = (total // k - done // k + (total % k != 0)) if k and step <= total else 0
+        spent, count = pauses.get(kind, [0.0, 0])
+        if to_come and count:
+            seconds += to_come * spent / count
+        elif to_come:
+            untimed.append(f"{to_come} {kind}")
+    return str(datetime.timedelta(seconds=round(seconds))) + "".join(f" + {u} not yet timed" for u in untimed)
 
 
 class Phase:

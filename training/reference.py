@@ -43,15 +43,40 @@ def sha256_of(path):
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def offline():
+    """The offline variables a user sets for the Hugging Face libraries: then no download is tried at all."""
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def inception_places():
+    """Where the network is looked for, in order: the per-user cache (where a download goes), then
+    $HF_HOME/inception-2015-12-05.pt (where tools/prefetch.py puts it)."""
+    from huggingface_hub import constants
+
+    return [inception_cache_dir() / INCEPTION_FILE, Path(constants.HF_HOME) / INCEPTION_FILE]
+
+
+FETCH_IT = (f"On a machine with network run `python tools/prefetch.py --config YOUR_CONFIG` (or download "
+            f"{INCEPTION_URL}), copy the file here and pass --inception_weights PATH (to a trainer: "
+            f"--val.inception_weights=PATH)")
+
+
 def inception_path(weights=None, timeout=20):
-    """The Inception file, verified: `weights` if given, else the per-user cache (downloaded there once, into
-    a .part file that is checked before it is renamed). A file whose sha256 is not INCEPTION_SHA256 is an error
-    naming it: a truncated download or another network would give FIDs comparable with nothing."""
+    """The Inception file, verified: `weights` if given, else the first of inception_places() that exists, else
+    downloaded into the per-user cache once (into a .part file that is checked before it is renamed), unless
+    the offline variables are set. A file whose sha256 is not INCEPTION_SHA256 is an error naming it: a
+    truncated download or another network would give FIDs comparable with nothing. A missing file is one
+    line (FileNotFoundError) naming --inception_weights and tools/prefetch.py."""
     if weights is not None and not Path(weights).is_file():
-        raise FileNotFoundError(f"--inception_weights {weights}: no such file. Download {INCEPTION_URL} on a "
-                                f"machine with network and copy it to {weights}")
-    path = Path(weights) if weights is not None else inception_cache_dir() / INCEPTION_FILE
+        raise FileNotFoundError(f"--inception_weights {weights}: no such file. {FETCH_IT}.")
+    places = inception_places()
+    path = Path(weights) if weights is not None else next((p for p in places if p.is_file()), places[0])
     if not path.is_file():
+        where = f"the Inception network of FID ({INCEPTION_FILE}) is in neither {places[0]} nor {places[1]}"
+        if offline():
+            raise FileNotFoundError(f"{where}, and the offline variables are set (HF_HUB_OFFLINE, "
+                                    f"HF_DATASETS_OFFLINE): no download tried. {FETCH_IT}.")
         part = path.with_suffix(".part")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,10 +84,7 @@ def inception_path(weights=None, timeout=20):
                 part.write_bytes(r.read())
         except OSError as e:
             part.unlink(missing_ok=True)
-            raise FileNotFoundError(
-                f"the Inception FID network is not here and could not be downloaded ({e}). On a machine with "
-                f"network run\n    wget {INCEPTION_URL}\nthen copy the file to this machine and pass "
-                f"--inception_weights /path/to/{INCEPTION_FILE} (or put it at {path}).") from None
+            raise FileNotFoundError(f"{where}, and it could not be downloaded ({e}). {FETCH_IT}.") from None
         if sha256_of(part) != INCEPTION_SHA256:
             part.unlink()
             raise ValueError(f"the Inception network downloaded from {INCEPTION_URL} has the wrong sha256 (expected "
@@ -165,10 +187,32 @@ def reference_images(key, cfg):
     return items[:key["num"]] if key["num"] else items
 
 
+def stats_path(key, cache_dir):
+    """(the cached statistics' .npz of `key`, the key's digest)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{re.sub(r'[^A-Za-z0-9]+', '-', key['source']).strip('-')[-40:]}-{digest}.npz", digest
+
+
+def reference_size(args, cfg, feature_name):
+    """How many images the reference statistics rest on, known before any sampling: the cached statistics' rows,
+    else the images or rows the reference would read (None where this cannot be known: clean-fid's named
+    statistics, an .npz without features)."""
+    if str(args.reference).endswith(".npz"):
+        with np.load(args.reference) as f:
+            return len(f["feats"]) if "feats" in f else None
+    if str(args.reference).startswith("cleanfid:"):
+        return None
+    key = reference_key(args, cfg, feature_name)
+    path = stats_path(key, args.stats_cache)[0]
+    if path.exists():
+        with np.load(path) as f:
+            return len(f["feats"])
+    return len(reference_images(key, cfg))
+
+
 def reference_stats(key, cfg, feature_fn, accelerator, cache_dir, batch_size=64):
     """{mu, sigma, feats, path, key_sha256, sha256}; on a miss the ranks share the feature extraction."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"{re.sub(r'[^A-Za-z0-9]+', '-', key['source']).strip('-')[-40:]}-{digest}.npz"
+    path, digest = stats_path(key, cache_dir)
     accelerator.print(f"reference statistics: cache {'hit' if path.exists() else 'miss'}, {path}")
     if not path.exists():
         items, pairs = reference_images(key, cfg), []
