@@ -24,6 +24,11 @@ def tiny_run_args(tmp_path, name="run", steps=4):
             "--val.loss_samples=16", "--log.wandb=off", "--log.every=2", "--val.every=1000", "--ckpt.every=1000"]
 
 
+# Set by pytest itself, and by libraries on their first import (sklearn, and inductor's C++ builder, set the
+# OpenMP duplicate-library switch): not a test's doing.
+SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
+
+
 def global_state():
     """What one test could leave behind for the next: torch's global switches, dynamo's config, the environment,
     and the attributes tests patch on torch (a patch not undone, or undone into a deleted entry, as pytest's
@@ -36,7 +41,7 @@ def global_state():
     return {"switches": (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads(),
                          torch.are_deterministic_algorithms_enabled(), torch.is_anomaly_enabled()),
             "dynamo": {k: getattr(torch._dynamo.config, k, "<deleted>") for k in torch._dynamo.config.get_config_copy()},
-            "environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, "patched": patched}
+            "environ": {k: v for k, v in os.environ.items() if k not in SET_BY_LIBRARIES}, "patched": patched}
 
 
 def leaked(before, after):
