@@ -75,6 +75,26 @@ def test_adaptive_density_is_the_square_root_of_the_second_moment_mixed_with_the
     assert variance(s.q) < variance(torch.full((K,), 1 / K))
 
 
+def test_a_nonfinite_loss_does_not_enter_the_adaptive_density():
+    """One infinite (and one overflowing) per-sample loss among finite ones: the density is the closed form of
+    the finite losses alone, and it stays there at the next update; the old sampler put 3.4e38 (nan_to_num) in
+    the bin's E[L^2] and 1 - mix + mix / K of all draws into it."""
+    s, K, mix = sampler(bins=4, mix=0.2), 4, 0.2
+    s.draw(10)
+    s.bins = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 1, 2])
+    s.observe(torch.tensor([1.0, 2.0, 3.0, 0.5, 1.0, 2.0, 3.0, 0.5, float("inf"), 1e20]))
+    s.update()
+    root = torch.tensor([1.0, 2.0, 3.0, 0.5])  # sqrt(E[L^2]) of each bin's finite losses
+    expected = (1 - mix) * root / root.sum() + mix / K
+    torch.testing.assert_close(s.q, expected)
+    assert torch.equal(s.second_moment.count, torch.ones(K))
+    s.bins = torch.tensor([1])  # an interval with nothing finite: nothing changes
+    s.observe(torch.tensor([float("nan")]))
+    s.update()
+    torch.testing.assert_close(s.q, expected)
+    assert torch.equal(s.second_moment.count, torch.ones(K))
+
+
 def test_flow_matching_base_quantile_is_the_logit_normal_inverse_cdf():
     """time_quantile(F(t)) = t for F the logit-normal CDF Phi((logit t - m) / s) (scipy), so the adaptive
     sampler's bins are equal-mass bins of sample_time's density."""
