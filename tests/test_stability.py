@@ -165,6 +165,64 @@ def test_noise_scale_recovers_a_known_critical_batch_from_two_batch_sizes(b_true
     assert float(b) == pytest.approx(b_true, rel=0.10)
 
 
+class Quadratic(torch.nn.Module):
+    """Per-sample loss 0.5 |w - z|^2: the per-sample gradient w - z."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(dim))
+
+    def forward(self, z):
+        return 0.5 * (self.w - z).pow(2).sum(1)
+
+
+def noise_scale_through_the_trainer(argv, steps=60, dim=4000, b_true=16.0, bad_step=None):
+    """The noise scale as Stability measures it in the trainers' loop (draw_time, backward of loss / accum
+    under no_sync but the last, micro_batch, clip), on z ~ N(mu, s^2 I_D): the per-sample gradient w - z has
+    mean w - mu and covariance s^2 I, so B_simple = tr(Sigma) / |G|^2 = D s^2 / |w - mu|^2 (McCandlish et
+    al. 2018, eq. 2.8) exactly, here b_true with |w - mu| = 1. Each rank draws its own samples. `bad_step`:
+    its last micro-batch has an infinite sample. Returns (Stability, the logged rows)."""
+    from contextlib import nullcontext
+
+    acc = Accelerator(cpu=True)
+    cfg = config.load_config(fm.DEFAULTS, argv + ["--log.grad_every=1", "--run_dir=unused"], method="flow_matching",
+                             schema=fm.CONFIG)
+    tr, gen = cfg.train, torch.Generator().manual_seed(1000 * cfg.seed + acc.process_index)
+    model = acc.prepare(Quadratic(dim))
+    mu, s = torch.zeros(dim), math.sqrt(b_true / dim)
+    mu[0] = 1.0
+    logged = []
+    stab = stability.Stability(cfg, acc, model, logged.append, {}, lambda n: torch.rand(n), lambda u: u)
+    for step in range(steps):
+        for micro in range(tr.grad_accum):
+            stab.draw_time(tr.batch_size)
+            z = mu + s * torch.randn(tr.batch_size, dim, generator=gen)
+            if step == bad_step and micro == tr.grad_accum - 1:
+                z[0, 1] = float("inf")
+            with acc.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
+                loss = model(z)
+                acc.backward(loss.mean() / tr.grad_accum)
+            stab.micro_batch(micro, loss)
+        stab.clip(model.parameters())
+        model.zero_grad(set_to_none=False)
+    return stab, logged
+
+
+def test_the_trainers_noise_scale_recovers_a_known_one_with_accumulation_and_skips_a_nonfinite_step(capsys):
+    """One process, 4 micro-batches of 4: B_small 4 (the first micro-batch), B_big 16, B_true 16; the trainer's
+    decay (0.9) over 60 steps: within 8% (8 seeds: 0.97-1.03). Step 30's gradient is infinite: that step
+    enters nothing (no row, one estimate fewer) and no advice is printed; the old estimator was pinned at -1
+    and told the user the batch was far above B_noise."""
+    stab, logged = noise_scale_through_the_trainer(["--train.batch_size=4", "--train.grad_accum=4"], bad_step=30)
+    g2, trace = stab.noise.ema.value.tolist()
+    assert (stab.noise.b_small, stab.noise.b_big) == (4, 16)
+    assert trace / g2 == pytest.approx(16.0, rel=0.08)
+    assert [r["step"] for r in logged] == [s for s in range(1, 61) if s != 31]
+    assert stab.noise.ema.count.tolist() == [59.0, 59.0]
+    assert logged[-1]["grad_noise_scale"] == pytest.approx(trace / g2)
+    assert "critical batch size" not in capsys.readouterr().out
+
+
 # ---- Smoothing -----------------------------------------------------------------------------------------------
 
 

@@ -187,7 +187,8 @@ class NoiseScale:
         |G|^2    = (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
         tr(Sigma) = (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big),
     each smoothed (bias-corrected EMA) before the ratio, as the paper does: a single estimate of |G|^2 is
-    noisy and may be negative."""
+    noisy and may be negative. A step with a non-finite norm (a skipped step) is left out, and observe returns
+    NaN for it: through nan_to_num it pinned the ratio at -1 (3.4e38 / -3.4e38) for ~840 estimates (0.9^n)."""
 
     def __init__(self, b_small, b_big, device, decay=0.9):
         self.b_small, self.b_big = b_small, b_big
@@ -196,8 +197,10 @@ class NoiseScale:
     def observe(self, small_sq, big_sq):
         g2 = (self.b_big * big_sq - self.b_small * small_sq) / (self.b_big - self.b_small)
         trace = (small_sq - big_sq) / (1 / self.b_small - 1 / self.b_big)
-        g2, trace = self.ema.update(torch.stack([g2, trace]).float())
-        return trace / g2
+        both = torch.stack([g2, trace]).float()
+        entered = torch.isfinite(both).all()
+        g2, trace = self.ema.update(both, mask=entered.expand(2))
+        return torch.where(entered, trace / g2, float("nan"))
 
     def state_dict(self):
         return self.ema.state_dict()
@@ -393,7 +396,7 @@ class Stability:
         small = acc.reduce(small, "mean") if acc.num_processes > 1 else small
         self.small_sq = torch.zeros_like(self.small_sq)
         b_noise = float(self.noise.observe(small, grad_norm.detach().float() ** 2))
-        if not math.isfinite(b_noise):
+        if not math.isfinite(b_noise):  # a skipped step: nothing to log or advise
             return
         self.log({"step": self.step + 1, "grad_noise_scale": b_noise})
         batch = self.noise.b_big
