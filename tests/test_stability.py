@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -348,6 +349,49 @@ def test_a_planted_nan_rolls_back_and_finishes_with_the_lower_lr(tmp_path, monke
     poisoned_loss(monkeypatch, {6, 7})
     with pytest.raises(FloatingPointError, match="max_rollbacks=0"):
         fm.main(tiny_run_args(tmp_path, "none", steps=10) + args[len(tiny_run_args(tmp_path)):] + ["--train.max_rollbacks=0"])
+
+
+@pytest.mark.slow
+def test_a_rollback_to_a_preemption_checkpoint_is_kept_there_and_repeats_no_validation(tmp_path, monkeypatch):
+    """A run stops at step 5 (its last checkpoint is off the ckpt.every=4 grid, as a preemption's is), resumes to
+    10, and steps 6 and 7 have a NaN loss: it rolls back to step 5. The rollback (count 1, LR x 0.5, 2 micro-
+    batches skipped) is in step 5's state.pt at once; step 5's validation and FID are not repeated (one point per
+    step in the slope history). A second preemption before the next checkpoint (checkpoints 8 and 10 removed)
+    resumes from step 5 at the lower LR past the skipped window, and the same divergence then meets
+    train.max_rollbacks=1 instead of rolling back forever."""
+    import eval_fid
+
+    fid_steps = []
+
+    def fid(ema, cfg, accelerator, val_set, vae=None, text=False, log=None, step=None):  # only when it runs
+        fid_steps.append(step)
+
+    monkeypatch.setattr(eval_fid, "fid_of_run", fid)
+    args = tiny_run_args(tmp_path, "off", steps=5) + [
+        "--log.every=1", "--ckpt.every=4", "--ckpt.keep=10", "--val.every=5", "--val.fid_every=5", "--log.report=false",
+        "--train.max_nonfinite_steps=2", "--train.on_divergence=rollback", "--train.rollback_lr_factor=0.5", *CONSTANT_LR]
+    run, ckpts = tmp_path / "off", tmp_path / "off" / "checkpoints"
+    poisoned_loss(monkeypatch, set())
+    fm.main(args)
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed = poisoned_loss(monkeypatch, {0, 1})  # this process's steps 6 and 7
+    fm.main(args + ["--train.max_steps=10", "--resume=latest"])
+    events = [r for r in rows(run) if r.get("event") == "rollback"]
+    assert [(e["step"], e["detected_at"], e["diverged_at"]) for e in events] == [(5, 7, 6)]
+    assert [r["step"] for r in rows(run) if "val_loss" in r] == [5, 10] and fid_steps == [5, 10]
+    slopes = common.read_state(ckpts / "step_00000010")["stability"]["slopes"]["history"]
+    assert [row[0] for row in slopes] == [5, 10]
+    kept = common.read_state(ckpts / "step_00000005")["stability"]["rollback"]
+    assert (kept["count"], kept["lr_factor"], kept["data_offset"]) == (1, 0.5, 2)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    for step in (8, 10):  # preempted again before its next checkpoint
+        shutil.rmtree(ckpts / f"step_{step:08d}")
+    replay = poisoned_loss(monkeypatch, {0, 1})
+    with pytest.raises(FloatingPointError, match=r"after 1 rollbacks \(train.max_rollbacks=1\)"):
+        fm.main(args + ["--train.max_steps=10", "--resume=latest", "--train.max_rollbacks=1"])
+    assert [r["lr"] for r in rows(run) if "loss" in r and r["step"] == 6] == [pytest.approx(0.5e-3)]
+    assert torch.equal(replay[0], resumed[2])  # step 6 after the rollback: the window skipped
 
 
 TWO_RANKS_NAN = '''

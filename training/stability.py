@@ -11,6 +11,7 @@ sampler's statistics are all-reduced at log steps; the noise scale is read on gr
 every option off the loop trains exactly as without this module (weights 1.0, the fixed norm clip, LR factor 1).
 """
 import math
+import os
 import re
 from pathlib import Path
 
@@ -271,6 +272,18 @@ def last_good_checkpoint(run_dir, last_step):
     return None, newer
 
 
+def record_rollback(ckpt, rollback):
+    """The rollback's state (count, LR factor, skipped window) written into the checkpoint it returned to, at
+    once and atomically (a new state.pt renamed over the old): a run preempted before its next checkpoint
+    resumes from this one, and without it would replay the divergence at the full LR, with the window unskipped
+    and train.max_rollbacks never reached. Only state.pt changes; an older layout's optimizer in it is kept."""
+    path = Path(ckpt) / "state.pt"
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    state.setdefault("stability", {})["rollback"] = rollback
+    torch.save(state, path.with_name("state.pt.tmp"))
+    os.replace(path.with_name("state.pt.tmp"), path)
+
+
 class Rollback:
     """train.on_divergence = "rollback": after train.max_nonfinite_steps non-finite steps in a row (monitor's
     count, which then does not stop the run) or train.rollback_spikes loss spikes within train.rollback_window
@@ -422,7 +435,9 @@ class Stability:
     def roll_back(self, step, monitor, load):
         """Reload the newest checkpoint from before the divergence on every rank (`load(ckpt)` is the trainer's
         common.load_checkpoint: weights, EMA, optimizer, RNG), with the monitor's and this object's state from
-        it; keep the rollback count, the lower LR and the skipped data window. Returns the step to go on from."""
+        it; keep the rollback count, the lower LR and the skipped data window, in memory and in that checkpoint.
+        Returns the step to go on from, whose validation, FID, snapshot and checkpoint are done: the loop does
+        not repeat them (a second validation point at one step would skew the slopes)."""
         acc, tr, rb = self.accelerator, self.cfg.train, self.rollback
         start = self.divergence
         if rb.count >= tr.max_rollbacks:
@@ -443,6 +458,7 @@ class Stability:
         if acc.is_main_process:  # set aside the checkpoints written during the divergence: never resumed
             for folder in newer:
                 folder.rename(folder.with_name(f"diverged{rb.count}_{folder.name}"))
+            record_rollback(ckpt, rb.state_dict())
         event = {"step": state["step"], "event": "rollback", "detected_at": step, "diverged_at": start,
                  "lr_factor": rb.lr_factor, "skipped_batches": (step - state["step"]) * tr.grad_accum}
         self.log(event)
