@@ -292,6 +292,83 @@ def test_the_importance_weight_reaches_the_backward_pass(tmp_path, monkeypatch, 
     assert max(v for k, v in train[-1].items() if k.startswith("loss_t")) > 0
 
 
+# ---- Rollback: when, and to what state ------------------------------------------------------------------------
+
+
+def test_loss_spikes_roll_back_at_the_right_step_to_exactly_the_checkpoints_state(tmp_path):
+    """The trainers' loop order on a small quadratic model (Monitor, Stability with the adaptive density, the
+    adaptive clip, the noise scale at accumulation 2, AdamW, common.save_checkpoint every 8 steps), log
+    every 4 steps, rollback after 3 loss spikes within 40 steps. Spikes (losses x 50) at steps 105, 130, 160
+    and 166: at log step 160 only two lie in the window, at 168 three (130, 160, 166): the divergence began in
+    the interval 129-132, so it rolls back to step 128, sets aside the checkpoints 136-160 and skips 40 steps of
+    data. After it the optimizer's moments, the clip history, the time density and the noise-scale estimate
+    (and the monitor's smoothed loss) are bitwise the ones held in memory at step 128, which all moved since."""
+    from contextlib import nullcontext
+
+    acc = Accelerator(cpu=True)
+    cfg = config.load_config(fm.DEFAULTS, [
+        "--objective.time_sampling=adaptive", "--objective.adaptive_bins=4", "--train.grad_clip_mode=adaptive",
+        "--train.grad_clip_history=20", "--train.batch_size=4", "--train.grad_accum=2", "--log.every=4",
+        "--log.grad_every=4", "--train.on_divergence=rollback", "--train.rollback_spikes=3",
+        "--train.rollback_window=40", "--train.max_steps=200", f"--run_dir={tmp_path}"],
+        method="flow_matching", schema=fm.CONFIG)
+    torch.manual_seed(0)
+    model, ema = Quadratic(64), Quadratic(64)
+    model.w.data.fill_(0.5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = acc.prepare(model, optimizer)
+    logged = []
+    mon = monitor.Monitor(cfg, model, acc, logged.append, {})
+    stab = stability.Stability(cfg, acc, model, logged.append, {}, lambda n: torch.rand(n), lambda u: u)
+
+    def memory():
+        return {"moments": {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()},
+                "clip": stab.clipper.history.clone(), "q": stab.sampler.q.clone(),
+                "second_moment": stab.sampler.second_moment.value.clone(),
+                "noise": stab.noise.ema.value.clone(), "loss_state": dict(mon.loss_state)}
+
+    def load(ckpt):
+        return common.load_checkpoint(ckpt, model, ema, optimizer, acc)
+
+    step, snapshots = 0, {}
+    while step < 168:
+        for micro in range(2):
+            t, weight = stab.draw_time(4)
+            z = 1.0 + 0.1 * torch.randn(4, 64)
+            with acc.no_sync(model) if micro == 0 else nullcontext():
+                loss = model(z) * (50.0 if step + 1 in (105, 130, 160, 166) else 1.0)
+                acc.backward((weight * loss).mean() / 2)
+            stab.micro_batch(micro, loss)
+            mon.micro_batch(loss, (t * 5).long().clamp(max=4), weight)
+        grad_norm = stab.clip(model.parameters())
+        optimizer.step()
+        mon.optimizer_step(grad_norm, torch.isfinite(grad_norm), stab.clip_threshold)
+        optimizer.zero_grad(set_to_none=False)
+        step += 1
+        if step % 4 == 0:
+            if stab.diverged(step, mon.log_interval(step, 1e-3), mon):
+                break
+        if step % 8 == 0:
+            snapshots[step] = memory()
+            state = {"step": step, "config": json.loads(json.dumps(cfg)), **mon.state_dict(), **stab.state_dict()}
+            common.save_checkpoint(acc, tmp_path, step, {"model": model.state_dict(), "ema": ema.state_dict()},
+                                   optimizer, state, keep=100)
+    assert [r["step"] for r in logged if r.get("event") == "loss_spike"] == [105, 130, 160, 166]
+    assert (step, stab.divergence) == (168, 129)
+    before = memory()
+    assert stab.roll_back(step, mon, load) == 128 and stab.step == 128
+    after, saved = memory(), snapshots[128]
+    for key in ("clip", "q", "second_moment", "noise"):
+        assert torch.equal(after[key], saved[key]) and not torch.equal(before[key], saved[key]), key
+    assert all(torch.equal(after["moments"][k], v) for k, v in saved["moments"].items())
+    assert not torch.equal(before["moments"]["exp_avg"], saved["moments"]["exp_avg"])
+    assert after["loss_state"] == saved["loss_state"] != before["loss_state"]
+    rb = stab.rollback
+    assert (rb.count, rb.lr_factor, rb.data_offset) == (1, 0.5, (168 - 128) * 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("diverged1_*")) == \
+        [f"diverged1_step_{s:08d}" for s in range(136, 161, 8)]
+
+
 # ---- Rollback (end to end) -----------------------------------------------------------------------------------
 
 
