@@ -76,6 +76,45 @@ def test_adaptive_density_is_the_square_root_of_the_second_moment_mixed_with_the
     assert variance(s.q) < variance(torch.full((K,), 1 / K))
 
 
+def test_adaptive_draws_follow_the_base_density_within_each_bin():
+    """Through the logit-normal inverse CDF, with a far from uniform q: given its bin k, a draw t must follow the
+    base density restricted to the bin, whose CDF is K F(t) - k with F the logit-normal CDF Phi((logit t - m) / s)
+    in closed form. A KS test per bin (scipy.stats.kstest against the uniform) at 1e-3, and every t inside its
+    bin."""
+    from scipy.stats import kstest, norm
+
+    obj = config.Config(adaptive_base="logit_normal", logit_mean=0.3, logit_std=0.8)
+    s, K = sampler(bins=8, quantile=lambda u: fm.time_quantile(u, obj, 1.0)), 8
+    s.q.copy_(torch.tensor([0.30, 0.02, 0.05, 0.10, 0.13, 0.20, 0.15, 0.05]))
+    torch.manual_seed(0)
+    t, _ = s.draw(200_000)
+    cdf = norm.cdf((torch.logit(t.double()).numpy() - 0.3) / 0.8)
+    for k in range(K):
+        within = K * cdf[(s.bins == k).numpy()] - k
+        assert within.min() > -1e-5 and within.max() < 1 + 1e-5, k
+        assert kstest(within, "uniform").pvalue > 1e-3, k
+
+
+def test_the_density_estimate_after_bins_first_seen_at_different_times():
+    """Three log intervals: bin 0 seen in the first two, bin 1 in the last two, bin 2 only in the last. Each
+    bin's E[L^2] is the bias-corrected EMA of its own observations, (d a_1 + a_2) / (d + 1) for two and the one
+    value for one; q stays the base density until every bin has been seen, then follows the closed form."""
+    s, d, mix = sampler(bins=3, mix=0.25), stability.AdaptiveTimeSampler.DECAY, 0.25
+    seen = [([0, 0], [1.0, 3.0]), ([0, 1], [2.0, 4.0]), ([1, 2, 2], [1.0, 6.0, 2.0])]
+    for i, (bins, losses) in enumerate(seen):
+        s.draw(len(bins))
+        s.bins = torch.tensor(bins)
+        s.observe(torch.tensor(losses))
+        s.update()
+        if i < 2:
+            assert torch.equal(s.q, torch.full((3,), 1 / 3))
+    # the intervals' E[L^2]: bin 0 (1 + 9) / 2 = 5 then 4; bin 1 16 then 1; bin 2 (36 + 4) / 2 = 20
+    estimate = torch.tensor([(d * 5 + 4) / (d + 1), (d * 16 + 1) / (d + 1), 20.0])
+    torch.testing.assert_close(s.second_moment.value, estimate)
+    root = estimate.sqrt()
+    torch.testing.assert_close(s.q, (1 - mix) * root / root.sum() + mix / 3)
+
+
 def test_a_nonfinite_loss_does_not_enter_the_adaptive_density():
     """One infinite (and one overflowing) per-sample loss among finite ones: the density is the closed form of
     the finite losses alone, and it stays there at the next update; the old sampler put 3.4e38 (nan_to_num) in
