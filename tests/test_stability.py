@@ -263,6 +263,82 @@ def test_the_trainers_noise_scale_recovers_a_known_one_with_accumulation_and_ski
     assert "critical batch size" not in capsys.readouterr().out
 
 
+def resume_mid_interval_on_this_rank():
+    """Two ranks, log every 4 steps, a checkpoint's state taken after step 2 and loaded by a fresh Monitor and
+    Stability (as a resume does), then steps 3 and 4. Losses and bins are functions of (rank, step, sample), so
+    the interval's loss, its per-bin losses and the density's E[L^2] per bin have a closed form over both ranks;
+    each rank's share of steps 1-2 must count exactly once."""
+    acc = Accelerator(cpu=True)
+    cfg = config.load_config(fm.DEFAULTS, ["--objective.time_sampling=adaptive", "--objective.adaptive_bins=4",
+                                           "--log.every=4", "--log.grad_every=0", "--run_dir=unused"],
+                             method="flow_matching", schema=fm.CONFIG)
+    model = acc.prepare(Quadratic(8))
+    loss_of = lambda r, step: torch.tensor([1.0 + step + 10 * r + i for i in range(4)])
+    bins_of = lambda r, step: torch.tensor([(step + r + i) % 4 for i in range(4)])
+
+    def steps(mon, stab, first, last):
+        for step in range(first, last):
+            stab.draw_time(4)
+            stab.sampler.bins = bins_of(acc.process_index, step)
+            stab.micro_batch(0, loss_of(acc.process_index, step))
+            mon.micro_batch(loss_of(acc.process_index, step), bins_of(acc.process_index, step))
+            mon.optimizer_step(torch.tensor(1.0), torch.tensor(True))
+
+    new = lambda state: (monitor.Monitor(cfg, model, acc, lambda row: None, state),
+                         stability.Stability(cfg, acc, model, lambda row: None, state, torch.rand, lambda u: u))
+    mon, stab = new({})
+    steps(mon, stab, 0, 2)
+    state = json.loads(json.dumps({"step": 2, **mon.state_dict(), **stab.state_dict()}))  # as state.pt keeps it
+    mon, stab = new(state)
+    steps(mon, stab, 2, 4)
+    metrics = mon.log_interval(4, 1e-3)
+    stab.diverged(4, metrics, mon)
+    losses = torch.cat([loss_of(r, s) for r in range(2) for s in range(4)])
+    bins = torch.cat([bins_of(r, s) for r in range(2) for s in range(4)])
+    second = torch.stack([losses[bins == k].pow(2).mean() for k in range(4)])
+    root = second.sqrt()
+    return {"loss": [metrics["loss"], losses.mean().item()],
+            "loss_t": [[metrics[f"loss_t{k}"] for k in range(4)], [losses[bins == k].mean().item() for k in range(4)]],
+            "q": [stab.sampler.q.tolist(), ((1 - 0.25) * root / root.sum() + 0.25 / 4).tolist()]}
+
+
+TWO_RANKS_STATE = '''
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+import test_stability as ts
+out = {"resume": ts.resume_mid_interval_on_this_rank()}
+for name, argv in (("hook", ["--train.batch_size=4"]), ("accumulation", ["--train.batch_size=4", "--train.grad_accum=2"])):
+    stab, _ = ts.noise_scale_through_the_trainer(argv, b_true=8.0)
+    g2, trace = stab.noise.ema.value.tolist()
+    out[name] = [stab.noise.b_small, stab.noise.b_big, trace / g2]
+if stab.accelerator.is_main_process:
+    open(sys.argv[2], "w").write(json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_noise_scale_and_a_resume_mid_interval():
+    """Two CPU processes (gloo), one launch: the noise scale through the trainer's code recovers B_true = 8
+    without accumulation (each rank's gradient read by the DDP communication hook: B_small 4, B_big 8) and with
+    accumulation 2 (B_small 4, B_big 16), within 15%; a resume in the middle of a log interval counts each rank's
+    share once (resume_mid_interval_on_this_rank)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script, out = Path(tmp) / "two.py", Path(tmp) / "out.json"
+        script.write_text(TWO_RANKS_STATE)
+        proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                               str(script), str(ROOT), str(out)], cwd=tmp, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        result = json.loads(out.read_text())
+    assert result["hook"][:2] == [4, 8] and result["accumulation"][:2] == [4, 16]
+    assert result["hook"][2] == pytest.approx(8.0, rel=0.15) and result["accumulation"][2] == pytest.approx(8.0, rel=0.15)
+    for key in ("loss", "loss_t", "q"):
+        got, expected = result["resume"][key]
+        assert got == pytest.approx(expected, rel=1e-6), key
+
+
 # ---- Smoothing -----------------------------------------------------------------------------------------------
 
 
