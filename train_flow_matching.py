@@ -319,8 +319,11 @@ def main(argv=None):
             metrics = monitor.log_interval(step, lr)
             stop = signals.agreed(accelerator)  # a signal stops the run within log.every - 1 steps
             if stab.diverged(step, metrics, monitor):  # train.on_divergence=rollback: every rank reloads the last
-                step = stab.roll_back(step, monitor, load)  # good checkpoint, LR lowered
+                step = stab.roll_back(step, monitor, load)  # good checkpoint, LR lowered (kept in that checkpoint)
                 batches = batches_from(step)
+                if stop:  # the checkpoint rolled back to is the one the requeued run resumes
+                    common.exit_for_requeue(accelerator, step)
+                continue  # that step's validation, FID, snapshot and checkpoint were done before the divergence
         if common.due(step, cfg.val.every, tr.max_steps):  # (pauses are not counted as training throughput)
             monitor.pause(validate, step, "validation")
         if common.due(step, cfg.val.fid_every, tr.max_steps):

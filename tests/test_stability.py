@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,65 @@ def test_adaptive_density_is_the_square_root_of_the_second_moment_mixed_with_the
     torch.testing.assert_close(s.q, (1 - mix) * root / root.sum() + mix / K)
     variance = lambda q: (second / (K ** 2 * q)).sum() - (second.sqrt() / K).sum() ** 2  # constant-loss bins
     assert variance(s.q) < variance(torch.full((K,), 1 / K))
+
+
+def test_adaptive_draws_follow_the_base_density_within_each_bin():
+    """Through the logit-normal inverse CDF, with a far from uniform q: given its bin k, a draw t must follow the
+    base density restricted to the bin, whose CDF is K F(t) - k with F the logit-normal CDF Phi((logit t - m) / s)
+    in closed form. A KS test per bin (scipy.stats.kstest against the uniform) at 1e-3, and every t inside its
+    bin."""
+    from scipy.stats import kstest, norm
+
+    obj = config.Config(adaptive_base="logit_normal", logit_mean=0.3, logit_std=0.8)
+    s, K = sampler(bins=8, quantile=lambda u: fm.time_quantile(u, obj, 1.0)), 8
+    s.q.copy_(torch.tensor([0.30, 0.02, 0.05, 0.10, 0.13, 0.20, 0.15, 0.05]))
+    torch.manual_seed(0)
+    t, _ = s.draw(200_000)
+    cdf = norm.cdf((torch.logit(t.double()).numpy() - 0.3) / 0.8)
+    for k in range(K):
+        within = K * cdf[(s.bins == k).numpy()] - k
+        assert within.min() > -1e-5 and within.max() < 1 + 1e-5, k
+        assert kstest(within, "uniform").pvalue > 1e-3, k
+
+
+def test_the_density_estimate_after_bins_first_seen_at_different_times():
+    """Three log intervals: bin 0 seen in the first two, bin 1 in the last two, bin 2 only in the last. Each
+    bin's E[L^2] is the bias-corrected EMA of its own observations, (d a_1 + a_2) / (d + 1) for two and the one
+    value for one; q stays the base density until every bin has been seen, then follows the closed form."""
+    s, d, mix = sampler(bins=3, mix=0.25), stability.AdaptiveTimeSampler.DECAY, 0.25
+    seen = [([0, 0], [1.0, 3.0]), ([0, 1], [2.0, 4.0]), ([1, 2, 2], [1.0, 6.0, 2.0])]
+    for i, (bins, losses) in enumerate(seen):
+        s.draw(len(bins))
+        s.bins = torch.tensor(bins)
+        s.observe(torch.tensor(losses))
+        s.update()
+        if i < 2:
+            assert torch.equal(s.q, torch.full((3,), 1 / 3))
+    # the intervals' E[L^2]: bin 0 (1 + 9) / 2 = 5 then 4; bin 1 16 then 1; bin 2 (36 + 4) / 2 = 20
+    estimate = torch.tensor([(d * 5 + 4) / (d + 1), (d * 16 + 1) / (d + 1), 20.0])
+    torch.testing.assert_close(s.second_moment.value, estimate)
+    root = estimate.sqrt()
+    torch.testing.assert_close(s.q, (1 - mix) * root / root.sum() + mix / 3)
+
+
+def test_a_nonfinite_loss_does_not_enter_the_adaptive_density():
+    """One infinite (and one overflowing) per-sample loss among finite ones: the density is the closed form of
+    the finite losses alone, and it stays there at the next update; the old sampler put 3.4e38 (nan_to_num) in
+    the bin's E[L^2] and 1 - mix + mix / K of all draws into it."""
+    s, K, mix = sampler(bins=4, mix=0.2), 4, 0.2
+    s.draw(10)
+    s.bins = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 1, 2])
+    s.observe(torch.tensor([1.0, 2.0, 3.0, 0.5, 1.0, 2.0, 3.0, 0.5, float("inf"), 1e20]))
+    s.update()
+    root = torch.tensor([1.0, 2.0, 3.0, 0.5])  # sqrt(E[L^2]) of each bin's finite losses
+    expected = (1 - mix) * root / root.sum() + mix / K
+    torch.testing.assert_close(s.q, expected)
+    assert torch.equal(s.second_moment.count, torch.ones(K))
+    s.bins = torch.tensor([1])  # an interval with nothing finite: nothing changes
+    s.observe(torch.tensor([float("nan")]))
+    s.update()
+    torch.testing.assert_close(s.q, expected)
+    assert torch.equal(s.second_moment.count, torch.ones(K))
 
 
 def test_flow_matching_base_quantile_is_the_logit_normal_inverse_cdf():
@@ -145,6 +205,140 @@ def test_noise_scale_recovers_a_known_critical_batch_from_two_batch_sizes(b_true
     assert float(b) == pytest.approx(b_true, rel=0.10)
 
 
+class Quadratic(torch.nn.Module):
+    """Per-sample loss 0.5 |w - z|^2: the per-sample gradient w - z."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(dim))
+
+    def forward(self, z):
+        return 0.5 * (self.w - z).pow(2).sum(1)
+
+
+def noise_scale_through_the_trainer(argv, steps=60, dim=4000, b_true=16.0, bad_step=None):
+    """The noise scale as Stability measures it in the trainers' loop (draw_time, backward of loss / accum
+    under no_sync but the last, micro_batch, clip), on z ~ N(mu, s^2 I_D): the per-sample gradient w - z has
+    mean w - mu and covariance s^2 I, so B_simple = tr(Sigma) / |G|^2 = D s^2 / |w - mu|^2 (McCandlish et
+    al. 2018, eq. 2.8) exactly, here b_true with |w - mu| = 1. Each rank draws its own samples. `bad_step`:
+    its last micro-batch has an infinite sample. Returns (Stability, the logged rows)."""
+    from contextlib import nullcontext
+
+    acc = Accelerator(cpu=True)
+    cfg = config.load_config(fm.DEFAULTS, argv + ["--log.grad_every=1", "--run_dir=unused"], method="flow_matching",
+                             schema=fm.CONFIG)
+    tr, gen = cfg.train, torch.Generator().manual_seed(1000 * cfg.seed + acc.process_index)
+    model = acc.prepare(Quadratic(dim))
+    mu, s = torch.zeros(dim), math.sqrt(b_true / dim)
+    mu[0] = 1.0
+    logged = []
+    stab = stability.Stability(cfg, acc, model, logged.append, {}, lambda n: torch.rand(n), lambda u: u)
+    for step in range(steps):
+        for micro in range(tr.grad_accum):
+            stab.draw_time(tr.batch_size)
+            z = mu + s * torch.randn(tr.batch_size, dim, generator=gen)
+            if step == bad_step and micro == tr.grad_accum - 1:
+                z[0, 1] = float("inf")
+            with acc.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
+                loss = model(z)
+                acc.backward(loss.mean() / tr.grad_accum)
+            stab.micro_batch(micro, loss)
+        stab.clip(model.parameters())
+        model.zero_grad(set_to_none=False)
+    return stab, logged
+
+
+def test_the_trainers_noise_scale_recovers_a_known_one_with_accumulation_and_skips_a_nonfinite_step(capsys):
+    """One process, 4 micro-batches of 4: B_small 4 (the first micro-batch), B_big 16, B_true 16; the trainer's
+    decay (0.9) over 60 steps: within 8% (8 seeds: 0.97-1.03). Step 30's gradient is infinite: that step
+    enters nothing (no row, one estimate fewer) and no advice is printed; the old estimator was pinned at -1
+    and told the user the batch was far above B_noise."""
+    stab, logged = noise_scale_through_the_trainer(["--train.batch_size=4", "--train.grad_accum=4"], bad_step=30)
+    g2, trace = stab.noise.ema.value.tolist()
+    assert (stab.noise.b_small, stab.noise.b_big) == (4, 16)
+    assert trace / g2 == pytest.approx(16.0, rel=0.08)
+    assert [r["step"] for r in logged] == [s for s in range(1, 61) if s != 31]
+    assert stab.noise.ema.count.tolist() == [59.0, 59.0]
+    assert logged[-1]["grad_noise_scale"] == pytest.approx(trace / g2)
+    assert "critical batch size" not in capsys.readouterr().out
+
+
+def resume_mid_interval_on_this_rank():
+    """Two ranks, log every 4 steps, a checkpoint's state taken after step 2 and loaded by a fresh Monitor and
+    Stability (as a resume does), then steps 3 and 4. Losses and bins are functions of (rank, step, sample), so
+    the interval's loss, its per-bin losses and the density's E[L^2] per bin have a closed form over both ranks;
+    each rank's share of steps 1-2 must count exactly once."""
+    acc = Accelerator(cpu=True)
+    cfg = config.load_config(fm.DEFAULTS, ["--objective.time_sampling=adaptive", "--objective.adaptive_bins=4",
+                                           "--log.every=4", "--log.grad_every=0", "--run_dir=unused"],
+                             method="flow_matching", schema=fm.CONFIG)
+    model = acc.prepare(Quadratic(8))
+    loss_of = lambda r, step: torch.tensor([1.0 + step + 10 * r + i for i in range(4)])
+    bins_of = lambda r, step: torch.tensor([(step + r + i) % 4 for i in range(4)])
+
+    def steps(mon, stab, first, last):
+        for step in range(first, last):
+            stab.draw_time(4)
+            stab.sampler.bins = bins_of(acc.process_index, step)
+            stab.micro_batch(0, loss_of(acc.process_index, step))
+            mon.micro_batch(loss_of(acc.process_index, step), bins_of(acc.process_index, step))
+            mon.optimizer_step(torch.tensor(1.0), torch.tensor(True))
+
+    new = lambda state: (monitor.Monitor(cfg, model, acc, lambda row: None, state),
+                         stability.Stability(cfg, acc, model, lambda row: None, state, torch.rand, lambda u: u))
+    mon, stab = new({})
+    steps(mon, stab, 0, 2)
+    state = json.loads(json.dumps({"step": 2, **mon.state_dict(), **stab.state_dict()}))  # as state.pt keeps it
+    mon, stab = new(state)
+    steps(mon, stab, 2, 4)
+    metrics = mon.log_interval(4, 1e-3)
+    stab.diverged(4, metrics, mon)
+    losses = torch.cat([loss_of(r, s) for r in range(2) for s in range(4)])
+    bins = torch.cat([bins_of(r, s) for r in range(2) for s in range(4)])
+    second = torch.stack([losses[bins == k].pow(2).mean() for k in range(4)])
+    root = second.sqrt()
+    return {"loss": [metrics["loss"], losses.mean().item()],
+            "loss_t": [[metrics[f"loss_t{k}"] for k in range(4)], [losses[bins == k].mean().item() for k in range(4)]],
+            "q": [stab.sampler.q.tolist(), ((1 - 0.25) * root / root.sum() + 0.25 / 4).tolist()]}
+
+
+TWO_RANKS_STATE = '''
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+import test_stability as ts
+out = {"resume": ts.resume_mid_interval_on_this_rank()}
+for name, argv in (("hook", ["--train.batch_size=4"]), ("accumulation", ["--train.batch_size=4", "--train.grad_accum=2"])):
+    stab, _ = ts.noise_scale_through_the_trainer(argv, b_true=8.0)
+    g2, trace = stab.noise.ema.value.tolist()
+    out[name] = [stab.noise.b_small, stab.noise.b_big, trace / g2]
+if stab.accelerator.is_main_process:
+    open(sys.argv[2], "w").write(json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_noise_scale_and_a_resume_mid_interval():
+    """Two CPU processes (gloo), one launch: the noise scale through the trainer's code recovers B_true = 8
+    without accumulation (each rank's gradient read by the DDP communication hook: B_small 4, B_big 8) and with
+    accumulation 2 (B_small 4, B_big 16), within 15%; a resume in the middle of a log interval counts each rank's
+    share once (resume_mid_interval_on_this_rank)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script, out = Path(tmp) / "two.py", Path(tmp) / "out.json"
+        script.write_text(TWO_RANKS_STATE)
+        proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                               str(script), str(ROOT), str(out)], cwd=tmp, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        result = json.loads(out.read_text())
+    assert result["hook"][:2] == [4, 8] and result["accumulation"][:2] == [4, 16]
+    assert result["hook"][2] == pytest.approx(8.0, rel=0.15) and result["accumulation"][2] == pytest.approx(8.0, rel=0.15)
+    for key in ("loss", "loss_t", "q"):
+        got, expected = result["resume"][key]
+        assert got == pytest.approx(expected, rel=1e-6), key
+
+
 # ---- Smoothing -----------------------------------------------------------------------------------------------
 
 
@@ -213,6 +407,83 @@ def test_the_importance_weight_reaches_the_backward_pass(tmp_path, monkeypatch, 
     assert max(v for k, v in train[-1].items() if k.startswith("loss_t")) > 0
 
 
+# ---- Rollback: when, and to what state ------------------------------------------------------------------------
+
+
+def test_loss_spikes_roll_back_at_the_right_step_to_exactly_the_checkpoints_state(tmp_path):
+    """The trainers' loop order on a small quadratic model (Monitor, Stability with the adaptive density, the
+    adaptive clip, the noise scale at accumulation 2, AdamW, common.save_checkpoint every 8 steps), log
+    every 4 steps, rollback after 3 loss spikes within 40 steps. Spikes (losses x 50) at steps 105, 130, 160
+    and 166: at log step 160 only two lie in the window, at 168 three (130, 160, 166): the divergence began in
+    the interval 129-132, so it rolls back to step 128, sets aside the checkpoints 136-160 and skips 40 steps of
+    data. After it the optimizer's moments, the clip history, the time density and the noise-scale estimate
+    (and the monitor's smoothed loss) are bitwise the ones held in memory at step 128, which all moved since."""
+    from contextlib import nullcontext
+
+    acc = Accelerator(cpu=True)
+    cfg = config.load_config(fm.DEFAULTS, [
+        "--objective.time_sampling=adaptive", "--objective.adaptive_bins=4", "--train.grad_clip_mode=adaptive",
+        "--train.grad_clip_history=20", "--train.batch_size=4", "--train.grad_accum=2", "--log.every=4",
+        "--log.grad_every=4", "--train.on_divergence=rollback", "--train.rollback_spikes=3",
+        "--train.rollback_window=40", "--train.max_steps=200", f"--run_dir={tmp_path}"],
+        method="flow_matching", schema=fm.CONFIG)
+    torch.manual_seed(0)
+    model, ema = Quadratic(64), Quadratic(64)
+    model.w.data.fill_(0.5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = acc.prepare(model, optimizer)
+    logged = []
+    mon = monitor.Monitor(cfg, model, acc, logged.append, {})
+    stab = stability.Stability(cfg, acc, model, logged.append, {}, lambda n: torch.rand(n), lambda u: u)
+
+    def memory():
+        return {"moments": {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()},
+                "clip": stab.clipper.history.clone(), "q": stab.sampler.q.clone(),
+                "second_moment": stab.sampler.second_moment.value.clone(),
+                "noise": stab.noise.ema.value.clone(), "loss_state": dict(mon.loss_state)}
+
+    def load(ckpt):
+        return common.load_checkpoint(ckpt, model, ema, optimizer, acc)
+
+    step, snapshots = 0, {}
+    while step < 168:
+        for micro in range(2):
+            t, weight = stab.draw_time(4)
+            z = 1.0 + 0.1 * torch.randn(4, 64)
+            with acc.no_sync(model) if micro == 0 else nullcontext():
+                loss = model(z) * (50.0 if step + 1 in (105, 130, 160, 166) else 1.0)
+                acc.backward((weight * loss).mean() / 2)
+            stab.micro_batch(micro, loss)
+            mon.micro_batch(loss, (t * 5).long().clamp(max=4), weight)
+        grad_norm = stab.clip(model.parameters())
+        optimizer.step()
+        mon.optimizer_step(grad_norm, torch.isfinite(grad_norm), stab.clip_threshold)
+        optimizer.zero_grad(set_to_none=False)
+        step += 1
+        if step % 4 == 0:
+            if stab.diverged(step, mon.log_interval(step, 1e-3), mon):
+                break
+        if step % 8 == 0:
+            snapshots[step] = memory()
+            state = {"step": step, "config": json.loads(json.dumps(cfg)), **mon.state_dict(), **stab.state_dict()}
+            common.save_checkpoint(acc, tmp_path, step, {"model": model.state_dict(), "ema": ema.state_dict()},
+                                   optimizer, state, keep=100)
+    assert [r["step"] for r in logged if r.get("event") == "loss_spike"] == [105, 130, 160, 166]
+    assert (step, stab.divergence) == (168, 129)
+    before = memory()
+    assert stab.roll_back(step, mon, load) == 128 and stab.step == 128
+    after, saved = memory(), snapshots[128]
+    for key in ("clip", "q", "second_moment", "noise"):
+        assert torch.equal(after[key], saved[key]) and not torch.equal(before[key], saved[key]), key
+    assert all(torch.equal(after["moments"][k], v) for k, v in saved["moments"].items())
+    assert not torch.equal(before["moments"]["exp_avg"], saved["moments"]["exp_avg"])
+    assert after["loss_state"] == saved["loss_state"] != before["loss_state"]
+    rb = stab.rollback
+    assert (rb.count, rb.lr_factor, rb.data_offset) == (1, 0.5, (168 - 128) * 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("diverged1_*")) == \
+        [f"diverged1_step_{s:08d}" for s in range(136, 161, 8)]
+
+
 # ---- Rollback (end to end) -----------------------------------------------------------------------------------
 
 
@@ -270,6 +541,49 @@ def test_a_planted_nan_rolls_back_and_finishes_with_the_lower_lr(tmp_path, monke
     poisoned_loss(monkeypatch, {6, 7})
     with pytest.raises(FloatingPointError, match="max_rollbacks=0"):
         fm.main(tiny_run_args(tmp_path, "none", steps=10) + args[len(tiny_run_args(tmp_path)):] + ["--train.max_rollbacks=0"])
+
+
+@pytest.mark.slow
+def test_a_rollback_to_a_preemption_checkpoint_is_kept_there_and_repeats_no_validation(tmp_path, monkeypatch):
+    """A run stops at step 5 (its last checkpoint is off the ckpt.every=4 grid, as a preemption's is), resumes to
+    10, and steps 6 and 7 have a NaN loss: it rolls back to step 5. The rollback (count 1, LR x 0.5, 2 micro-
+    batches skipped) is in step 5's state.pt at once; step 5's validation and FID are not repeated (one point per
+    step in the slope history). A second preemption before the next checkpoint (checkpoints 8 and 10 removed)
+    resumes from step 5 at the lower LR past the skipped window, and the same divergence then meets
+    train.max_rollbacks=1 instead of rolling back forever."""
+    import eval_fid
+
+    fid_steps = []
+
+    def fid(ema, cfg, accelerator, val_set, vae=None, text=False, log=None, step=None):  # only when it runs
+        fid_steps.append(step)
+
+    monkeypatch.setattr(eval_fid, "fid_of_run", fid)
+    args = tiny_run_args(tmp_path, "off", steps=5) + [
+        "--log.every=1", "--ckpt.every=4", "--ckpt.keep=10", "--val.every=5", "--val.fid_every=5", "--log.report=false",
+        "--train.max_nonfinite_steps=2", "--train.on_divergence=rollback", "--train.rollback_lr_factor=0.5", *CONSTANT_LR]
+    run, ckpts = tmp_path / "off", tmp_path / "off" / "checkpoints"
+    poisoned_loss(monkeypatch, set())
+    fm.main(args)
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed = poisoned_loss(monkeypatch, {0, 1})  # this process's steps 6 and 7
+    fm.main(args + ["--train.max_steps=10", "--resume=latest"])
+    events = [r for r in rows(run) if r.get("event") == "rollback"]
+    assert [(e["step"], e["detected_at"], e["diverged_at"]) for e in events] == [(5, 7, 6)]
+    assert [r["step"] for r in rows(run) if "val_loss" in r] == [5, 10] and fid_steps == [5, 10]
+    slopes = common.read_state(ckpts / "step_00000010")["stability"]["slopes"]["history"]
+    assert [row[0] for row in slopes] == [5, 10]
+    kept = common.read_state(ckpts / "step_00000005")["stability"]["rollback"]
+    assert (kept["count"], kept["lr_factor"], kept["data_offset"]) == (1, 0.5, 2)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    for step in (8, 10):  # preempted again before its next checkpoint
+        shutil.rmtree(ckpts / f"step_{step:08d}")
+    replay = poisoned_loss(monkeypatch, {0, 1})
+    with pytest.raises(FloatingPointError, match=r"after 1 rollbacks \(train.max_rollbacks=1\)"):
+        fm.main(args + ["--train.max_steps=10", "--resume=latest", "--train.max_rollbacks=1"])
+    assert [r["lr"] for r in rows(run) if "loss" in r and r["step"] == 6] == [pytest.approx(0.5e-3)]
+    assert torch.equal(replay[0], resumed[2])  # step 6 after the rollback: the window skipped
 
 
 TWO_RANKS_NAN = '''

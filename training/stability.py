@@ -11,6 +11,7 @@ sampler's statistics are all-reduced at log steps; the noise scale is read on gr
 every option off the loop trains exactly as without this module (weights 1.0, the fixed norm clip, LR factor 1).
 """
 import math
+import os
 import re
 from pathlib import Path
 
@@ -27,7 +28,8 @@ class BiasCorrectedEMA:
     sum_i d^(n-i) (1 - d) x_i / (1 - d^n), a weighted mean of what it has seen, so the first value is x_1 and
     it never drags a zero or a first value along. Written as the running form m += a_n (x - m) with step
     a_n = (1 - d) / (1 - d^n), the same as monitor.find_spikes' smoothed loss. `mask` marks the elements that
-    got a value (a time bin with no sample keeps its estimate)."""
+    got a value (a time bin with no sample keeps its estimate); a non-finite value is no value: it would pin the
+    estimate (an infinity enters as 3.4e38 through nan_to_num) for as long as the EMA remembers it."""
 
     def __init__(self, size, decay, device):
         self.decay = decay
@@ -36,10 +38,11 @@ class BiasCorrectedEMA:
 
     def update(self, x, mask=None, decay=None):
         d = self.decay if decay is None else decay
-        mask = torch.ones_like(self.count) if mask is None else mask.float()
+        finite = torch.isfinite(x)
+        mask = (finite if mask is None else mask & finite).float()
         self.count += mask
         step = (1 - d) / (1 - d ** self.count.clamp(min=1))  # 1 at the first update: the value is x_1
-        self.value += mask * step * (torch.nan_to_num(x) - self.value)
+        self.value += mask * step * (torch.where(finite, x, 0.0) - self.value)
         return self.value
 
     def state_dict(self):
@@ -87,10 +90,13 @@ class AdaptiveTimeSampler:
         return self.quantile((k + within) / self.k_bins), 1.0 / (self.k_bins * q_k)
 
     def observe(self, loss):
-        """The per-sample losses (before the importance weight) of the last draw."""
-        loss = loss.detach().float()
-        self.sums[0].index_add_(0, self.bins, loss.pow(2))
-        self.sums[1].index_add_(0, self.bins, torch.ones_like(loss))
+        """The per-sample losses (before the importance weight) of the last draw. A non-finite one (that step is
+        skipped) is left out on the device, no sync: one infinity would make its bin's E[L^2] 3.4e38 and send
+        1 - mix + mix / K of the draws there (77% at the defaults) until 0.99^n brings it to O(1): ~8,800 steps."""
+        square = loss.detach().float().pow(2)
+        finite = torch.isfinite(square)  # also a finite loss whose square overflows
+        self.sums[0].index_add_(0, self.bins, torch.where(finite, square, 0.0))
+        self.sums[1].index_add_(0, self.bins, finite.float())
 
     def update(self):
         """At a log step (every rank; one all-reduce): the interval's E[L^2] per bin into the EMA, then q."""
@@ -182,7 +188,8 @@ class NoiseScale:
         |G|^2    = (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
         tr(Sigma) = (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big),
     each smoothed (bias-corrected EMA) before the ratio, as the paper does: a single estimate of |G|^2 is
-    noisy and may be negative."""
+    noisy and may be negative. A step with a non-finite norm (a skipped step) is left out, and observe returns
+    NaN for it: through nan_to_num it pinned the ratio at -1 (3.4e38 / -3.4e38) for ~840 estimates (0.9^n)."""
 
     def __init__(self, b_small, b_big, device, decay=0.9):
         self.b_small, self.b_big = b_small, b_big
@@ -191,8 +198,10 @@ class NoiseScale:
     def observe(self, small_sq, big_sq):
         g2 = (self.b_big * big_sq - self.b_small * small_sq) / (self.b_big - self.b_small)
         trace = (small_sq - big_sq) / (1 / self.b_small - 1 / self.b_big)
-        g2, trace = self.ema.update(torch.stack([g2, trace]).float())
-        return trace / g2
+        both = torch.stack([g2, trace]).float()
+        entered = torch.isfinite(both).all()
+        g2, trace = self.ema.update(both, mask=entered.expand(2))
+        return torch.where(entered, trace / g2, float("nan"))
 
     def state_dict(self):
         return self.ema.state_dict()
@@ -261,6 +270,18 @@ def last_good_checkpoint(run_dir, last_step):
         except FileNotFoundError:
             print(f"warning: checkpoint {folder} is incomplete or corrupt; trying an earlier one")
     return None, newer
+
+
+def record_rollback(ckpt, rollback):
+    """The rollback's state (count, LR factor, skipped window) written into the checkpoint it returned to, at
+    once and atomically (a new state.pt renamed over the old): a run preempted before its next checkpoint
+    resumes from this one, and without it would replay the divergence at the full LR, with the window unskipped
+    and train.max_rollbacks never reached. Only state.pt changes; an older layout's optimizer in it is kept."""
+    path = Path(ckpt) / "state.pt"
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    state.setdefault("stability", {})["rollback"] = rollback
+    torch.save(state, path.with_name("state.pt.tmp"))
+    os.replace(path.with_name("state.pt.tmp"), path)
 
 
 class Rollback:
@@ -388,7 +409,7 @@ class Stability:
         small = acc.reduce(small, "mean") if acc.num_processes > 1 else small
         self.small_sq = torch.zeros_like(self.small_sq)
         b_noise = float(self.noise.observe(small, grad_norm.detach().float() ** 2))
-        if not math.isfinite(b_noise):
+        if not math.isfinite(b_noise):  # a skipped step: nothing to log or advise
             return
         self.log({"step": self.step + 1, "grad_noise_scale": b_noise})
         batch = self.noise.b_big
@@ -414,7 +435,9 @@ class Stability:
     def roll_back(self, step, monitor, load):
         """Reload the newest checkpoint from before the divergence on every rank (`load(ckpt)` is the trainer's
         common.load_checkpoint: weights, EMA, optimizer, RNG), with the monitor's and this object's state from
-        it; keep the rollback count, the lower LR and the skipped data window. Returns the step to go on from."""
+        it; keep the rollback count, the lower LR and the skipped data window, in memory and in that checkpoint.
+        Returns the step to go on from, whose validation, FID, snapshot and checkpoint are done: the loop does
+        not repeat them (a second validation point at one step would skew the slopes)."""
         acc, tr, rb = self.accelerator, self.cfg.train, self.rollback
         start = self.divergence
         if rb.count >= tr.max_rollbacks:
@@ -435,6 +458,7 @@ class Stability:
         if acc.is_main_process:  # set aside the checkpoints written during the divergence: never resumed
             for folder in newer:
                 folder.rename(folder.with_name(f"diverged{rb.count}_{folder.name}"))
+            record_rollback(ckpt, rb.state_dict())
         event = {"step": state["step"], "event": "rollback", "detected_at": step, "diverged_at": start,
                  "lr_factor": rb.lr_factor, "skipped_batches": (step - state["step"]) * tr.grad_accum}
         self.log(event)
