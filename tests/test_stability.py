@@ -683,3 +683,23 @@ def test_report_shows_the_density_the_indicators_and_the_rollbacks(tmp_path):
     assert {"time_density.png", "convergence.png"} <= {p.name for p in (tmp_path / "report").glob("*.png")}
     assert "| gradient noise scale B_noise (last) | 130 |" in md and "t0 -0.2, t1 +0.01" in md
     assert "| rollbacks | 1, LR x 0.5 |" in md and "| 40 | rollback |" in md
+
+
+def test_a_rollback_whose_ranks_pick_different_checkpoints_stops_on_every_rank(tmp_path, monkeypatch):
+    """Each rank picks the checkpoint to roll back to from the file system alone. Where one rank sees none (a
+    shared file system slow to show it), it must not raise alone and leave the others waiting in a collective:
+    the picks are gathered first (the other rank's pick injected into gather_object) and every rank stops with
+    the same error naming both picks."""
+    import types
+
+    import accelerate.utils
+
+    cfg = config.load_config(fm.DEFAULTS, ["--train.on_divergence=rollback", f"--run_dir={tmp_path}"],
+                             method="flow_matching", schema=fm.CONFIG)
+    stab = stability.Stability(cfg, Accelerator(cpu=True), Quadratic(4), lambda row: None, {},
+                               lambda n: torch.rand(n), lambda u: u)
+    stab.accelerator = types.SimpleNamespace(num_processes=2, process_index=0, is_main_process=True)
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda picks: picks + ["step_00000008"])
+    stab.divergence = 12
+    with pytest.raises(RuntimeError, match=r"rank 0: none, rank 1: step_00000008"):
+        stab.roll_back(12, None, lambda ckpt: pytest.fail("loaded"))

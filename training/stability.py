@@ -444,6 +444,7 @@ class Stability:
             raise FloatingPointError(f"the run diverged at step {start} after {rb.count} rollbacks "
                                      f"(train.max_rollbacks={tr.max_rollbacks}); checkpoints in {self.cfg.run_dir}")
         ckpt, newer = last_good_checkpoint(self.cfg.run_dir, start - 1)
+        ckpt = common.same_checkpoint(ckpt, acc)  # a rank that sees none must not leave the others waiting
         if ckpt is None:
             raise FloatingPointError(f"the run diverged at step {start} and has no checkpoint from before it to "
                                      f"roll back to (ckpt.every={self.cfg.ckpt.every})")
