@@ -97,6 +97,20 @@ def test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer,
     assert "stop_signal_reduce" in counter.events[3] and "reduce" in counter.events[7]
 
 
+@pytest.mark.parametrize("trainer,extra", [
+    pytest.param("train_flow_matching", ["--objective.repa_targets=on_the_fly", "--objective.repa_projector=conv",
+                             "--objective.repa_off_step=5", "--objective.contrastive_weight=0.05",
+                             "--objective.prediction=x0"], marks=pytest.mark.slow),
+    pytest.param("train_ddpm", ["--train.grad_accum=2"], marks=pytest.mark.slow)])  # targets from the cache
+def test_ordinary_steps_never_wait_on_the_device_with_the_training_options(tmp_path, monkeypatch, tiny_dino, trainer,
+                                                                            extra):
+    """REPA (its encoder on the fly in flow matching, switched off at step 5; cached targets in DDPM),
+    contrastive flow matching and x-prediction on: still no sync on an ordinary step."""
+    repa = ["--objective.repa_weight=0.5", f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=2",
+            "--objective.repa_projector_dim=16"]
+    test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer, repa + extra)
+
+
 def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
     tr = config.Config(lr=1e-2, betas=[0.9, 0.999], weight_decay=0.01)
     torch.manual_seed(0)
