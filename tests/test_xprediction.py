@@ -76,3 +76,11 @@ def test_generate_reads_the_prediction_from_the_run_config():
     cfg_v = {**cfg_x0, "objective": {**cfg["objective"], "prediction": "v"}}
     torch.testing.assert_close(fm.generate(AsCleanImage(v_model), noise, cond, cfg_x0, guidance_scale=1.0),
                                fm.generate(v_model, noise, cond, cfg_v, guidance_scale=1.0), rtol=1e-5, atol=1e-5)
+
+
+def test_eval_fid_still_tells_the_methods_apart_now_that_both_have_a_prediction_key():
+    import eval_fid
+    import train_ddpm
+
+    assert "prediction" in fm.DEFAULTS["objective"] and "prediction" in train_ddpm.DEFAULTS["objective"]
+    assert eval_fid.method_of(fm.DEFAULTS) is fm and eval_fid.method_of(train_ddpm.DEFAULTS) is train_ddpm
