@@ -180,3 +180,16 @@ def test_a_run_with_repa_resumes_bitwise_logs_its_term_and_exports_without_the_p
     export = tmp_path / "straight" / "export"
     exported = [k for f in export.rglob("*.safetensors") for k in load_file(str(f))]
     assert exported and not any("projector" in k for k in exported)
+
+
+def test_prefetch_plans_the_encoder_and_fetches_it_through_the_training_call(tiny_dino):
+    import train_ddpm
+    from tools import prefetch
+
+    cfg = config.load_config(prefetch.all_defaults(fm.DEFAULTS, train_ddpm.DEFAULTS),
+                             ["--objective.repa_weight=0.5", f"--objective.repa_encoder={tiny_dino}"], "prefetch")
+    item = next(i for i in prefetch.plan(cfg) if i["key"] == "objective.repa_encoder")
+    assert item["name"] == tiny_dino and item["local"]
+    assert prefetch.fetch(item, cfg, None) == "loaded"
+    off = config.load_config(prefetch.all_defaults(fm.DEFAULTS, train_ddpm.DEFAULTS), [], "prefetch")
+    assert not any(i["key"] == "objective.repa_encoder" for i in prefetch.plan(off))
