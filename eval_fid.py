@@ -111,8 +111,8 @@ def interval_arg(text):
 
 def method_of(cfg):
     """The trainer whose generate(model, noise, cond, cfg, steps, guidance_scale, sampler) samples this run:
-    DDPM configs have objective.prediction, flow-matching ones objective.time_sampling."""
-    return importlib.import_module("train_ddpm" if "prediction" in cfg["objective"] else "train_flow_matching")
+    Flow-matching configs have objective.time_sampling (both have objective.prediction)."""
+    return importlib.import_module("train_flow_matching" if "time_sampling" in cfg["objective"] else "train_ddpm")
 
 
 def load_model(run, checkpoint=None, weights="ema", phema_std=None):

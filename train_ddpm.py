@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import cache, config, fit, runlog, stability
+from training import cache, config, fit, repa, runlog, stability
 from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options,
                            open_splits, place_encoders, text_features, validation_inputs)
 from training.model import export, guided, prepare_model
@@ -231,12 +231,20 @@ def ddpm_loss(model, x0, cond, t, noise, alphas_cumprod, prediction, loss_weight
     """Per-sample weighted MSE on the target (Ho et al. 2020, eq. 14, with Min-SNR weights): the number that
     is trained on, logged as loss and val_loss. t: LongTensor in [0, T-1]; loss_weight and time_input are
     per-timestep tables (loss_weight_of, time_input_of; None: weight 1, the model sees t itself)."""
+    return training_loss(model, x0, cond, t, noise, alphas_cumprod, prediction, loss_weight, time_input)[0]
+
+
+def training_loss(model, x0, cond, t, noise, alphas_cumprod, prediction, loss_weight=None, time_input=None, align=None):
+    """(ddpm_loss, {name: per-sample term}): REPA's alignment term (training/repa.py; `align`: its targets and
+    weight, or None), added to what is trained and logged on its own."""
     ab = alphas_cumprod.to(x0.device)[t]
     timestep = t.float() if time_input is None else time_input.to(x0.device, torch.float32)[t]
-    out = model(add_noise(x0, noise, t, alphas_cumprod), timestep, cond, noise_level(ab).float())
+    out, tokens = repa.forward(model, align, add_noise(x0, noise, t, alphas_cumprod), timestep, cond,
+                               noise_level(ab).float())
     mse = (out.float() - target_of(x0, noise, t, alphas_cumprod, prediction).float()).pow(2)
     mse = mse.mean(dim=tuple(range(1, x0.dim())))
-    return mse if loss_weight is None else mse * loss_weight.to(x0.device, torch.float32)[t]
+    loss = mse if loss_weight is None else mse * loss_weight.to(x0.device, torch.float32)[t]
+    return loss, repa.terms(tokens, align)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -394,6 +402,7 @@ def main(argv=None):
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
     stab = stability.Stability(cfg, accelerator, model, log, state, lambda n: torch.randint(0, T, (n,), device=device),
                                lambda u: (u * T).long().clamp(max=T - 1))  # time density, clip, rollback (all off: as before)
+    align = repa.Alignment(cfg, device)  # REPA's targets and weight per step (objective.repa_*; off: None)
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
     val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,
@@ -464,10 +473,11 @@ def main(argv=None):
             # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
             with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
                 with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32
-                    loss = ddpm_loss(model, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight, model_time)
-                accelerator.backward((weight * loss).mean() / tr.grad_accum)  # the mean over the step's micro-batches
+                    loss, terms = training_loss(model, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight,
+                                                model_time, align(batch, step))  # terms: REPA's, when on
+                accelerator.backward((weight * (loss + sum(terms.values()))).mean() / tr.grad_accum)  # the step's mean
             stab.micro_batch(micro, loss)  # the adaptive density's statistics; the noise scale's small batch
-            monitor.micro_batch(loss, t * obj.loss_bins // T, weight)
+            monitor.micro_batch(loss, t * obj.loss_bins // T, weight, terms)
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = stab.clip(model.parameters())  # to train.grad_clip, or a percentile of recent norms
         # A non-finite loss or gradient skips the update (weights, EMA and optimizer state untouched), decided on

@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import cache, config, fit, runlog, stability
+from training import cache, config, contrastive, fit, repa, runlog, stability, xprediction
 from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options,
                            open_splits, place_encoders, text_features, validation_inputs)
 from training.model import export, guided, prepare_model
@@ -55,6 +55,10 @@ class Objective(BaseModel, extra="forbid", strict=True):
     shift_base_resolution: int | None = Field(None, ge=1, description="if set, a = data.resolution / this")
     ot_coupling: bool = Field(False, description="minibatch OT pairing of noise and data (Tong et al. 2023)")
     loss_bins: int = Field(5, ge=1, description="the loss is also logged per time bin [k/K, (k+1)/K)")
+    prediction: Literal["v", "x0"] = Field("v", description="what the network outputs: the velocity, or x0 (JiT; "
+                                           "the loss stays on the velocity: training/xprediction.py)")
+    contrastive_weight: float = Field(0.0, ge=0, lt=1, description="contrastive flow matching's lambda (DeltaFM: "
+                                      "0.05; training/contrastive.py); 0: off")
 
 
 class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in the val section
@@ -111,13 +115,29 @@ def ot_pair(x0, noise, labels=None):
     return noise
 
 
-def flow_matching_loss(model, x0, cond, t, noise):
+def flow_matching_loss(model, x0, cond, t, noise, prediction="v"):
     """Per-sample MSE between the predicted and true velocity on the straight path (CFM, Lipman et al.
-    2023, eq. 22-23 with sigma_min = 0):  x_t = (1 - t) x0 + t eps,  target v = eps - x0."""
+    2023, eq. 22-23 with sigma_min = 0):  x_t = (1 - t) x0 + t eps,  target v = eps - x0. The validation loss;
+    training adds the options' terms (training_loss)."""
+    return training_loss(model, x0, cond, t, noise, prediction)[0]
+
+
+def training_loss(model, x0, cond, t, noise, prediction="v", contrastive_weight=0.0, align=None):
+    """(flow_matching_loss, {name: per-sample term}): the terms the options add to what is trained, each logged
+    on its own: contrastive flow matching's (training/contrastive.py) and REPA's alignment (training/repa.py;
+    `align`: its targets and weight, or None). With prediction "x0" the network outputs the clean image and
+    the loss stays on the velocity it implies (training/xprediction.py)."""
     t_ = t.view(-1, *([1] * (x0.dim() - 1)))
     x_t = (1 - t_) * x0 + t_ * noise
-    v = model(x_t, t * 1000, cond)
-    return (v.float() - (noise - x0).float()).pow(2).mean(dim=tuple(range(1, x0.dim())))
+    out, tokens = repa.forward(model, align, x_t, t * 1000, cond)
+    if prediction == "x0":
+        v_hat, v = xprediction.velocity(out.float(), x_t, t_), xprediction.velocity(x0.float(), x_t, t_)
+    else:
+        v_hat, v = out.float(), (noise - x0).float()
+    terms = repa.terms(tokens, align)
+    if contrastive_weight:
+        terms["contrastive"] = contrastive.term(v_hat, v, contrastive_weight)
+    return (v_hat - v).pow(2).mean(dim=tuple(range(1, x0.dim()))), terms
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -126,21 +146,24 @@ def flow_matching_loss(model, x0, cond, t, noise):
 
 @torch.no_grad()
 def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, control_guidance_scale=0.0, method="euler",
-           guidance_interval=(0.0, 1.0)):
+           guidance_interval=(0.0, 1.0), prediction="v"):
     """The grid is t_i = shift(1 - i / steps), the same shift as training (it equals diffusers'
     FlowMatchEulerDiscreteScheduler with `sigmas=linspace(1, 0, steps + 1)[:-1]` and `shift`). Guidance on
     the semantic and the control condition (model.guided): with control_guidance_scale = 0 it is
     classifier-free guidance, v = v(x, null) + w (v(x, c) - v(x, null)) (Ho & Salimans 2022), applied only
     on steps whose t_i lies in guidance_interval [lo, hi] (Kynkaanniemi et al. 2024; both Heun evaluations of
-    a step, as their sampler); the other steps take the conditional velocity alone, one network pass."""
+    a step, as their sampler); the other steps take the conditional velocity alone, one network pass.
+    prediction "x0": the network's clean-image estimate becomes the velocity it implies (training/xprediction.py;
+    guidance is linear, so guiding the estimates is guiding the velocities)."""
     if method not in ("euler", "heun"):
         raise ValueError(f"val.sampler must be 'euler' or 'heun', got {method!r}")
     ts = common.time_shift(torch.linspace(1, 0, steps + 1, device=noise.device), shift)
     lo, hi = guidance_interval
 
     def velocity(x, t, guide):
-        return guided(model, x, (t * 1000).expand(len(x)), cond, guidance_scale if guide else 1.0,
-                      control_guidance_scale if guide else 0.0)
+        out = guided(model, x, (t * 1000).expand(len(x)), cond, guidance_scale if guide else 1.0,
+                     control_guidance_scale if guide else 0.0)
+        return xprediction.velocity(out, x, t) if prediction == "x0" else out
 
     x = noise.float()
     for t, t_next, level in zip(ts[:-1], ts[1:], ts.tolist()):  # level: t_i on the host, no sync per step
@@ -159,7 +182,8 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
     return sample(model, noise, cond, steps or val["steps"], common.shift_of(cfg),
                   val["guidance_scale"] if guidance_scale is None else guidance_scale,
                   val["control_guidance_scale"] if control_guidance_scale is None else control_guidance_scale,
-                  sampler or val["sampler"], guidance_interval or val.get("guidance_interval", (0.0, 1.0)))
+                  sampler or val["sampler"], guidance_interval or val.get("guidance_interval", (0.0, 1.0)),
+                  cfg["objective"].get("prediction", "v"))  # .get: configs saved before the key
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -168,7 +192,7 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 def main(argv=None):
     signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
     # Every config problem is reported here, all at once, before any work (the shared sections and this method's).
-    cfg = config.load_config(DEFAULTS, argv, method="flow_matching", schema=CONFIG)
+    cfg = config.load_config(DEFAULTS, argv, method="flow_matching", schema=CONFIG, check=contrastive.problems)
     data, obj, tr = cfg.data, cfg.objective, cfg.train
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
@@ -226,6 +250,7 @@ def main(argv=None):
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
     stab = stability.Stability(cfg, accelerator, model, log, state, lambda n: sample_time(n, obj, shift, device),
                                lambda u: time_quantile(u, obj, shift))  # time density, clip, rollback (all off: as before)
+    align = repa.Alignment(cfg, device)  # REPA's targets and weight per step (objective.repa_*; off: None)
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
     val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,
@@ -248,7 +273,7 @@ def main(argv=None):
             for k in range(obj.loss_bins) if i % world == rank else ():  # every rank draws every batch's noise
                 t = torch.full((len(x0),), (k + 0.5) / obj.loss_bins, device=device)
                 with accelerator.autocast():
-                    losses[k] += flow_matching_loss(ema, x0, cond, t, noise).sum()
+                    losses[k] += flow_matching_loss(ema, x0, cond, t, noise, obj.prediction).sum()
         losses = accelerator.reduce(losses, "sum").cpu() / n
         stab.validation(step, losses.tolist())  # the slope of each bin's validation loss: still falling, or flat
         share = common.share_of(len(val_noise), accelerator, rank=0)  # the main process logs its own count
@@ -294,10 +319,11 @@ def main(argv=None):
             # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
             with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
                 with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32
-                    loss = flow_matching_loss(model, x0, cond, t, noise)
-                accelerator.backward((weight * loss).mean() / tr.grad_accum)  # the mean over the step's micro-batches
+                    loss, terms = training_loss(model, x0, cond, t, noise, obj.prediction, obj.contrastive_weight,
+                                                align(batch, step))  # terms: the options' own (REPA, contrastive)
+                accelerator.backward((weight * (loss + sum(terms.values()))).mean() / tr.grad_accum)  # the step's mean
             stab.micro_batch(micro, loss)  # the adaptive density's statistics; the noise scale's small batch
-            monitor.micro_batch(loss, (t * obj.loss_bins).long().clamp(max=obj.loss_bins - 1), weight)
+            monitor.micro_batch(loss, (t * obj.loss_bins).long().clamp(max=obj.loss_bins - 1), weight, terms)
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = stab.clip(model.parameters())  # to train.grad_clip, or a percentile of recent norms
         # A non-finite loss or gradient skips the update (weights, EMA and optimizer state untouched), decided on

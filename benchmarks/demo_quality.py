@@ -69,7 +69,7 @@ def score_model(model, cfg, classifier, per_class=20, steps=None, guidance_scale
     """Sample `per_class` images of each class with fixed noise (the run's own sampler, through its trainer's
     `generate`); the shares the classifier assigns to the requested class, colour and shape, and the network
     evaluations per sample."""
-    trainer = importlib.import_module("train_ddpm" if "prediction" in cfg["objective"] else "train_flow_matching")
+    trainer = importlib.import_module("train_flow_matching" if "time_sampling" in cfg["objective"] else "train_ddpm")
     tc = model.transformer.config
     labels = torch.arange(len(DEMO_CLASSES)).repeat_interleave(per_class)
     noise = torch.randn((len(labels), tc.in_channels, tc.sample_size, tc.sample_size),

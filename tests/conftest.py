@@ -111,3 +111,17 @@ def tiny_text_encoder(tmp_path_factory):
     tokenizer.save_pretrained(path)
     return str(path)
 
+
+
+@pytest.fixture(scope="session")
+def tiny_dino(tmp_path_factory):
+    """A 1-layer DINOv2 (patch 2, width 16) with random weights, saved with save_pretrained: REPA's encoder,
+    loaded through the same path as a hub id (objective.repa_encoder)."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    config = Dinov2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                          patch_size=2, image_size=16)
+    path = tmp_path_factory.mktemp("dino")
+    Dinov2Model(config).save_pretrained(path)
+    return str(path)

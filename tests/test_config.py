@@ -113,6 +113,17 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--train.on_divergence=restart"], r"train.on_divergence='restart' must be 'stop' or 'rollback'"),
     (ddpm, ["--train.rollback_lr_factor=2"], r"train.rollback_lr_factor=2.0 must be in \(0, 1\]"),
     (fm, ["--val.slope_window=2"], r"val.slope_window=2 must be a number >= 3"),
+    # the training options (training/xprediction.py, contrastive.py, repa.py)
+    (fm, ["--objective.prediction=eps"], r"objective.prediction='eps' must be 'v' or 'x0'"),
+    (fm, ["--objective.contrastive_weight=1"], r"objective.contrastive_weight=1.0 must be in \[0, 1\)"),
+    (fm, ["--objective.contrastive_weight=0.05", "--train.batch_size=1"], r"train.batch_size=1 has none"),
+    (fm, ["--objective.repa_weight=0.5", "--objective.repa_encoder={tmp}/no_encoder"],
+     r"objective.repa_encoder='.*no_encoder' cannot be loaded"),
+    (ddpm, ["--objective.repa_weight=0.5", "--objective.repa_block=9"],
+     r"objective.repa_block=9 is past the model's last block \(model.num_layers=4\): choose 1 .. 4"),
+    (fm, ["--objective.repa_projector=linear"], r"objective.repa_projector='linear' must be 'mlp' or 'conv'"),
+    (ddpm, ["--objective.repa_targets=disk"], r"objective.repa_targets='disk' must be 'cache' or 'on_the_fly'"),
+    (ddpm, ["--objective.repa_weight=-0.5"], r"objective.repa_weight=-0.5 must be a number >= 0"),
 ]
 if not torch.cuda.is_available():
     BAD.append((fm, ["--train.mixed_precision=fp16"], r"train.mixed_precision='fp16' needs a CUDA GPU"))

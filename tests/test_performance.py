@@ -97,6 +97,20 @@ def test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer,
     assert "stop_signal_reduce" in counter.events[3] and "reduce" in counter.events[7]
 
 
+@pytest.mark.parametrize("trainer,extra", [
+    pytest.param("train_flow_matching", ["--objective.repa_targets=on_the_fly", "--objective.repa_projector=conv",
+                             "--objective.repa_off_step=5", "--objective.contrastive_weight=0.05",
+                             "--objective.prediction=x0"], marks=pytest.mark.slow),
+    pytest.param("train_ddpm", ["--train.grad_accum=2"], marks=pytest.mark.slow)])  # targets from the cache
+def test_ordinary_steps_never_wait_on_the_device_with_the_training_options(tmp_path, monkeypatch, tiny_dino, trainer,
+                                                                            extra):
+    """REPA (its encoder on the fly in flow matching, switched off at step 5; cached targets in DDPM),
+    contrastive flow matching and x-prediction on: still no sync on an ordinary step."""
+    repa = ["--objective.repa_weight=0.5", f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=2",
+            "--objective.repa_projector_dim=16"]
+    test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer, repa + extra)
+
+
 def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
     tr = config.Config(lr=1e-2, betas=[0.9, 0.999], weight_decay=0.01)
     torch.manual_seed(0)
@@ -199,18 +213,21 @@ def test_gpu_throughput_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
     assert "| eager |" in out.read_text() and "| checkpointing |" in out.read_text()
 
 
-def training_forward(trainer, text):
+def training_forward(trainer, text, options=()):
     """(model prepared by accelerate under bf16, the trainer's training forward and loss as a function of its
-    inputs, those inputs) for a tiny model with class labels or text, and the size, crop and flip controls."""
+    inputs, those inputs) for a tiny model with class labels or text, and the size, crop and flip controls.
+    `options`: --objective.* arguments; with REPA among them the loss is training_loss with cached targets."""
     import train_ddpm
     import train_flow_matching
 
     module = {"train_flow_matching": train_flow_matching, "train_ddpm": train_ddpm}[trainer]
     cfg = config.load_config(module.DEFAULTS, ["--data.num_classes=9", "--model.num_layers=2", "--model.num_attention_heads=2",
-                                               "--model.attention_head_dim=16", '--conditioning.controls=["size", "crop", "flip"]'])
+                                               "--model.attention_head_dim=16", '--conditioning.controls=["size", "crop", "flip"]',
+                                               *options])
+    from training import repa
     from training.model import build_denoiser
     torch.manual_seed(0)
-    model = build_denoiser(cfg, 3, 16, (6, 24, 20) if text else None).train()
+    model = repa.attach(build_denoiser(cfg, 3, 16, (6, 24, 20) if text else None), cfg).train()
     accelerator = common.make_accelerator("bf16")
     model = accelerator.prepare(model)
     b, g = 4, torch.Generator().manual_seed(1)
@@ -223,9 +240,21 @@ def training_forward(trainer, text):
     else:
         cond["label"] = torch.randint(0, 9, (b,), generator=g)
     x0, noise = torch.randn(b, 3, 16, 16, generator=g), torch.randn(b, 3, 16, 16, generator=g)
-    if trainer == "train_flow_matching":
+    obj = cfg.objective
+    total = lambda loss, terms: loss.sum() + sum(v.sum() for v in terms.values())  # noqa: E731
+    align = (torch.randn(b, 64, 16, generator=g), obj.repa_weight) if obj.repa_weight else None
+    if trainer == "train_flow_matching" and options:
+        inputs = (x0, cond, torch.rand(b, generator=g), noise)
+        loss = lambda x0, cond, t, noise: total(*module.training_loss(  # noqa: E731
+            model, x0, cond, t, noise, obj.prediction, obj.contrastive_weight, align))
+    elif trainer == "train_flow_matching":
         inputs = (x0, cond, torch.rand(b, generator=g), noise)
         loss = lambda x0, cond, t, noise: module.flow_matching_loss(model, x0, cond, t, noise)  # noqa: E731
+    elif options:
+        schedule, weight, time = (f(cfg).float() for f in (module.schedule_of, module.loss_weight_of, module.time_input_of))
+        inputs = (x0, cond, torch.randint(0, 1000, (b,), generator=g), noise)
+        loss = lambda x0, cond, t, noise: total(*module.training_loss(  # noqa: E731
+            model, x0, cond, t, noise, schedule, "v", weight, time, align))
     else:
         schedule, weight, time = (f(cfg).float() for f in (module.schedule_of, module.loss_weight_of, module.time_input_of))
         inputs = (x0, cond, torch.randint(0, 1000, (b,), generator=g), noise)
@@ -243,7 +272,21 @@ def training_forward(trainer, text):
 def test_the_training_forward_compiles_to_one_graph(trainer, text):
     """torch._dynamo.explain over the trainers' training forward and loss (the accelerate-prepared model under
     bf16 autocast, with every condition kind on): zero graph breaks, so train.compile gets one graph."""
-    model, forward_and_loss, inputs = training_forward(trainer, text)
+    assert_one_graph(*training_forward(trainer, text))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer,options", [
+    ("train_flow_matching", ["--objective.prediction=x0", "--objective.contrastive_weight=0.05"]),
+    ("train_flow_matching", ["--objective.repa_projector=conv"]), ("train_ddpm", ["--objective.repa_projector=mlp"])])
+def test_the_training_forward_with_the_options_compiles_to_one_graph(tiny_dino, trainer, options):
+    """The same with REPA (the projector's tokens from the same pass), x-prediction and contrastive FM."""
+    repa = ["--objective.repa_weight=0.5", f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=1",
+            "--objective.repa_projector_dim=16"]
+    assert_one_graph(*training_forward(trainer, False, (repa if "repa" in str(options) else []) + options))
+
+
+def assert_one_graph(model, forward_and_loss, inputs):
     explained = torch._dynamo.explain(forward_and_loss)(*inputs)
     assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
     assert explained.graph_count == 1

@@ -111,8 +111,8 @@ def test_bad_sweep_files_are_refused_naming_the_key(tmp_path, spec, message):
 @pytest.mark.parametrize("grid, key, message", [
     ({"train.lrr": [1e-3, 1e-4]}, "train.lrr", "unknown config key 'train.lrr'"),
     ({"conditioning.mode": ["disentangled", "film"]}, "conditioning.mode", "conditioning.mode='film' must be"),
-    ({"method": ["flow_matching", "ddpm"], "objective.prediction": ["v"]}, "objective.prediction",
-     "unknown config key 'objective.prediction'"),  # a DDPM key: the flow-matching runs refuse it
+    ({"method": ["flow_matching", "ddpm"], "objective.min_snr_gamma": [5.0]}, "objective.min_snr_gamma",
+     "unknown config key 'objective.min_snr_gamma'"),  # a DDPM key: the flow-matching runs refuse it
 ])
 def test_an_invalid_run_stops_the_sweep_before_anything_runs_naming_run_and_key(tmp_path, monkeypatch, grid, key, message):
     monkeypatch.setattr(sweep, "make_executor", lambda *a, **k: pytest.fail("an executor was made"))

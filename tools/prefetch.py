@@ -29,6 +29,7 @@ from training import config  # noqa: E402
 from training import data  # noqa: E402
 from training import metrics  # noqa: E402
 from training import reference  # noqa: E402
+from training import repa  # noqa: E402
 import eval_fid  # noqa: E402
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
@@ -52,6 +53,8 @@ def plan(cfg, dino=None):
                   for split in [d.split] + ([d.val_split] if d.val_split else [])]
     items += [{"key": f"encoders.{key}", "name": enc[key], "what": what}
               for key, what in (("vae", "VAE"), ("text_encoder", "text encoder and tokenizer")) if enc[key]]
+    if cfg.objective.get("repa_weight"):
+        items.append({"key": "objective.repa_encoder", "name": cfg.objective.repa_encoder, "what": "REPA's encoder"})
     if d.caption_column or d.label_captions:
         clip = eval_fid.parse_args(["--run", "-"]).clip_model
         items.append({"key": "eval_fid.py --clip_model", "name": clip, "what": "CLIP model of the CLIP score"})
@@ -76,6 +79,9 @@ def fetch(item, cfg, inception_file):
         only = config.Config({"vae": None, "text_encoder": None, "max_tokens": cfg.encoders.max_tokens})
         only[key.split(".")[1]] = name
         data.load_encoders(only, "cpu")
+        return "loaded"
+    if key == "objective.repa_encoder":
+        repa.load_encoder(name, "cpu")  # the model and its image processor, as training loads them
         return "loaded"
     if key == "eval_fid.py --clip_model":
         from PIL import Image

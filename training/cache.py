@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from training import repa
 from training.classes import class_names, read_class_ids
 from training.data import (encode_text, expand_braces, is_stream, load_encoders, loader_options, make_encode, stream_shards,
                            validation_prompts)
@@ -82,6 +83,7 @@ def cache_key(cfg, part, ds, rows):
         key["val_shards"] = data.val_shards
     if part == "train" and not data.cache_text and enc.text_encoder:
         key["cache_text"] = False  # token ids, not features
+    key.update(repa.cache_key(cfg))  # REPA's targets, when stored with the rows
     return key
 
 
@@ -449,7 +451,8 @@ def frozen_encoders(cfg, train_ds, val_ds, accelerator):
     data, device = cfg.data, accelerator.device
     vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
     out = SimpleNamespace(vae=vae, text_encoder=text_encoder, null_text=None, val_text=None,
-                          encode=make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens),
+                          encode=repa.with_targets(make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens),
+                                                   cfg, vae, device, accelerator.print),  # REPA's targets too
                           val_prompts=validation_prompts(cfg, train_ds, val_ds),  # what each grid cell shows
                           class_ids=read_class_ids(data, train_ds) if data.label_column else None)
     if text_encoder is not None:

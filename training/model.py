@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import common
-from training import config
+from training import config, repa
 
 # ----------------------------------------------------------------------------------------------------------
 # Conditioning: class tokens or text tokens go to the MMDiT's context stream (attention); the pooled
@@ -128,14 +128,17 @@ class Denoiser(nn.Module):
     added, in plain sight, to the vector every block's AdaLayerNorm reads. Nothing is kept on the module
     between calls (torch.compile sees one pure function), and the transformer stays a stock diffusers model:
     its weights, state-dict keys and export are diffusers'. tests/test_core.py checks this forward against
-    diffusers' own.
+    diffusers' own. With REPA on (training/repa.py attaches `projector` and `align_block`), align=True also
+    returns the projected tokens after block `align_block`, from the same pass.
     """
 
     def __init__(self, transformer, conditioner):
         super().__init__()
         self.transformer, self.conditioner = transformer, conditioner
+        self.projector, self.align_block = None, None
+        self.register_load_state_dict_pre_hook(drop_projector)
 
-    def forward(self, x, timestep, cond, noise_level=None):
+    def forward(self, x, timestep, cond, noise_level=None, align=False):
         noise_level = timestep / 1000 if noise_level is None else noise_level
         context, pooled, adanorm = self.conditioner(cond, noise_level)
         mmdit, (height, width) = self.transformer, x.shape[-2:]
@@ -145,15 +148,26 @@ class Denoiser(nn.Module):
             temb = temb + adanorm.to(temb.dtype)
         context = mmdit.context_embedder(context)
         checkpointing = mmdit.gradient_checkpointing and torch.is_grad_enabled()  # train.gradient_checkpointing
-        for block in mmdit.transformer_blocks:
+        aligned = None  # REPA: the tokens after block align_block
+        for i, block in enumerate(mmdit.transformer_blocks, 1):
             if checkpointing:  # recompute the block in backward instead of keeping its activations
                 context, tokens = torch.utils.checkpoint.checkpoint(block, tokens, context, temb, use_reentrant=False)
             else:
                 context, tokens = block(hidden_states=tokens, encoder_hidden_states=context, temb=temb)
+            aligned = tokens if i == self.align_block else aligned
         tokens = mmdit.proj_out(mmdit.norm_out(tokens, temb))  # (B, N, p * p * C)
         p, c = mmdit.config.patch_size, mmdit.out_channels
         tokens = tokens.reshape(len(x), height // p, width // p, p, p, c)
-        return torch.einsum("nhwpqc->nchpwq", tokens).reshape(len(x), c, height, width)
+        out = torch.einsum("nhwpqc->nchpwq", tokens).reshape(len(x), c, height, width)
+        return (out, self.projector(aligned)) if align else out
+
+
+def drop_projector(module, state, prefix, *args):
+    """A REPA run's weights load into a model without the projector (evaluation, sampling, init_from's source):
+    the projector's tensors are left out of `state` before the strict key check."""
+    if module.projector is None:
+        for key in [k for k in state if k.startswith(prefix + "projector.")]:
+            del state[key]
 
 
 def rescale_guidance(out, out_c, phi):
@@ -221,7 +235,7 @@ def build_for_run(cfg, x_shape, null_text=None):
     """The run's Denoiser for data of shape (channels, size, size) in model space; text runs pass the empty
     prompt's encoding (null_text), which is the dropped condition of guidance and fixes the text dims."""
     text_dims = None if null_text is None else (*null_text["text_tokens"].shape[1:], null_text["text_pooled"].shape[-1])
-    model = build_denoiser(cfg, x_shape[0], x_shape[-1], text_dims)
+    model = repa.attach(build_denoiser(cfg, x_shape[0], x_shape[-1], text_dims), cfg)  # REPA: its projector
     if null_text is not None:
         for name in ("tokens", "mask", "pooled"):
             getattr(model.conditioner, f"null_{name}").copy_(null_text[f"text_{name}"][0])

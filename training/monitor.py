@@ -144,6 +144,7 @@ class Monitor:
         self.since_log, self.micro_batches, self.before = 0, 0, None  # `before`: weights kept for the update ratio
         self.steps_done, self.diverged_at, self.progress.n = state.get("step", 0), None, state.get("step", 0)
         self.stats.zero_(), self.per_step.zero_()
+        self.terms = {}  # the options' loss terms (REPA, contrastive): their interval sums, by name
         self.restart_clock()
         interval = state.get("interval")
         if interval and len(interval["totals"]) == len(self.stats) + self.per_step.numel():
@@ -152,16 +153,24 @@ class Monitor:
             if self.accelerator.is_main_process:
                 totals = torch.tensor(interval["totals"], device=self.stats.device)
                 self.stats.copy_(totals[:len(self.stats)]), self.per_step.view(-1).copy_(totals[len(self.stats):])
+            self.terms = {k: torch.tensor(v if self.accelerator.is_main_process else 0.0, device=self.stats.device)
+                          for k, v in interval.get("terms", {}).items()}
             self.since_log, self.waited = interval["steps"], interval["waited"]
             self.t_last -= interval["seconds"]
 
     def state_dict(self):
         """What a checkpoint keeps: counters, the smoothed-loss statistics and the log interval in progress (its
         per-step sums over all ranks: a collective, every rank calls it)."""
-        totals = self.accelerator.reduce(torch.cat([self.stats, self.per_step.flatten()]), "sum")
+        totals = self.accelerator.reduce(torch.cat([self.stats, self.per_step.flatten(), *self.term_sums()]), "sum")
+        n = len(self.stats) + self.per_step.numel()
         return {"skipped_steps": self.skipped, "bad_in_row": self.bad_in_row, "loss_state": self.loss_state,
-                "interval": {"steps": self.since_log, "totals": totals.tolist(), "waited": self.waited,
-                             "seconds": time.perf_counter() - self.t_last}}
+                "interval": {"steps": self.since_log, "totals": totals[:n].tolist(), "waited": self.waited,
+                             "seconds": time.perf_counter() - self.t_last,
+                             "terms": dict(zip(sorted(self.terms), totals[n:].tolist()))}}
+
+    def term_sums(self):
+        """The options' term sums as 1-element tensors, in name order (every rank has the same names)."""
+        return [self.terms[k].view(1) for k in sorted(self.terms)]
 
     def restart_clock(self):
         """Throughput counts training only: called after validation, FID and checkpoints."""
@@ -185,13 +194,16 @@ class Monitor:
         every = self.cfg.log.grad_every
         return bool(every) and (self.steps_done + 1) % every == 0 and self.accelerator.is_main_process
 
-    def micro_batch(self, loss, bins, weight=1.0):
+    def micro_batch(self, loss, bins, weight=1.0, terms=None):
         """After a micro-batch's backward: its per-sample losses and the time bin (0 .. loss_bins - 1) of each.
         `weight`: the adaptive time density's importance weights; the step's loss is the weighted one (what is
         trained, an unbiased estimate of the base objective), the per-bin losses the unweighted ones. After the
         step's last micro-batch, on an analysis step, the weights are kept for the update ratio (once the
-        activations are freed, so the copy does not raise the step's peak memory)."""
+        activations are freed, so the copy does not raise the step's peak memory). `terms`: the options' own
+        per-sample loss terms (REPA, contrastive), logged as loss_<name>, weighted as the loss is."""
         loss = loss.detach()
+        for name, value in (terms or {}).items():
+            self.terms[name] = self.terms.get(name, 0) + (weight * value.detach()).sum()
         self.per_step[self.since_log, 0] += (weight * loss).sum()
         self.per_step[self.since_log, 1] += len(loss)
         self.stats[:self.k_bins].index_add_(0, bins, loss)
@@ -229,7 +241,9 @@ class Monitor:
         many non-finite steps in a row stop the run, train.max_nonfinite_steps, or mark where a divergence began
         for a rollback), find loss spikes, log."""
         tr, k_bins = self.cfg.train, self.k_bins
-        totals = self.accelerator.reduce(torch.cat([self.stats, self.per_step.flatten()]), "sum")
+        totals = self.accelerator.reduce(torch.cat([self.stats, self.per_step.flatten(), *self.term_sums()]), "sum")
+        n = len(self.stats) + self.per_step.numel()
+        totals, term_totals = totals[:n], totals[n:]
         n_steps, self.since_log = self.since_log, 0
         elapsed = time.perf_counter() - self.t_last
         steps = totals[len(self.stats):].view(-1, 5)[:n_steps].tolist()
@@ -260,6 +274,8 @@ class Monitor:
         counts = totals[k_bins:len(self.stats)].clamp(min=1)
         metrics.update({f"loss_t{k}": (totals[k] / counts[k]).item() for k in range(k_bins)})
         metrics["images_per_s_per_device"] = metrics["images_per_s"] / self.world
+        count = sum(s[1] for s in steps)
+        metrics.update({f"loss_{k}": v / count for k, v in zip(sorted(self.terms), term_totals.tolist())})
         if clipped:  # by how much the clip acted, on the steps where it did
             metrics["clip_excess"] = sum(clipped) / len(clipped)
         self.log(metrics)
@@ -268,6 +284,7 @@ class Monitor:
         if self.show_lines:
             print(self.line(step, metrics), flush=True)
         self.stats.zero_(), self.per_step.zero_()
+        self.terms = {}
         self.restart_clock()
         return metrics
 

@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, create_model
 
+from training import repa
+
 # ----------------------------------------------------------------------------------------------------------
 # The shared sections, one key a line: its type, default, range (ge, gt, le, lt) or allowed values (Literal)
 # and what it does. Adding a key is adding its line; a trainer's own keys are in its Objective and Sampler.
@@ -150,6 +152,21 @@ class Ckpt(BaseModel, extra="forbid", strict=True):
     phema_stds: list[Annotated[float, Field(gt=0, le=0.28)]] = Field([0.05, 0.1], description="relative stds of the tracked power EMAs")
 
 
+class Repa(BaseModel, extra="forbid", strict=True):  # both trainers' objective keys (schema adds them)
+    repa_weight: float = Field(0.0, ge=0, description="REPA: weight of the representation-alignment term "
+                               "(the paper: 0.5; training/repa.py); 0: off")
+    repa_encoder: str = Field("facebook/dinov2-base", description="REPA: the frozen transformers image model "
+                              "(hub id or folder) whose patch tokens are the targets (DINOv2-B: the paper's)")
+    repa_block: int = Field(4, ge=1, description="REPA: the block (1-based) whose output tokens are aligned "
+                            "(the paper: 4 of 12 for B-sized models, 8 of 28 for XL)")
+    repa_projector: Literal["mlp", "conv"] = Field("mlp", description="REPA's 3-layer MLP, or iREPA's 3x3 "
+                                                   "convolution with spatially normalised targets")
+    repa_projector_dim: int = Field(2048, ge=1, description="REPA: the MLP projector's hidden width (the paper's)")
+    repa_off_step: Int = Field(None, ge=0, description="REPA: the term stops at this optimizer step (HASTE); None: never")
+    repa_targets: Literal["cache", "on_the_fly"] = Field("cache", description="REPA: stored with each cached row, "
+                                                         "or encoded from the batch's pixels each step (pixel space)")
+
+
 class Run(BaseModel, extra="forbid", strict=True):
     run_dir: Str = Field(None, description="None: runs/{method}_{config name}, runs/{method}_demo without one")
     seed: int = Field(0, ge=0, description="each rank adds its index")
@@ -168,8 +185,11 @@ class Run(BaseModel, extra="forbid", strict=True):
 
 
 def schema(objective, sampler):
-    """A trainer's whole config: the shared sections with its `objective` section and its `sampler` keys in val."""
+    """A trainer's whole config: the shared sections with its `objective` section (plus the REPA keys) and its
+    `sampler` keys in val."""
     val = create_model("Val", __base__=Val, **{k: (f.annotation, f) for k, f in sampler.model_fields.items()})
+    objective = create_model("Objective", __base__=objective, __doc__=objective.__doc__,
+                             **{k: (f.annotation, f) for k, f in Repa.model_fields.items()})
     about = Run.model_fields["val"].description
     return create_model("Run", __base__=Run, val=(val, Field(default_factory=val, description=about)),
                         objective=(objective, Field(default_factory=objective, description=objective.__doc__)))
@@ -218,6 +238,7 @@ def combination_problems(cfg):
     if val["guidance_interval"][0] > val["guidance_interval"][1]:
         problems.append(f"val.guidance_interval={val['guidance_interval']!r} must be [lo, hi] with lo <= hi (noise "
                         f"levels: flow-matching t, 1 = pure noise; [0, 1] guides every step)")
+    problems += repa.problems(cfg)  # the block exists, the encoder's config reads (training/repa.py)
     if cfg["ckpt"]["phema_every"] and not cfg["ckpt"]["phema_stds"]:
         problems.append("ckpt.phema_every > 0 tracks the profiles of ckpt.phema_stds: give at least one std, e.g. [0.05, 0.1]")
     if tr["mixed_precision"] == "fp16":

@@ -1,0 +1,30 @@
+"""Contrastive flow matching (Stoica et al. 2025, "Contrastive Flow Matching", gstoica27/DeltaFM): the velocity
+error minus lambda times the error against another sample's target,
+
+    L = |v_hat_i - v_i|^2 - lambda |v_hat_i - v_j|^2,   j = i - 1 in the micro-batch (a roll by one),
+
+which pushes each conditional flow away from the others (DeltaFM trains with lambda = 0.05). Only the second term
+lives here; the trainer adds it to the flow-matching loss and logs it on its own (loss_contrastive).
+
+What it does at the optimum (derived here; docs/methods.md): for a fixed x_t the minimiser of
+E|v_hat - v|^2 - lambda E|v_hat - v'|^2 is v_hat = (E[v | x_t] - lambda E[v']) / (1 - lambda), and as the
+negative belongs to an independent sample, E[v'] = E[eps - x0] = -mean(x0) whatever the condition: the model
+learns the flow-matching velocity, shifted by lambda mean(x0) and scaled by 1 / (1 - lambda). lambda < 1 keeps
+the objective bounded below (sections' range of objective.contrastive_weight).
+"""
+
+
+def term(v_hat, v, weight):
+    """Per-sample -weight |v_hat_i - v_{i-1}|^2 (mean over the elements, as the flow-matching loss): v_hat the
+    predicted velocities and v their targets, (B, ...) each, in fp32."""
+    negative = v.roll(1, dims=0)
+    return -weight * (v_hat - negative).pow(2).mean(dim=tuple(range(1, v.dim())))
+
+
+def problems(cfg):
+    """The start-up check: a micro-batch of one has no other sample to contrast with."""
+    weight, batch = cfg["objective"].get("contrastive_weight", 0.0), cfg["train"]["batch_size"]
+    if weight and batch == 1:
+        return [f"objective.contrastive_weight={weight} contrasts each sample with another of its micro-batch, and "
+                f"train.batch_size=1 has none: use train.batch_size >= 2, or objective.contrastive_weight=0"]
+    return []
