@@ -64,17 +64,22 @@ class Model(BaseModel, extra="forbid", strict=True):
                                                               "grid: resample the positions (the paper's) or extend")
 
 
-class ControlPower(BaseModel, extra="forbid", strict=True):
-    size: float = Field(1.0, ge=0, description="p in the size control's weight w(t) = cos(pi t / 2)^p")
-    crop: float = Field(1.0, ge=0, description="p of the crop control")
-    flip: float = Field(1.0, ge=0, description="p of the flip control")
+class ControlPower(BaseModel, extra="forbid", strict=True):  # docs/paper.md: the sources, and what is our reading
+    size: float = Field(1.0, ge=0, description="p in the size control's weight w(t) = cos(pi t / 2)^p: > 0 acts late "
+                        "(0 at pure noise, t = 1), 0 from the start (w = 1); size is low-level: late")
+    crop: float = Field(0.0, ge=0, description="p of the crop control (high-level: from the start)")
+    flip: float = Field(0.0, ge=0, description="p of the flip control (high-level: from the start)")
 
 
 class Conditioning(BaseModel, extra="forbid", strict=True):
-    mode: Literal["disentangled", "adanorm"] = Field("disentangled", description="semantics by attention, controls "
-                                                     "x w(t) in the adaptive norm (the paper's); adanorm: DiT / SDXL")
+    mode: Literal["disentangled", "both", "adanorm"] = Field("disentangled", description="disentangled: semantics by "
+                                                             "attention, controls x w(t) in the adaptive norm (the paper's); "
+                                                             "both: the class in attention and the adaptive norm "
+                                                             "(MMDiT-native); adanorm: class and controls in the norm (DiT / SDXL)")
     controls: list[Literal["size", "crop", "flip"]] = Field([], description="the control conditions used")
     control_power: ControlPower = Field(default_factory=ControlPower)
+    pooled_text: bool | None = Field(None, description="text: the pooled text vector into the adaptive norm; None: "
+                                     "off in disentangled (the paper's reading), on in both and adanorm (SD3)")
     semantic_dropout: float = Field(0.1, ge=0, le=1, description="dropped independently, for guidance on each")
     control_dropout: float = Field(0.1, ge=0, le=1, description="the controls' dropout")
     replicate_padding: bool = Field(True, description="text: noisy replicate padding instead of pad embeddings")
