@@ -30,9 +30,13 @@ class Data(BaseModel, extra="forbid", strict=True):
                            'ClassLabel names; "imagenet-1k", "imagenet-22k" or a file')
     label_captions: bool = Field(False, description="text-to-image on class data: the caption is the class name")
     resolution: int = Field(16, ge=8, description="training resolution (pixels per side)")
-    crop: Literal["center", "random", "random_resized"] = Field("center", description="drawn once, at cache time")
+    crop: Literal["center", "random", "random_resized"] = Field("center", description="drawn at cache time, "
+                                                                  "data.cache_views of them per training image")
     min_crop_scale: float = Field(0.5, gt=0, le=1, description="random_resized: crop side >= this x the short side")
-    random_flip: bool = Field(False, description="horizontal flip with probability 1/2 (the flip control)")
+    random_flip: bool = Field(False, description="horizontal flip (the flip control): training images are cached both "
+                              "ways, one drawn per epoch; held-out images flipped with probability 1/2")
+    cache_views: int = Field(1, ge=1, description="crops cached per training image, each both ways with random_flip "
+                             "(views = crops x 2); each epoch shows one view per image, every view within `views` epochs")
     min_image_side: int = Field(8, ge=1, description="smaller images are reported and skipped at cache time")
     max_samples: Int = Field(None, ge=1, description="use only the first N training rows")
     demo_samples: int = Field(4864, ge=1, description="size of the embedded demo set")
@@ -205,6 +209,10 @@ def combination_problems(cfg):
                         f" x the VAE's downsampling factor {factor}")
     if bool(d["caption_column"] or d["label_captions"]) != bool(enc["text_encoder"]):
         problems.append("encoders.text_encoder goes with data.caption_column (or data.label_captions): set both or neither")
+    if d["cache_views"] > 1 and d["crop"] == "center":
+        problems.append(f"data.cache_views={d['cache_views']} caches that many crops per image, and data.crop='center' "
+                        f"gives the same centre square each time: set data.crop to 'random' or 'random_resized', or "
+                        f"data.cache_views=1")
     if d["label_captions"] and (d["caption_column"] or not d["label_column"]):
         problems.append("data.label_captions captions each image with its class name: it needs data.label_column "
                         "and no data.caption_column")
