@@ -27,6 +27,12 @@ def test_demo_data_is_deterministic_and_labelled():
     # The shape is drawn in its class colour: the most common non-background colour is the class colour.
     img = torch.from_numpy(np.asarray(a[3]["image"]).reshape(-1, 3).astype(np.int64))
     assert (img == torch.tensor(DEMO_COLORS["green"])).all(1).sum() > 20
+    # data.demo_sizes: drawn natively at sides lo .. hi (the shape in proportion), the default images unchanged.
+    sized = make_demo_dataset(90, seed=0, sizes=[8, 32])
+    sides = [img.size for img in sized["image"]]
+    assert all(w == h and 8 <= w <= 32 for w, h in sides) and len(set(sides)) > 10
+    assert sized["label"] == [i % 9 for i in range(90)]
+    assert (np.asarray(make_demo_dataset(18, seed=0)[5]["image"]) == np.asarray(a[5]["image"])).all()
 
 
 def test_preprocess_any_mode_and_crop_metadata():

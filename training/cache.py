@@ -75,7 +75,7 @@ def cache_key(cfg, part, ds, rows):
            "dtype": data.cache_dtype, "min_image_side": data.min_image_side, "shard_size": data.shard_size,
            "source_files": source_fingerprint(data, ds), "format": 4}
     if data.source == "embedded":
-        key["demo"] = [data.demo_samples, data.demo_resolution]
+        key["demo"] = [data.demo_samples, data.demo_resolution] + ([data.demo_sizes] if data.get("demo_sizes") else [])
     if data.label_captions:
         key["label_captions"] = data.class_ids
     if is_stream(data):

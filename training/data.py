@@ -43,18 +43,22 @@ def draw_shape(label, size, rng, resolution=32):
     return img
 
 
-def make_demo_dataset(num_samples, seed, resolution=32):
-    """A `datasets.Dataset` with image, label and caption columns ("a small red circle")."""
+def make_demo_dataset(num_samples, seed, resolution=32, sizes=None):
+    """A `datasets.Dataset` with image, label and caption columns ("a small red circle"). `sizes` = [lo, hi]
+    (data.demo_sizes): each image is drawn natively at a side in lo .. hi px instead of `resolution`, so an
+    image upsampled to the training resolution is blurrier the smaller it was drawn: its size carries sharpness,
+    which the size control can learn (benchmarks/control_ablation.py)."""
     import datasets
 
     rng = np.random.default_rng(seed)
     rows = {"image": [], "label": [], "caption": []}
     for i in range(num_samples):
         label = i % len(DEMO_CLASSES)
-        size = int(rng.integers(round(resolution * 0.35), round(resolution * 0.75) + 1))
-        rows["image"].append(draw_shape(label, size, rng, resolution))
+        side = int(rng.integers(sizes[0], sizes[1] + 1)) if sizes else resolution
+        size = int(rng.integers(round(side * 0.35), round(side * 0.75) + 1))
+        rows["image"].append(draw_shape(label, size, rng, side))
         rows["label"].append(label)
-        rows["caption"].append(f"a {'small' if size < resolution * 0.55 else 'large'} {DEMO_CLASSES[label]}")
+        rows["caption"].append(f"a {'small' if size < side * 0.55 else 'large'} {DEMO_CLASSES[label]}")
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=DEMO_CLASSES),
                                   "caption": datasets.Value("string")})
     return datasets.Dataset.from_dict(rows, features=features)
@@ -70,7 +74,7 @@ def open_dataset(data, split):
 
     source = data.source
     if source == "embedded":
-        ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution)
+        ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution, sizes=data.get("demo_sizes"))
     elif source.endswith(".parquet") or (Path(source).is_dir() and any(Path(source).glob("**/*.parquet"))):
         files = source if source.endswith(".parquet") else str(Path(source) / "**/*.parquet")
         ds = datasets.load_dataset("parquet", data_files={split: files}, split=split)

@@ -41,6 +41,8 @@ class Data(BaseModel, extra="forbid", strict=True):
     max_samples: Int = Field(None, ge=1, description="use only the first N training rows")
     demo_samples: int = Field(4864, ge=1, description="size of the embedded demo set")
     demo_resolution: int = Field(16, ge=8, description="side of the embedded demo images")
+    demo_sizes: list[Annotated[int, Field(ge=4)]] | None = Field(None, min_length=2, max_length=2, description="[lo, hi]: "
+                                                                 "each demo image drawn at a side in lo .. hi px (size carries sharpness)")
     cache_dir: str = Field("cache", description="where the encoded cache goes (shared storage on a cluster)")
     cache_dtype: Literal["float16", "bfloat16", "float32"] = Field("float16", description="of the cached values")
     cache_text: bool = Field(True, description="cache text features; False: token ids, encoded at each step (lean)")
@@ -209,6 +211,8 @@ def combination_problems(cfg):
                         f" x the VAE's downsampling factor {factor}")
     if bool(d["caption_column"] or d["label_captions"]) != bool(enc["text_encoder"]):
         problems.append("encoders.text_encoder goes with data.caption_column (or data.label_captions): set both or neither")
+    if d["demo_sizes"] and d["demo_sizes"][0] > d["demo_sizes"][1]:
+        problems.append(f"data.demo_sizes={d['demo_sizes']} must be [lo, hi] with lo <= hi (pixels per side)")
     if d["cache_views"] > 1 and d["crop"] == "center":
         problems.append(f"data.cache_views={d['cache_views']} caches that many crops per image, and data.crop='center' "
                         f"gives the same centre square each time: set data.crop to 'random' or 'random_resized', or "
