@@ -27,6 +27,12 @@ def test_demo_data_is_deterministic_and_labelled():
     # The shape is drawn in its class colour: the most common non-background colour is the class colour.
     img = torch.from_numpy(np.asarray(a[3]["image"]).reshape(-1, 3).astype(np.int64))
     assert (img == torch.tensor(DEMO_COLORS["green"])).all(1).sum() > 20
+    # data.demo_sizes: drawn natively at sides lo .. hi (the shape in proportion), the default images unchanged.
+    sized = make_demo_dataset(90, seed=0, sizes=[8, 32])
+    sides = [img.size for img in sized["image"]]
+    assert all(w == h and 8 <= w <= 32 for w, h in sides) and len(set(sides)) > 10
+    assert sized["label"] == [i % 9 for i in range(90)]
+    assert (np.asarray(make_demo_dataset(18, seed=0)[5]["image"]) == np.asarray(a[5]["image"])).all()
 
 
 def test_preprocess_any_mode_and_crop_metadata():
@@ -337,3 +343,86 @@ def test_the_intact_checkpoint_check_reads_only_headers_and_the_small_state(tmp_
     assert not common.checkpoint_ok(folder)
     Path(optimizer_file).unlink()
     assert not common.checkpoint_ok(folder)
+
+
+# ---- Augmentations under the cache: data.cache_views crops x 2 flips per image, one view per epoch -------------
+
+
+class ViewRows(torch.utils.data.Dataset):
+    """Rows 0 .. n_images * views - 1, an image's views consecutive (as CachedDataset with data.cache_views)."""
+
+    def __init__(self, images, views):
+        self.rows, self.views = torch.arange(images * views), views
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, rows):
+        return self.rows[rows]
+
+
+def test_each_epoch_shows_one_view_per_image_every_view_within_v_epochs_and_resumes_exactly():
+    ds, views = ViewRows(24, 4), 4
+    full = iterate_batches(ds, 0, 4, seed=5, rank=0, world=1, loader_kwargs={})
+    epochs = [sum([next(full).tolist() for _ in range(6)], []) for _ in range(8)]  # 6 batches of 4 = 24 images
+    for rows in epochs:  # every image once per epoch, under one of its views
+        assert sorted(r // views for r in rows) == list(range(24))
+    seen = {i: [] for i in range(24)}
+    for rows in epochs:
+        for r in rows:
+            seen[r // views].append(r % views)
+    for i, v in seen.items():  # every view within the first 4 epochs, then the same cycle again
+        assert sorted(v[:4]) == [0, 1, 2, 3] and v[4:] == v[:4], (i, v)
+    assert len({tuple(v) for v in seen.values()}) > 1  # images start their cycles at different views
+    flat = sum(epochs, [])
+    resumed = iterate_batches(ds, 17, 4, seed=5, rank=0, world=1, loader_kwargs={})
+    assert sum([next(resumed).tolist() for _ in range(13)], []) == flat[17 * 4:30 * 4]
+    other = iterate_batches(ds, 0, 4, seed=6, rank=0, world=1, loader_kwargs={})
+    assert sum([next(other).tolist() for _ in range(6)], []) != epochs[0]
+
+
+def asymmetric_images(n):
+    """Left-right asymmetric images of several sizes: red = the column (0 .. 255 across), green = the row, blue
+    marks each image."""
+    images = []
+    for i in range(n):
+        w, h = 40 + 8 * i, 32 + 4 * i
+        xs, ys = np.meshgrid(np.linspace(0, 255, w), np.linspace(0, 255, h))
+        images.append(Image.fromarray(np.stack([xs, ys, np.full_like(xs, 10 * i)], -1).round().astype(np.uint8)))
+    return images
+
+
+def test_cached_views_hold_several_crops_both_flips_and_metadata_true_to_the_pixels(tmp_path, capsys):
+    import datasets
+
+    images = asymmetric_images(5)
+    ds = datasets.Dataset.from_dict({"image": images, "label": list(range(5))},
+                                    features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+    ds = ds.cast_column("image", datasets.Image(decode=False))
+    args = ["--data.cache_dir", str(tmp_path), "--data.crop=random_resized", "--data.min_crop_scale=0.4",
+            "--data.random_flip=true", "--data.shard_size=2", "--data.resolution=16", "--data.num_classes=5"]
+    cfg = config.load_config(fm.DEFAULTS, args + ["--data.cache_views=3"])
+    accelerator = Accelerator(cpu=True)
+    folder = build_cache(ds, "train", lambda pixels, captions: {"x": pixels}, accelerator, cfg)
+    assert "about 30 samples (3 crops x 2 flips per image)" in capsys.readouterr().out  # the cost, before caching
+    cached = CachedDataset(folder)
+    assert len(cached) == 5 * 6 and cached.views == 6
+    for i, img in enumerate(images):
+        rows = cached[list(range(6 * i, 6 * i + 6))]
+        assert (rows["label"] == i).all()
+        boxes = {tuple(b) for b in rows["crop_box"].tolist()}
+        assert len(boxes) == 3 and rows["flip"].flatten().tolist() == [0, 1] * 3
+        for x, box, flip in zip(rows["x"], rows["crop_box"].tolist(), rows["flip"].flatten().tolist()):
+            top, left, side, _ = box
+            expected = img.resize((16, 16), Image.BICUBIC, box=(left, top, left + side, top + side))
+            expected = torch.from_numpy(np.asarray(expected, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1
+            torch.testing.assert_close(x, expected.flip(-1) if flip else expected, atol=4e-3, rtol=0)
+            red = x[0].mean(0)  # the column gradient runs right-to-left exactly when the view is mirrored
+            assert (red[-1] < red[0]) == bool(flip)
+    # Another view setting is another cache (a miss that names it), never a silent reuse.
+    other = build_cache(ds, "train", lambda pixels, captions: {"x": pixels}, accelerator,
+                        config.load_config(fm.DEFAULTS, args + ["--data.cache_views=2"]))
+    assert other != folder and CachedDataset(other).views == 4
+    assert "changed views: [3, True] -> [2, True]" in capsys.readouterr().out
+    held_out = build_cache(ds, "val", lambda pixels, captions: {"x": pixels}, accelerator, cfg)
+    assert CachedDataset(held_out).views == 1 and len(CachedDataset(held_out)) == 5  # held-out rows: one view

@@ -99,7 +99,7 @@ def test_streamed_cache_is_the_same_for_1_and_2_processes_and_workers_and_resume
     assert_same_shards(shard_tensors(one), shard_tensors(two))
     # Every usable sample of the 6 training shards exactly once; the broken ones named in the manifest.
     broken_train = [key for key in BROKEN if key[0] < 6]
-    assert len(CachedDataset(one)) == 6 * PER_SHARD - len(broken_train)
+    assert len(CachedDataset(one)) == (6 * PER_SHARD - len(broken_train)) * 2  # both flips of each image
     skipped = " ".join(json.loads((one / "manifest.json").read_text())["skipped"])
     for s, i in broken_train:
         assert f"{s:05d}{i:04d}" in skipped
@@ -189,7 +189,7 @@ def test_size_estimate_matches_the_written_cache(wds, tmp_path, tiny_vae, tiny_t
     cfg = config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path, extra=[
         "--encoders.vae", tiny_vae, "--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8",
         "--data.resolution=16", f"--data.cache_text={str(cache_text).lower()}", "--data.val_shards=[2,8]",
-        "--data.encode_batch_size=32"]))
+        "--data.encode_batch_size=32", "--data.random_flip=false"]))  # one view per image: rows = samples
     vae, tokenizer, text_encoder = data_module.load_encoders(cfg.encoders, torch.device("cpu"))
     encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
     train, _ = open_splits(cfg.data)

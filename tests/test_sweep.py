@@ -86,8 +86,9 @@ def test_random_draws_are_reproducible_in_range_and_named_by_their_value(tmp_pat
 def test_the_sweep_files_in_configs_expand_into_valid_runs(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # their base recipes are named from the repository root
     spec, out, runs = sweep.prepare(path, write=False)
-    assert len(runs) == 6 and all(r["config"]["seed"] == r["seed"] for r in runs)
-    assert len({r["seed"] for r in runs}) == 3 and sweep.executor_parameters(spec, 6)["tasks_per_node"] == 1
+    arms = {json.dumps(r["params"], sort_keys=True) for r in runs}  # sweep_methods: 2 arms, sweep_conditioning: 3
+    assert len(runs) == 3 * len(arms) and len(arms) >= 2 and all(r["config"]["seed"] == r["seed"] for r in runs)
+    assert len({r["seed"] for r in runs}) == 3 and sweep.executor_parameters(spec, len(runs))["tasks_per_node"] == 1
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from training import repa
 from training.classes import class_names, read_class_ids
 from training.data import (encode_text, expand_braces, is_stream, load_encoders, loader_options, make_encode, stream_shards,
-                           validation_prompts)
+                           validation_prompts, views_of)
 from training.encoding import DecodedShards, cache_size, encoded_rows, human_bytes, samples_per_shard
 from training.monitor import interactive
 
@@ -76,11 +76,13 @@ def cache_key(cfg, part, ds, rows):
            "dtype": data.cache_dtype, "min_image_side": data.min_image_side, "shard_size": data.shard_size,
            "source_files": source_fingerprint(data, ds), "format": 4}
     if data.source == "embedded":
-        key["demo"] = [data.demo_samples, data.demo_resolution]
+        key["demo"] = [data.demo_samples, data.demo_resolution] + ([data.demo_sizes] if data.get("demo_sizes") else [])
     if data.label_captions:
         key["label_captions"] = data.class_ids
     if is_stream(data):
         key["val_shards"] = data.val_shards
+    if views_of(data, part) > 1:  # data.cache_views crops, each both ways with data.random_flip
+        key["views"] = [data.cache_views, data.random_flip]
     if part == "train" and not data.cache_text and enc.text_encoder:
         key["cache_text"] = False  # token ids, not features
     key.update(repa.cache_key(cfg))  # REPA's targets, when stored with the rows
@@ -169,7 +171,8 @@ def write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator
     `rounds` such agreements (the most shards any rank writes), so they all leave after the same round."""
     # Its own generator: a DataLoader with workers otherwise draws their seed from the global RNG, and a run
     # that built the cache would initialise its model differently from one that found it (no exact resume).
-    loader = torch.utils.data.DataLoader(DecodedShards(ds, todo, data, names), batch_size=None,
+    views = views_of(data, part)
+    loader = torch.utils.data.DataLoader(DecodedShards(ds, todo, data, names, views), batch_size=None,
                                          generator=torch.Generator().manual_seed(0),
                                          **loader_options(data, torch.device("cpu")))
     rank = accelerator.process_index
@@ -189,14 +192,15 @@ def write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator
             for t in out.values():
                 if t.is_floating_point():
                     finite &= torch.isfinite(t.flatten(1).float()).all(1)
+            finite = finite.view(-1, views).all(1).repeat_interleave(views)  # an image keeps all its views or none
             for i in torch.nonzero(~finite).flatten().tolist():
                 shard["skipped"].append(f"shard {batch['shard']}, row {shard['rows'] + i}: encoded to non-finite values")
             for name, value in out.items():
                 shard["tensors"].setdefault(name, []).append(value[finite])
             shard["rows"] += int(finite.sum())
         shard["skipped"] += batch["skipped"]
-        encoded, skipped = encoded + len(batch["pixels"]), skipped + len(batch["skipped"])
-        bar.update(len(batch["pixels"]) + len(batch["skipped"]))
+        encoded, skipped = encoded + len(batch["pixels"]) // views, skipped + len(batch["skipped"])  # images
+        bar.update(len(batch["pixels"]) + views * len(batch["skipped"]))
         if batch["last"]:
             shard = pending.pop(batch["shard"])
             save_shard(path_of(batch["shard"]), {n: torch.cat(parts) for n, parts in shard["tensors"].items()},
@@ -256,7 +260,7 @@ def locate_cache(cfg, part, ds, accelerator):
         (folder / "key.json").write_text(json.dumps(key, indent=1))  # names what changed for a later miss
     accelerator.wait_for_everyone()
     return SimpleNamespace(part=part, ds=ds, shards=shards, key=key, folder=folder, manifest=manifest, mine=[],
-                           verified={})
+                           verified={}, views=views_of(data, part))
 
 
 def file_stamp(path):
@@ -312,11 +316,14 @@ def write_cache(cache, todo_by_rank, encode, cfg, accelerator, signals=None):
     def path_of(k):
         return folder / f"shard_{k:05d}.safetensors"
 
-    rows = samples_per_shard(cache.ds, missing, data.shard_size)
+    views = views_of(data, part)  # rows per image: data.cache_views crops x 2 flips with data.random_flip
+    rows = {k: n * views for k, n in samples_per_shard(cache.ds, missing, data.shard_size).items()}
     per_row, size = cache_size(encode, data, text, list(rows.values()))
     free = shutil.disk_usage(folder).free
+    many = (f" ({data.cache_views} crop{'s' * (data.cache_views > 1)} x {2 if data.random_flip else 1} flip"
+            f"{'s' * data.random_flip} per image)") if views > 1 else ""
     accelerator.print(f"cache ({part}): {len(missing)} of {len(cache.shards)} shards to write, about "
-                      f"{sum(rows.values())} samples x {per_row} bytes = {human_bytes(size)}; {human_bytes(free)} "
+                      f"{sum(rows.values())} samples{many} x {per_row} bytes = {human_bytes(size)}; {human_bytes(free)} "
                       f"free on {data.cache_dir}")
     if size > free:
         raise SystemExit(f"data.cache_dir='{data.cache_dir}' has {human_bytes(free)} free, the {part} cache needs "
@@ -353,7 +360,7 @@ def write_manifest(cache, built, accelerator):
                                   + "; ".join(skipped[:5]))
             tmp = folder / "manifest.tmp"
             tmp.write_text(json.dumps({"key": cache.key, "shards": shards, "sha256": sums, "skipped": skipped,
-                                       "verified": stamps}, indent=1))
+                                       "verified": stamps, "views": cache.views}, indent=1))
             os.replace(tmp, folder / "manifest.json")
         accelerator.print(f"cache {'hit' if not built else 'ready'} ({cache.part}): {folder}, {len(shards)} shards"
                           + (f", {built} (re)built" if built else ", all sound"))
@@ -387,7 +394,8 @@ SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch
 class CachedDataset(torch.utils.data.Dataset):
     """Rows of a finished cache, read lazily from memory-mapped shards (ImageNet latents do not fit in RAM
     once per GPU). Returns float32 tensors; a latent cache holds the posterior mean and std, and a sample
-    x0 = mean + std * n is drawn at train time, so each epoch sees a fresh draw.
+    x0 = mean + std * n is drawn at train time, so each epoch sees a fresh draw. With `views` > 1 each image's
+    cached views are consecutive rows (data.cache_views) and iterate_batches shows one of them per epoch.
 
     `dataset[i]` is one row; `dataset[list of rows]` is a micro-batch (what iterate_batches asks for), read
     with one gather per tensor and shard: per-row reads and collation cost 2% of a small model's step."""
@@ -401,6 +409,7 @@ class CachedDataset(torch.utils.data.Dataset):
                 starts.append(starts[-1] + int(f.metadata()["rows"]))
                 self.keys = list(f.keys()) if starts[-1] > starts[-2] else self.keys
         self.starts, self.mapped = torch.tensor(starts), {}
+        self.views = manifest.get("views", 1)  # rows per image (data.cache_views): iterate_batches draws one
 
     def __len__(self):
         return int(self.starts[-1])

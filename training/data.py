@@ -45,18 +45,22 @@ def draw_shape(label, size, rng, resolution=32):
     return img
 
 
-def make_demo_dataset(num_samples, seed, resolution=32):
-    """A `datasets.Dataset` with image, label and caption columns ("a small red circle")."""
+def make_demo_dataset(num_samples, seed, resolution=32, sizes=None):
+    """A `datasets.Dataset` with image, label and caption columns ("a small red circle"). `sizes` = [lo, hi]
+    (data.demo_sizes): each image is drawn natively at a side in lo .. hi px instead of `resolution`, so an
+    image upsampled to the training resolution is blurrier the smaller it was drawn: its size carries sharpness,
+    which the size control can learn (benchmarks/control_ablation.py)."""
     import datasets
 
     rng = np.random.default_rng(seed)
     rows = {"image": [], "label": [], "caption": []}
     for i in range(num_samples):
         label = i % len(DEMO_CLASSES)
-        size = int(rng.integers(round(resolution * 0.35), round(resolution * 0.75) + 1))
-        rows["image"].append(draw_shape(label, size, rng, resolution))
+        side = int(rng.integers(sizes[0], sizes[1] + 1)) if sizes else resolution
+        size = int(rng.integers(round(side * 0.35), round(side * 0.75) + 1))
+        rows["image"].append(draw_shape(label, size, rng, side))
         rows["label"].append(label)
-        rows["caption"].append(f"a {'small' if size < resolution * 0.55 else 'large'} {DEMO_CLASSES[label]}")
+        rows["caption"].append(f"a {'small' if size < side * 0.55 else 'large'} {DEMO_CLASSES[label]}")
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=DEMO_CLASSES),
                                   "caption": datasets.Value("string")})
     return datasets.Dataset.from_dict(rows, features=features)
@@ -71,8 +75,8 @@ def open_dataset(data, split):
     import datasets
 
     source = data.source
-    ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution) if source == "embedded" \
-        else load_source(source, split)
+    ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution, sizes=data.get("demo_sizes")) \
+        if source == "embedded" else load_source(source, split)
     for key in ("image_column", "label_column", "caption_column"):
         if data[key] is not None and data[key] not in ds.column_names:
             raise ValueError(f"data.{key}='{data[key]}' is not a column of {source} (split '{split}'); "
@@ -245,8 +249,9 @@ def to_8bit(a, mode):
     return np.round((a - lo) / max(hi - lo, 1e-12) * 255).clip(0, 255).astype(np.uint8)
 
 
-def preprocess(img, resolution, data, rng=random):
-    """Crop a square box by the crop policy `data.crop`, resize it to `resolution`, flip it if drawn.
+def preprocess(img, resolution, data, rng=random, flip=None):
+    """Crop a square box by the crop policy `data.crop`, resize it to `resolution`, flip it if drawn (`flip`
+    None: with probability 1/2 if data.random_flip; True / False: as given, nothing drawn).
 
     center: the largest centred square; random: the largest square at a random place; random_resized: a
     random square of side U(data.min_crop_scale, 1) x the short side, at a random place. Returns pixels in
@@ -265,7 +270,7 @@ def preprocess(img, resolution, data, rng=random):
         raise ValueError(f"data.crop must be 'center', 'random' or 'random_resized', got {data.crop!r}")
     img = img.resize((resolution, resolution), Image.BICUBIC, box=(left, top, left + side, top + side),
                      reducing_gap=None if side < 3 * resolution else 3.0)
-    flip = data.random_flip and rng.random() < 0.5
+    flip = data.random_flip and rng.random() < 0.5 if flip is None else flip
     if flip:
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
     x = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1
@@ -477,19 +482,33 @@ def decode(vae, x, device=None):
     return out
 
 
+def views_of(data, part):
+    """Rows cached per image: data.cache_views crops, each both ways with data.random_flip, for the training
+    split (so flips and crops stay augmentations under the cache); one for the held-out rows."""
+    return data.cache_views * (2 if data.random_flip else 1) if part == "train" else 1
+
+
 def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs):
     """Micro-batches forever, starting at micro-batch `start`; `dataset[list of rows]` is one micro-batch
     (CachedDataset). Epoch e visits a permutation seeded by seed + e, split across ranks; so the data position
     is a pure function of the micro-batch count and a resumed run continues exactly where it stopped, with
-    nothing seen twice or skipped."""
-    per_epoch = len(dataset) // world // batch_size
+    nothing seen twice or skipped. A cache of V views per image (`dataset.views`, data.cache_views: an image's
+    views are V consecutive rows) shows image i in epoch e its view (o_i + e) mod V, o_i drawn once from the
+    seed: one view per image per epoch, every view of every image within V epochs."""
+    views = getattr(dataset, "views", 1)
+    images = len(dataset) // views
+    per_epoch = images // world // batch_size
     if per_epoch == 0:
-        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than train.batch_size ({batch_size})"
+        raise ValueError(f"the dataset has {images} samples, fewer than train.batch_size ({batch_size})"
                          f" x {world} processes")
+    offsets = torch.randint(views, (images,), generator=torch.Generator().manual_seed(seed)) if views > 1 else None
     epoch, offset = divmod(start, per_epoch)
     while True:
-        perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch))
-        mine = perm[rank::world][:per_epoch * batch_size].tolist()
+        perm = torch.randperm(images, generator=torch.Generator().manual_seed(seed + epoch))
+        mine = perm[rank::world][:per_epoch * batch_size]
+        if views > 1:
+            mine = mine * views + (offsets[mine] + epoch) % views
+        mine = mine.tolist()
         # Whole micro-batches: the dataset reads a list of rows at once (CachedDataset: one gather per tensor),
         # so the loader neither reads row by row nor collates (batch_size=None).
         rows = torch.utils.data.BatchSampler(mine[offset * batch_size:], batch_size, drop_last=True)

@@ -28,11 +28,13 @@ class DecodedShards(torch.utils.data.IterableDataset):
     """The rows of cache shards `shards`, decoded, checked and cropped in DataLoader workers (data.num_workers)
     while the encoders run in the main process. Each worker reads whole shards, one after another, and yields
     each in batches of data.encode_batch_size tagged with the shard; crops and flips draw from random.Random(k),
-    so cache shard k is the same whatever the number of ranks and workers. Unusable rows (broken image, tiny
+    so cache shard k is the same whatever the number of ranks and workers. With `views` > 1 (data.cache_views,
+    training rows) each image becomes consecutive rows: its crops, each unflipped and, with data.random_flip,
+    mirrored, every row with the metadata of its own view; a batch always holds whole images. Unusable rows (broken image, tiny
     image, missing caption) are reported in the batch's "skipped" and left out, never crash the build."""
 
-    def __init__(self, ds, shards, data, names=None):
-        self.ds, self.shards, self.data, self.names = ds, shards, data, names
+    def __init__(self, ds, shards, data, names=None, views=1):
+        self.ds, self.shards, self.data, self.names, self.views = ds, shards, data, names, views
         # A map-style dataset's labels were all checked when it was opened (open_splits); a stream's are checked
         # here, as its rows are read: a label that is not a class stops the build, naming the member.
         self.check_labels = labels_are_the_condition(data) and is_stream(data)
@@ -87,17 +89,32 @@ class DecodedShards(torch.utils.data.IterableDataset):
                 if min(img.size) < data.min_image_side:
                     raise ValueError(f"{img.size[0]}x{img.size[1]} px is below data.min_image_side")
                 caption = self.caption(row)
-                pixel, meta = preprocess(img, data.resolution, data, rng)
+                views = self.cropped_views(img, rng)
             except Exception as e:  # truncated, empty, not an image, too small, no caption: report, skip
                 batch["skipped"].append(f"{where}: {type(e).__name__}: {e}"[:300])
                 continue
-            batch["pixels"].append(pixel), batch["metas"].append(meta), batch["captions"].append(caption)
-            batch["labels"].append(row[data.label_column] if data.label_column else None)
-            if len(batch["pixels"]) == data.encode_batch_size:
+            for pixel, meta in views:
+                batch["pixels"].append(pixel), batch["metas"].append(meta), batch["captions"].append(caption)
+                batch["labels"].append(row[data.label_column] if data.label_column else None)
+            if len(batch["pixels"]) >= data.encode_batch_size:
                 yield self.collate(k, batch, last=False)
                 batch = {name: [] for name in batch}
         if shard is not None:
             yield self.collate(shard, batch, last=True)
+
+    def cropped_views(self, img, rng):
+        """[(pixels, metadata)] of one image: one view as drawn (views == 1), or data.cache_views crops, each
+        followed by its mirror image when data.random_flip (the mirror is exact: a resampled crop, reversed)."""
+        data = self.data
+        if self.views == 1:
+            return [preprocess(img, data.resolution, data, rng)]
+        out = []
+        for _ in range(data.cache_views):
+            pixel, meta = preprocess(img, data.resolution, data, rng, flip=False)
+            out.append((pixel, meta))
+            if data.random_flip:
+                out.append((pixel.flip(-1), {**meta, "flip": torch.tensor([1])}))
+        return out
 
     def collate(self, k, batch, last):
         data, n = self.data, len(batch["pixels"])

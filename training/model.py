@@ -3,7 +3,9 @@ export / load, and the transfer of weights between runs (init_from).
 
 Conditioning (Berrada et al. 2024, our reading): semantic conditions (class tokens or text tokens) enter the
 MMDiT's context stream, i.e. act through attention; control metadata (size, crop, flip) is embedded and added
-to the adaptive-norm vector with a weight w(t) that is 0 at pure noise and 1 at data. Guidance acts on each.
+to the adaptive-norm vector with a weight w(t) per control: low-level ones (size) 0 at pure noise and 1 at
+data, high-level ones (crop, flip) 1 from the start. Guidance acts on each. The baselines (conditioning.mode):
+adanorm (DiT / SDXL) and both (MMDiT-native: the class in attention and in the adaptive norm).
 No objective and no sampler live here: those are each trainer's own.
 """
 import json
@@ -35,9 +37,11 @@ def sinusoidal(values, dim=64):
 
 
 def control_weight(noise_level, power):
-    """w(t) = cos(pi t / 2)^p: 0 at pure noise (t = 1), 1 at clean data (t = 0), monotone in between, so
-    low-level controls (size, crop, flip) act only late in denoising, once the layout that semantics decide
-    is in place (Berrada et al. 2024, our reading: a noise-dependent schedule on the control embedding)."""
+    """w(t) = cos(pi t / 2)^p with t = 1 at pure noise: for p > 0, 0 at pure noise and 1 at clean data, monotone
+    in between, so a low-level control (size) acts only late in denoising, once the layout that semantics decide
+    is in place; p = 0 gives w = 1 at every t (0^0 = 1), a high-level control (crop, flip) acting from the start
+    (Berrada et al. 2024, as summarised in ../docs/paper.md: a cosine schedule on the control embedding, low-level
+    augmentations late, high-level ones early; the per-control powers are our reading)."""
     return torch.cos(math.pi / 2 * noise_level.float().clamp(0, 1)).clamp(min=0) ** power
 
 
@@ -56,29 +60,39 @@ def replicate_padding(tokens, mask, noise_std):
     return torch.where(mask[..., None].bool(), tokens, copies)
 
 
+MODES = ("disentangled", "both", "adanorm")
+
+
 class Conditioner(nn.Module):
     """Maps a batch's conditions to (context tokens, pooled vector, adaptive-norm addition) for the MMDiT.
 
     Semantics (mode "disentangled", the paper's): a class label c becomes `class_tokens` learned tokens in
     the context stream, i.e. it acts through attention; label == num_classes is the null class of guidance.
-    Text: the cached encoder features, a dropped caption replaced by the empty prompt's encoding (as SD3).
+    Text: the cached encoder features, a dropped caption replaced by the empty prompt's encoding (as SD3); the
+    pooled text vector reaches the adaptive norm only if `pooled_text` (the paper's reading: not in this mode).
     Controls (size, crop, flip): sinusoidal features and a small MLP each, added to the adaptive-norm vector
-    with the weight w(t) of `control_weight` (per-control power). Mode "adanorm" is the DiT/SDXL baseline the
-    paper improves on: class embedding and controls summed into the adaptive-norm vector, with w = 1.
+    with the weight w(t) of `control_weight` (per-control power). The baselines the paper compares against:
+    "adanorm" (DiT / SDXL), class embedding and controls summed into the adaptive-norm vector with w = 1, the
+    context stream holding one constant token; "both" (MMDiT / SD3-native), the class tokens in the context
+    stream and a class vector in the adaptive norm, controls as in "disentangled". Every class path starts at
+    N(0, 0.02) (DiT's initialisation of its label table), so no arm starts with a head start.
     """
 
     def __init__(self, num_classes, class_tokens, context_dim, pooled_dim, width, text_tokens=0,
-                 controls=None, mode="disentangled", padding_noise=None):
+                 controls=None, mode="disentangled", padding_noise=None, pooled_text=None):
         super().__init__()
-        if mode not in ("disentangled", "adanorm"):
-            raise ValueError(f"conditioning.mode must be 'disentangled' or 'adanorm', got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"conditioning.mode must be one of {MODES}, got {mode!r}")
         self.num_classes, self.class_tokens, self.pooled_dim = num_classes, class_tokens, pooled_dim
         self.mode, self.padding_noise, self.controls = mode, padding_noise, dict(controls or {})
-        if num_classes and mode == "disentangled":
+        self.pooled_text = mode != "disentangled" if pooled_text is None else pooled_text
+        if num_classes and mode != "adanorm":  # the class through attention
             self.class_embed = nn.Embedding((num_classes + 1) * class_tokens, context_dim)
             nn.init.normal_(self.class_embed.weight, std=0.02)
-        elif num_classes:  # baseline: class in the adaptive norm; the context stream holds one constant token
+        if num_classes and mode != "disentangled":  # the class in the adaptive norm
             self.class_vector = nn.Embedding(num_classes + 1, width)
+            nn.init.normal_(self.class_vector.weight, std=0.02)  # as the class tokens (nn.Embedding's own: N(0, 1))
+        if num_classes and mode == "adanorm":  # the context stream holds one constant token
             self.null_context = nn.Parameter(torch.randn(1, class_tokens, context_dim) * 0.02)
         if text_tokens:
             self.register_buffer("null_tokens", torch.zeros(text_tokens, context_dim))
@@ -102,17 +116,21 @@ class Conditioner(nn.Module):
                 mask = torch.where(drop[:, None], self.null_mask.to(cond["text_mask"]), cond["text_mask"])
                 tokens = replicate_padding(tokens, mask, self.padding_noise if self.training else 0.0)
             context = tokens
+            if not self.pooled_text:  # conditioning.pooled_text: the adaptive norm sees time and controls only
+                pooled = torch.zeros_like(pooled)
         else:
             label = torch.where(drop, self.num_classes, cond["label"])
             pooled = torch.zeros(len(label), self.pooled_dim, device=label.device)
-            if self.mode == "disentangled":
+            if self.mode == "adanorm":
+                context = self.null_context.expand(len(label), -1, -1)
+            else:
                 ids = label[:, None] * self.class_tokens + torch.arange(self.class_tokens, device=label.device)
                 context = self.class_embed(ids)
-            else:
-                context, adanorm = self.null_context.expand(len(label), -1, -1), self.class_vector(label)
+            if self.mode != "disentangled":
+                adanorm = self.class_vector(label)
         keep = ~cond["drop_controls"] if "drop_controls" in cond else torch.ones_like(drop)
         for name, power in self.controls.items():
-            w = control_weight(noise_level, power) if self.mode == "disentangled" else torch.ones_like(noise_level)
+            w = torch.ones_like(noise_level) if self.mode == "adanorm" else control_weight(noise_level, power)
             emb = self.control_mlp[name](sinusoidal(cond[CONTROL_FIELDS[name]].view(len(drop), -1)))
             adanorm = adanorm + emb * (w.float() * keep)[:, None]
         return context, pooled, adanorm
@@ -210,7 +228,8 @@ def make_conditioner(cfg, width, context_dim, pooled_dim, text_tokens=0):
         raise ValueError("data.num_classes is unset: set it to build a class-conditional model outside a trainer")
     return Conditioner(num_classes, cfg["model"]["class_tokens"], context_dim, pooled_dim, width, text_tokens,
                        {name: c["control_power"][name] for name in c["controls"]}, c["mode"],
-                       c["padding_noise"] if c["replicate_padding"] else None)
+                       c["padding_noise"] if c["replicate_padding"] else None,
+                       c["pooled_text"] if "pooled_text" in c else True)  # a run from before the key: pooled on
 
 
 def build_denoiser(cfg, channels, size, text_dims=None):
@@ -228,6 +247,10 @@ def build_denoiser(cfg, channels, size, text_dims=None):
         num_attention_heads=model["num_attention_heads"], joint_attention_dim=context_dim,
         caption_projection_dim=width, pooled_projection_dim=pooled_dim,
         pos_embed_max_size=size // model["patch_size"], qk_norm=model["qk_norm"])
+    # DiT starts every linear bias at zero: the context projection's default random bias (rms ~0.05 at width
+    # 128) would otherwise be 4x a class token's own N(0, 0.02) part, and every class's token mostly the same
+    # constant once the blocks' LayerNorm rescales it (tests/test_conditioning.py, the fair start).
+    nn.init.zeros_(transformer.context_embedder.bias)
     return Denoiser(transformer, make_conditioner(cfg, width, context_dim, pooled_dim, tokens))
 
 

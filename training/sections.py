@@ -32,13 +32,19 @@ class Data(BaseModel, extra="forbid", strict=True):
                            'ClassLabel names; "imagenet-1k", "imagenet-22k" or a file')
     label_captions: bool = Field(False, description="text-to-image on class data: the caption is the class name")
     resolution: int = Field(16, ge=8, description="training resolution (pixels per side)")
-    crop: Literal["center", "random", "random_resized"] = Field("center", description="drawn once, at cache time")
+    crop: Literal["center", "random", "random_resized"] = Field("center", description="drawn at cache time, "
+                                                                  "data.cache_views of them per training image")
     min_crop_scale: float = Field(0.5, gt=0, le=1, description="random_resized: crop side >= this x the short side")
-    random_flip: bool = Field(False, description="horizontal flip with probability 1/2 (the flip control)")
+    random_flip: bool = Field(False, description="horizontal flip (the flip control): training images are cached both "
+                              "ways, one drawn per epoch; held-out images flipped with probability 1/2")
+    cache_views: int = Field(1, ge=1, description="crops cached per training image, each both ways with random_flip "
+                             "(views = crops x 2); each epoch shows one view per image, every view within `views` epochs")
     min_image_side: int = Field(8, ge=1, description="smaller images are reported and skipped at cache time")
     max_samples: Int = Field(None, ge=1, description="use only the first N training rows")
     demo_samples: int = Field(4864, ge=1, description="size of the embedded demo set")
     demo_resolution: int = Field(16, ge=8, description="side of the embedded demo images")
+    demo_sizes: list[Annotated[int, Field(ge=4)]] | None = Field(None, min_length=2, max_length=2, description="[lo, hi]: "
+                                                                 "each demo image drawn at a side in lo .. hi px (size carries sharpness)")
     cache_dir: str = Field("cache", description="where the encoded cache goes (shared storage on a cluster)")
     cache_dtype: Literal["float16", "bfloat16", "float32"] = Field("float16", description="of the cached values")
     cache_text: bool = Field(True, description="cache text features; False: token ids, encoded at each step (lean)")
@@ -66,17 +72,22 @@ class Model(BaseModel, extra="forbid", strict=True):
                                                               "grid: resample the positions (the paper's) or extend")
 
 
-class ControlPower(BaseModel, extra="forbid", strict=True):
-    size: float = Field(1.0, ge=0, description="p in the size control's weight w(t) = cos(pi t / 2)^p")
-    crop: float = Field(1.0, ge=0, description="p of the crop control")
-    flip: float = Field(1.0, ge=0, description="p of the flip control")
+class ControlPower(BaseModel, extra="forbid", strict=True):  # docs/paper.md: the sources, and what is our reading
+    size: float = Field(1.0, ge=0, description="p in the size control's weight w(t) = cos(pi t / 2)^p: > 0 acts late "
+                        "(0 at pure noise, t = 1), 0 from the start (w = 1); size is low-level: late")
+    crop: float = Field(0.0, ge=0, description="p of the crop control (high-level: from the start)")
+    flip: float = Field(0.0, ge=0, description="p of the flip control (high-level: from the start)")
 
 
 class Conditioning(BaseModel, extra="forbid", strict=True):
-    mode: Literal["disentangled", "adanorm"] = Field("disentangled", description="semantics by attention, controls "
-                                                     "x w(t) in the adaptive norm (the paper's); adanorm: DiT / SDXL")
+    mode: Literal["disentangled", "both", "adanorm"] = Field("disentangled", description="disentangled: semantics by "
+                                                             "attention, controls x w(t) in the adaptive norm (the paper's); "
+                                                             "both: the class in attention and the adaptive norm "
+                                                             "(MMDiT-native); adanorm: class and controls in the norm (DiT / SDXL)")
     controls: list[Literal["size", "crop", "flip"]] = Field([], description="the control conditions used")
     control_power: ControlPower = Field(default_factory=ControlPower)
+    pooled_text: bool | None = Field(None, description="text: the pooled text vector into the adaptive norm; None: "
+                                     "off in disentangled (the paper's reading), on in both and adanorm (SD3)")
     semantic_dropout: float = Field(0.1, ge=0, le=1, description="dropped independently, for guidance on each")
     control_dropout: float = Field(0.1, ge=0, le=1, description="the controls' dropout")
     replicate_padding: bool = Field(True, description="text: noisy replicate padding instead of pad embeddings")
@@ -220,6 +231,12 @@ def combination_problems(cfg):
                         f" x the VAE's downsampling factor {factor}")
     if bool(d["caption_column"] or d["label_captions"]) != bool(enc["text_encoder"]):
         problems.append("encoders.text_encoder goes with data.caption_column (or data.label_captions): set both or neither")
+    if d["demo_sizes"] and d["demo_sizes"][0] > d["demo_sizes"][1]:
+        problems.append(f"data.demo_sizes={d['demo_sizes']} must be [lo, hi] with lo <= hi (pixels per side)")
+    if d["cache_views"] > 1 and d["crop"] == "center":
+        problems.append(f"data.cache_views={d['cache_views']} caches that many crops per image, and data.crop='center' "
+                        f"gives the same centre square each time: set data.crop to 'random' or 'random_resized', or "
+                        f"data.cache_views=1")
     if d["label_captions"] and (d["caption_column"] or not d["label_column"]):
         problems.append("data.label_captions captions each image with its class name: it needs data.label_column "
                         "and no data.caption_column")
