@@ -48,16 +48,16 @@ NO_DROPOUT = ["--conditioning.semantic_dropout=0", "--conditioning.control_dropo
 def row_determined_loss(monkeypatch, poison_call=None):
     """Replace the flow-matching loss by the same loss with noise and time that are functions of the row
     (so how the batch is split into micro-batches cannot change them); optionally a NaN loss on one call."""
-    original, calls = fm.flow_matching_loss, []
+    original, calls = fm.training_loss, []  # training's, and validation's through flow_matching_loss
 
-    def loss(model, x0, cond, t, noise):
+    def loss(model, x0, cond, t, noise, *options):
         noise = torch.sin(7 * x0 + 1.0)
         t = torch.sigmoid(3 * x0.mean(dim=tuple(range(1, x0.dim()))))
-        out = original(model, x0, cond, t, noise)
+        out, terms = original(model, x0, cond, t, noise, *options)
         calls.append(len(x0))
-        return out * float("nan") if len(calls) - 1 == poison_call else out
+        return out * float("nan") if len(calls) - 1 == poison_call else out, terms
 
-    monkeypatch.setattr(fm, "flow_matching_loss", loss)
+    monkeypatch.setattr(fm, "training_loss", loss)
     return calls
 
 
@@ -254,12 +254,13 @@ TWO_RANKS = '''
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 import train_flow_matching as fm
-original = fm.flow_matching_loss
+original = fm.training_loss
 
-def loss(model, x0, cond, t, noise):  # noise and time are functions of the row (see row_determined_loss)
-    return original(model, x0, cond, torch.sigmoid(3 * x0.mean(dim=tuple(range(1, x0.dim())))), torch.sin(7 * x0 + 1.0))
+def loss(model, x0, cond, t, noise, *options):  # noise and time are functions of the row (see row_determined_loss)
+    return original(model, x0, cond, torch.sigmoid(3 * x0.mean(dim=tuple(range(1, x0.dim())))), torch.sin(7 * x0 + 1.0),
+                    *options)
 
-fm.flow_matching_loss = loss
+fm.training_loss = loss
 fm.main(sys.argv[2:])
 '''
 

@@ -498,14 +498,14 @@ def rows(run):
 
 def poisoned_loss(monkeypatch, bad_calls):
     """The flow-matching loss, NaN on the given calls (0-based); records each call's batch."""
-    original, batches = fm.flow_matching_loss, []
+    original, batches = fm.training_loss, []  # training's, and validation's through flow_matching_loss
 
-    def loss(model, x0, cond, t, noise):
+    def loss(model, x0, cond, t, noise, *options):
         batches.append(x0.detach().clone())
-        out = original(model, x0, cond, t, noise)
-        return out * float("nan") if len(batches) - 1 in bad_calls else out
+        out, terms = original(model, x0, cond, t, noise, *options)
+        return out * float("nan") if len(batches) - 1 in bad_calls else out, terms
 
-    monkeypatch.setattr(fm, "flow_matching_loss", loss)
+    monkeypatch.setattr(fm, "training_loss", loss)
     return batches
 
 
@@ -590,14 +590,14 @@ TWO_RANKS_NAN = '''
 import os, sys, torch
 sys.path.insert(0, sys.argv[1])
 import train_flow_matching as fm
-original, calls = fm.flow_matching_loss, []
+original, calls = fm.training_loss, []
 
-def loss(model, x0, cond, t, noise):  # NaN on rank 1 only, at its 5th and 6th micro-batch
+def loss(model, x0, cond, t, noise, *options):  # NaN on rank 1 only, at its 5th and 6th micro-batch
     calls.append(1)
-    out = original(model, x0, cond, t, noise)
-    return out * float("nan") if os.environ["RANK"] == "1" and len(calls) in (5, 6) else out
+    out, terms = original(model, x0, cond, t, noise, *options)
+    return out * float("nan") if os.environ["RANK"] == "1" and len(calls) in (5, 6) else out, terms
 
-fm.flow_matching_loss = loss
+fm.training_loss = loss
 fm.main(sys.argv[2:])
 '''
 
