@@ -208,6 +208,7 @@ def signal_rank_one(proc, marker, metrics):
     return proc.communicate(timeout=120)
 
 
+@pytest.mark.xdist_group("gloo")
 def test_one_rank_signalled_both_stop_at_the_same_step_with_one_checkpoint(tmp_path):
     args = tiny_run_args(tmp_path, "ddp", steps=10_000) + ["--log.every=1"]
     marker = f"bookkeeping-{os.getpid()}-{tmp_path.name}"
@@ -265,6 +266,7 @@ fm.main(sys.argv[2:])
 '''
 
 
+@pytest.mark.xdist_group("gloo")
 @pytest.mark.slow
 def test_two_ranks_train_on_disjoint_rows_and_average_their_gradients(tmp_path, monkeypatch):
     """2 ranks x batch 16 x accumulation 2 against 1 process x batch 32 x accumulation 2: each micro-batch of

@@ -151,6 +151,7 @@ def test_reference_stats_are_cached_and_invalidated_by_preprocessing(run, tmp_pa
     assert len(list(cache.glob("*.npz"))) == 2
 
 
+@pytest.mark.xdist_group("gloo")
 @pytest.mark.slow
 def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
     args = ["--run", str(run), "--num_samples", "10", "--steps", "2", "--batch_size", "3",

@@ -426,6 +426,7 @@ def test_the_batch_probe_runs_with_the_post_hoc_ema_profiles_allocated(tmp_path,
     assert live[0].images == 24 and (tmp_path / "run" / "checkpoints" / "step_00000001").is_dir()  # it trained
 
 
+@pytest.mark.xdist_group("gloo")
 @pytest.mark.slow
 def test_two_processes_with_different_limits_agree_on_the_smaller(tmp_path):
     script = tmp_path / "limited.py"

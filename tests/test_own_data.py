@@ -302,6 +302,7 @@ train_flow_matching.main(sys.argv[4:])
 '''
 
 
+@pytest.mark.xdist_group("gloo")
 @pytest.mark.slow
 def test_ranks_that_see_different_cache_folders_stop_at_once_naming_the_key(tmp_path):
     import os

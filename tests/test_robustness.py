@@ -50,6 +50,7 @@ def launch(args, processes, cwd, check=True):
     return out
 
 
+@pytest.mark.xdist_group("gloo")
 @pytest.mark.slow
 def test_exact_resume_with_accumulation_mid_epoch_on_two_processes(tmp_path):
     # 320 - 64 held out = 256 rows; 2 ranks x batch 16 x accumulation 2: 4 optimizer steps per epoch, so a

@@ -316,6 +316,7 @@ if stab.accelerator.is_main_process:
 '''
 
 
+@pytest.mark.xdist_group("gloo")
 @pytest.mark.slow
 def test_two_ranks_noise_scale_and_a_resume_mid_interval():
     """Two CPU processes (gloo), one launch: the noise scale through the trainer's code recovers B_true = 8
@@ -602,6 +603,7 @@ fm.main(sys.argv[2:])
 '''
 
 
+@pytest.mark.xdist_group("gloo")
 @pytest.mark.slow
 def test_two_ranks_roll_back_at_the_same_step(tmp_path):
     """A NaN on one rank makes the all-reduced gradient non-finite on both: both see the divergence at the

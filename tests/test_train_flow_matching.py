@@ -126,6 +126,7 @@ def compile_for_the_test(torch):
     torch.nn.Module.compile = lambda self, **kwargs: compile(self, backend="aot_eager")
 
 
+@pytest.mark.xdist_group("gloo")
 @pytest.mark.slow
 def test_two_processes_compiled_give_the_one_process_validation_and_keep_gradients_in_ddp_buckets(tmp_path, monkeypatch):
     """Three compiled steps with accumulation and a recompilation made an error, on one process and on two. At LR 0
