@@ -105,8 +105,9 @@ class NoiseScaleMeter:
         if status != self.batch_status and self.estimate.ema.count[0] >= 5:  # a line when it changes, from 5 estimates
             self.batch_status = status
             if status != "near":
-                advice = ("a smaller batch with more steps would reach the same loss on less compute" if status == "above"
-                          else "a larger batch would reach the same loss in fewer steps at little extra compute")
+                advice = ("a smaller batch with more steps would reach the same loss on less compute"
+                          if status == "above" else
+                          "a larger batch would reach the same loss in fewer steps at little extra compute")
                 acc.print(f"step {self.step + 1}: the global batch {batch} is far {status} the critical batch size "
                           f"B_noise = {b_noise:.3g} (McCandlish et al. 2018): {advice}")
 

@@ -93,8 +93,8 @@ class Rollback:
         """Reload the newest checkpoint from before the divergence on every rank (`load(ckpt)` is the trainer's
         common.load_checkpoint: weights, EMA, optimizer, RNG), with the monitor's and the stability parts' state
         from it (`restore`); keep the rollback count, the lower LR and the skipped data window, in memory and in
-        that checkpoint. Returns the step to go on from, whose validation, FID, snapshot and checkpoint are done: the loop does
-        not repeat them (a second validation point at one step would skew the slopes)."""
+        that checkpoint. Returns the step to go on from, whose validation, FID, snapshot and checkpoint are done:
+        the loop does not repeat them (a second validation point at one step would skew the slopes)."""
         acc, tr = self.accelerator, self.tr
         start = self.divergence
         if self.count >= tr.max_rollbacks:
