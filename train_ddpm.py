@@ -34,9 +34,9 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import cache, config, fit, repa, runlog, stability
-from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options,
-                           open_splits, place_encoders, text_features, validation_inputs)
+from training import cache, config, fit, repa, runlog, stability, validation
+from training.data import (decode, iterate_batches, loader_options, open_splits, place_encoders, training_inputs,
+                           validation_inputs)
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
 from training.phema import PowerEMA
@@ -50,17 +50,20 @@ from training.phema import PowerEMA
 class Objective(BaseModel, extra="forbid", strict=True):
     """beta schedule, zero terminal SNR, prediction target, Min-SNR weight, resolution shift"""
     num_timesteps: int = Field(1000, ge=2, description="T")
-    beta_schedule: Literal["quadratic", "linear", "cosine"] = Field("quadratic", description="quadratic: SD's scaled_linear")
+    beta_schedule: Literal["quadratic", "linear", "cosine"] = Field("quadratic",
+                                                                    description="quadratic: SD's scaled_linear")
     beta_start: float = Field(0.00085, gt=0, lt=1, description="beta_0 of quadratic and linear (the paper's)")
     beta_end: float = Field(0.012, gt=0, lt=1, description="beta_{T-1} of quadratic and linear (the paper's)")
     zero_terminal_snr: bool = Field(True, description="rescale so ab_{T-1} = 0 (Lin et al. 2024); needs v or x0")
     prediction: Literal["v", "eps", "x0"] = Field("v", description="what the model predicts")
     min_snr_gamma: float = Field(5.0, ge=0, description="Min-SNR-gamma loss weight (Hang et al. 2023); 0: off")
-    min_snr_form: Literal["plus_one", "paper", "floor"] = Field("plus_one", description="min(SNR + 1, g) in x0 space: "
-                                                                "weight 1 at SNR = 0; paper: min(SNR, g); floor: paper's, 1 at SNR = 0")
+    min_snr_form: Literal["plus_one", "paper", "floor"] = Field(
+        "plus_one", description="min(SNR + 1, g) in x0 space: weight 1 at SNR = 0; paper: min(SNR, g); floor: paper's, "
+                                "1 at SNR = 0")
     timestep_sampling: Literal["uniform", "adaptive"] = Field("uniform", description="adaptive: following the loss")
     adaptive_bins: int = Field(16, ge=2, description="adaptive: bins of equal base mass")
-    adaptive_mix: float = Field(0.25, gt=0, le=1, description="adaptive: the uniform density's share (weights <= 1 / mix)")
+    adaptive_mix: float = Field(0.25, gt=0, le=1,
+                                description="adaptive: the uniform density's share (weights <= 1 / mix)")
     time_shift: float = Field(1.0, gt=0, description="a: SNR / a^2, flow matching's time shift at equal SNR")
     shift_base_resolution: int | None = Field(None, ge=1, description="if set, a = data.resolution / this")
     loss_bins: int = Field(5, ge=1, description="the loss is also logged per timestep bin [kT/K, (k+1)T/K)")
@@ -129,6 +132,13 @@ def check_objective(cfg):
     if obj.get("min_snr_form", "plus_one") not in ("plus_one", "paper", "floor"):  # .get: configs saved before the key
         problems.append(f"objective.min_snr_form must be 'plus_one', 'paper' or 'floor', got {obj['min_snr_form']!r}")
     return problems
+
+
+def objective_summary(cfg):
+    """The objective in words, for the run's first line."""
+    obj = cfg.objective
+    return (f"{obj.beta_schedule} betas, zero terminal SNR {obj.zero_terminal_snr}, {obj.prediction} prediction, "
+            f"min-SNR gamma {obj.min_snr_gamma:g} ({obj.min_snr_form}), resolution shift a = {common.shift_of(cfg):g}")
 
 
 def shift_schedule(alphas_cumprod, shift):
@@ -347,8 +357,9 @@ def main(argv=None):
     accelerator = common.make_accelerator(tr.mixed_precision, tr.timeout_minutes)  # CPU-only too; TF32
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     set_seed(cfg.seed + rank)  # different noise and times on each rank
-    alphas_cumprod = schedule_of(cfg).to(device, torch.float32)  # float32 on the device: MPS has no float64
-    loss_weight, model_time = loss_weight_of(cfg).to(device, torch.float32), time_input_of(cfg).to(device, torch.float32)
+    # per timestep: alpha_bar, the Min-SNR weight and the model's time input (float32: MPS has no float64)
+    alphas_cumprod, loss_weight, model_time = (table.to(device, torch.float32) for table in
+                                               (schedule_of(cfg), loss_weight_of(cfg), time_input_of(cfg)))
     T = obj.num_timesteps
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
@@ -356,15 +367,9 @@ def main(argv=None):
     run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
     cache.check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids
-    cached = {}
-    for part, ds in (("train", train_ds), ("val", val_ds)):
-        where = cache.locate_cache(cfg, part, ds, accelerator)  # key -> folder: a hash of all that changes it
-        todo = cache.check_cache(where, cfg, accelerator)  # each rank checks its share of the shards
-        if any(todo):  # miss: the missing or damaged shards are encoded and written (hit: nothing to do)
-            cache.write_cache(where, todo, d.encode, cfg, accelerator, signals)
-        cached[part] = cache.CachedDataset(where.folder)  # memory-mapped shards, read lazily
+    train_set, val_set = (cache.cached_split(cfg, part, ds, d.encode, accelerator, signals)  # key, check, hit/miss
+                          for part, ds in (("train", train_ds), ("val", val_ds)))  # memory-mapped, read lazily
     place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off the GPU, till needed
-    train_set, val_set, vae, text_encoder = cached["train"], cached["val"], d.vae, d.text_encoder
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
     x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
@@ -373,23 +378,17 @@ def main(argv=None):
     optimizer = common.make_optimizer(model, tr)  # fused AdamW; weight_decay 0 = Adam, as in the paper
     common.same_on_every_rank(ema.to(device), accelerator)  # DDP broadcasts the model; the EMA gets rank 0's
     ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
-    # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe sees memory
+    # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe
     phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or
                      tr.batch_size * world * tr.grad_accum, run_dir, accelerator.is_main_process)
     # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
-    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder, ckpt)
+    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt)
     if tr.compile:  # in place and before DDP wraps it: one graph of the model, its state-dict keys unchanged
         model.compile()
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
     raw_model = accelerator.unwrap_model(model)
-    accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
-                      f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
-                      f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; {obj.beta_schedule} betas, zero terminal SNR "
-                      f"{obj.zero_terminal_snr}, {obj.prediction} prediction, min-SNR gamma {obj.min_snr_gamma:g} ({obj.min_snr_form}), "
-                      f"resolution shift a = {common.shift_of(cfg):g}")
-    for warning in config.size_warnings(cfg, sum(p.numel() for p in raw_model.parameters()), len(train_set), world):
-        accelerator.print(f"warning: {warning}")  # a model far larger than its data
+    runlog.describe_run(accelerator, cfg, raw_model, len(train_set), lr_rule, objective_summary(cfg))
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     def load(ckpt):  # at resume and on a rollback: weights, EMA, optimizer, RNG, then the post-hoc EMA profiles
@@ -400,8 +399,8 @@ def main(argv=None):
     step = state["step"]
     log = runlog.RunLog(cfg, run_dir, accelerator, step)  # metrics.jsonl (rows past `step` set aside), wandb
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
-    stab = stability.Stability(cfg, accelerator, model, log, state, lambda n: torch.randint(0, T, (n,), device=device),
-                               lambda u: (u * T).long().clamp(max=T - 1))  # time density, clip, rollback (all off: as before)
+    # the stability parts, each by name: time density (bins: runs of timesteps), clip, noise scale, slopes, rollback
+    stab = stability.Parts(cfg, accelerator, model, log, state, lambda u: (u * T).long().clamp(max=T - 1))
     align = repa.Alignment(cfg, device)  # REPA's targets and weight per step (objective.repa_*; off: None)
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
@@ -412,81 +411,64 @@ def main(argv=None):
     @torch.no_grad()
     @torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])  # draws nothing from training's RNG
     def validate(step):                                                        # (padding noise): exact resume
-        """At the run's precision, split over the ranks: each samples its share of the grid and takes every
-        world-th held-out batch; the grid is gathered and the losses summed, so both are a one-process run's
-        (val.sampler=ddpm: the ancestral sampler's fresh noise is drawn per share, so its grid depends on the
-        process count)."""
-        ema.eval()
+        ema.eval()  # val.sampler=ddpm: fresh noise per rank's share of the grid (it depends on the process count)
         torch.manual_seed(cfg.seed + rank)  # the ancestral sampler's noise: fixed, and the training RNG untouched
-        with accelerator.autocast(), common.counting_evaluations(ema) as evals:  # NFE: fewer with a guidance interval
-            x = common.split_over_ranks(lambda rows: generate(ema, val_noise[rows], {k: v[rows] for k, v in val_cond.items()},
-                                                              cfg), len(val_noise), accelerator)
-        path = log.samples(decode(vae, x, device), step, d.val_prompts) if accelerator.is_main_process else None
+        x, nfe = validation.sample_grid(generate, ema, val_noise, val_cond, cfg, accelerator)
+        path = log.samples(decode(d.vae, x, device), step, d.val_prompts) if accelerator.is_main_process else None
         # Validation loss: every held-out sample at every t_k = floor((k + 0.5) T / K), with fixed noise.
-        losses, n = torch.zeros(obj.loss_bins, device=device), min(cfg.val.loss_samples, len(val_set))
-        for i, (x0, noise, cond) in enumerate(heldout_batches(val_set, n, tr.batch_size, cfg.seed + 1, device)):
-            for k in range(obj.loss_bins) if i % world == rank else ():  # every rank draws every batch's noise
-                t = torch.full((len(x0),), int((k + 0.5) * T / obj.loss_bins), device=device)
-                with accelerator.autocast():
-                    losses[k] += ddpm_loss(ema, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight,
-                                           model_time).sum()
-        losses = accelerator.reduce(losses, "sum").cpu() / n
-        stab.validation(step, losses.tolist())  # the slope of each bin's validation loss: still falling, or flat
-        share = common.share_of(len(val_noise), accelerator, rank=0)  # the main process logs its own count
-        nfe = evals[0] / (share.stop - share.start)  # network evaluations per sample
-        log({"step": step, "val_loss": losses.mean().item(), "val_nfe": nfe, **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
-        accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
+        losses = validation.heldout_loss(val_set, cfg, accelerator, lambda x0, cond, noise, k: ddpm_loss(
+            ema, x0, cond, torch.full((len(x0),), int((k + 0.5) * T / obj.loss_bins), device=device), noise,
+            alphas_cumprod, obj.prediction, loss_weight, model_time))
+        stab.slopes.record(step, losses.tolist())  # the slope of each bin's validation loss: still falling, or flat
+        validation.report(log, step, losses, nfe, path, accelerator)
 
     def checkpoint(step):
         state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
-                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict(),
-                 **stab.state_dict()}  # the small part, in state.pt
+                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict(), **stab.state_dict()}  # in state.pt
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep)
 
     @ema_update.on_device
     def fid(step):  # every rank samples its share
-        eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, d.null_text is not None, log, step)
+        eval_fid.fid_of_run(ema, cfg, accelerator, val_set, d.vae, d.null_text is not None, log, step)
 
     # ---- Training loop --------------------------------------------------------------------------------------
     def batches_from(step):  # on the device, wait timed; after a rollback without the window it skipped
-        return monitor.batches(iterate_batches(train_set, stab.data_position(step), tr.batch_size, cfg.seed, rank,
-                                               world, loader_options(data, device)), device)
+        return monitor.batches(iterate_batches(train_set, stab.rollback.data_position(step), tr.batch_size,
+                                               cfg.seed, rank, world, loader_options(data, device)), device)
 
     batches = batches_from(step)
+    density = stab.density  # objective.timestep_sampling="adaptive": timesteps and weights that follow the loss
     model.train()
     while step < tr.max_steps:
-        lr = stab.lr_factor * common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = stab.rollback.lr_factor * common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
+        fit.set_lr(optimizer, lr)  # (a rollback lowers it from then on)
         for micro in range(tr.grad_accum):
-            batch = next(batches)
-            with accelerator.autocast():  # data.cache_text=false: the frozen text encoder encodes here, in bf16 too
-                batch = text_features(batch, text_encoder)
-            x0 = batch["x"] + batch["x_std"] * torch.randn_like(batch["x"]) if "x_std" in batch else batch["x"]
-            cond = {k: v for k, v in batch.items() if k in COND_FIELDS}
-            # Semantic and control conditions are dropped independently, for guidance on each.
-            cond["drop"] = drop_conditions(len(x0), cfg.conditioning.semantic_dropout, device)
-            cond["drop_controls"] = drop_conditions(len(x0), cfg.conditioning.control_dropout, device)
+            # x0 and its conditions, the semantic and control ones dropped independently, for guidance on each
+            batch, x0, cond = training_inputs(next(batches), d.text_encoder, cfg.conditioning, accelerator)
             noise = torch.randn_like(x0)
-            t, weight = stab.draw_time(len(x0))  # uniform over the T timesteps (Ho et al. 2020), or adaptive
+            # t uniform over the T timesteps (Ho et al. 2020), or the adaptive density's with its weights
+            t, weight = density.draw(len(x0)) if density else (torch.randint(0, T, (len(x0),), device=device), 1.0)
             # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
             with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
                 with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32
-                    loss, terms = training_loss(model, x0, cond, t, noise, alphas_cumprod, obj.prediction, loss_weight,
-                                                model_time, align(batch, step))  # terms: REPA's, when on
+                    loss, terms = training_loss(model, x0, cond, t, noise, alphas_cumprod, obj.prediction,
+                                                loss_weight, model_time, align(batch, step))  # terms: REPA's, when on
                 accelerator.backward((weight * (loss + sum(terms.values()))).mean() / tr.grad_accum)  # the step's mean
-            stab.micro_batch(micro, loss)  # the adaptive density's statistics; the noise scale's small batch
+            if density:
+                density.observe(loss)  # the per-bin loss it follows
+            stab.noise_scale.micro_batch(micro)  # on its steps: the small batch's gradient norm
             monitor.micro_batch(loss, t * obj.loss_bins // T, weight, terms)
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = stab.clip(model.parameters())  # to train.grad_clip, or a percentile of recent norms
+        stab.noise_scale.measure(grad_norm)  # every log.grad_every steps: the gradient noise scale
         # A non-finite loss or gradient skips the update (weights, EMA and optimizer state untouched), decided on
         # the device so the host never waits for it. The norm is of the all-reduced gradients, so every rank
         # decides the same. The step still counts: the data position and the LR stay pure functions of it.
         finite = torch.isfinite(grad_norm)
         common.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.step()
-        monitor.optimizer_step(grad_norm, finite, stab.clip_threshold)  # records it (on analysis steps it reads the gradients)
+        monitor.optimizer_step(grad_norm, finite, stab.clip.threshold)  # on analysis steps it reads the gradients
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay views of DDP's buckets, one copy
         ema_update(step, applied=finite)  # every train.ema_every steps, on the GPU or in pinned CPU memory
         phema.update(raw_model)  # post-hoc EMA profiles, on the device (ckpt.phema_every; off: nothing)
@@ -498,8 +480,10 @@ def main(argv=None):
         if common.due(step, cfg.log.every, tr.max_steps):
             metrics = monitor.log_interval(step, lr)
             stop = signals.agreed(accelerator)  # a signal stops the run within log.every - 1 steps
-            if stab.diverged(step, metrics, monitor):  # train.on_divergence=rollback: every rank reloads the last
-                step = stab.roll_back(step, monitor, load)  # good checkpoint, LR lowered (kept in that checkpoint)
+            if density:
+                log({"step": step, **density.update()})  # the interval's losses into the density (an all-reduce)
+            if stab.rollback.diverged(step, metrics, monitor):  # train.on_divergence=rollback: every rank reloads
+                step = stab.rollback.roll_back(step, monitor, load)  # the last good checkpoint, LR lowered
                 batches = batches_from(step)
                 if stop:  # the checkpoint rolled back to is the one the requeued run resumes
                     common.exit_for_requeue(accelerator, step)

@@ -29,9 +29,9 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import cache, config, contrastive, fit, repa, runlog, stability, xprediction
-from training.data import (COND_FIELDS, decode, drop_conditions, heldout_batches, iterate_batches, loader_options,
-                           open_splits, place_encoders, text_features, validation_inputs)
+from training import cache, config, contrastive, fit, repa, runlog, stability, validation, xprediction
+from training.data import (decode, iterate_batches, loader_options, open_splits, place_encoders, training_inputs,
+                           validation_inputs)
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
 from training.phema import PowerEMA
@@ -44,8 +44,8 @@ from training.phema import PowerEMA
 
 class Objective(BaseModel, extra="forbid", strict=True):
     """straight path, velocity target, logit-normal time, resolution shift, optional OT coupling"""
-    time_sampling: Literal["logit_normal", "uniform", "adaptive"] = Field("logit_normal", description="t ~ logit-normal, "
-                                                                          "uniform, or adaptive: following the loss")
+    time_sampling: Literal["logit_normal", "uniform", "adaptive"] = Field(
+        "logit_normal", description="t ~ logit-normal, uniform, or adaptive: following the loss")
     adaptive_base: Literal["logit_normal", "uniform"] = Field("logit_normal", description="adaptive: the base density")
     adaptive_bins: int = Field(16, ge=2, description="adaptive: bins of equal base mass")
     adaptive_mix: float = Field(0.25, gt=0, le=1, description="adaptive: the base density's share (weights <= 1 / mix)")
@@ -91,7 +91,7 @@ def sample_time(n, obj, shift, device):
 
 def time_quantile(u, obj, shift):
     """The base density's inverse CDF t = F^-1(u) (objective.adaptive_base; u ~ U[0, 1) gives sample_time's
-    density), shifted: what the adaptive time sampler (training/stability.py) maps its draws through.
+    density), shifted: what the adaptive time density (training/time_density.py) maps its draws through.
     Logit-normal: F^-1(u) = sigmoid(m + s Phi^-1(u)), Phi^-1(u) = sqrt(2) erfinv(2u - 1)."""
     if obj.adaptive_base == "logit_normal":
         u = torch.sigmoid(obj.logit_mean + obj.logit_std * math.sqrt(2) * torch.erfinv(2 * u - 1))
@@ -206,15 +206,9 @@ def main(argv=None):
     run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
     cache.check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids
-    cached = {}
-    for part, ds in (("train", train_ds), ("val", val_ds)):
-        where = cache.locate_cache(cfg, part, ds, accelerator)  # key -> folder: a hash of all that changes it
-        todo = cache.check_cache(where, cfg, accelerator)  # each rank checks its share of the shards
-        if any(todo):  # miss: the missing or damaged shards are encoded and written (hit: nothing to do)
-            cache.write_cache(where, todo, d.encode, cfg, accelerator, signals)
-        cached[part] = cache.CachedDataset(where.folder)  # memory-mapped shards, read lazily
+    train_set, val_set = (cache.cached_split(cfg, part, ds, d.encode, accelerator, signals)  # key, check, hit/miss
+                          for part, ds in (("train", train_ds), ("val", val_ds)))  # memory-mapped, read lazily
     place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off the GPU, till needed
-    train_set, val_set, vae, text_encoder = cached["train"], cached["val"], d.vae, d.text_encoder
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
     x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
@@ -223,21 +217,17 @@ def main(argv=None):
     optimizer = common.make_optimizer(model, tr)  # fused AdamW; weight_decay 0 = Adam, as in the paper
     common.same_on_every_rank(ema.to(device), accelerator)  # DDP broadcasts the model; the EMA gets rank 0's
     ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
-    # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe sees memory
+    # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe
     phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or
                      tr.batch_size * world * tr.grad_accum, run_dir, accelerator.is_main_process)
     # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
-    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder, ckpt)
+    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt)
     if tr.compile:  # in place and before DDP wraps it: one graph of the model, its state-dict keys unchanged
         model.compile()
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
     raw_model = accelerator.unwrap_model(model)
-    accelerator.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters; "
-                      f"global batch {tr.batch_size} x {world} processes x {tr.grad_accum} accumulation = "
-                      f"{tr.batch_size * world * tr.grad_accum}; {lr_rule}; time shift a = {shift:g}")
-    for warning in config.size_warnings(cfg, sum(p.numel() for p in raw_model.parameters()), len(train_set), world):
-        accelerator.print(f"warning: {warning}")  # a model far larger than its data
+    runlog.describe_run(accelerator, cfg, raw_model, len(train_set), lr_rule, f"time shift a = {shift:g}")
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     def load(ckpt):  # at resume and on a rollback: weights, EMA, optimizer, RNG, then the post-hoc EMA profiles
@@ -248,8 +238,8 @@ def main(argv=None):
     step = state["step"]
     log = runlog.RunLog(cfg, run_dir, accelerator, step)  # metrics.jsonl (rows past `step` set aside), wandb
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
-    stab = stability.Stability(cfg, accelerator, model, log, state, lambda n: sample_time(n, obj, shift, device),
-                               lambda u: time_quantile(u, obj, shift))  # time density, clip, rollback (all off: as before)
+    # the stability parts, each by name: time density, clip, noise scale, validation slopes, rollback
+    stab = stability.Parts(cfg, accelerator, model, log, state, lambda u: time_quantile(u, obj, shift))
     align = repa.Alignment(cfg, device)  # REPA's targets and weight per step (objective.repa_*; off: None)
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
@@ -260,79 +250,63 @@ def main(argv=None):
     @torch.no_grad()
     @torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])  # draws nothing from training's RNG
     def validate(step):                                                        # (padding noise): exact resume
-        """At the run's precision, split over the ranks: each samples its share of the grid and takes every
-        world-th held-out batch; the grid is gathered and the losses summed, so both are a one-process run's."""
-        ema.eval()
-        with accelerator.autocast(), common.counting_evaluations(ema) as evals:  # NFE: fewer with a guidance interval
-            x = common.split_over_ranks(lambda rows: generate(ema, val_noise[rows], {k: v[rows] for k, v in val_cond.items()},
-                                                              cfg), len(val_noise), accelerator)
-        path = log.samples(decode(vae, x, device), step, d.val_prompts) if accelerator.is_main_process else None
+        ema.eval()  # the grid split over the ranks, gathered: a one-process run's
+        x, nfe = validation.sample_grid(generate, ema, val_noise, val_cond, cfg, accelerator)
+        path = log.samples(decode(d.vae, x, device), step, d.val_prompts) if accelerator.is_main_process else None
         # Validation loss: every held-out sample at every t_k = (k + 0.5) / K, with fixed noise.
-        losses, n = torch.zeros(obj.loss_bins, device=device), min(cfg.val.loss_samples, len(val_set))
-        for i, (x0, noise, cond) in enumerate(heldout_batches(val_set, n, tr.batch_size, cfg.seed + 1, device)):
-            for k in range(obj.loss_bins) if i % world == rank else ():  # every rank draws every batch's noise
-                t = torch.full((len(x0),), (k + 0.5) / obj.loss_bins, device=device)
-                with accelerator.autocast():
-                    losses[k] += flow_matching_loss(ema, x0, cond, t, noise, obj.prediction).sum()
-        losses = accelerator.reduce(losses, "sum").cpu() / n
-        stab.validation(step, losses.tolist())  # the slope of each bin's validation loss: still falling, or flat
-        share = common.share_of(len(val_noise), accelerator, rank=0)  # the main process logs its own count
-        nfe = evals[0] / (share.stop - share.start)  # network evaluations per sample
-        log({"step": step, "val_loss": losses.mean().item(), "val_nfe": nfe, **{f"val_loss_t{k}": v.item() for k, v in enumerate(losses)}})
-        accelerator.print(f"step {step}: val_loss {losses.mean().item():.4f}, samples in {path}")
+        losses = validation.heldout_loss(val_set, cfg, accelerator, lambda x0, cond, noise, k: flow_matching_loss(
+            ema, x0, cond, torch.full((len(x0),), (k + 0.5) / obj.loss_bins, device=device), noise, obj.prediction))
+        stab.slopes.record(step, losses.tolist())  # the slope of each bin's validation loss: still falling, or flat
+        validation.report(log, step, losses, nfe, path, accelerator)
 
     def checkpoint(step):
         state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
-                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict(),
-                 **stab.state_dict()}  # the small part, in state.pt
+                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict(), **stab.state_dict()}  # in state.pt
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
         common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep)
 
     @ema_update.on_device
     def fid(step):  # every rank samples its share
-        eval_fid.fid_of_run(ema, cfg, accelerator, val_set, vae, d.null_text is not None, log, step)
+        eval_fid.fid_of_run(ema, cfg, accelerator, val_set, d.vae, d.null_text is not None, log, step)
 
     # ---- Training loop --------------------------------------------------------------------------------------
     def batches_from(step):  # on the device, wait timed; after a rollback without the window it skipped
-        return monitor.batches(iterate_batches(train_set, stab.data_position(step), tr.batch_size, cfg.seed, rank,
-                                               world, loader_options(data, device)), device)
+        return monitor.batches(iterate_batches(train_set, stab.rollback.data_position(step), tr.batch_size,
+                                               cfg.seed, rank, world, loader_options(data, device)), device)
 
     batches = batches_from(step)
+    density = stab.density  # objective.time_sampling="adaptive": times and weights that follow the loss; else None
     model.train()
     while step < tr.max_steps:
-        lr = stab.lr_factor * common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = stab.rollback.lr_factor * common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
+        fit.set_lr(optimizer, lr)  # (a rollback lowers it from then on)
         for micro in range(tr.grad_accum):
-            batch = next(batches)
-            with accelerator.autocast():  # data.cache_text=false: the frozen text encoder encodes here, in bf16 too
-                batch = text_features(batch, text_encoder)
-            x0 = batch["x"] + batch["x_std"] * torch.randn_like(batch["x"]) if "x_std" in batch else batch["x"]
-            cond = {k: v for k, v in batch.items() if k in COND_FIELDS}
-            # Semantic and control conditions are dropped independently, for guidance on each.
-            cond["drop"] = drop_conditions(len(x0), cfg.conditioning.semantic_dropout, device)
-            cond["drop_controls"] = drop_conditions(len(x0), cfg.conditioning.control_dropout, device)
+            # x0 and its conditions, the semantic and control ones dropped independently, for guidance on each
+            batch, x0, cond = training_inputs(next(batches), d.text_encoder, cfg.conditioning, accelerator)
             noise = torch.randn_like(x0)
             if obj.ot_coupling:
                 noise = ot_pair(x0, noise, batch.get("label"))
-            t, weight = stab.draw_time(len(x0))  # objective.time_sampling; weight: base / adaptive density
+            t, weight = density.draw(len(x0)) if density else (sample_time(len(x0), obj, shift, device), 1.0)
             # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
             with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
                 with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32
                     loss, terms = training_loss(model, x0, cond, t, noise, obj.prediction, obj.contrastive_weight,
                                                 align(batch, step))  # terms: the options' own (REPA, contrastive)
                 accelerator.backward((weight * (loss + sum(terms.values()))).mean() / tr.grad_accum)  # the step's mean
-            stab.micro_batch(micro, loss)  # the adaptive density's statistics; the noise scale's small batch
+            if density:
+                density.observe(loss)  # the per-bin loss it follows
+            stab.noise_scale.micro_batch(micro)  # on its steps: the small batch's gradient norm
             monitor.micro_batch(loss, (t * obj.loss_bins).long().clamp(max=obj.loss_bins - 1), weight, terms)
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = stab.clip(model.parameters())  # to train.grad_clip, or a percentile of recent norms
+        stab.noise_scale.measure(grad_norm)  # every log.grad_every steps: the gradient noise scale
         # A non-finite loss or gradient skips the update (weights, EMA and optimizer state untouched), decided on
         # the device so the host never waits for it. The norm is of the all-reduced gradients, so every rank
         # decides the same. The step still counts: the data position and the LR stay pure functions of it.
         finite = torch.isfinite(grad_norm)
         common.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.step()
-        monitor.optimizer_step(grad_norm, finite, stab.clip_threshold)  # records it (on analysis steps it reads the gradients)
+        monitor.optimizer_step(grad_norm, finite, stab.clip.threshold)  # on analysis steps it reads the gradients
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay views of DDP's buckets, one copy
         ema_update(step, applied=finite)  # every train.ema_every steps, on the GPU or in pinned CPU memory
         phema.update(raw_model)  # post-hoc EMA profiles, on the device (ckpt.phema_every; off: nothing)
@@ -344,8 +318,10 @@ def main(argv=None):
         if common.due(step, cfg.log.every, tr.max_steps):
             metrics = monitor.log_interval(step, lr)
             stop = signals.agreed(accelerator)  # a signal stops the run within log.every - 1 steps
-            if stab.diverged(step, metrics, monitor):  # train.on_divergence=rollback: every rank reloads the last
-                step = stab.roll_back(step, monitor, load)  # good checkpoint, LR lowered (kept in that checkpoint)
+            if density:
+                log({"step": step, **density.update()})  # the interval's losses into the density (an all-reduce)
+            if stab.rollback.diverged(step, metrics, monitor):  # train.on_divergence=rollback: every rank reloads
+                step = stab.rollback.roll_back(step, monitor, load)  # the last good checkpoint, LR lowered
                 batches = batches_from(step)
                 if stop:  # the checkpoint rolled back to is the one the requeued run resumes
                     common.exit_for_requeue(accelerator, step)

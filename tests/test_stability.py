@@ -1,4 +1,4 @@
-"""training/stability.py and the smoothing in monitor.py, against closed forms and known answers: the adaptive
+"""The stability parts (training/time_density.py, clipping.py, convergence.py, rollback.py) and the smoothing in monitor.py, against closed forms and known answers: the adaptive
 time density's importance weights (unbiased), its update rule, the percentile clip on a planted spike, the
 gradient noise scale on synthetic gradients of known noise and signal, the bias-corrected smoothed loss on a
 falling curve, the validation slopes; end to end (slow): a planted NaN rolls back to the last good checkpoint
@@ -21,13 +21,13 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import common
-from training import config, monitor, stability
+from training import clipping, config, convergence, monitor, smoothing, stability, time_density
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 
 
 def sampler(bins=8, mix=0.25, quantile=lambda u: u):
-    return stability.AdaptiveTimeSampler(bins, mix, quantile, Accelerator(cpu=True), log_every=1)
+    return time_density.AdaptiveTimeDensity(bins, mix, quantile, Accelerator(cpu=True), log_every=1)
 
 
 # ---- Adaptive time density ---------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def test_adaptive_density_is_the_square_root_of_the_second_moment_mixed_with_the
     s.update()
     assert torch.equal(s.q, torch.full((K,), 1 / K))
     second = torch.tensor([4.0, 1.0, 9.0, 0.25])  # E[L^2] per bin, from losses of known magnitude
-    s.second_moment = stability.BiasCorrectedEMA(K, s.decay, "cpu")
+    s.second_moment = smoothing.BiasCorrectedEMA(K, s.decay, "cpu")
     s.bins = torch.arange(K).repeat(10)
     s.observe(second.sqrt().repeat(10))
     s.update()
@@ -99,7 +99,7 @@ def test_the_density_estimate_after_bins_first_seen_at_different_times():
     """Three log intervals: bin 0 seen in the first two, bin 1 in the last two, bin 2 only in the last. Each
     bin's E[L^2] is the bias-corrected EMA of its own observations, (d a_1 + a_2) / (d + 1) for two and the one
     value for one; q stays the base density until every bin has been seen, then follows the closed form."""
-    s, d, mix = sampler(bins=3, mix=0.25), stability.AdaptiveTimeSampler.DECAY, 0.25
+    s, d, mix = sampler(bins=3, mix=0.25), time_density.AdaptiveTimeDensity.DECAY, 0.25
     seen = [([0, 0], [1.0, 3.0]), ([0, 1], [2.0, 4.0]), ([1, 2, 2], [1.0, 6.0, 2.0])]
     for i, (bins, losses) in enumerate(seen):
         s.draw(len(bins))
@@ -153,12 +153,12 @@ def test_flow_matching_base_quantile_is_the_logit_normal_inverse_cdf():
 def clipper(history=100, percentile=95.0, cap=10.0):
     tr = config.Config(grad_clip_mode="adaptive", grad_clip=cap, grad_clip_percentile=percentile,
                        grad_clip_history=history)
-    return stability.GradClipper(tr, "cpu")
+    return clipping.GradClipper(tr, Accelerator(cpu=True))
 
 
 def clip_step(clip, p, norm, accelerator):
     p.grad = torch.ones_like(p) * norm / math.sqrt(p.numel())
-    return clip(accelerator, [p])
+    return clip([p])
 
 
 def test_a_planted_gradient_spike_is_clipped_to_the_historys_percentile_and_resume_is_exact():
@@ -196,7 +196,7 @@ def test_noise_scale_recovers_a_known_critical_batch_from_two_batch_sizes(b_true
     g = torch.randn(D, generator=gen, dtype=torch.float64)
     g /= g.norm()
     sigma = math.sqrt(b_true / D)
-    est = stability.NoiseScale(b_small, b_big, "cpu", decay=0.995)
+    est = convergence.NoiseScale(b_small, b_big, "cpu", decay=0.995)
     for _ in range(2000):
         small = g + sigma / math.sqrt(b_small) * torch.randn(D, generator=gen, dtype=torch.float64)
         rest = g + sigma / math.sqrt(b_big - b_small) * torch.randn(D, generator=gen, dtype=torch.float64)
@@ -217,11 +217,11 @@ class Quadratic(torch.nn.Module):
 
 
 def noise_scale_through_the_trainer(argv, steps=60, dim=4000, b_true=16.0, bad_step=None):
-    """The noise scale as Stability measures it in the trainers' loop (draw_time, backward of loss / accum
-    under no_sync but the last, micro_batch, clip), on z ~ N(mu, s^2 I_D): the per-sample gradient w - z has
+    """The noise scale as the trainers' loop measures it (backward of loss / accum under no_sync but the last,
+    noise_scale.micro_batch, the clip, noise_scale.measure), on z ~ N(mu, s^2 I_D): the per-sample gradient w - z has
     mean w - mu and covariance s^2 I, so B_simple = tr(Sigma) / |G|^2 = D s^2 / |w - mu|^2 (McCandlish et
     al. 2018, eq. 2.8) exactly, here b_true with |w - mu| = 1. Each rank draws its own samples. `bad_step`:
-    its last micro-batch has an infinite sample. Returns (Stability, the logged rows)."""
+    its last micro-batch has an infinite sample. Returns (the stability parts, the logged rows)."""
     from contextlib import nullcontext
 
     acc = Accelerator(cpu=True)
@@ -232,18 +232,17 @@ def noise_scale_through_the_trainer(argv, steps=60, dim=4000, b_true=16.0, bad_s
     mu, s = torch.zeros(dim), math.sqrt(b_true / dim)
     mu[0] = 1.0
     logged = []
-    stab = stability.Stability(cfg, acc, model, logged.append, {}, lambda n: torch.rand(n), lambda u: u)
+    stab = stability.Parts(cfg, acc, model, logged.append, {}, lambda u: u)
     for step in range(steps):
         for micro in range(tr.grad_accum):
-            stab.draw_time(tr.batch_size)
             z = mu + s * torch.randn(tr.batch_size, dim, generator=gen)
             if step == bad_step and micro == tr.grad_accum - 1:
                 z[0, 1] = float("inf")
             with acc.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
                 loss = model(z)
                 acc.backward(loss.mean() / tr.grad_accum)
-            stab.micro_batch(micro, loss)
-        stab.clip(model.parameters())
+            stab.noise_scale.micro_batch(micro)
+        stab.noise_scale.measure(stab.clip(model.parameters()))
         model.zero_grad(set_to_none=False)
     return stab, logged
 
@@ -254,18 +253,18 @@ def test_the_trainers_noise_scale_recovers_a_known_one_with_accumulation_and_ski
     enters nothing (no row, one estimate fewer) and no advice is printed; the old estimator was pinned at -1
     and told the user the batch was far above B_noise."""
     stab, logged = noise_scale_through_the_trainer(["--train.batch_size=4", "--train.grad_accum=4"], bad_step=30)
-    g2, trace = stab.noise.ema.value.tolist()
-    assert (stab.noise.b_small, stab.noise.b_big) == (4, 16)
+    g2, trace = stab.noise_scale.estimate.ema.value.tolist()
+    assert (stab.noise_scale.estimate.b_small, stab.noise_scale.estimate.b_big) == (4, 16)
     assert trace / g2 == pytest.approx(16.0, rel=0.08)
     assert [r["step"] for r in logged] == [s for s in range(1, 61) if s != 31]
-    assert stab.noise.ema.count.tolist() == [59.0, 59.0]
+    assert stab.noise_scale.estimate.ema.count.tolist() == [59.0, 59.0]
     assert logged[-1]["grad_noise_scale"] == pytest.approx(trace / g2)
     assert "critical batch size" not in capsys.readouterr().out
 
 
 def resume_mid_interval_on_this_rank():
     """Two ranks, log every 4 steps, a checkpoint's state taken after step 2 and loaded by a fresh Monitor and
-    Stability (as a resume does), then steps 3 and 4. Losses and bins are functions of (rank, step, sample), so
+    stability parts (as a resume does), then steps 3 and 4. Losses and bins are functions of (rank, step, sample), so
     the interval's loss, its per-bin losses and the density's E[L^2] per bin have a closed form over both ranks;
     each rank's share of steps 1-2 must count exactly once."""
     acc = Accelerator(cpu=True)
@@ -278,28 +277,28 @@ def resume_mid_interval_on_this_rank():
 
     def steps(mon, stab, first, last):
         for step in range(first, last):
-            stab.draw_time(4)
-            stab.sampler.bins = bins_of(acc.process_index, step)
-            stab.micro_batch(0, loss_of(acc.process_index, step))
+            stab.density.draw(4)
+            stab.density.bins = bins_of(acc.process_index, step)
+            stab.density.observe(loss_of(acc.process_index, step))
             mon.micro_batch(loss_of(acc.process_index, step), bins_of(acc.process_index, step))
             mon.optimizer_step(torch.tensor(1.0), torch.tensor(True))
 
     new = lambda state: (monitor.Monitor(cfg, model, acc, lambda row: None, state),
-                         stability.Stability(cfg, acc, model, lambda row: None, state, torch.rand, lambda u: u))
+                         stability.Parts(cfg, acc, model, lambda row: None, state, lambda u: u))
     mon, stab = new({})
     steps(mon, stab, 0, 2)
     state = json.loads(json.dumps({"step": 2, **mon.state_dict(), **stab.state_dict()}))  # as state.pt keeps it
     mon, stab = new(state)
     steps(mon, stab, 2, 4)
     metrics = mon.log_interval(4, 1e-3)
-    stab.diverged(4, metrics, mon)
+    stab.density.update()
     losses = torch.cat([loss_of(r, s) for r in range(2) for s in range(4)])
     bins = torch.cat([bins_of(r, s) for r in range(2) for s in range(4)])
     second = torch.stack([losses[bins == k].pow(2).mean() for k in range(4)])
     root = second.sqrt()
     return {"loss": [metrics["loss"], losses.mean().item()],
             "loss_t": [[metrics[f"loss_t{k}"] for k in range(4)], [losses[bins == k].mean().item() for k in range(4)]],
-            "q": [stab.sampler.q.tolist(), ((1 - 0.25) * root / root.sum() + 0.25 / 4).tolist()]}
+            "q": [stab.density.q.tolist(), ((1 - 0.25) * root / root.sum() + 0.25 / 4).tolist()]}
 
 
 TWO_RANKS_STATE = '''
@@ -309,9 +308,9 @@ import test_stability as ts
 out = {"resume": ts.resume_mid_interval_on_this_rank()}
 for name, argv in (("hook", ["--train.batch_size=4"]), ("accumulation", ["--train.batch_size=4", "--train.grad_accum=2"])):
     stab, _ = ts.noise_scale_through_the_trainer(argv, b_true=8.0)
-    g2, trace = stab.noise.ema.value.tolist()
-    out[name] = [stab.noise.b_small, stab.noise.b_big, trace / g2]
-if stab.accelerator.is_main_process:
+    g2, trace = stab.noise_scale.estimate.ema.value.tolist()
+    out[name] = [stab.noise_scale.estimate.b_small, stab.noise_scale.estimate.b_big, trace / g2]
+if stab.rollback.accelerator.is_main_process:
     open(sys.argv[2], "w").write(json.dumps(out))
 '''
 
@@ -374,7 +373,7 @@ def test_smoothed_loss_tracks_a_falling_curve_from_the_first_steps():
 
 
 def test_validation_slopes_tell_falling_bins_from_flat_ones():
-    slopes = stability.ValidationSlopes(window=5)
+    slopes = convergence.ValidationSlopes(window=5)
     rng = np.random.default_rng(0)
     for i, step in enumerate(range(200, 1400, 200)):
         metrics, flat = slopes(step, [1.0 - 0.05 * i + 0.002 * rng.standard_normal(), 0.5 + 0.01 * rng.standard_normal()])
@@ -396,8 +395,8 @@ def test_the_importance_weight_reaches_the_backward_pass(tmp_path, monkeypatch, 
     import importlib
 
     module = importlib.import_module(trainer)
-    real = stability.Stability.draw_time
-    monkeypatch.setattr(stability.Stability, "draw_time", lambda self, n: (real(self, n)[0], torch.zeros(n)))
+    real = time_density.AdaptiveTimeDensity.draw
+    monkeypatch.setattr(time_density.AdaptiveTimeDensity, "draw", lambda self, n: (real(self, n)[0], torch.zeros(n)))
     key = "objective.time_sampling" if trainer == "train_flow_matching" else "objective.timestep_sampling"
     run = module.main(tiny_run_args(tmp_path, "zero", steps=2) + [f"--{key}=adaptive", "--ckpt.every=2",
                                                                    "--log.report=false", "--train.warmup_steps=0"])
@@ -412,7 +411,7 @@ def test_the_importance_weight_reaches_the_backward_pass(tmp_path, monkeypatch, 
 
 
 def test_loss_spikes_roll_back_at_the_right_step_to_exactly_the_checkpoints_state(tmp_path):
-    """The trainers' loop order on a small quadratic model (Monitor, Stability with the adaptive density, the
+    """The trainers' loop order on a small quadratic model (Monitor, the stability parts: the adaptive density, the
     adaptive clip, the noise scale at accumulation 2, AdamW, common.save_checkpoint every 8 steps), log
     every 4 steps, rollback after 3 loss spikes within 40 steps. Spikes (losses x 50) at steps 105, 130, 160
     and 166: at log step 160 only two lie in the window, at 168 three (130, 160, 166): the divergence began in
@@ -435,13 +434,13 @@ def test_loss_spikes_roll_back_at_the_right_step_to_exactly_the_checkpoints_stat
     model, optimizer = acc.prepare(model, optimizer)
     logged = []
     mon = monitor.Monitor(cfg, model, acc, logged.append, {})
-    stab = stability.Stability(cfg, acc, model, logged.append, {}, lambda n: torch.rand(n), lambda u: u)
+    stab = stability.Parts(cfg, acc, model, logged.append, {}, lambda u: u)
 
     def memory():
         return {"moments": {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()},
-                "clip": stab.clipper.history.clone(), "q": stab.sampler.q.clone(),
-                "second_moment": stab.sampler.second_moment.value.clone(),
-                "noise": stab.noise.ema.value.clone(), "loss_state": dict(mon.loss_state)}
+                "clip": stab.clip.history.clone(), "q": stab.density.q.clone(),
+                "second_moment": stab.density.second_moment.value.clone(),
+                "noise": stab.noise_scale.estimate.ema.value.clone(), "loss_state": dict(mon.loss_state)}
 
     def load(ckpt):
         return common.load_checkpoint(ckpt, model, ema, optimizer, acc)
@@ -449,20 +448,24 @@ def test_loss_spikes_roll_back_at_the_right_step_to_exactly_the_checkpoints_stat
     step, snapshots = 0, {}
     while step < 168:
         for micro in range(2):
-            t, weight = stab.draw_time(4)
+            t, weight = stab.density.draw(4)
             z = 1.0 + 0.1 * torch.randn(4, 64)
             with acc.no_sync(model) if micro == 0 else nullcontext():
                 loss = model(z) * (50.0 if step + 1 in (105, 130, 160, 166) else 1.0)
                 acc.backward((weight * loss).mean() / 2)
-            stab.micro_batch(micro, loss)
+            stab.density.observe(loss)
+            stab.noise_scale.micro_batch(micro)
             mon.micro_batch(loss, (t * 5).long().clamp(max=4), weight)
         grad_norm = stab.clip(model.parameters())
+        stab.noise_scale.measure(grad_norm)
         optimizer.step()
-        mon.optimizer_step(grad_norm, torch.isfinite(grad_norm), stab.clip_threshold)
+        mon.optimizer_step(grad_norm, torch.isfinite(grad_norm), stab.clip.threshold)
         optimizer.zero_grad(set_to_none=False)
         step += 1
         if step % 4 == 0:
-            if stab.diverged(step, mon.log_interval(step, 1e-3), mon):
+            metrics = mon.log_interval(step, 1e-3)
+            logged.append({"step": step, **stab.density.update()})
+            if stab.rollback.diverged(step, metrics, mon):
                 break
         if step % 8 == 0:
             snapshots[step] = memory()
@@ -470,9 +473,9 @@ def test_loss_spikes_roll_back_at_the_right_step_to_exactly_the_checkpoints_stat
             common.save_checkpoint(acc, tmp_path, step, {"model": model.state_dict(), "ema": ema.state_dict()},
                                    optimizer, state, keep=100)
     assert [r["step"] for r in logged if r.get("event") == "loss_spike"] == [105, 130, 160, 166]
-    assert (step, stab.divergence) == (168, 129)
+    assert (step, stab.rollback.divergence) == (168, 129)
     before = memory()
-    assert stab.roll_back(step, mon, load) == 128 and stab.step == 128
+    assert stab.rollback.roll_back(step, mon, load) == 128 and stab.noise_scale.step == 128
     after, saved = memory(), snapshots[128]
     for key in ("clip", "q", "second_moment", "noise"):
         assert torch.equal(after[key], saved[key]) and not torch.equal(before[key], saved[key]), key
@@ -698,10 +701,9 @@ def test_a_rollback_whose_ranks_pick_different_checkpoints_stops_on_every_rank(t
 
     cfg = config.load_config(fm.DEFAULTS, ["--train.on_divergence=rollback", f"--run_dir={tmp_path}"],
                              method="flow_matching", schema=fm.CONFIG)
-    stab = stability.Stability(cfg, Accelerator(cpu=True), Quadratic(4), lambda row: None, {},
-                               lambda n: torch.rand(n), lambda u: u)
-    stab.accelerator = types.SimpleNamespace(num_processes=2, process_index=0, is_main_process=True)
+    rollback = stability.Parts(cfg, Accelerator(cpu=True), Quadratic(4), lambda row: None, {}, lambda u: u).rollback
+    rollback.accelerator = types.SimpleNamespace(num_processes=2, process_index=0, is_main_process=True)
     monkeypatch.setattr(accelerate.utils, "gather_object", lambda picks: picks + ["step_00000008"])
-    stab.divergence = 12
+    rollback.divergence = 12
     with pytest.raises(RuntimeError, match=r"rank 0: none, rank 1: step_00000008"):
-        stab.roll_back(12, None, lambda ckpt: pytest.fail("loaded"))
+        rollback.roll_back(12, None, lambda ckpt: pytest.fail("loaded"))

@@ -227,6 +227,16 @@ def save_shard(path, tensors, rows, skipped):
     os.replace(tmp, path)
 
 
+def cached_split(cfg, part, ds, encode, accelerator, signals=None):
+    """Split `part` ("train" or "val") of `ds` as a CachedDataset: its key -> folder (locate_cache), each rank
+    checks its share of the shards; hit: nothing to do; miss: the missing or damaged shards are encoded with
+    `encode` and written (write_cache). Then the memory-mapped shards, read lazily."""
+    where = locate_cache(cfg, part, ds, accelerator)  # key -> folder: a hash of all that changes it
+    todo = check_cache(where, cfg, accelerator)  # each rank checks its share of the shards
+    if any(todo):  # miss: the missing or damaged shards are encoded and written (hit: nothing to do)
+        write_cache(where, todo, encode, cfg, accelerator, signals)
+    return CachedDataset(where.folder)
+
 def locate_cache(cfg, part, ds, accelerator):
     """Where split `part` ("train" or "val") of `ds` is cached: a folder named by a hash of its key (everything
     that changes what the shards hold), announced as a check, a miss that names what changed, or a resumed build.

@@ -548,6 +548,19 @@ def conditions_of(batch, device):
     return cond
 
 
+def training_inputs(batch, text_encoder, conditioning, accelerator):
+    """(batch, x0, cond) of a training micro-batch: its text features (data.cache_text=false: encoded here, at the
+    run's precision), x0 (a latent cache holds the posterior's mean and std: a fresh draw mean + std n each time)
+    and its conditions, the semantic and the control ones dropped independently for guidance on each."""
+    device = accelerator.device
+    with accelerator.autocast():
+        batch = text_features(batch, text_encoder)
+    x0 = batch["x"] + batch["x_std"] * torch.randn_like(batch["x"]) if "x_std" in batch else batch["x"]
+    cond = {k: v for k, v in batch.items() if k in COND_FIELDS}
+    cond["drop"] = drop_conditions(len(x0), conditioning.semantic_dropout, device)
+    cond["drop_controls"] = drop_conditions(len(x0), conditioning.control_dropout, device)
+    return batch, x0, cond
+
 def validation_prompts(cfg, train_ds, val_ds):
     """What each cell of the validation grid shows, in grid order (also written beside the grid). Text runs:
     the lines of the file val.prompts, else the first held-out captions (label_captions: the held-out rows'

@@ -300,6 +300,11 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
 # The EMA: every k steps with the compounded decay, on the training device or offloaded to pinned CPU memory.
 
 
+def set_lr(optimizer, lr):
+    """The step's learning rate, in every parameter group."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
 def decay_at(decay, n):
     """common.ema_update's warm-up: d_n = min(decay, (1 + n) / (10 + n)) for the update after step n."""
     return min(decay, (1 + n) / (10 + n))

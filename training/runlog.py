@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import common
+from training.sections import size_warnings
 
 # ----------------------------------------------------------------------------------------------------------
 # Image grids: validation samples and sample.py's output, each cell labelled with its class name or prompt.
@@ -72,6 +73,15 @@ def start_run(cfg, accelerator):
         (run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return run_dir
 
+
+def describe_run(accelerator, cfg, model, n_train, lr_rule, method):
+    """The run in one line (parameters, global batch, LR rule, the method's own settings in `method`), then a
+    warning for a model far larger than its data (sections.size_warnings)."""
+    tr, world, n_params = cfg.train, accelerator.num_processes, sum(p.numel() for p in model.parameters())
+    accelerator.print(f"model: {n_params / 1e6:.2f}M parameters; global batch {tr.batch_size} x {world} processes x "
+                      f"{tr.grad_accum} accumulation = {tr.batch_size * world * tr.grad_accum}; {lr_rule}; {method}")
+    for warning in size_warnings(cfg, n_params, n_train, world):
+        accelerator.print(f"warning: {warning}")
 
 def wandb_mode(setting):
     """log.wandb as wandb.init's mode. "auto": WANDB_MODE if set, else online when the user is logged in (a
