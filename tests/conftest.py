@@ -24,9 +24,11 @@ def tiny_run_args(tmp_path, name="run", steps=4):
             "--val.loss_samples=16", "--log.wandb=off", "--log.every=2", "--val.every=1000", "--ckpt.every=1000"]
 
 
-# Set by pytest itself, and by libraries on their first import (sklearn, and inductor's C++ builder, set the
-# OpenMP duplicate-library switch): not a test's doing.
-SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
+# Set by pytest itself, and by libraries once per process: sklearn and inductor's C++ builder set the OpenMP
+# duplicate-library switch, inductor a flag for its compiled kernels, wandb the address of its service process
+# on its first run. Not a test's doing.
+SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK",
+                    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "WANDB_SERVICE"}
 
 
 # dynamo wraps these once, on its first compilation, to tag modules made inside a compiled forward.

@@ -193,7 +193,7 @@ def test_help_lists_every_key_with_its_type_default_and_description(capsys):
         out = outs[trainer] = capsys.readouterr().out
         for key, value in config.flatten(trainer.DEFAULTS).items():
             assert f"--{key}={json.dumps(value)}  [" in out, key
-        assert "--data.crop=\"center\"  ['center' or 'random' or 'random_resized']\n      drawn once, at cache time" in out
+        assert "--data.crop=\"center\"  ['center' or 'random' or 'random_resized']\n      drawn at cache time, data.cache_views of them" in out
         assert "--train.lr=0.002  [a number >= 0]\n      the paper: 1e-4 at batch 2048" in out
         assert "--data.max_samples=null  [a whole number >= 1 (or null)]\n      use only the first N" in out
         assert "--train.betas=[0.9, 0.999]  [2 values, each in [0, 1)]" in out
