@@ -143,9 +143,9 @@ def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
     assert not torch.equal(before[1]["0.weight"], ema.state_dict()["0.weight"])
 
 
-def tiny_model_and_batch(checkpointing=False):
+def tiny_model_and_batch(checkpointing=False, layers=2):
     cfg = config.load_config(__import__("train_flow_matching").DEFAULTS,
-                             ["--data.num_classes=9", "--model.num_layers=2", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+                             ["--data.num_classes=9", f"--model.num_layers={layers}", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
                               '--conditioning.controls=["size", "crop", "flip"]', f"--train.gradient_checkpointing={str(checkpointing).lower()}"])
     from training.model import build_for_run
     torch.manual_seed(0)
@@ -181,8 +181,9 @@ def test_gradient_checkpointing_gives_identical_loss_and_gradients():
 @pytest.mark.slow
 def test_compiled_and_checkpointed_model_gives_the_same_loss_and_gradients():
     """torch.compile (train.compile) fuses kernels: the same loss and gradients up to float rounding, also with
-    gradient checkpointing inside the compiled graph."""
-    model, batch = tiny_model_and_batch()
+    gradient checkpointing inside the compiled graph. One block: inductor's C++ build on a new machine costs
+    minutes per block on 2 cores, and every block compiles the same kernels."""
+    model, batch = tiny_model_and_batch(layers=1)
     loss_a, grads_a = loss_and_grads(model, model, batch)
     model.transformer.enable_gradient_checkpointing()
     model.zero_grad(set_to_none=True)
