@@ -183,7 +183,15 @@ def ema_update(ema, model, decay, num_updates, applied=None):
     if applied is not None:  # device tensors: a float weight alone would be read on the host (a sync) by lerp
         rates = {k: rate * applied.float() for k, rate in rates.items()}
     weights = [rates[name in inherited] for name in names]
-    torch._foreach_lerp_(list(ema_p), [p.detach().float() for p in model.parameters()], weights)
+    torch._foreach_lerp_(local(ema_p), local(p.detach().float() for p in model.parameters()), weights)
+
+
+def local(tensors):
+    """This rank's shards of sharded tensors (train.sharding="fsdp": views, so an in-place update of a shard updates
+    the DTensor), plain tensors as they are: the EMA and post-hoc EMA update shard by shard, with no communication."""
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 @contextlib.contextmanager
@@ -247,6 +255,12 @@ def time_shift(t, shift):
 
 # ----------------------------------------------------------------------------------------------------------
 # Checkpoints: RNG state, save (atomic, last K kept), find (latest intact), load.
+
+
+def is_dtensor(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def rng_state():
@@ -332,6 +346,8 @@ def checkpoint_ok(folder):
             with safe_open(str(path), "pt") as f:
                 f.keys()
         state = torch.load(folder / "state.pt", weights_only=True, map_location="cpu")
+        if (folder / "sharded").is_dir():  # torch.distributed.checkpoint writes .metadata once every shard is written
+            return (folder / "sharded" / ".metadata").is_file()
         return all((folder / f"{name}.safetensors").exists() for name in ("model", "ema")) and \
             ("optimizer" in state or (folder / "optimizer.safetensors").exists())
     except Exception:
@@ -353,10 +369,12 @@ def find_checkpoint(run_dir, resume):
     return None
 
 
-def save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, keep):
+def save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, keep, model=None):
     """Write checkpoints/step_N atomically: into a temporary folder, renamed when complete; keep the last
     `keep`. `tensors`: {file name: state dict} (model, EMA); `state`: the small part. Every rank calls this
-    (each saves its own RNG state); the main process writes the rest."""
+    (each saves its own RNG state); the main process writes the rest. A sharded `model` (train.sharding="fsdp"):
+    every rank writes its shards of the tensors and the optimizer into step_N/sharded instead."""
+    sharded = model is not None and any(map(is_dtensor, model.parameters()))
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
     if accelerator.is_main_process:
@@ -365,12 +383,16 @@ def save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, keep)
     accelerator.wait_for_everyone()
     torch.save(rng_state(), tmp / f"rng_{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
+    if sharded:  # train.sharding="fsdp": every rank writes its shards (training/sharding.py)
+        from training import sharding
+        sharding.save(tmp, tensors, model, optimizer)
     if accelerator.is_main_process:
-        for name, sd in tensors.items():
+        for name, sd in tensors.items() if not sharded else ():
             save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(tmp / f"{name}.safetensors"))
-        moments, header = optimizer_file(optimizer.state_dict())
-        save_file(moments, str(tmp / "optimizer.safetensors"), metadata=header)
-        del moments
+        if not sharded:
+            moments, header = optimizer_file(optimizer.state_dict())
+            save_file(moments, str(tmp / "optimizer.safetensors"), metadata=header)
+            del moments
         scaler = getattr(accelerator, "scaler", None)  # fp16's loss scale: the same on every rank (all-reduced grads)
         state = {**state, "scaler": scaler.state_dict()} if scaler is not None else state
         torch.save(state, tmp / "state.pt")  # written last: its presence marks a finished checkpoint
@@ -402,9 +424,13 @@ def load_checkpoint(ckpt, model, ema, optimizer, accelerator):
     from safetensors.torch import load_file
 
     same_checkpoint(ckpt, accelerator)  # a rollback's pick, and a resume's again
-    model.load_state_dict(load_file(str(ckpt / "model.safetensors"), device="cpu"))
-    ema.load_state_dict(load_file(str(ckpt / "ema.safetensors"), device="cpu"))
-    optimizer.load_state_dict(read_optimizer_state(ckpt))  # a temporary: nothing keeps it after this line
+    if (ckpt / "sharded").is_dir() or any(map(is_dtensor, model.parameters())):
+        from training import sharding  # train.sharding="fsdp": into this run's shards, from any process count
+        sharding.load(ckpt, model, ema, optimizer)
+    else:
+        model.load_state_dict(load_file(str(ckpt / "model.safetensors"), device="cpu"))
+        ema.load_state_dict(load_file(str(ckpt / "ema.safetensors"), device="cpu"))
+        optimizer.load_state_dict(read_optimizer_state(ckpt))  # a temporary: nothing keeps it after this line
     state = read_state(ckpt)
     ema.inherited = set(state.get("ema_inherited", ()))  # init_from's EMA tensors: no warm-up (ema_update)
     scaler = getattr(accelerator, "scaler", None)

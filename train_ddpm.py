@@ -24,7 +24,6 @@ metrics, gradient analysis, loss spikes) -> validation (samples, loss on a fixed
 import json
 import math
 import sys
-from contextlib import nullcontext
 from typing import Literal
 
 import numpy as np
@@ -34,7 +33,7 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import cache, config, fit, repa, runlog, stability, validation
+from training import cache, config, fit, repa, runlog, sharding, stability, validation
 from training.data import (decode, iterate_batches, loader_options, open_splits, place_encoders, training_inputs,
                            validation_inputs)
 from training.model import export, guided, prepare_model
@@ -375,17 +374,16 @@ def main(argv=None):
     x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
     # fp32 EMA; the checkpoint to resume, else another run's weights when init_from names one
     model, ema, ckpt = prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
+    # rank 0's weights on every rank; train.sharding="fsdp": model and EMA sharded block by block (training/sharding.py)
+    model, ema = sharding.shard(model, ema, cfg, accelerator)
     optimizer = common.make_optimizer(model, tr)  # fused AdamW; weight_decay 0 = Adam, as in the paper
-    common.same_on_every_rank(ema.to(device), accelerator)  # DDP broadcasts the model; the EMA gets rank 0's
     ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
     # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe
     phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or
                      tr.batch_size * world * tr.grad_accum, run_dir, accelerator.is_main_process)
     # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
     fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt)
-    if tr.compile:  # in place and before DDP wraps it: one graph of the model, its state-dict keys unchanged
-        model.compile()
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = sharding.prepare(model, optimizer, accelerator, tr)  # compiled (train.compile), DDP; or sharded
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
     raw_model = accelerator.unwrap_model(model)
     runlog.describe_run(accelerator, cfg, raw_model, len(train_set), lr_rule, objective_summary(cfg))
@@ -407,10 +405,10 @@ def main(argv=None):
     val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,
                                             device, d.val_text)
 
-    @ema_update.on_device  # an offloaded EMA visits the GPU
+    @ema_update.on_device  # the whole EMA on the device: an offloaded one visits the GPU, a sharded one is gathered
     @torch.no_grad()
     @torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])  # draws nothing from training's RNG
-    def validate(step):                                                        # (padding noise): exact resume
+    def validate(step, ema):                                                   # (padding noise): exact resume
         ema.eval()  # val.sampler=ddpm: fresh noise per rank's share of the grid (it depends on the process count)
         torch.manual_seed(cfg.seed + rank)  # the ancestral sampler's noise: fixed, and the training RNG untouched
         x, nfe = validation.sample_grid(generate, ema, val_noise, val_cond, cfg, accelerator)
@@ -426,10 +424,10 @@ def main(argv=None):
         state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
                  "ema_inherited": sorted(ema.inherited), **monitor.state_dict(), **stab.state_dict()}  # in state.pt
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
-        common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep)
+        common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep, raw_model)
 
     @ema_update.on_device
-    def fid(step):  # every rank samples its share
+    def fid(step, ema):  # every rank samples its share
         eval_fid.fid_of_run(ema, cfg, accelerator, val_set, d.vae, d.null_text is not None, log, step)
 
     # ---- Training loop --------------------------------------------------------------------------------------
@@ -449,8 +447,8 @@ def main(argv=None):
             noise = torch.randn_like(x0)
             # t uniform over the T timesteps (Ho et al. 2020), or the adaptive density's with its weights
             t, weight = density.draw(len(x0)) if density else (torch.randint(0, T, (len(x0),), device=device), 1.0)
-            # Gradients are all-reduced only on the last micro-batch; the others accumulate locally.
-            with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else nullcontext():
+            # Gradients are all-reduced (sharded: reduce-scattered) only on the last micro-batch; the others accumulate
+            with sharding.no_sync(model, accelerator, skip=micro < tr.grad_accum - 1):  # locally
                 with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32
                     loss, terms = training_loss(model, x0, cond, t, noise, alphas_cumprod, obj.prediction,
                                                 loss_weight, model_time, align(batch, step))  # terms: REPA's, when on
@@ -501,8 +499,9 @@ def main(argv=None):
     monitor.close()
 
     # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
+    whole = sharding.full_copy(ema, to_cpu=True)  # sharded: gathered into the main process's CPU memory
     if accelerator.is_main_process:
-        accelerator.print(f"exported EMA model to {export(ema, cfg, run_dir, d.class_ids)}")
+        accelerator.print(f"exported EMA model to {export(whole, cfg, run_dir, d.class_ids)}")
     signals.exit_if_agreed(accelerator, "the export, which is complete (the requeued run writes the report)")
     log.finish(cfg, accelerator)  # report.md and plots, wandb
     return run_dir

@@ -2,6 +2,9 @@
 AdaptiveGradClipper). Its history stays on the device: an ordinary step adds no host sync."""
 import torch
 
+import common
+from training import sharding
+
 
 class GradClipper:
     """train.grad_clip_mode "norm": clip the global norm to train.grad_clip (accelerate's clip_grad_norm_, as
@@ -34,13 +37,13 @@ class GradClipper:
         """Clip the gradients (already all-reduced); returns their global norm before clipping. self.threshold is
         the limit this step clipped to."""
         parameters = list(parameters)
-        if self.mode == "norm":
-            return self.accelerator.clip_grad_norm_(parameters, self.cap)
+        if self.mode == "norm":  # (sharded, train.sharding="fsdp": the norm of the whole gradient, on every rank)
+            return sharding.full(self.accelerator.clip_grad_norm_(parameters, self.cap))
         self.accelerator.unscale_gradients()  # fp16: the norm of the true gradients
         grads = [p.grad for p in parameters if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads)
+        total = sharding.full(torch.nn.utils.get_total_norm(grads))
         self.threshold = self.current_threshold()
-        torch._foreach_mul_(grads, (self.threshold / (total + 1e-6)).clamp(max=1.0))  # torch's clip coefficient
+        torch._foreach_mul_(common.local(grads), (self.threshold / (total + 1e-6)).clamp(max=1.0))  # torch's clip coefficient
         slot = (self.seen % len(self.history)).view(1)
         finite = torch.isfinite(total)
         self.history.scatter_(0, slot, torch.where(finite, total, self.history.gather(0, slot)).view(1).float())

@@ -55,11 +55,14 @@ class NoiseScaleMeter:
         self.params = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
         global_batch = tr.batch_size * tr.grad_accum * world
         two_sizes = cfg.log.grad_every and global_batch > tr.batch_size
-        self.estimate = NoiseScale(tr.batch_size, global_batch, device) if two_sizes else None
+        sharded = tr.get("sharding") == "fsdp"  # its small batch would be a gradient FSDP never holds whole
+        self.estimate = NoiseScale(tr.batch_size, global_batch, device) if two_sizes and not sharded else None
         self.small_sq, self.batch_status = torch.zeros((), device=device), None
         if self.estimate is not None and tr.grad_accum == 1:
             model.register_comm_hook(state=None, hook=self.rank_norm_hook)
-        if cfg.log.grad_every and self.estimate is None:
+        if cfg.log.grad_every and sharded:
+            accelerator.print("note: the gradient noise scale is not measured with train.sharding='fsdp'")
+        elif cfg.log.grad_every and self.estimate is None:
             accelerator.print("note: the gradient noise scale needs two batch sizes in a step: train.grad_accum >= 2 "
                               "or several processes; not measured in this run")
 

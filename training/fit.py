@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 import common
-from training import config
+from training import config, sharding
 from training.data import COND_FIELDS, text_features
 
 # A micro-batch fits when its probe step succeeds and the memory the allocator reserved at the peak stays under
@@ -372,9 +372,9 @@ class EMAUpdater:
             weight.append(1 - before * d if applied is None else torch.where(applied, 1 - before * d, 1 - before))
         inherited = getattr(self.ema, "inherited", ())
         which = [int(name in inherited) for name, _ in self.ema.named_parameters()]  # 0: fresh, 1: inherited
-        if not self.offload:
-            ema_p = list(self.ema.parameters())
-            torch._foreach_lerp_(ema_p, [p.detach().float() for p in self.model.parameters()], [weight[i] for i in which])
+        if not self.offload:  # (sharded: shard by shard)
+            torch._foreach_lerp_(common.local(self.ema.parameters()), common.local(p.detach().float() for p in
+                                 self.model.parameters()), [weight[i] for i in which])
             return
         self.wait()  # the previous update, k steps ago, is done with the staging buffers
         self.which = which
@@ -413,20 +413,21 @@ class EMAUpdater:
             raise RuntimeError("the offloaded EMA update failed") from error
 
     def on_device(self, fn):
-        """Decorates validation and FID: they see the EMA on the training device. An offloaded EMA is copied there
-        for the call (into memory the dropped gradients left free) and its pinned CPU tensors are put back after;
-        the call does not change the EMA."""
+        """Decorates validation and FID, fn(*args, ema): they get the whole EMA on the training device. An offloaded
+        EMA is copied there for the call (into memory the dropped gradients left free) and its pinned CPU tensors are
+        put back after; a sharded one (train.sharding="fsdp") is gathered into a full copy, freed after the call.
+        The call does not change the EMA."""
         @functools.wraps(fn)
         def with_ema_on_device(*args, **kwargs):
             self.wait()
             if not self.offload or self.device.type == "cpu":
-                return fn(*args, **kwargs)
+                return fn(*args, sharding.full_copy(self.ema), **kwargs)
             tensors = [*self.ema.parameters(), *self.ema.buffers()]
             host = [t.data for t in tensors]
             for t in tensors:
                 t.data = t.data.to(self.device, non_blocking=True)
             try:
-                return fn(*args, **kwargs)
+                return fn(*args, self.ema, **kwargs)
             finally:
                 for t, h in zip(tensors, host):
                     t.data = h

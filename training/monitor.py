@@ -18,6 +18,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+import common
+
 # ----------------------------------------------------------------------------------------------------------
 # Monitoring: gradient norm and update size per layer group, vanishing / exploding flags, loss spikes.
 
@@ -34,26 +36,31 @@ def layer_groups(model):
     return groups
 
 
+def norms(tensor_lists):
+    """The norm of each list of tensors, one device tensor; sharded tensors (train.sharding="fsdp") by the sum of
+    their shards' squares over the ranks (one all-reduce, every rank calls it)."""
+    squares = torch.stack([torch.stack(torch._foreach_norm(common.local(ts))).float().pow(2).sum() for ts in tensor_lists])
+    if any(common.is_dtensor(t) for ts in tensor_lists for t in ts):
+        torch.distributed.all_reduce(squares)
+    return squares.sqrt()
+
+
 @torch.no_grad()
 def group_grad_norms(groups, total_norm, clip):
     """The gradient norm of each group before clipping (the clip scaled every gradient by one factor, undone
     here), so the groups' norms add up in squares to the total norm that clip_grad_norm_ returned."""
     scale = max(1.0, (float(total_norm) + 1e-6) / clip)  # torch's clip_coef = clip / (total + 1e-6), capped at 1
-    norms = torch.stack([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
-        [p.grad for p in ps if p.grad is not None] or [torch.zeros(1, device=ps[0].device)]))) for ps in groups.values()])
-    return dict(zip(groups, (norms.float() * scale).tolist()))
+    grads = [[p.grad for p in ps if p.grad is not None] or [torch.zeros(1, device=ps[0].device)] for ps in groups.values()]
+    return dict(zip(groups, (norms(grads) * scale).tolist()))
 
 
 @torch.no_grad()
 def group_update_ratios(groups, before):
     """||w_after - w_before|| / ||w_before|| per group: the relative step the optimizer took (about 1e-3 per
     step is the usual healthy range for Adam at a sensible LR). `before`: {group: [weights before the step]}."""
-    ratios = {}
-    for g, ps in groups.items():
-        delta = torch.stack(torch._foreach_norm(torch._foreach_sub([p.detach() for p in ps], before[g])))
-        ratios[g] = (torch.linalg.vector_norm(delta) / torch.linalg.vector_norm(
-            torch.stack(torch._foreach_norm(before[g]))).clamp(min=1e-12))
-    return {g: float(r) for g, r in ratios.items()}
+    delta = norms([torch._foreach_sub([p.detach() for p in ps], before[g]) for g, ps in groups.items()])
+    ratios = delta / norms(list(before.values())).clamp(min=1e-12)
+    return dict(zip(groups, ratios.tolist()))
 
 
 def gradient_flags(norms, ratio):
@@ -191,8 +198,9 @@ class Monitor:
 
     def analysing(self):
         """Whether the step in progress is a gradient-analysis step (every log.grad_every, main process only)."""
-        every = self.cfg.log.grad_every
-        return bool(every) and (self.steps_done + 1) % every == 0 and self.accelerator.is_main_process
+        every = self.cfg.log.grad_every  # sharded: every rank takes part in the norms (their all-reduce)
+        return bool(every) and (self.steps_done + 1) % every == 0 and (self.accelerator.is_main_process or
+                                                                       self.cfg.train.get("sharding") == "fsdp")
 
     def micro_batch(self, loss, bins, weight=1.0, terms=None):
         """After a micro-batch's backward: its per-sample losses and the time bin (0 .. loss_bins - 1) of each.

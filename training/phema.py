@@ -28,6 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import common
+from training import sharding
+
 MAX_STD = 0.28  # reconstruction targets: sigma_rel in (0, MAX_STD]; the profile family ends at 12^-1/2 = 0.2887
 SNAPSHOT_DTYPE = torch.float16  # the paper's storage: half the disk of fp32, and errors of ~1e-3 relative at most
 
@@ -87,9 +90,11 @@ class PowerEMA:
         self.stds, self.gammas = list(stds), [gamma_of_std(s) for s in stds]
         self.every, self.images_per_step, self.images = every, images_per_step, 0
         self.folder = Path(run_dir) / "phema"
-        self.names = [name for name, _ in model.named_parameters()]
+        self.names, self.main = [name for name, _ in model.named_parameters()], main_process
+        # train.sharding="fsdp": every rank holds its shards of every profile (DTensors, sharded like the weights)
+        sharded = any(map(common.is_dtensor, model.parameters()))
         self.profiles = [[p.detach().float().clone() for p in model.parameters()] for _ in self.stds] \
-            if every and main_process else []
+            if every and (main_process or sharded) else []
 
     @torch.no_grad()
     def update(self, model):
@@ -99,9 +104,9 @@ class PowerEMA:
         if not self.every:
             return
         self.images += self.images_per_step
-        params = [p.detach().float() for p in model.parameters()]
+        params = common.local(p.detach().float() for p in model.parameters())  # sharded: shard by shard
         for gamma, profile in zip(self.gammas, self.profiles):
-            torch._foreach_lerp_(profile, params, 1 - (1 - self.images_per_step / self.images) ** (gamma + 1))
+            torch._foreach_lerp_(common.local(profile), params, 1 - (1 - self.images_per_step / self.images) ** (gamma + 1))
 
     def due(self, step, last_step):
         """A snapshot falls on this step: the images seen crossed a multiple of ckpt.phema_every, or the run
@@ -116,11 +121,14 @@ class PowerEMA:
             return None
         from safetensors.torch import save_file
 
+        # sharded: every rank takes part in gathering each profile whole (one tensor at a time); the main one writes
+        tensors = {f"{std:g}/{name}": sharding.full(p).to(SNAPSHOT_DTYPE).cpu() for std, profile in
+                   zip(self.stds, self.profiles) for name, p in zip(self.names, profile)}
+        if not self.main:
+            return None
         self.folder.mkdir(parents=True, exist_ok=True)
         final = self.folder / f"phema_{self.images:012d}.safetensors"
         tmp = self.folder / f".{final.name}.tmp"
-        tensors = {f"{std:g}/{name}": p.to(SNAPSHOT_DTYPE).cpu() for std, profile in zip(self.stds, self.profiles)
-                   for name, p in zip(self.names, profile)}
         save_file(tensors, str(tmp), metadata={"images": str(self.images), "step": str(step),
                                                "stds": json.dumps(self.stds), "gammas": json.dumps(self.gammas)})
         with open(tmp, "rb") as f:
@@ -142,6 +150,14 @@ class PowerEMA:
         rank reads the image count (8 bytes); only the main process, which holds the profiles, reads them, one
         tensor at a time (two fp32 copies of the weights: 10 GB for the recipe model)."""
         if not self.every or ckpt is None:
+            return
+        if (Path(ckpt) / sharding.SHARDED).is_dir():  # a sharded checkpoint: every rank loads its shards
+            images = torch.zeros((), dtype=torch.int64)
+            tensors = {**self.checkpoint_tensors()["phema"], "images": images} if self.profiles else {"images": images}
+            if sharding.load_tensors(ckpt, {"phema": tensors}):
+                self.images = int(images)
+            else:
+                print(f"warning: {ckpt} has no post-hoc EMA profiles: they start now, from the current weights")
             return
         path = Path(ckpt) / "phema.safetensors"
         if not path.exists():

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, create_model
 
-from training import repa
+from training import repa, sharding
 
 # ----------------------------------------------------------------------------------------------------------
 # The shared sections, one key a line: its type, default, range (ge, gt, le, lt) or allowed values (Literal)
@@ -125,6 +125,8 @@ class Train(BaseModel, extra="forbid", strict=True):
     ema_every: int = Field(1, ge=1, description="update the EMA every k steps, the k decays compounded (training/fit.py)")
     gradient_checkpointing: bool = Field(False, description="recompute activations: far less memory, ~1/3 more FLOPs")
     compile: bool = Field(False, description="torch.compile the model (on in the recipes; docs/performance.md)")
+    sharding: Literal["ddp", "fsdp"] = Field("ddp", description='"fsdp": weights, gradients, Adam and EMA sharded '
+                                             'over the GPUs, for models DDP cannot fit (training/sharding.py)')
     timeout_minutes: float = Field(30.0, gt=0, description="how long a collective waits for a slow rank (NCCL's own: 10)")
 
 
@@ -255,6 +257,7 @@ def combination_problems(cfg):
     if val["guidance_interval"][0] > val["guidance_interval"][1]:
         problems.append(f"val.guidance_interval={val['guidance_interval']!r} must be [lo, hi] with lo <= hi (noise "
                         f"levels: flow-matching t, 1 = pure noise; [0, 1] guides every step)")
+    problems += sharding.problems(cfg)  # what a sharded run refuses (batch probe, offloaded EMA, fp16)
     problems += repa.problems(cfg)  # the block exists, the encoder's config reads (training/repa.py)
     if cfg["ckpt"]["phema_every"] and not cfg["ckpt"]["phema_stds"]:
         problems.append("ckpt.phema_every > 0 tracks the profiles of ckpt.phema_stds: give at least one std, e.g. [0.05, 0.1]")
