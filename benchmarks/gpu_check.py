@@ -24,7 +24,6 @@ else. Extra --key=value arguments override the recipe; tests/test_performance.py
 """
 import argparse
 import collections
-import contextlib
 import copy
 import gc
 import importlib.util
@@ -68,7 +67,7 @@ import gpu_throughput  # noqa: E402
 import sizing  # noqa: E402
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
-from training import config  # noqa: E402
+from training import config, sharding  # noqa: E402
 from training.model import build_denoiser  # noqa: E402
 
 TRAINERS = {"flow_matching": train_flow_matching, "ddpm": train_ddpm}
@@ -112,9 +111,10 @@ def reset_peak(device):
 
 
 def check(name, args, overrides):
-    """One trainer's check; returns its row of results."""
-    trainer = TRAINERS[name]
-    cfg = config.load_config(trainer.DEFAULTS, ["--config", args.config, *overrides])
+    """One trainer's check ("flow_matching:fsdp": sharded, training/sharding.py); returns its row of results."""
+    trainer, sharded = TRAINERS[name.split(":")[0]], name.endswith(":fsdp")
+    cfg = config.load_config(trainer.DEFAULTS, ["--config", args.config, *overrides,
+                                                f"--train.sharding={'fsdp' if sharded else 'ddp'}", "--train.compile=false"])
     tr, row = cfg.train, {"trainer": name}
     accelerator = common.make_accelerator(tr.mixed_precision)
     device = accelerator.device
@@ -129,9 +129,11 @@ def check(name, args, overrides):
     with torch.device(device):
         model = build_denoiser(cfg, x0.shape[1], x0.shape[-1], text_dims).train()
     ema = copy.deepcopy(model).requires_grad_(False).float()
+    for module in model.transformer.transformer_blocks if sharded else [model]:  # as the trainers: in place, the
+        module.compile(backend=args.compile_backend)  # whole model before DDP wraps it, or each block before sharding
+    model, ema = sharding.shard(model, ema, cfg, accelerator)
     optimizer = common.make_optimizer(model, tr)
-    model.compile(backend=args.compile_backend)  # in place, before accelerate wraps it: as the trainers
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = sharding.prepare(model, optimizer, accelerator, tr)
     raw = accelerator.unwrap_model(model)
     sample_time, loss_of = objective(trainer, cfg, device)
 
@@ -139,11 +141,11 @@ def check(name, args, overrides):
         """The trainers' step, in their loop's order (the batch is fixed: random latents of the recipe's shape)."""
         for micro in range(tr.grad_accum):
             noise, t = torch.randn_like(x0), sample_time(len(x0))
-            with accelerator.no_sync(model) if micro < tr.grad_accum - 1 else contextlib.nullcontext():
+            with sharding.no_sync(model, accelerator, skip=micro < tr.grad_accum - 1):
                 with accelerator.autocast():
                     loss = loss_of(model, x0, cond, t, noise)
                 accelerator.backward(loss.mean() / tr.grad_accum)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip)
+        grad_norm = sharding.full(accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip))
         finite = torch.isfinite(grad_norm)
         common.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.step()
@@ -181,19 +183,19 @@ def check(name, args, overrides):
         start = time.perf_counter()
         state = {"step": step, "config": json.loads(json.dumps(cfg))}  # the small part; the optimizer has its file
         ckpt = common.save_checkpoint(accelerator, run_dir, step, {"model": raw.state_dict(), "ema": ema.state_dict()},
-                                      optimizer, state, keep=1)
+                                      optimizer, state, keep=1, model=raw)
         row["checkpoint_write_s"] = time.perf_counter() - start
         before = [train_step(step).item(), train_step(step + 1).item()]  # the RNG continues from the checkpoint's
         start = time.perf_counter()
         common.load_checkpoint(ckpt, raw, ema, optimizer, accelerator)  # weights, EMA, optimizer, RNG
         row["checkpoint_read_s"] = time.perf_counter() - start
         after = [train_step(step).item(), train_step(step + 1).item()]
-        row["checkpoint_gb"] = sum(f.stat().st_size for f in Path(ckpt).iterdir()) / 2**30
+        row["checkpoint_gb"] = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file()) / 2**30
     row.update(losses_before_resume=before, losses_after_resume=after, resume_exact=before == after,
                resume_max_rel_diff=max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(after, before)))
 
     # ---- eval_fid's sampling: the EMA, eager, at the recipe's sampler and guidance, under autocast ----------
-    ema.eval()
+    ema = sharding.full_copy(ema).eval()  # sharded: gathered whole, as validation and FID do
     sample_cond = lambda idx: {k: v[:len(idx)] for k, v in cond.items() if k not in ("drop", "drop_controls")} | {  # noqa
         "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
     batch = list(range(args.sample_batch or tr.batch_size))
@@ -237,7 +239,7 @@ def report(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "imagenet256.json"))
-    parser.add_argument("--trainers", default="flow_matching,ddpm")
+    parser.add_argument("--trainers", default="flow_matching,ddpm,flow_matching:fsdp", help="name[:fsdp] (sharded)")
     parser.add_argument("--steps", type=int, default=24, help="timed optimizer steps per trainer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling first one")
     parser.add_argument("--sample_batch", type=int, default=None, help="images in the timed sampling batch; "

@@ -80,7 +80,12 @@ STABILITY = ["--train.grad_clip_mode=adaptive", "--train.grad_clip_history=4", "
                                            pytest.param("train_flow_matching", ["--train.grad_accum=2", *STABILITY,
                                                         "--objective.time_sampling=adaptive"], marks=pytest.mark.slow),
                                            pytest.param("train_ddpm", ["--train.grad_accum=2", *STABILITY,
-                                                        "--objective.timestep_sampling=adaptive"], marks=pytest.mark.slow)])
+                                                        "--objective.timestep_sampling=adaptive"], marks=pytest.mark.slow),
+                                           # sharded (training/sharding.py), a group of one process
+                                           ("train_flow_matching", ["--train.sharding=fsdp", "--train.grad_accum=2",
+                                                                    "--ckpt.phema_every=64"]),
+                                           pytest.param("train_ddpm", ["--train.sharding=fsdp", *STABILITY[:2],
+                                                        "--train.mixed_precision=bf16"], marks=pytest.mark.slow)])
 def test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer, extra):
     counter = SyncCounter()
     count_syncs(monkeypatch, counter)
@@ -343,7 +348,7 @@ def test_bf16_reaches_the_denoisers_linear_layers_in_training_validation_and_eva
 @pytest.mark.slow
 def test_the_gpu_check_runs_on_cpu_at_a_tiny_size(tmp_path):
     """benchmarks/gpu_check.py as the device runs it (a subprocess, TORCH_LOGS read at start-up), on a tiny model:
-    both trainers, no graph break or recompile, the resumed steps bitwise those before, sampling measured."""
+    both trainers and the sharded row (a group of one), no graph break or recompile, the resumed steps bitwise those before, sampling measured."""
     import json
     import os
     import subprocess
@@ -358,13 +363,15 @@ def test_the_gpu_check_runs_on_cpu_at_a_tiny_size(tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [r["trainer"] for r in result["trainers"]] == ["flow_matching", "ddpm"] and result["peak_bf16_tflops"] is None
+    assert [r["trainer"] for r in result["trainers"]] == ["flow_matching", "ddpm", "flow_matching:fsdp"] and \
+        result["peak_bf16_tflops"] is None
     for r in result["trainers"]:
         assert r["graph_breaks"] == 0 and r["recompiles"] == 0 and r["graphs"] >= 1, r
         assert r["resume_exact"] and r["losses_before_resume"] == r["losses_after_resume"], r
         assert r["images_per_s"] > 0 and r["tflops"] > 0 and r["sampling_images_per_s"] > 0 and r["mfu"] is None
         assert r["image_tokens"] == (32 // 8 // 2) ** 2 and r["checkpoint_gb"] > 0
-    assert "| flow_matching | 0 | 0 |" in run.stdout and "| ddpm | 0 | 0 |" in run.stdout
+    assert "| flow_matching | 0 | 0 |" in run.stdout and "| ddpm | 0 | 0 |" in run.stdout and \
+        "| flow_matching:fsdp | 0 | 0 |" in run.stdout
 
 
 def test_the_gpu_check_counts_graph_breaks_and_recompiles():
