@@ -16,7 +16,7 @@ sum_i x_i p_i applied to it: choosing x to make that mix close to a target profi
 is a small least-squares problem whose matrix entries are closed-form inner products of power profiles.
 
 The profiles live on the main process only (other ranks count images, so every rank agrees on when a
-snapshot is due); they go into each checkpoint (bitwise resume) and into fp16 snapshots, run_dir/phema/
+snapshot is due), or with train.sharding="fsdp" on every rank, sharded like the weights (a snapshot gathers them); they go into each checkpoint (bitwise resume) and into fp16 snapshots, run_dir/phema/
 phema_<images>.safetensors, written to a hidden temporary name and renamed once complete, so a snapshot cut off
 by a kill is never listed. tools/phema.py reconstructs and exports; eval_fid.py and sample.py take --phema_std.
 """
