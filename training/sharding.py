@@ -88,9 +88,10 @@ def shard(model, ema, cfg, accelerator):
         common.same_on_every_rank(module, accelerator)
     mesh = init_device_mesh(device.type, (accelerator.num_processes,))
     # bf16: weights all-gathered in bf16 for compute, gradients reduced in fp32 (DDP's autocast computes in bf16
-    # and all-reduces fp32 gradients). The EMA samples in fp32, as under DDP.
+    # and all-reduces fp32 gradients). The inputs are not cast: autocast decides per op, as under DDP (FSDP's own
+    # cast would round the time input 537.3 to 536 in bf16). The EMA samples in fp32, as under DDP.
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if tr.mixed_precision == "bf16" else None,
-                                  reduce_dtype=torch.float32)
+                                  reduce_dtype=torch.float32, cast_forward_inputs=False)
     for module, mp in ((model, policy), (ema, MixedPrecisionPolicy())):
         for block in module.transformer.transformer_blocks:
             if tr.compile and module is model:
