@@ -16,8 +16,8 @@ and benchmarks/gpu_check.py measure the real peak on a GPU.
 each GPU, by this memory model instead of a probe: the largest divisor of global batch / GPUs whose memory stays
 under fit.FIT_MARGIN of the card, without and with gradient checkpointing, with the EMA on the GPU and
 offloaded (train.ema_device="cpu": 16 bytes per parameter). Checkpointed activations = what the step saves
-outside the blocks (counted the same way, with checkpointing on) + every block's inputs (the fp32 residual
-streams of image and context tokens, kept for the recompute) + one block's activations (recomputed in backward).
+with checkpointing on (counted the same way: outside the blocks, and every block's inputs, which the
+non-reentrant checkpoint saves for the recompute) + one block's activations (recomputed in backward).
 """
 import argparse
 import json
@@ -85,22 +85,24 @@ def training_flops_per_image(cfg):
     return flops, sum(p.numel() for p in model.parameters()), (x0.shape[-1] // cfg.model.patch_size) ** 2, context_tokens
 
 
-def checkpointed_activation_bytes(cfg, layers, batch, parts, ckpt_parts, width, tokens):
-    """With gradient checkpointing: what is saved outside the blocks (measured with it on) + each block's inputs,
-    held for the recompute (image and context tokens x width, fp32) + one block's activations (the slope of the
-    measurement without it)."""
+def checkpointed_activation_bytes(cfg, layers, batch, parts, ckpt_parts):
+    """With gradient checkpointing: what the step saves, measured with it on (outside the blocks, and each block's
+    inputs, which the non-reentrant checkpoint saves for the recompute: bf16 image and context tokens) + one
+    block's activations, recomputed in backward (the slope of the measurement without it)."""
     (fixed, per_image), (c_fixed, c_per_image) = parts, ckpt_parts
     at = lambda v: v[0] + (layers - 1) * (v[1] - v[0])
     one_block = (fixed[1] - fixed[0]) + batch * (per_image[1] - per_image[0])
-    return at(c_fixed) + batch * at(c_per_image) + layers * batch * tokens * width * 4 + one_block
+    return at(c_fixed) + batch * at(c_per_image) + one_block
 
 
-def load_recipe(name):
-    path = f"configs/{name}.json"
-    cfg = config.load_config(fm.DEFAULTS, ["--config", path])
-    extra = [] if cfg.data.num_classes or cfg.encoders.text_encoder else ["--data.num_classes=1000"]  # own data
+def load_recipe(name, extra=()):
+    """configs/<name>.json, with --key=value overrides (`extra`; the tests shrink the model this way)."""
+    path = str(Path(__file__).resolve().parents[1] / "configs" / f"{name}.json")
     cfg = config.load_config(fm.DEFAULTS, ["--config", path, *extra])
-    cfg.config_path, cfg.extra = path, extra
+    if not (cfg.data.num_classes or cfg.encoders.text_encoder):  # own data: the class count is read from it
+        extra = ["--data.num_classes=1000", *extra]
+        cfg = config.load_config(fm.DEFAULTS, ["--config", path, *extra])
+    cfg.config_path, cfg.extra = path, list(extra)
     return cfg
 
 
@@ -126,8 +128,6 @@ def fit_recipe(name, gpus, cards):
     gpus = RECIPE_GPUS.get(name, gpus)
     x0, cond, text_dims = model_inputs(cfg, 1, torch.device("meta"))
     params = sum(p.numel() for p in build(cfg, x0, text_dims, torch.device("meta"), checkpointing=False).parameters())
-    width = cfg.model.num_attention_heads * cfg.model.attention_head_dim
-    tokens = (x0.shape[-1] // cfg.model.patch_size) ** 2 + (text_dims[0] if text_dims else cfg.model.class_tokens)
     parts = linear_model(lambda n, b: saved_bytes(cfg, n, b))
     ckpt_parts = linear_model(lambda n, b: saved_bytes(cfg, n, b, checkpointing=True))
     global_batch = cfg.train.batch_size * gpus * cfg.train.grad_accum
@@ -135,7 +135,7 @@ def fit_recipe(name, gpus, cards):
     layers = cfg.model.num_layers
 
     def memory(micro, ckpt, ema_on_gpu):
-        act = (checkpointed_activation_bytes(cfg, layers, micro, parts, ckpt_parts, width, tokens) if ckpt
+        act = (checkpointed_activation_bytes(cfg, layers, micro, parts, ckpt_parts) if ckpt
                else activation_bytes(cfg, layers, micro, parts))
         return ((20 if ema_on_gpu else 16) * params + act) / 2**30
 

@@ -1,6 +1,8 @@
 """Recipes as data: each configs/*.json names only what it changes from the trainers' defaults, and loads
-with both trainers. (Tiny versions of the paper recipes run in test_conditioning.py and test_transfer.py.)"""
+with both trainers; and what they cost: benchmarks/sizing.py's memory model. (Tiny versions of the paper
+recipes run in test_conditioning.py and test_transfer.py.)"""
 import json
+import sys
 
 import pytest
 
@@ -69,3 +71,32 @@ def test_the_single_gpu_recipe_sits_between_the_demo_and_the_paper_model():
     assert (model.num_layers, model.num_attention_heads * model.attention_head_dim, model.patch_size) == (12, 768, 2)
     assert cfg.data.resolution == 256 and cfg.encoders.vae and cfg.train.mixed_precision == "bf16"
     assert cfg.train.batch_size * cfg.train.grad_accum == 256
+
+
+# What a recipe costs: benchmarks/sizing.py's memory model, on shrunk recipes (CPU, seconds).
+TINY = ["--data.resolution=32", "--model.num_attention_heads=2", "--model.attention_head_dim=16"]
+
+
+@pytest.fixture
+def sizing():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sizing
+        yield sizing
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.mark.parametrize("name", ["own_data_256"])
+def test_the_activation_model_extrapolates_to_what_a_deeper_forward_saves(sizing, name):
+    """The model is measured at 1-2 blocks and 1-2 images; at 4 blocks and 3 images it must give what a forward of
+    that size saves. With checkpointing it adds one block's recomputed activations to the measurement (the
+    block inputs are in it: the non-reentrant checkpoint saves them)."""
+    cfg = sizing.load_recipe(name, TINY)
+    parts = sizing.linear_model(lambda n, b: sizing.saved_bytes(cfg, n, b))
+    ckpt_parts = sizing.linear_model(lambda n, b: sizing.saved_bytes(cfg, n, b, checkpointing=True))
+    assert sizing.activation_bytes(cfg, 4, 3, parts) == sizing.saved_bytes(cfg, 4, 3)
+    (fixed, per_image) = parts
+    one_block = (fixed[1] - fixed[0]) + 3 * (per_image[1] - per_image[0])
+    assert (sizing.checkpointed_activation_bytes(cfg, 4, 3, parts, ckpt_parts) - one_block
+            == sizing.saved_bytes(cfg, 4, 3, checkpointing=True))
