@@ -238,11 +238,11 @@ def deepest(memory, budget):
     return depth
 
 
-def shard_recipe(name, cards, gpu_counts=SHARDING_GPUS):
+def shard_recipe(name, cards, gpu_counts=SHARDING_GPUS, extra=()):
     """For --gpus in gpu_counts: memory per GPU at the recipe's micro-batch under DDP and fully sharded (with and
     without accumulation, with and without checkpointing), what fits on each card, and the deepest model at the
-    recipe's width that fits (its parameters)."""
-    cfg = load_recipe(name)
+    recipe's width that fits (its parameters). extra: --key=value overrides of the recipe."""
+    cfg = load_recipe(name, extra)
     x0, cond, text_dims = model_inputs(cfg, 1, torch.device("meta"))
     model = build(cfg, x0, text_dims, torch.device("meta"), checkpointing=False)
     count = lambda m: sum(p.numel() for p in m.parameters())
