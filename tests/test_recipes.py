@@ -173,3 +173,10 @@ def test_the_sharded_memory_is_one_shards_states_plus_what_is_gathered(sizing, g
         got = sizing.memory_per_gpu(params, activations, gpus, True, 2, accumulating, block, root)
         assert got == pytest.approx(expected, rel=2e-3)
     assert sizing.memory_per_gpu(params, activations, gpus, profiles=2) == 28 * params + activations
+
+
+def test_the_deepest_model_is_the_last_depth_under_the_budget(sizing):
+    for budget, depth in [(40, 10), (42.9, 10), (43, 11), (12.9, 0), (13, 1)]:  # memory 10 + 3 L
+        assert sizing.deepest(lambda n: 10 + 3 * n, budget) == depth
+    assert sizing.deepest(lambda n: 0.1 + 0.2 * n, 0.7) == 2  # 0.1 + 0.6 is 0.7000000000000001; the closed form says 3
+    assert sizing.deepest(lambda n: 0.1 * n, 0.5) == 5  # 0.1 * 5 is 0.5; the closed form says 4
