@@ -4,6 +4,7 @@ GPU), A100 GPU-hours for the whole run at a stated MFU, and memory per GPU at th
 
     python benchmarks/sizing.py [--mfu 0.4] [--gpus 16] [--out docs/sizing.json]
     python benchmarks/sizing.py --gpu_memory [A100-40GB,A100-80GB,H100-80GB,24GB or GiB numbers]
+    python benchmarks/sizing.py --sharding [24GB,48GB,A100-80GB or GiB numbers]
 
 Memory per GPU = 20 bytes per parameter (fp32 weights 4, gradients 4, Adam moments 8, fp32 EMA 4) plus the
 activations that one step keeps for its backward pass under bf16 autocast, without gradient checkpointing
@@ -16,8 +17,15 @@ and benchmarks/gpu_check.py measure the real peak on a GPU.
 each GPU, by this memory model instead of a probe: the largest divisor of global batch / GPUs whose memory stays
 under fit.FIT_MARGIN of the card, without and with gradient checkpointing, with the EMA on the GPU and
 offloaded (train.ema_device="cpu": 16 bytes per parameter). Checkpointed activations = what the step saves
-outside the blocks (counted the same way, with checkpointing on) + every block's inputs (the fp32 residual
-streams of image and context tokens, kept for the recompute) + one block's activations (recomputed in backward).
+with checkpointing on (counted the same way: outside the blocks, and every block's inputs, which the
+non-reentrant checkpoint saves for the recompute) + one block's activations (recomputed in backward).
+
+--sharding: train.sharding="ddp" against "fsdp" (fully_shard on every MMDiT block and the root, bf16 parameters
+for compute) on 8 and 16 of each card, at the recipe's micro-batch and accumulation: memory per GPU
+(memory_per_gpu: DDP's 20 bytes per parameter on every GPU, FSDP's divided by the GPUs plus the gathered blocks
+and, while accumulating, an unsharded fp32 gradient), the activations measured again as FSDP computes
+(fully_sharded_like: no bf16 weight copies held), which fits, the bytes each GPU sends per step, and the deepest
+model at the recipe's width that fits (its parameters).
 """
 import argparse
 import json
@@ -37,22 +45,40 @@ RECIPES = ["imagenet256", "imagenet512", "imagenet22k_256", "imagenet256_from22k
            "cc12m", "cc12m_512", "cc12m_from22k"]
 A100_BF16_TFLOPS = 312.0
 # Memory as nvidia-smi reports it (MiB); a "24 GB card": RTX 3090 / 4090, A5000, L4 (22.5 GiB: less).
-GPU_MIB = {"A100-40GB": 40960, "A100-80GB": 81920, "H100-80GB": 81559, "24GB": 24564}
+GPU_MIB = {"A100-40GB": 40960, "A100-80GB": 81920, "H100-80GB": 81559, "24GB": 24564,
+           "48GB": 49140}  # a "48 GB card": RTX A6000, A40 (L40S: 46068 MiB)
+FIT_CARDS = "A100-40GB,A100-80GB,H100-80GB,24GB"  # --gpu_memory's default
+SHARDING_CARDS, SHARDING_GPUS = "24GB,48GB,A100-80GB", (8, 16)  # --sharding's
 RECIPE_GPUS = {"own_data_256": 1}  # the single-GPU recipe; the others are for 2 nodes x 8 GPUs (--gpus)
 
 
-def saved_bytes(cfg, blocks, batch, checkpointing=False):
-    """Bytes of the distinct tensors a real forward (CPU, full width, bf16 autocast) saves for backward."""
+def saved_bytes(cfg, blocks, batch, checkpointing=False, sharded=False):
+    """Bytes of the distinct tensors a real forward (CPU, full width, bf16 autocast) saves for backward. sharded:
+    as under fully_shard with MixedPrecisionPolicy(param_dtype=bf16) (fully_sharded_like)."""
     small = config.load_config(fm.DEFAULTS, ["--config", cfg.config_path, f"--model.num_layers={blocks}", *cfg.extra])
     x0, cond, text_dims = model_inputs(small, batch, torch.device("cpu"))
     model, storages = build(small, x0, text_dims, torch.device("cpu"), checkpointing=checkpointing), {}
+    gathered = fully_sharded_like(model) if sharded else set()
 
     def keep(t):
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", torch.bfloat16):
         fm.flow_matching_loss(model, x0, cond, torch.rand(batch), torch.randn_like(x0))
-    return sum(storages.values())
+    return sum(n for ptr, n in storages.items() if ptr not in gathered)
+
+
+def fully_sharded_like(model):
+    """Make a model save for backward what fully_shard(MixedPrecisionPolicy(param_dtype=bf16)) on every MMDiT block
+    and the root makes it save, without a process group: its parameters in bf16 (the all-gathered copies, so
+    autocast makes no bf16 copies of the weights). Returns their storages: FSDP frees a block's gathered copies
+    after its forward and gathers them again for its backward, so what backward saves of them is not held (the
+    root's stay gathered: memory_per_gpu's transient has them). The policy's cast of each block's and the root's
+    floating-point inputs to bf16 changes no bytes saved (autocast casts them anyway), so it is left out.
+    tests/test_recipes.py checks the bytes against a real fully_shard on one CPU process."""
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
 
 
 def linear_model(measure):
@@ -85,22 +111,24 @@ def training_flops_per_image(cfg):
     return flops, sum(p.numel() for p in model.parameters()), (x0.shape[-1] // cfg.model.patch_size) ** 2, context_tokens
 
 
-def checkpointed_activation_bytes(cfg, layers, batch, parts, ckpt_parts, width, tokens):
-    """With gradient checkpointing: what is saved outside the blocks (measured with it on) + each block's inputs,
-    held for the recompute (image and context tokens x width, fp32) + one block's activations (the slope of the
-    measurement without it)."""
+def checkpointed_activation_bytes(cfg, layers, batch, parts, ckpt_parts):
+    """With gradient checkpointing: what the step saves, measured with it on (outside the blocks, and each block's
+    inputs, which the non-reentrant checkpoint saves for the recompute: bf16 image and context tokens) + one
+    block's activations, recomputed in backward (the slope of the measurement without it)."""
     (fixed, per_image), (c_fixed, c_per_image) = parts, ckpt_parts
     at = lambda v: v[0] + (layers - 1) * (v[1] - v[0])
     one_block = (fixed[1] - fixed[0]) + batch * (per_image[1] - per_image[0])
-    return at(c_fixed) + batch * at(c_per_image) + layers * batch * tokens * width * 4 + one_block
+    return at(c_fixed) + batch * at(c_per_image) + one_block
 
 
-def load_recipe(name):
-    path = f"configs/{name}.json"
-    cfg = config.load_config(fm.DEFAULTS, ["--config", path])
-    extra = [] if cfg.data.num_classes or cfg.encoders.text_encoder else ["--data.num_classes=1000"]  # own data
+def load_recipe(name, extra=()):
+    """configs/<name>.json, with --key=value overrides (`extra`; the tests shrink the model this way)."""
+    path = str(Path(__file__).resolve().parents[1] / "configs" / f"{name}.json")
     cfg = config.load_config(fm.DEFAULTS, ["--config", path, *extra])
-    cfg.config_path, cfg.extra = path, extra
+    if not (cfg.data.num_classes or cfg.encoders.text_encoder):  # own data: the class count is read from it
+        extra = ["--data.num_classes=1000", *extra]
+        cfg = config.load_config(fm.DEFAULTS, ["--config", path, *extra])
+    cfg.config_path, cfg.extra = path, list(extra)
     return cfg
 
 
@@ -126,8 +154,6 @@ def fit_recipe(name, gpus, cards):
     gpus = RECIPE_GPUS.get(name, gpus)
     x0, cond, text_dims = model_inputs(cfg, 1, torch.device("meta"))
     params = sum(p.numel() for p in build(cfg, x0, text_dims, torch.device("meta"), checkpointing=False).parameters())
-    width = cfg.model.num_attention_heads * cfg.model.attention_head_dim
-    tokens = (x0.shape[-1] // cfg.model.patch_size) ** 2 + (text_dims[0] if text_dims else cfg.model.class_tokens)
     parts = linear_model(lambda n, b: saved_bytes(cfg, n, b))
     ckpt_parts = linear_model(lambda n, b: saved_bytes(cfg, n, b, checkpointing=True))
     global_batch = cfg.train.batch_size * gpus * cfg.train.grad_accum
@@ -135,7 +161,7 @@ def fit_recipe(name, gpus, cards):
     layers = cfg.model.num_layers
 
     def memory(micro, ckpt, ema_on_gpu):
-        act = (checkpointed_activation_bytes(cfg, layers, micro, parts, ckpt_parts, width, tokens) if ckpt
+        act = (checkpointed_activation_bytes(cfg, layers, micro, parts, ckpt_parts) if ckpt
                else activation_bytes(cfg, layers, micro, parts))
         return ((20 if ema_on_gpu else 16) * params + act) / 2**30
 
@@ -177,15 +203,124 @@ def fit_table(rows):
     return "\n".join(lines)
 
 
+def memory_per_gpu(params, activations, gpus=1, sharded=False, profiles=0, accumulating=False, block=0, root=0):
+    """Bytes on the fullest GPU. DDP: 20 per parameter on every GPU (fp32 weights 4, gradients 4, Adam's moments
+    8, EMA 4) and the post-hoc EMA profiles (4 each) on the main process. Sharded (fully_shard on every block and
+    the root): all of it divided by the GPUs, plus what is held whole for a while: the bf16 parameters of the
+    block computed, of the next one prefetched and of the root (gathered through the step), one block's bf16
+    gradient and its fp32 copy for the reduce-scatter (`block`, `root`: their parameter counts); accumulating
+    (set_requires_gradient_sync(False) on all but the last micro-batch): an unsharded fp32 gradient of the whole
+    model, 4 per parameter on every GPU."""
+    if not sharded:
+        return (20 + 4 * profiles) * params + activations
+    gathered = 2 * (2 * block + root) + (2 + 4) * block
+    return (20 + 4 * profiles) * params / gpus + 4 * params * accumulating + gathered + activations
+
+
+def bytes_sent_per_step(params, gpus, accum, sharded):
+    """Bytes each GPU sends per optimizer step, ring collectives: (N - 1) / N of the buffer per all-gather or
+    reduce-scatter, twice that per all-reduce. DDP: one all-reduce of the fp32 gradients per step (no_sync on the
+    other micro-batches). Sharded: the bf16 parameters all-gathered in every micro-batch's forward and again in
+    its backward (the root's, about 1% of them, once: counted twice here), one fp32 reduce-scatter per step."""
+    share = (gpus - 1) / gpus
+    return ((2 * 2 * accum + 4) if sharded else 2 * 4) * params * share
+
+
+def deepest(memory, budget):
+    """The most blocks L >= 1 with memory(L) <= budget, 0 if none; memory is affine in L (parameters and
+    activations both grow by one block's worth per block)."""
+    per_block = memory(2) - memory(1)
+    depth = max(0, int((budget - (memory(1) - per_block)) // per_block))
+    while depth and memory(depth) > budget:  # float rounding at the boundary
+        depth -= 1
+    while memory(depth + 1) <= budget:
+        depth += 1
+    return depth
+
+
+def shard_recipe(name, cards, gpu_counts=SHARDING_GPUS, extra=()):
+    """For --gpus in gpu_counts: memory per GPU at the recipe's micro-batch under DDP and fully sharded (with and
+    without accumulation, with and without checkpointing), what fits on each card, and the deepest model at the
+    recipe's width that fits (its parameters). extra: --key=value overrides of the recipe."""
+    cfg = load_recipe(name, extra)
+    x0, cond, text_dims = model_inputs(cfg, 1, torch.device("meta"))
+    model = build(cfg, x0, text_dims, torch.device("meta"), checkpointing=False)
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    blocks = [count(b) for b in model.transformer.transformer_blocks]
+    params, layers, micro, accum = count(model), cfg.model.num_layers, cfg.train.batch_size, cfg.train.grad_accum
+    profiles = len(cfg.ckpt.phema_stds) if cfg.ckpt.phema_every else 0
+    measured = {(sharded, ckpt): linear_model(lambda n, b: saved_bytes(cfg, n, b, ckpt, sharded))
+                for sharded in (False, True) for ckpt in (False, True)}
+
+    def memory(depth, gpus, sharded, ckpt, accumulating):
+        parts = measured[sharded, False]
+        act = (checkpointed_activation_bytes(cfg, depth, micro, parts, measured[sharded, True]) if ckpt
+               else activation_bytes(cfg, depth, micro, parts))
+        return memory_per_gpu(params + (depth - layers) * blocks[0], act, gpus, sharded, profiles, accumulating,
+                              max(blocks), params - sum(blocks))
+
+    setups = {"ddp": (False, accum > 1), "fsdp_1": (True, False), "fsdp_k": (True, True)}  # k: accumulating
+    rows = []
+    for gpus in gpu_counts:
+        row = {"recipe": name, "parameters": params, "layers": layers, "micro": micro, "accum": accum, "gpus": gpus,
+               "profiles": profiles, "sent_gb": {s: bytes_sent_per_step(params, gpus, accum, s == "fsdp") / 1e9
+                                                 for s in ("ddp", "fsdp")},
+               "gib": {k: [memory(layers, gpus, v[0], ckpt, v[1]) / 2**30 for ckpt in (False, True)]
+                       for k, v in setups.items()}, "cards": {}}
+        for card, mib in cards.items():
+            budget = fit.FIT_MARGIN * mib * 2**20
+            fits = lambda setup: next((("yes", "ckpt")[ckpt] for ckpt in (False, True)
+                                       if memory(layers, gpus, setup[0], ckpt, setup[1]) <= budget), "no")
+            largest = {k: [params + (d - layers) * blocks[0] if d else 0 for d in
+                           (deepest(lambda n: memory(n, gpus, v[0], ckpt, v[1]), budget) for ckpt in (False, True))]
+                       for k, v in setups.items()}
+            row["cards"][card] = {"gib": mib / 1024, "ddp": fits(setups["ddp"]),
+                                  "fsdp": fits(setups["fsdp_k" if accum > 1 else "fsdp_1"]), "largest": largest}
+        rows.append(row)
+    return rows
+
+
+def shard_tables(rows):
+    """Two markdown tables: memory per GPU and what fits; the largest model per card."""
+    cards = list(rows[0]["cards"])
+    pair = lambda v: f"{v[0]:.1f} / {v[1]:.1f}"
+    mem = ["| recipe (params) | micro-batch x accumulation | GPUs | DDP, GiB (GPU 0): checkpointing off / on "
+           "| FSDP, no accumulation | FSDP, accumulating | GB sent per GPU and step: DDP / FSDP | "
+           + " | ".join(f"fits {c} ({rows[0]['cards'][c]['gib']:.1f} GiB): DDP, FSDP" for c in cards) + " |",
+           "|---|---|---|---|---|---|---|" + "---|" * len(cards)]
+    big = ["| recipe | GPUs | " + " | ".join(f"{c}: DDP · FSDP accumulating · FSDP without accumulation"
+                                             for c in cards) + " |", "|---|---|" + "---|" * len(cards)]
+    bn = lambda v: f"{v[0] / 1e9:.1f} / {v[1] / 1e9:.1f}"
+    for r in rows:
+        g = r["gib"]
+        mem.append(f"| {r['recipe']} ({r['parameters'] / 1e9:.2f}B) | {r['micro']} x {r['accum']} | {r['gpus']} "
+                   f"| {pair(g['ddp'])} | {pair(g['fsdp_1'])} | {pair(g['fsdp_k'])} "
+                   f"| {r['sent_gb']['ddp']:.1f} / {r['sent_gb']['fsdp']:.1f} | "
+                   + " | ".join(f"{r['cards'][c]['ddp']}, {r['cards'][c]['fsdp']}" for c in cards) + " |")
+        big.append(f"| {r['recipe']} | {r['gpus']} | " + " | ".join(
+            " · ".join(bn(r["cards"][c]["largest"][k]) for k in ("ddp", "fsdp_k", "fsdp_1")) for c in cards) + " |")
+    return "\n".join(mem) + "\n\n" + "\n".join(big)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation on A100s")
     parser.add_argument("--gpus", type=int, default=16, help="the recipes' global batch is per-GPU batch x this")
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
-    parser.add_argument("--gpu_memory", nargs="?", const=",".join(GPU_MIB), default=None,
+    parser.add_argument("--gpu_memory", nargs="?", const=FIT_CARDS, default=None,
                         help="instead: what train.batch_size=auto would choose on these cards (names of GPU_MIB or GiB)")
+    parser.add_argument("--sharding", nargs="?", const=SHARDING_CARDS, default=None,
+                        help="instead: memory per GPU under DDP and fully sharded on 8 and 16 of these cards, what "
+                             "fits, the largest model")
     args = parser.parse_args(argv)
+    if args.sharding:
+        cards = {c: GPU_MIB[c] if c in GPU_MIB else float(c) * 1024 for c in args.sharding.split(",")}
+        rows = [r for name in args.recipes.split(",") for r in shard_recipe(name, cards)]
+        print(shard_tables(rows))
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+        return rows
     if args.gpu_memory:
         cards = {c: GPU_MIB[c] if c in GPU_MIB else float(c) * 1024 for c in args.gpu_memory.split(",")}
         rows = [r for name in args.recipes.split(",") for r in fit_recipe(name, args.gpus, cards)]
