@@ -260,6 +260,7 @@ TRANSFER_RECIPES = {  # recipe: (the recipe it starts from, resolution of its ti
     "imagenet512": ("imagenet256_from22k", 32),
     "imagenet22k_captions_256": (None, 16), "cc12m_from22k": ("imagenet22k_captions_256", 16),
     "cc12m_512": ("cc12m_from22k", 32)}
+TEXT_CHAIN = {"imagenet22k_captions_256", "cc12m_from22k", "cc12m_512"}
 
 
 @pytest.mark.slow
@@ -278,6 +279,8 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
             assert full.model.pos_embed_transfer == "resample"
         if "22k" in recipe and not recipe.endswith("from22k"):
             assert full.data.num_classes == len(read_class_ids(full.data, None)) == 21841
+        if trainer is ddpm and recipe in TEXT_CHAIN:  # its init_from is model.py's, shared: the flow chain runs it
+            continue  # (DDPM runs the class chain, 22k -> 1k -> 512 px; the suite's time)
         # The tiny version: embedded data, tiny encoders, initialised from the previous tiny run of the chain.
         tiny = ["--config", recipe_file, *tiny_run_args(tmp_path, recipe, steps=2), *TINY_MODEL,
                 "--data.source=embedded", "--data.val_split=null", "--data.image_column=image",
@@ -294,7 +297,8 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
             assert report["loaded"] > 20 and report["reshaped"] == [] and report["unexpected"] == []
             assert any("pos_embed" in a for a in report["adapted"]) == (resolution == 32)
     # label captions: the text model of the 22k chain was trained on the class names.
-    rows = map(json.loads, (runs["imagenet22k_captions_256"] / "metrics.jsonl").read_text().splitlines())
+    rows = map(json.loads, (runs["imagenet22k_captions_256"] / "metrics.jsonl").read_text().splitlines()) \
+        if trainer is fm else []
     assert all(math.isfinite(r["val_loss"]) for r in rows if "val_loss" in r)
 
 
