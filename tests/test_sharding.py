@@ -134,17 +134,35 @@ def test_what_a_sharded_run_cannot_do_is_refused_naming_the_key():
 
 @pytest.mark.slow
 def test_a_sharded_run_rolls_back_to_its_sharded_checkpoint(tmp_path, monkeypatch):
-    """One process, sharded: NaN losses at steps 7 and 8 roll back to step 6's sharded checkpoint (its weights,
-    EMA, optimizer through sharding.load), halve the LR, and the run finishes finite."""
+    """One process, sharded, with gradient checkpointing: NaN losses at steps 7 and 8 roll back to step 6's sharded
+    checkpoint (its weights, EMA, optimizer through sharding.load), halve the LR, and the run finishes finite."""
     from test_stability import CONSTANT_LR, poisoned_loss, rows
 
     poisoned_loss(monkeypatch, {6, 7})
     run = fm.main(tiny_run_args(tmp_path, "rb", steps=9) + [
         "--log.every=1", "--ckpt.every=1", "--ckpt.keep=10", "--train.max_nonfinite_steps=2", "--log.report=false",
-        "--train.on_divergence=rollback", "--train.rollback_lr_factor=0.5", "--train.sharding=fsdp", *CONSTANT_LR])
+        "--train.on_divergence=rollback", "--train.rollback_lr_factor=0.5", "--train.sharding=fsdp", *CONSTANT_LR,
+        "--train.gradient_checkpointing=true"])  # (a checkpointed block recomputes its all-gather in backward)
     events = [r for r in rows(run) if r.get("event") == "rollback"]
     assert len(events) == 1 and events[0]["step"] == 6 and events[0]["detected_at"] == 8
     train = [r for r in rows(run) if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 9)) + [7, 8, 9] and train[-1]["lr"] == pytest.approx(0.5e-3)
     assert torch.isfinite(torch.tensor([r["loss"] for r in train[-3:]])).all()
     assert (run / "checkpoints" / "step_00000009" / "sharded" / ".metadata").is_file()
+
+
+def test_a_sharded_checkpoint_is_intact_only_once_its_metadata_is_written(tmp_path):
+    """torch.distributed.checkpoint writes .metadata after every rank's shards: without it (a write cut off) the
+    checkpoint is not intact and --resume latest falls back to the one before."""
+    import common
+
+    for step, complete in ((1, True), (2, False)):
+        folder = tmp_path / "checkpoints" / f"step_{step:08d}"
+        (folder / "sharded").mkdir(parents=True)
+        (folder / "sharded" / "__0_0.distcp").write_bytes(b"shard")
+        torch.save({"step": step}, folder / "state.pt")
+        if complete:
+            (folder / "sharded" / ".metadata").write_bytes(b"metadata")
+    assert common.checkpoint_ok(tmp_path / "checkpoints" / "step_00000001")
+    assert not common.checkpoint_ok(tmp_path / "checkpoints" / "step_00000002")
+    assert common.find_checkpoint(tmp_path, "latest").name == "step_00000001"
