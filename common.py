@@ -308,6 +308,16 @@ def read_state(ckpt):
     return state
 
 
+def read_tensors(ckpt, name):
+    """{key: tensor} of a checkpoint's `name` ("model", "ema", "phema"), whole, on the CPU: from its safetensors
+    file, or gathered from a sharded checkpoint's shards (train.sharding="fsdp")."""
+    if (Path(ckpt) / "sharded").is_dir():
+        from training import sharding
+        return sharding.read_whole(ckpt, name)
+    from safetensors.torch import load_file
+    return load_file(str(Path(ckpt) / f"{name}.safetensors"), device="cpu")
+
+
 def read_optimizer_state(ckpt):
     """The optimizer's state dict of a checkpoint, on the CPU: from optimizer.safetensors (moments
     "state.{param}.{name}", param_groups as JSON in its header), or from an older checkpoint's state.pt."""

@@ -120,8 +120,6 @@ def load_model(run, checkpoint=None, weights="ema", phema_std=None):
     projection, side from the positional grid), so rebuilding it needs neither data nor encoders. phema_std:
     the export's model with the post-hoc EMA of that std reconstructed from the run's snapshots (with a checkpoint:
     at the checkpoint's step, from the snapshots before it and its own profiles, so the label is true)."""
-    from safetensors.torch import load_file
-
     run = Path(run)
     if phema_std is not None:
         model, cfg, desc = load_model(run, checkpoint, weights)
@@ -136,7 +134,7 @@ def load_model(run, checkpoint=None, weights="ema", phema_std=None):
         raise FileNotFoundError(f"no finished checkpoint under {run}/checkpoints")
     state = common.read_state(ckpt)  # the small part, on the CPU (never the optimizer)
     cfg = config.Config(state["config"])
-    tensors = load_file(str(ckpt / f"{'ema' if weights == 'ema' else 'model'}.safetensors"), device="cpu")
+    tensors = common.read_tensors(ckpt, "ema" if weights == "ema" else "model")  # (sharded: gathered whole)
     channels = tensors["transformer.pos_embed.proj.weight"].shape[1]
     size = math.isqrt(tensors["transformer.pos_embed.pos_embed"].shape[1]) * cfg["model"]["patch_size"]
     text_dims = None

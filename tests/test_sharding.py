@@ -166,3 +166,26 @@ def test_a_sharded_checkpoint_is_intact_only_once_its_metadata_is_written(tmp_pa
     assert common.checkpoint_ok(tmp_path / "checkpoints" / "step_00000001")
     assert not common.checkpoint_ok(tmp_path / "checkpoints" / "step_00000002")
     assert common.find_checkpoint(tmp_path, "latest").name == "step_00000001"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gloo")
+def test_evaluation_sampling_and_init_from_read_a_sharded_checkpoint_whole(runs):
+    """eval_fid.py / sample.py --checkpoint (EMA, raw, post-hoc EMA of any std) and init_from read a sharded
+    checkpoint in one process, no group: the DDP run's checkpoint read the same way is the oracle."""
+    import eval_fid
+    from training.model import read_weights
+
+    tmp, _ = runs
+    saved = sharded_checkpoint(tmp / "fsdp", STEPS)
+    for weights, phema_std in (("ema", None), ("raw", None), ("ema", 0.1)):
+        (sharded, _, desc), (ddp, _, _) = (eval_fid.load_model(tmp / run, "latest", weights, phema_std)
+                                           for run in ("fsdp", "ddp"))
+        assert desc["source"].endswith(f"step_{STEPS:08d}")
+        for key, value in ddp.state_dict().items():
+            torch.testing.assert_close(sharded.state_dict()[key], value, rtol=1e-4, atol=2e-5, msg=key)
+        if phema_std is None:  # exactly the checkpoint's tensors
+            part = saved["ema" if weights == "ema" else "model"]
+            assert all(torch.equal(v, part[k]) for k, v in sharded.state_dict().items())
+    model, ema, _, folder = read_weights(tmp / "fsdp")  # init_from's reader, from the run's newest checkpoint
+    assert folder.name == f"step_{STEPS:08d}" and all(torch.equal(v, saved["model"][k]) for k, v in model.items())

@@ -410,8 +410,8 @@ def read_weights(source):
     if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").exists():
         folder = common.find_checkpoint(folder, "latest") or folder / "checkpoints"
     if common.checkpoint_ok(folder):  # on the CPU, and never the optimizer
-        return (load_file(str(folder / "model.safetensors"), device="cpu"),
-                load_file(str(folder / "ema.safetensors"), device="cpu"), common.read_state(folder).get("class_ids"), folder)
+        return (common.read_tensors(folder, "model"), common.read_tensors(folder, "ema"),
+                common.read_state(folder).get("class_ids"), folder)
     if (folder / "transformer").is_dir() and (folder / "conditioner.safetensors").exists():
         weights = {f"transformer.{k}": v for f in sorted((folder / "transformer").glob("*.safetensors"))
                    for k, v in load_file(str(f), device="cpu").items()}

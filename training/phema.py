@@ -206,11 +206,14 @@ def checkpoint_profiles(ckpt):
     from safetensors import safe_open
 
     path = Path(ckpt) / "phema.safetensors"
-    if not path.is_file():
+    if (Path(ckpt) / sharding.SHARDED).is_dir():  # train.sharding="fsdp": the profiles are read from the shards
+        path, images = Path(ckpt), int(sharding.read_whole(ckpt, "phema", keys=["images"])["images"])
+    elif not path.is_file():
         raise FileNotFoundError(f"{ckpt} holds no post-hoc EMA profiles (phema.safetensors): the run did not track "
                                 f"them at that step (ckpt.phema_every was 0)")
-    with safe_open(str(path), "pt", device="cpu") as f:
-        images = int(f.get_tensor("images"))
+    else:
+        with safe_open(str(path), "pt", device="cpu") as f:
+            images = int(f.get_tensor("images"))
     state = torch.load(Path(ckpt) / "state.pt", weights_only=True, map_location="cpu")
     stds = list(state["config"]["ckpt"]["phema_stds"])
     return path, images, stds, [gamma_of_std(s) for s in stds]
@@ -237,7 +240,7 @@ def reconstruct(folder, std, max_images=None, checkpoint=None):
     x, fit_error = solve_coefficients([t for _, t, _, _ in terms], [g for *_, g in terms], t_target, gamma_of_std(std))
     weights, k = {}, 0
     for path, _, stds, _ in snaps:
-        tensors = load_file(str(path))
+        tensors = load_file(str(path)) if path.is_file() else common.read_tensors(path, "phema")  # (sharded: a folder)
         for s in stds:
             prefix = f"{s:g}/"
             for key, value in tensors.items():

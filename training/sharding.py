@@ -190,3 +190,20 @@ def load_tensors(folder, tensors):
         return False
     dcp.load(tensors, checkpoint_id=path)
     return True
+
+
+def read_whole(folder, name, keys=None):
+    """{key: tensor} of one part ("model", "ema", "phema") of a sharded checkpoint (or only its `keys`), whole and on
+    the CPU, in this process alone (no process group): what evaluation, sampling and init_from read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.path.join(folder, SHARDED)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    part = {key[len(name) + 1:]: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in saved.items()
+            if key.startswith(f"{name}.") and isinstance(meta, TensorStorageMetadata)
+            and (keys is None or key[len(name) + 1:] in keys)}
+    if not part:
+        raise FileNotFoundError(f"{folder} holds no '{name}' tensors")
+    dcp.load({name: part}, checkpoint_id=path, no_dist=True)
+    return part
