@@ -83,7 +83,7 @@ def shard(model, ema, cfg, accelerator):
     if not dist.is_initialized():  # one process: a group of one, so that the same code runs (end_training closes it)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
-    template = copy.deepcopy(ema).to("meta")  # the unsharded structure the full copies are rebuilt in (no memory)
+    template = copy.deepcopy(ema).to("meta")  # the unsharded structure full copies are rebuilt in (meta: no memory)
     for module in (model.to(device), ema.to(device)):
         common.same_on_every_rank(module, accelerator)
     mesh = init_device_mesh(device.type, (accelerator.num_processes,))
