@@ -173,3 +173,12 @@ def test_compare_refuses_a_folder_that_is_not_a_run_and_a_metric_not_logged(tmp_
     write_run(tmp_path / "r0", "adanorm", 0)
     with pytest.raises(SystemExit, match="metric 'fid_clean_1k' is not logged"):
         compare.main([str(tmp_path / "r0"), "--metric", "fid_clean_1k"])
+
+
+def test_each_metric_is_read_in_its_own_direction():
+    """Scores where higher is better (accuracy, CLIP score, the control ablation's sharpness ratio: the size control
+    changes sharpness) against losses and distances."""
+    for metric in ("class_accuracy", "class_accuracy_largest", "clip_score", "precision_inception_1k", "sharpness_ratio"):
+        assert compare.HIGHER_IS_BETTER.search(metric), metric
+    for metric in ("fid_clean_1k", "fd_classifier", "size_drift", "val_loss", "kid_clean_1k"):
+        assert not compare.HIGHER_IS_BETTER.search(metric), metric

@@ -48,7 +48,7 @@ from training.report import fmt, last, load_metrics, style_axis, table, xy  # no
 
 NOT_ARMS = {"seed", "run_dir", "resume"}  # differ between runs of one arm, or say nothing about the method
 QUALITY = re.compile(r"^(fid|kid|fd|precision|recall|density|coverage|clip_score|class_accuracy|colour_accuracy|shape_accuracy)")
-HIGHER_IS_BETTER = re.compile(r"accuracy|precision|recall|density|coverage|clip_score")
+HIGHER_IS_BETTER = re.compile(r"accuracy|precision|recall|density|coverage|clip_score|sharpness")
 MIN_SEEDS = 3  # paired seeds below which compare.md gives no verdict (verdict)
 
 
