@@ -39,6 +39,7 @@ import torch.nn as nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
+import eval_fid  # noqa: E402
 from training import config  # noqa: E402
 from training.data import DEMO_CLASSES, make_demo_dataset, preprocess  # noqa: E402
 from training.model import load_exported  # noqa: E402
@@ -99,7 +100,7 @@ def frechet(a, b):
 def score_run(run_dir, classifier, heldout, per_class=20, batch=90):
     """The four metrics of one run's exported EMA model (its own sampler, steps and guidance), fixed noise."""
     model, cfg = load_exported(Path(run_dir) / "export")
-    trainer = importlib.import_module("train_ddpm" if "prediction" in cfg["objective"] else "train_flow_matching")
+    trainer = eval_fid.method_of(cfg)  # (both objectives have a prediction key since x-prediction)
     res, (lo, hi) = cfg["data"]["resolution"], cfg["data"]["demo_sizes"]
     features = classifier[:-1]
 
