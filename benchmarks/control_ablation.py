@@ -19,7 +19,7 @@ so an image drawn at 8 px is a blurry upsample and one drawn at 32 px a sharp do
 Each run's scores go to RUN/quality.jsonl, and tools/compare.py answers each metric with intervals
 (OUT/compare_<metric>/compare.md); a summary table is printed and written to OUT/control_ablation.md.
 
-    python benchmarks/control_ablation.py      # the full protocol: 3 arms x 3 seeds x 1000 steps (~45+ min on 2 cores)
+    python benchmarks/control_ablation.py      # the full protocol: 3 arms x 3 seeds x 1000 steps (~1.5 h on 2 cores)
     python benchmarks/control_ablation.py --steps 300 --seeds 0,1 --layers 2 --out runs/control_ablation_small
 """
 import argparse
