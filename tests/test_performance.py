@@ -82,8 +82,9 @@ STABILITY = ["--train.grad_clip_mode=adaptive", "--train.grad_clip_history=4", "
                                            pytest.param("train_ddpm", ["--train.grad_accum=2", *STABILITY,
                                                         "--objective.timestep_sampling=adaptive"], marks=pytest.mark.slow),
                                            # sharded (training/sharding.py), a group of one process
-                                           ("train_flow_matching", ["--train.sharding=fsdp", "--train.grad_accum=2",
-                                                                    "--ckpt.phema_every=64"]),
+                                           pytest.param("train_flow_matching", ["--train.sharding=fsdp",
+                                                        "--train.grad_accum=2", "--ckpt.phema_every=64"],
+                                                        marks=pytest.mark.slow),
                                            pytest.param("train_ddpm", ["--train.sharding=fsdp", *STABILITY[:2],
                                                         "--train.mixed_precision=bf16"], marks=pytest.mark.slow)])
 def test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer, extra):

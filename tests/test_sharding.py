@@ -50,9 +50,11 @@ def sharded_checkpoint(run, step):
     return torch.load(folder / "whole.pt", weights_only=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory):
-    """DDP and FSDP runs of the same steps, and an FSDP run stopped by a signal to rank 1 then resumed."""
+    """DDP and FSDP runs of the same steps, and an FSDP run stopped by a signal to rank 1 then resumed. Session-
+    scoped: xdist's loadgroup interleaves the gloo group's modules on one worker, which would end a module-scoped
+    fixture between this file's tests and launch the runs again (seen: twice, 150 s each)."""
     tmp = tmp_path_factory.mktemp("sharding")
     finished(launch(tmp, "ddp", []))  # first: it writes the cache the others read
     straight = launch(tmp, "fsdp", ["--train.sharding=fsdp"])
