@@ -150,7 +150,7 @@ def test_t5_text_encoder_gives_masked_mean_pooling(tmp_path, tiny_text_encoder):
 
 class RecordingAccelerator:
     """Stands in for an Accelerator at the end of a run: records the calls that close it."""
-    is_main_process = False
+    is_main_process, num_processes = False, 1
 
     def __init__(self):
         self.calls = []
@@ -177,6 +177,19 @@ def test_a_run_ends_with_a_barrier_before_the_process_group_closes(tmp_path):
         common.exit_for_requeue(requeued, 10)
     assert stop.value.code == common.REQUEUE_EXIT_CODE
     assert finished.calls == requeued.calls == ["barrier", "end_training"]
+
+
+def test_a_process_of_a_multi_process_run_leaves_at_once_with_its_exit_code(monkeypatch):
+    """After the barrier and end_training, a multi-process run's process leaves with os._exit (no interpreter
+    teardown, where gloo's thread can abort): 0 for a finished run, 75 for a requeue."""
+    exits = []
+    monkeypatch.setattr(common.os, "_exit", lambda code: exits.append(code))
+    two = RecordingAccelerator()
+    two.num_processes = 2
+    common.end_processes(two)
+    with pytest.raises(SystemExit):
+        common.exit_for_requeue(two, 10)
+    assert exits == [0, common.REQUEUE_EXIT_CODE] and two.calls == ["barrier", "end_training"] * 2
 
 
 # ---- Checkpoints: the layout, loads on the CPU, the intact check on headers ----------------------------------------

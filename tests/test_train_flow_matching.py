@@ -93,6 +93,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 from test_train_flow_matching import compile_for_the_test
 compile_for_the_test(torch)
+import common
 import train_flow_matching
 
 prepare, backward, record = Accelerator.prepare, Accelerator.backward, {{"buckets": [], "grads": []}}
@@ -110,10 +111,14 @@ def backward_and_watch(self, loss, **kwargs):
     backward(self, loss, **kwargs)
     record["grads"].append([None if p.grad is None else p.grad.untyped_storage().data_ptr() for p in record["params"]])
 
+def write_then_end(accelerator, *rest):  # a multi-process run's processes leave in common.end_processes
+    del record["params"]
+    open(f"watched_{{os.environ['RANK']}}.json", "w").write(json.dumps(record))
+    end_processes(accelerator, *rest)
+
 Accelerator.prepare, Accelerator.backward = prepare_and_watch, backward_and_watch
+end_processes, common.end_processes = common.end_processes, write_then_end
 train_flow_matching.main(sys.argv[1:])
-del record["params"]
-open(f"watched_{{os.environ['RANK']}}.json", "w").write(json.dumps(record))
 """
 
 
