@@ -196,9 +196,7 @@ def ema_update(ema, model, decay, num_updates, applied=None):
 def local(tensors):
     """This rank's shards of sharded tensors (train.sharding="fsdp": views, so an in-place update of a shard updates
     the DTensor), plain tensors as they are: the EMA and post-hoc EMA update shard by shard, with no communication."""
-    from torch.distributed.tensor import DTensor
-
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return [t.to_local() if is_dtensor(t) else t for t in tensors]
 
 
 @contextlib.contextmanager
@@ -268,6 +266,11 @@ def is_dtensor(tensor):
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def is_sharded(module):
+    """Whether `module`'s parameters are sharded (train.sharding="fsdp")."""
+    return any(map(is_dtensor, module.parameters()))
 
 
 def rng_state():
@@ -391,7 +394,7 @@ def save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, keep,
     `keep`. `tensors`: {file name: state dict} (model, EMA); `state`: the small part. Every rank calls this
     (each saves its own RNG state); the main process writes the rest. A sharded `model` (train.sharding="fsdp"):
     every rank writes its shards of the tensors and the optimizer into step_N/sharded instead."""
-    sharded = model is not None and any(map(is_dtensor, model.parameters()))
+    sharded = model is not None and is_sharded(model)
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
     if accelerator.is_main_process:
@@ -441,7 +444,7 @@ def load_checkpoint(ckpt, model, ema, optimizer, accelerator):
     from safetensors.torch import load_file
 
     same_checkpoint(ckpt, accelerator)  # a rollback's pick, and a resume's again
-    if (ckpt / "sharded").is_dir() or any(map(is_dtensor, model.parameters())):
+    if (ckpt / "sharded").is_dir() or is_sharded(model):
         from training import sharding  # train.sharding="fsdp": into this run's shards, from any process count
         sharding.load(ckpt, model, ema, optimizer)
     else:

@@ -92,7 +92,7 @@ class PowerEMA:
         self.folder = Path(run_dir) / "phema"
         self.names, self.main = [name for name, _ in model.named_parameters()], main_process
         # train.sharding="fsdp": every rank holds its shards of every profile (DTensors, sharded like the weights)
-        sharded = any(map(common.is_dtensor, model.parameters()))
+        sharded = common.is_sharded(model)
         self.profiles = [[p.detach().float().clone() for p in model.parameters()] for _ in self.stds] \
             if every and (main_process or sharded) else []
 
