@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from training import fashion_mnist
 from training.classes import check_labels, class_count, class_id_list, class_names, labels_are_the_condition, read_class_ids, readable_names
 
 # ----------------------------------------------------------------------------------------------------------
@@ -75,8 +76,10 @@ def open_dataset(data, split):
     import datasets
 
     source = data.source
-    ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution, sizes=data.get("demo_sizes")) \
-        if source == "embedded" else load_source(source, split)
+    if source == "embedded":
+        ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution, sizes=data.get("demo_sizes"))
+    else:
+        ds = fashion_mnist.load(split) if source == fashion_mnist.SOURCE else load_source(source, split)
     for key in ("image_column", "label_column", "caption_column"):
         if data[key] is not None and data[key] not in ds.column_names:
             raise ValueError(f"data.{key}='{data[key]}' is not a column of {source} (split '{split}'); "

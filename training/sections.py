@@ -16,8 +16,8 @@ Str, Int = str | None, int | None  # None: a setting left unset (each key says w
 
 
 class Data(BaseModel, extra="forbid", strict=True):
-    source: str = Field("embedded", description='"embedded" (the demo), a hub id, an imagefolder or parquet path, '
-                        'or webdataset shards "/data/cc12m/{00000..01242}.tar" (streamed)')
+    source: str = Field("embedded", description='"embedded" (the demo), "fashion_mnist" (its Debian package), a hub '
+                        'id, an imagefolder or parquet path, or webdataset shards "/data/cc12m/{00000..01242}.tar" (streamed)')
     streaming: bool = Field(False, description="stream a hub dataset's shards instead of downloading it whole")
     split: str = Field("train", description="the training split")
     val_split: Str = Field(None, description="a held-out split of the source; None: hold out val_holdout rows")
