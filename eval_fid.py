@@ -36,7 +36,7 @@ import torch
 from PIL import Image
 
 import common
-from training import config
+from training import classifier, config
 from training.data import decode, encode_text, load_encoders, preprocess
 from training.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores, dinov2_features,
                               feature_tag, fid_size_warning, size_tag)
@@ -83,7 +83,10 @@ def parser():
     a("--stats_cache", default="cache/fid_stats", help="folder of cached reference statistics (.npz)")
     a("--mode", default="clean", choices=["clean", "legacy_tensorflow"], help="clean-fid's resizing mode")
     a("--inception_weights", default=None, help="a local inception-2015-12-05.pt (offline clusters)")
-    a("--features", default="inception", help="'inception' or module:factory, a callable returning a feature_fn")
+    a("--features", default="inception", help="'inception', 'classifier' (--classifier's features: FD, KID, "
+      "precision, recall named fd_classifier_N, kd_classifier_N, ...: never FID) or module:factory, returning a feature_fn")
+    a("--classifier", default=None, help="a folder from tools/classifier.py: the class accuracy of the samples "
+      "(sample i asks for class i %% num_classes), beside the classifier's own accuracy on real test images")
     a("--dino", nargs="?", const=DINO_DEFAULT, default=None, help="also FD-DINOv2 (and precision/recall/density/"
       f"coverage) on DINOv2 features: a transformers Dinov2Model hub id or folder; bare --dino: {DINO_DEFAULT}")
     a("--clip_model", default="openai/clip-vit-large-patch14", help="hub id or local path; 'none' to skip")
@@ -336,8 +339,17 @@ def main(argv=None, feature_fn=None):
         "conditioning": ({"prompts": args.prompts or "heldout", "num_prompts": len(prompts),
                           "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest()}
                          if is_text else {"labels": "i % num_classes", "num_classes": cfg["data"]["num_classes"]})}
+    judge = None  # the evaluation classifier and its record (test accuracy), loaded now: a wrong path fails before sampling
+    if args.classifier and not args.generate_only:
+        if is_text:
+            raise ValueError(f"--classifier {args.classifier}: {args.run} is a text model; class accuracy needs class labels")
+        judge = classifier.load(args.classifier, device)
+    if args.features == "classifier" and judge is None and not args.generate_only:
+        raise ValueError("--features classifier needs --classifier FOLDER (tools/classifier.py)")
     if feature_fn is None and not args.generate_only:  # a missing Inception file fails now, not after sampling
-        if args.features != "inception":
+        if args.features == "classifier":
+            feature_fn = classifier.feature_fn(judge[0], device)
+        elif args.features != "inception":
             module, factory = args.features.split(":")
             feature_fn = getattr(importlib.import_module(module), factory)()
         else:
@@ -383,10 +395,14 @@ def main(argv=None, feature_fn=None):
 
     # ---- Features of the samples (and CLIP scores), then the reference statistics --------------------------
     feature_name, use_clip = getattr(feature_fn, "name", "custom"), is_text and args.clip_model != "none"
-    pairs, clip_pairs, dino_pairs = [], [], []
+    pairs, clip_pairs, dino_pairs, judged = [], [], [], []
     for idx in progress(batches, "features", accelerator.is_local_main_process):
         images = [read_png(samples_dir, i) for i in idx]
         pairs += zip(idx, feature_fn(images))
+        if judge is not None:  # 1 where the classifier sees the class that sample i asked for (i % K)
+            asked = torch.tensor([i % cfg["data"]["num_classes"] for i in idx])
+            judged += zip(idx, (classifier.logits_and_features(judge[0], images, device)[0].argmax(1).cpu() == asked)
+                          .double().numpy()[:, None])
         if dino_fn is not None:
             dino_pairs += zip(idx, dino_fn(images))
         if use_clip:
@@ -397,6 +413,8 @@ def main(argv=None, feature_fn=None):
 
     # ---- Metrics, ADM export, report ------------------------------------------------------------------------
     metrics = all_scores(feats, ref, args.mode, args.num_samples, feature_tag(feature_fn), device)
+    if judge is not None:
+        metrics[f"class_accuracy_{n_tag}"] = float(common.gathered(judged).mean())
     if ref["feats"] is None:
         accelerator.print(f"{ref['path']} has no features: no KID, precision, recall, density or coverage")
     dino_ref = None
@@ -421,6 +439,7 @@ def main(argv=None, feature_fn=None):
         "feature_weights_sha256": getattr(feature_fn, "sha256", None), "samples_dir": str(samples_dir),
         "dino": None if dino_ref is None else {"model": args.dino, "stats": dino_ref["path"],
                                                "key_sha256": dino_ref["key_sha256"], "stats_sha256": dino_ref["sha256"]},
+        "classifier": None if judge is None else {"path": args.classifier, **judge[1]},
         "adm_npz": args.adm_npz, "warnings": warnings, "num_processes": world, "seconds": round(time.time() - t_start, 1),
         "versions": {"python": platform.python_version(), **{p: md.version(p) for p in (
             "torch", "diffusers", "transformers", "accelerate", "clean-fid", "numpy", "scipy", "pillow")}},
@@ -430,6 +449,8 @@ def main(argv=None, feature_fn=None):
     (path := out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     table = {**{k: f"{v:.4f}" for k, v in metrics.items()}, "model": f"{model_desc['source']} ({weights})",
              "sampler": f"{sampler}, {steps} steps, guidance {guidance:g} in t {interval}", "reference": key["source"], "report": path}
+    if judge is not None:
+        table["classifier"] = f"{args.classifier}: {judge[1]['test_accuracy']:.4f} on real '{judge[1]['test_split']}' images"
     print("\n".join(f"{k:<{max(map(len, table)) + 1}} {v}" for k, v in table.items()))
     accelerator.wait_for_everyone()
     return report

@@ -161,20 +161,25 @@ def frechet(mu1, sigma1, mu2, sigma2):
         return float(np.sum((mu1 - mu2) ** 2) + np.trace(sigma1) + np.trace(sigma2) - 2 * roots.sum())
 
 
-def fid_kid(feats, ref, mode, n):
+def fid_kid(feats, ref, mode, n, names=None):
+    """{'fid_<mode>_<N>', 'kid_<mode>_<N>'}; `names` = (Frechet, kernel) prefixes for features that are not
+    Inception's, whose distances must not be called FID and KID ('fd_classifier', 'kd_classifier')."""
     from cleanfid.fid import kernel_distance
 
+    fd, kd = names or (f"fid_{mode}", f"kid_{mode}")
     fid = frechet(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
-    out = {f"fid_{mode}_{size_tag(n)}": float(fid)}
+    out = {f"{fd}_{size_tag(n)}": float(fid)}
     if ref["feats"] is not None and min(len(feats), len(ref["feats"])) >= 2:
         np.random.seed(0)  # kernel_distance draws its subsets from numpy's global RNG
-        out[f"kid_{mode}_{size_tag(n)}"] = float(kernel_distance(feats, ref["feats"]))
+        out[f"{kd}_{size_tag(n)}"] = float(kernel_distance(feats, ref["feats"]))
     return out
 
 
 def all_scores(feats, ref, mode, n, tag, device="cpu"):
-    """fid_kid plus '<precision|recall|density|coverage>_<tag>_<N>' (k = 5) against the reference features."""
-    return {**fid_kid(feats, ref, mode, n), **manifold_metrics(feats, ref["feats"], tag, size_tag(n), device)}
+    """fid_kid plus '<precision|recall|density|coverage>_<tag>_<N>' (k = 5) against the reference features.
+    The evaluation classifier's features (tag 'classifier') give fd_classifier_<N> and kd_classifier_<N>."""
+    names = ("fd_classifier", "kd_classifier") if tag == "classifier" else None
+    return {**fid_kid(feats, ref, mode, n, names), **manifold_metrics(feats, ref["feats"], tag, size_tag(n), device)}
 
 
 def dino_scores(feats, ref, n, device="cpu"):

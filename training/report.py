@@ -26,6 +26,8 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
+from training import curves
+
 MAX_EVENT_ROWS = 20
 MANIFOLD = ("precision_", "recall_", "density_", "coverage_")  # training/metrics.py, on Inception or DINOv2 features
 QUALITY = ("fid_", "kid_", "fd_", *MANIFOLD)
@@ -216,6 +218,38 @@ def plot_all(series, events, cfg, out):
     return plots
 
 
+def plot_reference(series, cfg, run_dir, out):
+    """The run's training loss, held-out loss and eval_fid.py scores over the reference run's bands
+    (val.reference_curves, training/curves.py); [] when the recipe has none or its file is gone."""
+    path = cfg.get("val", {}).get("reference_curves")
+    if not path or not Path(path).is_file():
+        return []
+    reference = json.loads(Path(path).read_text()).get(curves.method_of(cfg))
+    if not reference:
+        return []
+    series = {k: dict(v) for k, v in series.items()}
+    for key, value, step in curves.scores(run_dir, cfg):  # the run's own evaluations, at their steps
+        series.setdefault(key, {})[step] = value
+    keys = [k for k in reference["curves"] if k in series and (k in ("loss_smoothed", "val_loss") or k.startswith(QUALITY)
+                                                                or k.startswith("class_accuracy"))]
+    if not keys:
+        return []
+    fig = Figure(figsize=(9, 2.6 * len(keys) + 1), layout="constrained")
+    FigureCanvasAgg(fig)
+    for ax, key in zip(fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0], keys):
+        steps, lo, mean, hi = zip(*reference["curves"][key])
+        ax.fill_between(steps, lo, hi, color="grey", alpha=0.35, label=f"reference, {len(reference['seeds'])} seeds")
+        ax.plot(steps, mean, color="grey", ls="--", lw=1)
+        ax.plot(*xy(series, key), marker="o" if len(series[key]) < 20 else None, color="C0", label="this run")
+        ax.grid(True, alpha=0.3)
+        style_axis(ax, key, logy=key.startswith(("loss", "val_loss")))
+    fig.axes[-1].set_xlabel("step")
+    fig.suptitle(f"Against the reference run ({path})")
+    fig.savefig(out / "reference.png", dpi=110)
+    return [("reference.png", "Against the reference run", "this run inside the grey band of the reference's seeds; "
+             "the log names every held-out loss that left it by more than the seeds' spread (off_reference events)")]
+
+
 # ---- The report ------------------------------------------------------------------------------------------
 
 def table(rows, header=("", "")):
@@ -301,6 +335,7 @@ def write_report(run_dir) -> Path:
     for old in out.glob("*.png"):  # a plot that no longer applies must not linger from an earlier report
         old.unlink()
     plots = plot_all(series, events, cfg, out)
+    plots += plot_reference(series, cfg, run_dir, out)
     grids = sorted((run_dir / "samples").glob("step_*.png"))
     md = [f"# Run report: {run_dir.resolve().name}", "", f"`{run_dir}`", "", "## Config", ""]
     md += table(config_rows(cfg, series), ("setting", "value"))

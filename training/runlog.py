@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import common
+from training import curves
 from training.sections import size_warnings
 
 # ----------------------------------------------------------------------------------------------------------
@@ -112,6 +113,10 @@ class RunLog:
 
     def __init__(self, cfg, run_dir, accelerator, start_step=0):
         self.run_dir, self.main, self.wandb = Path(run_dir), accelerator.is_main_process, None
+        self.print, self.reference = accelerator.print, curves.load(cfg)  # val.reference_curves: the recipe's band
+        if self.reference and (changed := curves.differences(self.reference, cfg)):
+            self.print(f"note: this run differs from the reference curves' runs in {', '.join(changed)}: "
+                       f"compared step by step all the same")
         metrics = self.run_dir / "metrics.jsonl"
         if self.main and metrics.exists():
             rows = metrics.read_text().splitlines(keepends=True)
@@ -142,6 +147,9 @@ class RunLog:
                 f.write(json.dumps(metrics) + "\n")
             if self.wandb is not None and "event" not in metrics:  # events: metrics.jsonl and the report
                 self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+        for event in curves.off_band(self.reference, metrics) if self.reference and "event" not in metrics else ():
+            self.print(f"warning: {curves.describe(event, self.reference['seeds'])}")
+            self(event)
 
     def samples(self, images, step, labels=None):
         """A grid of validation samples, run_dir/samples/step_N.png (and wandb), each cell labelled with its class

@@ -142,6 +142,8 @@ class Val(BaseModel, extra="forbid", strict=True):  # a trainer adds its sampler
     fid_every: int = Field(0, ge=0, description="small-N FID/KID (eval_fid.py) every this many steps (0: off)")
     fid_samples: int = Field(1000, ge=2, description="samples of that FID")
     fid_reference: Str = Field(None, description="None: the held-out split; else any eval_fid.py --reference")
+    reference_curves: Str = Field(None, description="a reference run's curves (tools/curves.py): held-out losses "
+                                  "checked against their band, drawn in the report; the recipes name their own")
     inception_weights: Str = Field(None, description="a local inception-2015-12-05.pt (offline clusters)")
     fid_dino: Str = Field(None, description="a DINOv2 id or folder: FD-DINOv2 and its precision / recall with each FID")
     guidance_interval: list[Annotated[float, Field(ge=0, le=1)]] = Field([0.0, 1.0], min_length=2, max_length=2,

@@ -1,0 +1,70 @@
+"""Train the evaluation classifier of a class-conditional recipe on its training split alone (training/classifier.py).
+
+    python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist
+    python eval_fid.py --run runs/flow_matching_fashion_mnist --classifier classifiers/fashion_mnist ...
+
+Every row of the recipe's training split (data.split, held-out rows included: none of them is a test image) is
+preprocessed exactly as the trainer's cache sees it (load_image, preprocess: centre crop, data.resolution, RGB).
+Its accuracy on the test split (--test_split) is measured once here and written to classifier.json, which
+eval_fid.py prints beside the class accuracy of samples. Fashion-MNIST: 3 epochs, about 4 minutes on 2 CPU cores.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_flow_matching  # noqa: E402
+from training import classifier, config  # noqa: E402
+from training.data import load_image, open_dataset, preprocess  # noqa: E402
+from training.monitor import progress  # noqa: E402
+from training.reference import to_uint8  # noqa: E402
+
+
+def split_images(data, split):
+    """(uint8 images (N, R, R, 3), int labels (N,)) of a split, as the trainer's cache would preprocess them."""
+    ds = open_dataset(data, split)
+    images = np.stack([to_uint8(preprocess(load_image(row[data.image_column]), data.resolution, data, flip=False)[0][None])[0]
+                       for row in progress(ds, f"read {split}", True)])
+    return images, np.asarray(ds[data.label_column])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="the recipe (its data section names the source and resolution)")
+    p.add_argument("--out", required=True, help="folder for the classifier (save_pretrained) and classifier.json")
+    p.add_argument("--test_split", default="test", help="the split its accuracy is measured on (never trained on)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", args.config], method="flow_matching",
+                             schema=train_flow_matching.CONFIG)
+    data = cfg.data
+    if not data.label_column:
+        sys.exit(f"tools/classifier.py: {args.config} has no data.label_column: a classifier needs classes")
+    if args.test_split == data.split:
+        sys.exit(f"tools/classifier.py: --test_split '{args.test_split}' is the training split (data.split)")
+    torch.manual_seed(args.seed)
+    start = time.time()
+    images, labels = split_images(data, data.split)
+    test_images, test_labels = split_images(data, args.test_split)
+    names = open_dataset(data, data.split).features[data.label_column]
+    model = classifier.build(int(labels.max()) + 1, getattr(names, "names", None))
+    classifier.train(model, images, labels, args.epochs, seed=args.seed)
+    record = {"source": data.source, "train_split": data.split, "train_rows": len(images), "resolution": data.resolution,
+              "test_split": args.test_split, "test_rows": len(test_images),
+              "test_accuracy": classifier.accuracy(model, test_images, test_labels),
+              "train_accuracy": classifier.accuracy(model, images[:10000], labels[:10000]),
+              "epochs": args.epochs, "seed": args.seed, "seconds": round(time.time() - start, 1)}
+    model.save_pretrained(args.out)
+    (Path(args.out) / classifier.RECORD).write_text(json.dumps(record, indent=1))
+    print(f"classifier in {args.out}: test accuracy {record['test_accuracy']:.4f} on {len(test_images)} images "
+          f"of split '{args.test_split}' ({record['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

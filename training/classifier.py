@@ -1,0 +1,90 @@
+"""The evaluation classifier of a class-conditional recipe: a small ResNet (transformers' ResNetForImageClassification,
+so it saves and loads with save_pretrained / from_pretrained like any hub model) trained on the recipe's training
+split alone. eval_fid.py --classifier uses it twice (docs/evaluation.md):
+
+  * class accuracy: the share of samples of class c that it labels c (sample i is asked for class i % K), printed
+    beside its own accuracy on the real test images, which bounds what a perfect generator could score;
+  * features (--features classifier): its pooled last-stage features (128 numbers) for a Frechet distance, KID,
+    precision and recall where clean-fid's Inception file cannot be had (no network), named fd_classifier_*,
+    never FID, since only Inception's numbers compare with published ones.
+
+It is trained by tools/classifier.py. 28 px images are upsampled 2x before the network (its stem downsamples 4x:
+at 28 px the first stage would see 7 x 7 pixels).
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RECORD = "classifier.json"  # beside the weights: what it was trained on and its test accuracy
+
+
+def build(num_classes, names=None):
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(num_channels=3, embedding_size=32, hidden_sizes=[32, 64, 128], depths=[1, 1, 1],
+                          layer_type="basic", num_labels=num_classes,
+                          id2label={i: n for i, n in enumerate(names)} if names else None)
+    return ResNetForImageClassification(config)
+
+
+def to_input(images, device="cpu"):
+    """uint8 (N, H, W, 3) images (a list or an array) -> the network's input: [-1, 1], 3 x 2H x 2W."""
+    x = torch.from_numpy(np.stack(list(images))).to(device).permute(0, 3, 1, 2).float() / 127.5 - 1
+    return torch.nn.functional.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+
+
+@torch.no_grad()
+def logits_and_features(model, images, device="cpu"):
+    out = model(to_input(images, device), output_hidden_states=True)
+    return out.logits, out.hidden_states[-1].mean((2, 3))  # the pooled last stage, as the head sees it
+
+
+def train(model, images, labels, epochs=3, batch_size=256, lr=2e-3, seed=0, log=print):
+    """AdamW with a cosine decay over `epochs` passes of uint8 images (N, H, W, 3) and int labels (N,)."""
+    g = torch.Generator().manual_seed(seed)
+    steps = epochs * (len(images) // batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=0.1)
+    labels = torch.as_tensor(labels).long()
+    model.train()
+    for step in range(steps):
+        if step % (len(images) // batch_size) == 0:
+            order = torch.randperm(len(images), generator=g)
+        idx = order[(step % (len(images) // batch_size)) * batch_size:][:batch_size]
+        loss = torch.nn.functional.cross_entropy(model(to_input(images[idx.numpy()])).logits, labels[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            log(f"classifier: step {step + 1}/{steps}, loss {loss.item():.4f}")
+    return model.eval()
+
+
+@torch.no_grad()
+def accuracy(model, images, labels, batch_size=500):
+    hits = sum((logits_and_features(model, images[i:i + batch_size])[0].argmax(1) == torch.as_tensor(
+        labels[i:i + batch_size]).long()).sum().item() for i in range(0, len(images), batch_size))
+    return hits / len(images)
+
+
+def load(path, device="cpu"):
+    """(model in eval mode, its record: source, splits, test accuracy). A folder without the record was not
+    made by tools/classifier.py: its test accuracy would be unknown, so it is refused."""
+    from transformers import ResNetForImageClassification
+
+    if not (Path(path) / RECORD).is_file():
+        raise FileNotFoundError(f"--classifier {path}: no {RECORD} there; train one with `python tools/classifier.py "
+                                f"--config YOUR_RECIPE --out {path}`")
+    model = ResNetForImageClassification.from_pretrained(path).to(device).eval()
+    return model, json.loads((Path(path) / RECORD).read_text())
+
+
+def feature_fn(model, device="cpu"):
+    """eval_fid.py's feature_fn: list of uint8 (H, W, 3) -> float64 (N, 128)."""
+    def features(images):
+        return logits_and_features(model, images, device)[1].double().cpu().numpy()
+    features.name = features.tag = "classifier"
+    return features
