@@ -9,8 +9,9 @@ The reconstruction (training/phema.py; Karras et al. 2024, sec. 3 and appendix C
 the snapshots' power-EMA profiles closest to the target profile, at the time of the last snapshot. An export
 is a copy of the run's export (its config, buffers, class ids) with the reconstructed weights: eval_fid.py,
 sample.py and init_from read it like any export, and eval_fid.py / sample.py also take --phema_std directly.
-A sweep scores each std with eval_fid.py (same seeds for every std, so the differences are the EMA's); any
-further argument goes to eval_fid.py as is (--reference, --steps, --guidance_scale, --features, ...).
+A sweep scores each std with eval_fid.py (same seeds for every std, so the differences are the EMA's) against
+the run's held-out rows, never another reference (a choice made on the test images would flatter the final
+score); any further argument goes to eval_fid.py as is (--steps, --guidance_scale, --features, ...).
 """
 import argparse
 import json
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval_fid  # noqa: E402
 from training.model import export  # noqa: E402
 from training.phema import list_snapshots, snapshot_folder  # noqa: E402
+from training.reference import check_selection  # noqa: E402
 
 
 def stds_arg(text):
@@ -70,13 +72,14 @@ def main(argv=None, feature_fn=None):
     if not args.sweep:
         return None
 
+    check_selection(eval_fid.parse_args(["--run", args.run, *eval_args]), eval_fid.load_model(args.run)[1])
     rows = []
     for std in args.sweep:
         report = eval_fid.main(["--run", args.run, "--phema_std", str(std), "--num_samples", str(args.num_samples),
                                 *eval_args], feature_fn=feature_fn)
         if report is None:  # not the main process (accelerate launch): it only helps sample
             continue
-        fid = next(v for k, v in report["metrics"].items() if k.startswith("fid_"))
+        fid = next(v for k, v in report["metrics"].items() if k.startswith(("fid_", "fd_")))  # or the classifier's
         rows.append({"std": std, "fid": fid, "profile_fit_error": report["model"]["phema"]["profile_fit_error"],
                      "report": str(Path(report["samples_dir"]).parent / "report.json")})
         print(f"sweep: std {std:g}: FID {fid:.3f}", flush=True)

@@ -134,6 +134,18 @@ def heldout(data):
     return open_dataset(data, data.val_split) if data.val_split else open_splits(data)[1]
 
 
+def check_selection(args, cfg):
+    """Settings are chosen on images held out from the training split, never on the images that report the final
+    score (docs/evaluation.md): a selecting command (tools/tune.py, tools/phema.py --sweep) refuses any other
+    reference, and a run whose held-out rows are a test split (data.val_split naming one)."""
+    val_split = cfg["data"].get("val_split") or ""
+    if args.reference is not None or args.reference_split != "heldout" or "test" in val_split.lower():
+        raise ValueError(f"settings are selected on the held-out rows of the training split only, never on the test "
+                         f"images that report the final score: drop --reference / --reference_split (given: "
+                         f"{args.reference}, {args.reference_split}; the run's data.val_split: {val_split or None}); "
+                         f"score the chosen setting on the test split with eval_fid.py afterwards")
+
+
 def to_uint8(x):
     """Pixels in [-1, 1] (N, 3, H, W) -> uint8 (N, H, W, 3), rounded as runlog.save_image_grid does."""
     return x.float().clamp(-1, 1).add(1).mul(127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
