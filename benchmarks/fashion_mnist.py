@@ -1,0 +1,179 @@
+"""The real-image benchmark: configs/fashion_mnist.json trained and scored by docs/evaluation.md's protocol, for both
+trainers and a peer (torchcfm's own class-conditional MNIST recipe) at equal CPU time. docs/benchmarks.md has
+the numbers and the commands; each step writes into --out (default runs/fashion_mnist_bench) and is skipped when
+its result is already there, so the whole thing resumes.
+
+    python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist   # once
+    python benchmarks/fashion_mnist.py ours --trainer flow_matching --seed 0   # train, then score at 25/50/100%
+    python benchmarks/fashion_mnist.py peer --seed 0 --cpu_seconds 1500        # torchcfm, the same CPU time
+    python tools/compare.py runs/fashion_mnist_bench/flow_matching_s* runs/fashion_mnist_bench/ddpm_s* ...
+    python tools/curves.py --out configs/fashion_mnist.curves.json runs/fashion_mnist_bench/flow_matching_s*
+
+Scores (eval_fid.py --classifier --features classifier --reference_split test): fd_classifier and kd_classifier
+(the Frechet and kernel distances in the evaluation classifier's features: clean-fid's Inception file cannot
+be fetched here; with it, add --inception_weights and the same command gives FID), precision and recall, class
+accuracy. Each run's scores are also written as rows of its quality.jsonl, which tools/compare.py reads. CPU time
+is the trainer process's own (user + system, children included), measured the same way for the peer, so
+machine load from elsewhere does not count against either.
+"""
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import eval_fid  # noqa: E402
+from training import classifier, config, fashion_mnist  # noqa: E402
+from training.metrics import all_scores, size_tag  # noqa: E402
+from training.reference import reference_for  # noqa: E402
+
+RECIPE = ROOT / "configs" / "fashion_mnist.json"
+
+
+def cpu_seconds(who=resource.RUSAGE_SELF):
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def score_args(args, num_samples):
+    return ["--num_samples", str(num_samples), "--reference_split", "test", "--classifier", args.classifier,
+            "--features", "classifier", "--batch_size", "250", "--stats_cache", str(Path(args.out) / "fid_stats")]
+
+
+def ours(args):
+    """Train one seed of the recipe (skipped when its export exists), then score its checkpoints at 25 and 50%
+    of the steps and its export (100%) on the test split; append each score to quality.jsonl."""
+    run = Path(args.out) / f"{args.trainer}_s{args.seed}"
+    if not (run / "export").is_dir():
+        before = cpu_seconds(resource.RUSAGE_CHILDREN)
+        subprocess.run([sys.executable, str(ROOT / f"train_{args.trainer}.py"), "--config", str(RECIPE),
+                        f"--seed={args.seed}", f"--run_dir={run}", "--log.wandb=off", *args.extra], check=True)
+        (run / "cpu_seconds.json").write_text(json.dumps({"train": cpu_seconds(resource.RUSAGE_CHILDREN) - before}))
+    cfg = json.loads((run / "config.json").read_text())
+    steps = cfg["train"]["max_steps"]
+    for fraction in (0.25, 0.5, 1.0):
+        step = round(steps * fraction)
+        out = run / "eval" / f"test-step{step}"
+        where = [] if fraction == 1.0 else ["--checkpoint", str(run / "checkpoints" / f"step_{step:08d}")]
+        if not (out / "report.json").is_file():
+            n = args.num_samples if fraction == 1.0 else args.curve_samples
+            eval_fid.main(["--run", str(run), *where, "--out_dir", str(out), *score_args(args, n), *args.eval_args])
+        metrics = json.loads((out / "report.json").read_text())["metrics"]
+        with open(run / "quality.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        print(f"{run.name} step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+
+
+# ---- The peer: torchcfm's conditional MNIST example (examples/images/conditional_mnist.ipynb), unchanged but
+# for the data (Fashion-MNIST's training split) and the stopping rule (equal CPU time, or its 10 epochs). -------
+
+
+def peer(args):
+    from torchcfm.conditional_flow_matching import ConditionalFlowMatcher
+    from torchcfm.models.unet import UNetModel
+    import torchdiffeq
+
+    out = Path(args.out) / f"torchcfm_s{args.seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    images, labels = fashion_mnist.split_arrays("train")
+    x_all = torch.from_numpy(images).float().div(127.5).sub(1).unsqueeze(1)  # ToTensor + Normalize((0.5,), (0.5,))
+    y_all = torch.from_numpy(labels).long()
+    model = UNetModel(dim=(1, 28, 28), num_channels=32, num_res_blocks=1, num_classes=10, class_cond=True)
+    optimizer = torch.optim.Adam(model.parameters())  # the example's: Adam at its default lr 1e-3
+    fm = ConditionalFlowMatcher(sigma=0.0)
+    start, step, log = cpu_seconds(), 0, []
+    for epoch in range(10):  # the example's n_epochs
+        for idx in torch.randperm(len(x_all)).split(128):  # batch_size 128, shuffled
+            x1, y = x_all[idx], y_all[idx]
+            x0 = torch.randn_like(x1)
+            t, xt, ut = fm.sample_location_and_conditional_flow(x0, x1)  # torchcfm: t = 0 noise, t = 1 data
+            loss = torch.mean((model(t, xt, y) - ut) ** 2)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step % 50 == 0:
+                log.append({"step": step, "loss": loss.item(), "cpu_seconds": cpu_seconds() - start})
+                print(f"torchcfm step {step} (epoch {epoch}): loss {loss.item():.4f}, {log[-1]['cpu_seconds']:.0f} "
+                      f"CPU s of {args.cpu_seconds}", flush=True)
+            if cpu_seconds() - start >= args.cpu_seconds:
+                break
+        else:
+            continue
+        break
+    train_cpu = cpu_seconds() - start
+    # Sampling as the example does: dopri5 from noise (t = 0) to data (t = 1), atol = rtol = 1e-4, class i % 10.
+    model.eval()
+    samples, nfe = [], [0]
+
+    def velocity(t, x, y):
+        nfe[0] += 1
+        return model(t, x, y)
+    with torch.no_grad():
+        for first in range(0, args.num_samples, 250):
+            n = min(250, args.num_samples - first)
+            y = torch.arange(first, first + n) % 10
+            g = torch.Generator().manual_seed(args.seed * 1_000_003 + first)
+            x = torchdiffeq.odeint(lambda t, x: velocity(t, x, y), torch.randn(n, 1, 28, 28, generator=g),
+                                   torch.linspace(0, 1, 2), atol=1e-4, rtol=1e-4, method="dopri5")[-1]
+            samples.append(x.clamp(-1, 1).add(1).mul(127.5).round().byte().squeeze(1).numpy())
+            print(f"torchcfm samples {first + n}/{args.num_samples}", flush=True)
+    images = np.repeat(np.concatenate(samples)[..., None], 3, axis=3)  # grey -> RGB, as load_image converts
+    metrics = score_images(images, args)
+    result = {"steps": step, "train_cpu_seconds": train_cpu, "nfe_per_batch": nfe[0] / -(-args.num_samples // 250),
+              "metrics": metrics, "num_samples": args.num_samples, "log": log}
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    with open(out / "quality.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, **metrics}) + "\n")
+    print(f"torchcfm seed {args.seed}: {step} steps in {train_cpu:.0f} CPU s: " +
+          ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
+
+def score_images(images, args):
+    """The protocol's scores of uint8 (N, 28, 28, 3) images asked for class i % 10, as eval_fid.py computes them."""
+    judge, record = classifier.load(args.classifier)
+    feature_fn = classifier.feature_fn(judge)
+    cfg = config.load_config(__import__("train_flow_matching").DEFAULTS, ["--config", str(RECIPE)],
+                             method="flow_matching", schema=__import__("train_flow_matching").CONFIG)
+    eval_args = eval_fid.parse_args(["--run", "-", *score_args(args, len(images))])
+    feats, hits = [], []
+    for first in range(0, len(images), 500):
+        batch = list(images[first:first + 500])
+        feats.append(feature_fn(batch))
+        asked = torch.arange(first, first + len(batch)) % 10
+        hits.append((classifier.logits_and_features(judge, batch)[0].argmax(1) == asked).double())
+    _, ref = reference_for(eval_args, cfg, feature_fn, __import__("accelerate").Accelerator(cpu=True))
+    metrics = all_scores(np.concatenate(feats), ref, "clean", len(images), "classifier")
+    metrics[f"class_accuracy_{size_tag(len(images))}"] = float(torch.cat(hits).mean())
+    return metrics
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=["ours", "peer"])
+    p.add_argument("--trainer", default="flow_matching", choices=["flow_matching", "ddpm"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/fashion_mnist_bench")
+    p.add_argument("--classifier", default="classifiers/fashion_mnist")
+    p.add_argument("--num_samples", type=int, default=10_000, help="the final score's samples (the protocol: 10k)")
+    p.add_argument("--curve_samples", type=int, default=10_000, help="samples at 25 and 50%% of the steps")
+    p.add_argument("--cpu_seconds", type=float, default=None, help="peer: stop training at this CPU time")
+    p.add_argument("--eval_args", nargs="*", default=[], help="more eval_fid.py arguments (--guidance_scale ...)")
+    args, args.extra = p.parse_known_args(argv)
+    if args.what == "peer" and args.cpu_seconds is None:
+        p.error("peer needs --cpu_seconds: ours' (a run's cpu_seconds.json) for equal CPU time")
+    started = time.time()
+    (ours if args.what == "ours" else peer)(args)
+    print(f"done in {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
