@@ -30,6 +30,7 @@ import torch
 
 import common
 from training import sharding
+from training.model import TRAINING_ONLY, exported_parameters
 
 MAX_STD = 0.28  # reconstruction targets: sigma_rel in (0, MAX_STD]; the profile family ends at 12^-1/2 = 0.2887
 SNAPSHOT_DTYPE = torch.float16  # the paper's storage: half the disk of fp32, and errors of ~1e-3 relative at most
@@ -90,10 +91,11 @@ class PowerEMA:
         self.stds, self.gammas = list(stds), [gamma_of_std(s) for s in stds]
         self.every, self.images_per_step, self.images = every, images_per_step, 0
         self.folder = Path(run_dir) / "phema"
-        self.names, self.main = [name for name, _ in model.named_parameters()], main_process
+        # the exported model's parameters only (not REPA's projector): the snapshots load into what consumers rebuild
+        self.names, self.main = [name for name, _ in exported_parameters(model)], main_process
         # train.sharding="fsdp": every rank holds its shards of every profile (DTensors, sharded like the weights)
         sharded = common.is_sharded(model)
-        self.profiles = [[p.detach().float().clone() for p in model.parameters()] for _ in self.stds] \
+        self.profiles = [[p.detach().float().clone() for _, p in exported_parameters(model)] for _ in self.stds] \
             if every and (main_process or sharded) else []
 
     @torch.no_grad()
@@ -104,7 +106,7 @@ class PowerEMA:
         if not self.every:
             return
         self.images += self.images_per_step
-        params = common.local(p.detach().float() for p in model.parameters())  # sharded: shard by shard
+        params = common.local(p.detach().float() for _, p in exported_parameters(model))  # sharded: shard by shard
         for gamma, profile in zip(self.gammas, self.profiles):
             torch._foreach_lerp_(common.local(profile), params, 1 - (1 - self.images_per_step / self.images) ** (gamma + 1))
 
@@ -257,6 +259,8 @@ def apply_reconstruction(model, run, std, checkpoint=None):
     """Replace `model`'s parameters by the reconstructed EMA of std `std` from run's snapshots (at `checkpoint`'s
     time when given; buffers are constants and stay); returns the description."""
     weights, info = reconstruct(snapshot_folder(run), std, checkpoint=checkpoint)
+    # snapshots written before they held the exported parameters only still carry REPA's projector: left out
+    weights = {name: value for name, value in weights.items() if not name.startswith(TRAINING_ONLY)}
     params = dict(model.named_parameters())
     if set(weights) != set(params):
         raise ValueError(f"the snapshots in {snapshot_folder(run)} do not match this model's parameters "
