@@ -226,7 +226,7 @@ def main(argv=None):
     model, optimizer = sharding.prepare(model, optimizer, accelerator, tr)  # compiled (train.compile), DDP; or sharded
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
     raw_model = accelerator.unwrap_model(model)
-    runlog.describe_run(accelerator, cfg, raw_model, len(train_set), lr_rule, f"time shift a = {shift:g}")
+    runlog.describe_run(accelerator, cfg, raw_model, train_set, lr_rule, f"time shift a = {shift:g}")
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     def load(ckpt):  # at resume and on a rollback: weights, EMA, optimizer, RNG, then the post-hoc EMA profiles

@@ -154,6 +154,25 @@ def test_the_probe_times_checkpointing_when_it_lets_a_larger_micro_batch_run(tmp
     assert "fit: measured (images/s per process, slowest rank)" in capsys.readouterr().out
 
 
+class Views(Rows):
+    """A cache of 4 views per image (data.cache_views=2 with flips): 4 rows of each image, one shown per epoch."""
+    views = 4
+
+
+def test_images_not_cached_views_bound_the_micro_batch_and_count_in_the_warnings(tmp_path, monkeypatch, capsys):
+    """64 rows are 16 images: iterate_batches refuses a micro-batch above 16, so the probe never tries one, and
+    the memorisation warnings count epochs and parameters per image of the 16."""
+    from training import runlog
+
+    oom_above(monkeypatch, 100)
+    cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=24", "--train.batch_size=auto")
+    fit.plan_batch(cfg, accelerator, model, optimizer, Views(64))
+    assert cfg.train.batch_size == 12 and json.loads((tmp_path / "fit.json").read_text())["candidates"][0] == 12
+    cfg.train.max_steps = 1000  # 1000 x 24 images = 1,500 epochs of 16 (375 of 64 rows: no warning)
+    runlog.describe_run(accelerator, cfg, model, Views(64), "lr", "method")
+    assert "is 1,500 epochs of 16 images: expect memorisation" in capsys.readouterr().out
+
+
 def test_a_resumed_run_reuses_its_recorded_choice_and_a_fixed_batch_derives_the_accumulation(tmp_path):
     ckpt = tmp_path / "step_00000002"
     ckpt.mkdir()

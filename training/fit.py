@@ -22,7 +22,7 @@ import torch
 
 import common
 from training import config, sharding
-from training.data import COND_FIELDS, text_features
+from training.data import COND_FIELDS, images_in, text_features
 
 # A micro-batch fits when its probe step succeeds and the memory the allocator reserved at the peak stays under
 # this share of the GPU: the rest is for fragmentation over a long run, validation and the CUDA context.
@@ -253,7 +253,7 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
         run = SimpleNamespace(accelerator=accelerator, model=model.to(device), optimizer=optimizer, inner=inner,
                               forward=torch.compile(model) if tr.compile else model, train_set=train_set,
                               text_encoder=text_encoder, device=device)
-        candidates = divisors(per_process, at_most=len(train_set) // world)
+        candidates = divisors(per_process, at_most=images_in(train_set) // world)  # what iterate_batches allows
         missing = object()
         found_inf = inner.__dict__.get("found_inf", missing)
         try:

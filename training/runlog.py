@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import common
+from training.data import images_in
 from training.sections import size_warnings
 
 # ----------------------------------------------------------------------------------------------------------
@@ -74,13 +75,13 @@ def start_run(cfg, accelerator):
     return run_dir
 
 
-def describe_run(accelerator, cfg, model, n_train, lr_rule, method):
+def describe_run(accelerator, cfg, model, train_set, lr_rule, method):
     """The run in one line (parameters, global batch, LR rule, the method's own settings in `method`), then a
-    warning for a model far larger than its data (sections.size_warnings)."""
+    warning for a model far larger than its data, counted in images, not cached views (sections.size_warnings)."""
     tr, world, n_params = cfg.train, accelerator.num_processes, sum(p.numel() for p in model.parameters())
     accelerator.print(f"model: {n_params / 1e6:.2f}M parameters; global batch {tr.batch_size} x {world} processes x "
                       f"{tr.grad_accum} accumulation = {tr.batch_size * world * tr.grad_accum}; {lr_rule}; {method}")
-    for warning in size_warnings(cfg, n_params, n_train, world):
+    for warning in size_warnings(cfg, n_params, images_in(train_set), world):
         accelerator.print(f"warning: {warning}")
 
 def wandb_mode(setting):
