@@ -205,6 +205,22 @@ def test_nothing_fits_stops_naming_the_keys(tmp_path, monkeypatch):
         fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
 
 
+def test_contrastive_flow_matching_refuses_a_probed_micro_batch_of_one(tmp_path, monkeypatch):
+    """Written literally, train.batch_size=1 is refused at start-up (test_config); "auto" resolving to 1 must be
+    too, or the objective silently becomes (1 - lambda) x plain flow matching (the roll pairs each sample with itself)."""
+    limit = [1]
+    oom_above(monkeypatch, lambda: limit[0])
+    args = ["--train.global_batch=8", "--train.batch_size=auto", "--objective.contrastive_weight=0.05"]
+    cfg, accelerator, model, optimizer = tiny_run(tmp_path, *args)
+    with pytest.raises(config.ConfigError, match=r"objective.contrastive_weight=0.05 .* train.batch_size='auto' chose 1 "
+                                                 r"\(the largest divisor of 8 that fits.*make room for 2"):
+        fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
+    limit[0] = 2
+    cfg, accelerator, model, optimizer = tiny_run(tmp_path, *args)
+    fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
+    assert cfg.train.batch_size == 2
+
+
 def test_an_error_other_than_out_of_memory_is_not_swallowed(tmp_path, monkeypatch):
     def broken(self, x, *args, **kwargs):
         raise RuntimeError("shape mismatch")

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 import common
-from training import config, sharding
+from training import config, contrastive, sharding
 from training.data import COND_FIELDS, images_in, text_features
 
 # A micro-batch fits when its probe step succeeds and the memory the allocator reserved at the peak stays under
@@ -282,6 +282,10 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
         raise config.ConfigError(f"train.batch_size={micro} x {world} processes does not divide train.global_batch="
                                  f"{tr.global_batch}: choose a divisor of {per_process} ({divisors(per_process)[:8]}"
                                  f"...) or train.batch_size='auto'")
+    if tr.batch_size == "auto":  # the start-up check saw "auto": what needs the number is checked on it now
+        refused = contrastive.problems({**cfg, "train": {**tr, "batch_size": micro}}, how)
+        if refused:
+            raise config.ConfigError(refused[0])
     set_checkpointing(model, checkpointing)
     if tr.grad_accum != accum and tr.batch_size != "auto":
         accelerator.print(f"fit: train.grad_accum {tr.grad_accum} -> {accum}, for train.global_batch={tr.global_batch}")
