@@ -193,6 +193,7 @@ def main(argv=None):
     signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
     # Every config problem is reported here, all at once, before any work (the shared sections and this method's).
     cfg = config.load_config(DEFAULTS, argv, method="flow_matching", schema=CONFIG, check=contrastive.problems)
+    runlog.refuse_earlier_run(cfg)  # a run_dir that holds a run continues only with --resume
     data, obj, tr = cfg.data, cfg.objective, cfg.train
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------

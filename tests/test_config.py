@@ -228,6 +228,26 @@ def test_a_run_folders_config_json_loads_back(tmp_path):
         config.load_config(ddpm.DEFAULTS, ["--config", str(tmp_path / "config.json")], "ddpm", schema=ddpm.CONFIG)
 
 
+def test_a_new_run_into_a_run_dir_that_holds_one_is_refused_before_any_work(tmp_path, no_work):
+    """Without --resume, a run_dir with a run's outputs (old checkpoints that a later --resume latest may pick, old
+    eval/ that would reach the new report) is refused naming both ways on; config.json alone (a start stopped in
+    the cache build) and --resume latest go on to work (no_work: the accelerator is the first)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    for trainer in (fm, ddpm):
+        with pytest.raises(AssertionError, match="work started"):
+            trainer.main(tiny_run_args(tmp_path))
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "eval").mkdir()
+    for trainer in (fm, ddpm):
+        with pytest.raises(config.ConfigError, match=r"run_dir='.*run' already holds a run \(checkpoints, eval\): "
+                                                     r"continue it with --resume latest, or give this run a new run_dir"):
+            trainer.main(tiny_run_args(tmp_path))
+        with pytest.raises(AssertionError, match="work started"):
+            trainer.main(tiny_run_args(tmp_path) + ["--resume", "latest"])
+
+
 def test_budgets_that_cannot_work_are_flagged(capsys):
     cfg = config.load_config(fm.DEFAULTS, ["--train.max_steps=100", "--train.warmup_steps=400", "--val.every=500"],
                              schema=fm.CONFIG)

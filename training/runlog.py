@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import common
+from training.config import ConfigError
 from training.data import images_in
 from training.sections import size_warnings
 
@@ -64,6 +65,22 @@ def caption_cells(grid, labels, nrow, cell):
 
 # ----------------------------------------------------------------------------------------------------------
 # The run folder and its sinks.
+
+
+# What a run leaves in its run_dir (README, "What a run writes"; eval_fid.py's eval/, sample.py's sampled/, tools/rate.py's
+# votes). config.json alone is not a run: a start stopped before training (in the cache build) may start again.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "samples", "phema", "export", "report.md", "eval", "sampled", "ratings.jsonl")
+
+
+def refuse_earlier_run(cfg):
+    """A new run (no resume) into a run_dir that holds one would train beside the old checkpoints (which a later
+    --resume latest may pick) and report the old samples, evaluations and votes: stopped before any work. At the
+    trainers' start, not in config.load_config, which also reads configs that start no run."""
+    found = [name for name in RUN_OUTPUTS if (Path(cfg.run_dir) / name).exists()] if cfg.resume is None else []
+    if found:
+        raise ConfigError(f"run_dir={cfg.run_dir!r} already holds a run ({', '.join(found)}): continue it with "
+                          f"--resume latest, or give this run a new run_dir (a new run there would mix with the old "
+                          f"one's checkpoints and outputs)")
 
 
 def start_run(cfg, accelerator):
