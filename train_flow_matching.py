@@ -223,7 +223,9 @@ def main(argv=None):
     phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or
                      tr.batch_size * world * tr.grad_accum, run_dir, accelerator.is_main_process)
     # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
-    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt)
+    # REPA's targets and weight per step (objective.repa_*; off: None), its encoder on the device before the probe
+    align = repa.Alignment(cfg, device)
+    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt, align)
     model, optimizer = sharding.prepare(model, optimizer, accelerator, tr)  # compiled (train.compile), DDP; or sharded
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
     raw_model = accelerator.unwrap_model(model)
@@ -240,7 +242,6 @@ def main(argv=None):
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
     # the stability parts, each by name: time density, clip, noise scale, validation slopes, rollback
     stab = stability.Parts(cfg, accelerator, model, log, state, lambda u: time_quantile(u, obj, shift))
-    align = repa.Alignment(cfg, device)  # REPA's targets and weight per step (objective.repa_*; off: None)
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
     val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,

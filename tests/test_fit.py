@@ -205,6 +205,26 @@ def test_nothing_fits_stops_naming_the_keys(tmp_path, monkeypatch):
         fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
 
 
+def test_the_probe_runs_repas_encoder_and_projector(tmp_path, monkeypatch, tiny_dino):
+    """REPA's projector pass and, with targets on the fly, its frozen encoder take memory in every step of the run:
+    the probe's step has them. Injected: a GPU that fits 8 samples without the projector's pass, 4 with it."""
+    from training import repa
+
+    forward, encoded, targets = Denoiser.forward, [], repa.encoder_targets
+
+    def limited(self, x, *args, align=False, **kwargs):
+        if torch.is_grad_enabled() and len(x) > (4 if align else 8):
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: {len(x)}, align={align})")
+        return forward(self, x, *args, align=align, **kwargs)
+    monkeypatch.setattr(Denoiser, "forward", limited)
+    monkeypatch.setattr(repa, "encoder_targets", lambda encoder, x, grid: encoded.append(len(x)) or targets(encoder, x, grid))
+    cfg, accelerator, model, optimizer = tiny_run(
+        tmp_path, "--train.global_batch=8", "--train.batch_size=auto", "--objective.repa_weight=0.5",
+        f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=1", "--objective.repa_targets=on_the_fly")
+    fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64), align=repa.Alignment(cfg, torch.device("cpu")))
+    assert cfg.train.batch_size == 4 and 8 in encoded and 4 in encoded
+
+
 def test_contrastive_flow_matching_refuses_a_probed_micro_batch_of_one(tmp_path, monkeypatch):
     """Written literally, train.batch_size=1 is refused at start-up (test_config); "auto" resolving to 1 must be
     too, or the objective silently becomes (1 - lambda) x plain flow matching (the roll pairs each sample with itself)."""
