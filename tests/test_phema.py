@@ -234,6 +234,23 @@ def test_loading_a_checkpoint_reads_the_profiles_only_where_they_live(tmp_path, 
         bad.load(ckpt)
 
 
+def test_a_sharded_checkpoint_without_a_std_tracked_now_names_it(tmp_path):
+    """A resume with ckpt.phema_stds changed: the DDP layout names the std (the test above); the sharded one
+    (torch.distributed.checkpoint's shards) failed inside the loader on a missing key. It names it too, before
+    loading; the stds it holds load bitwise."""
+    import torch.distributed.checkpoint as dcp
+
+    source = train([0.05, 0.10], 10**9, tmp_path / "source")
+    ckpt = tmp_path / "step_00000400"
+    dcp.save({"phema": source.checkpoint_tensors()["phema"]}, checkpoint_id=str(ckpt / "sharded"), no_dist=True)
+    bad = phema.PowerEMA(Weights(), [0.05, 0.2], 10**9, BATCH, tmp_path / "bad", main_process=True)
+    with pytest.raises(ValueError, match=r"step_00000400 has no profile of std 0.2 \(ckpt.phema_stds changed on resume"):
+        bad.load(ckpt)
+    good = phema.PowerEMA(Weights(), [0.1], 10**9, BATCH, tmp_path / "good", main_process=True)
+    good.load(ckpt)
+    assert good.images == STEPS * BATCH and all(torch.equal(a, b) for a, b in zip(good.profiles[0], source.profiles[1]))
+
+
 KILLED_WRITE = '''
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])

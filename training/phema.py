@@ -154,6 +154,9 @@ class PowerEMA:
         if not self.every or ckpt is None:
             return
         if (Path(ckpt) / sharding.SHARDED).is_dir():  # a sharded checkpoint: every rank loads its shards
+            keys = sharding.saved_keys(ckpt, "phema")
+            if keys and self.profiles:  # before the loader, which would only say "missing key"
+                self.check_stds(keys, ckpt)
             images = torch.zeros((), dtype=torch.int64)
             tensors = {**self.checkpoint_tensors()["phema"], "images": images} if self.profiles else {"images": images}
             if sharding.load_tensors(ckpt, {"phema": tensors}):
@@ -168,12 +171,19 @@ class PowerEMA:
         from safetensors import safe_open
 
         with safe_open(str(path), "pt", device="cpu") as f:
-            self.images, keys = int(f.get_tensor("images")), set(f.keys())
-            for std, profile in zip(self.stds, self.profiles):  # no profiles off the main process: nothing more read
-                if any(f"{std:g}/{n}" not in keys for n in self.names):
-                    raise ValueError(f"{path} has no profile of std {std:g} (ckpt.phema_stds changed on resume?)")
+            self.images = int(f.get_tensor("images"))
+            if self.profiles:  # no profiles off the main process: nothing more read
+                self.check_stds(set(f.keys()), path)
+            for std, profile in zip(self.stds, self.profiles):
                 for name, p in zip(self.names, profile):
                     p.copy_(f.get_tensor(f"{std:g}/{name}"))
+
+    def check_stds(self, keys, where):
+        """A checkpoint's profile `keys` ("std/name") hold every std tracked now, else a ValueError naming the std
+        (ckpt.phema_stds changed since the checkpoint), both layouts alike."""
+        for std in self.stds:
+            if any(f"{std:g}/{n}" not in keys for n in self.names):
+                raise ValueError(f"{where} has no profile of std {std:g} (ckpt.phema_stds changed on resume?)")
 
 
 # ----------------------------------------------------------------------------------------------------------
