@@ -234,6 +234,29 @@ def test_loading_a_checkpoint_reads_the_profiles_only_where_they_live(tmp_path, 
         bad.load(ckpt)
 
 
+def test_a_sharded_snapshot_is_kept_in_cpu_memory_by_the_main_process_only(tmp_path, monkeypatch):
+    """Sharded, every rank holds its shards of the profiles and takes part in gathering each whole; only the main
+    process, which writes the snapshot, makes CPU copies (2.7 GB per rank for the XL recipes with two profiles)."""
+    gathered, copied = [], []
+
+    class Whole:  # what sharding.full returns on the device: its conversion is the CPU copy
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def to(self, dtype):
+            copied.append(dtype)
+            return self.tensor.to(dtype)
+
+    monkeypatch.setattr(phema.sharding, "full", lambda p: gathered.append(p) or Whole(p))
+    for main in (False, True):
+        ema = phema.PowerEMA(Weights(), [0.05, 0.10], BATCH, BATCH, tmp_path / str(main), main_process=True)
+        ema.main = main  # a sharded rank: profiles on every rank, the main one writes
+        ema.update(Weights())
+        assert (ema.snapshot(1) is not None) == main and len(gathered) == 4  # 2 stds x 2 tensors, on every rank
+        assert len(copied) == (4 if main else 0)
+        gathered.clear(), copied.clear()
+
+
 def test_a_sharded_checkpoint_without_a_std_tracked_now_names_it(tmp_path):
     """A resume with ckpt.phema_stds changed: the DDP layout names the std (the test above); the sharded one
     (torch.distributed.checkpoint's shards) failed inside the loader on a missing key. It names it too, before

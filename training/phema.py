@@ -123,9 +123,14 @@ class PowerEMA:
             return None
         from safetensors.torch import save_file
 
-        # sharded: every rank takes part in gathering each profile whole (one tensor at a time); the main one writes
-        tensors = {f"{std:g}/{name}": sharding.full(p).to(SNAPSHOT_DTYPE).cpu() for std, profile in
-                   zip(self.stds, self.profiles) for name, p in zip(self.names, profile)}
+        # sharded: every rank takes part in gathering each profile whole (one tensor at a time, a collective); only
+        # the main one, which writes, keeps a CPU copy (the others' would be the whole snapshot per rank, dropped)
+        tensors = {}
+        for std, profile in zip(self.stds, self.profiles):
+            for name, p in zip(self.names, profile):
+                whole = sharding.full(p)
+                if self.main:
+                    tensors[f"{std:g}/{name}"] = whole.to(SNAPSHOT_DTYPE).cpu()
         if not self.main:
             return None
         self.folder.mkdir(parents=True, exist_ok=True)
