@@ -351,6 +351,7 @@ def main(argv=None):
     # Every config problem is reported here, all at once, before any work (the shared sections and this method's).
     cfg = config.load_config(DEFAULTS, argv, method="ddpm", schema=CONFIG, check=check_objective)
     runlog.refuse_earlier_run(cfg)  # a run_dir that holds a run continues only with --resume
+    config.keep_recorded(cfg, skip=fit.resolved_keys(cfg.train))  # --resume: the values the run started with
     data, obj, tr = cfg.data, cfg.objective, cfg.train
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
