@@ -37,7 +37,8 @@ PATCHED_BY_TORCH = {"torch.nn.Module.__init__", "torch.nn.Module.__setstate__"}
 
 def tf32_switches():
     """TF32 for fp32 matmuls and convolutions, and the fp32 matmul precision (which the first switch sets too)."""
-    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+            torch.get_float32_matmul_precision())
 
 
 def set_tf32_switches(switches):
@@ -68,7 +69,8 @@ def leaked(before, after):
     found = [f"torch switches {before['switches']} -> {after['switches']}"] if before["switches"] != after["switches"] else []
     found += [f"TF32 switches (cuda.matmul.allow_tf32, cudnn.allow_tf32, float32_matmul_precision) {before['tf32']} -> "
               f"{after['tf32']}"] if before["tf32"] != after["tf32"] else []
-    found += ["a torch.distributed process group left initialised"] if after["process_group"] and not before["process_group"] else []
+    left_group = after["process_group"] and not before["process_group"]
+    found += ["a torch.distributed process group left initialised"] if left_group else []
     found += [f"torch._dynamo.config.{k}: {v} -> {after['dynamo'][k]}" for k, v in before["dynamo"].items()
               if after["dynamo"][k] != v]
     found += [f"os.environ[{k!r}]" for k in set(before["environ"]) ^ set(after["environ"])]

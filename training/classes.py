@@ -86,7 +86,9 @@ def class_folders_match(data, ds):
     from training.config import ConfigError
 
     feature = (ds.features or {}).get(data.label_column)
-    if not isinstance(feature, datasets.ClassLabel) or data.class_ids is not None or feature.num_classes == data.num_classes:
+    if not isinstance(feature, datasets.ClassLabel) or data.class_ids is not None:
+        return
+    if feature.num_classes == data.num_classes:
         return
     names = ", ".join(feature.names[:10]) + (" ..." if feature.num_classes > 10 else "")
     raise ConfigError(f"data.num_classes={data.num_classes}, but {data.source} has {feature.num_classes} classes (its "
