@@ -138,7 +138,7 @@ import common
 from training import config, runlog
 import train_flow_matching as fm
 
-cfg = config.load_config(fm.DEFAULTS, ["--run_dir", sys.argv[2], "--log.wandb=offline"])
+cfg = config.load_config(fm.DEFAULTS, ["--run_dir", sys.argv[2], "--log.wandb=auto"])  # WANDB_MODE=offline
 two = SimpleNamespace(num_processes=2, is_main_process=True, wait_for_everyone=lambda: None, end_training=lambda: None,
                       print=print)
 log = runlog.RunLog(cfg, runlog.start_run(cfg, two), two)
@@ -160,8 +160,8 @@ def test_a_preempted_multi_process_run_finishes_wandb_before_it_leaves(tmp_path)
 
     (tmp_path / "script.py").write_text(PREEMPTED)
     out = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(ROOT), str(tmp_path / "run")], cwd=tmp_path,
-                         env={**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}, capture_output=True,
-                         text=True, timeout=300)
+                         env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == common.REQUEUE_EXIT_CODE, out.stderr[-2000:]
     data = b"".join(p.read_bytes() for p in (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert b"1005.25" in data and b"1001.25" in data  # the last row and the first, as JSON values of the history
