@@ -148,13 +148,26 @@ def end_processes(accelerator, exit_code=0):
     have no Python objects to free. The barrier made it rare, not impossible (1 abort in 3 suites of about 20
     two-process runs each, 2026-12-02, on idle cores), so a process of a multi-process run then leaves at once,
     `exit_code` with its output flushed, without the interpreter's teardown where the abort happens: everything it
-    wrote is closed by then (the run's last act is this call)."""
+    wrote is closed by then (the run's last act is this call), wandb included (finish_wandb)."""
     several = accelerator.num_processes > 1
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    finish_wandb(exit_code)
     if several:
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(exit_code)
+
+
+def finish_wandb(exit_code):
+    """Close the run log's wandb run if one is open: a finished run's RunLog.finish closed it already, a requeue
+    leaves from inside the loop. os._exit skips the interpreter's teardown, which used to flush its last rows to the
+    server or the offline file; a requeued segment (exit code 75) is marked preempting, not left to show crashed."""
+    wandb = sys.modules.get("wandb")  # never imported here: a run with log.wandb="off" has none
+    if getattr(wandb, "run", None) is None:
+        return
+    if exit_code == REQUEUE_EXIT_CODE:
+        wandb.run.mark_preempting()
+    wandb.finish(exit_code=exit_code)
 
 
 def make_optimizer(model, tr):

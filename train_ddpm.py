@@ -350,6 +350,8 @@ def main(argv=None):
     signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
     # Every config problem is reported here, all at once, before any work (the shared sections and this method's).
     cfg = config.load_config(DEFAULTS, argv, method="ddpm", schema=CONFIG, check=check_objective)
+    runlog.refuse_earlier_run(cfg)  # a run_dir that holds a run continues only with --resume
+    config.keep_recorded(cfg, skip=fit.resolved_keys(cfg.train))  # --resume: the values the run started with
     data, obj, tr = cfg.data, cfg.objective, cfg.train
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
@@ -382,11 +384,13 @@ def main(argv=None):
     phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or
                      tr.batch_size * world * tr.grad_accum, run_dir, accelerator.is_main_process)
     # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
-    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt)
+    # REPA's targets and weight per step (objective.repa_*; off: None), its encoder on the device before the probe
+    align = repa.Alignment(cfg, device)
+    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt, align)
     model, optimizer = sharding.prepare(model, optimizer, accelerator, tr)  # compiled (train.compile), DDP; or sharded
     base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
     raw_model = accelerator.unwrap_model(model)
-    runlog.describe_run(accelerator, cfg, raw_model, len(train_set), lr_rule, objective_summary(cfg))
+    runlog.describe_run(accelerator, cfg, raw_model, train_set, lr_rule, objective_summary(cfg))
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     def load(ckpt):  # at resume and on a rollback: weights, EMA, optimizer, RNG, then the post-hoc EMA profiles
@@ -399,7 +403,6 @@ def main(argv=None):
     monitor = Monitor(cfg, raw_model, accelerator, log, state)  # progress bar, or plain lines in a log file
     # the stability parts, each by name: time density (bins: runs of timesteps), clip, noise scale, slopes, rollback
     stab = stability.Parts(cfg, accelerator, model, log, state, lambda u: (u * T).long().clamp(max=T - 1))
-    align = repa.Alignment(cfg, device)  # REPA's targets and weight per step (objective.repa_*; off: None)
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
     val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,

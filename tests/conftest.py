@@ -35,10 +35,22 @@ SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_
 PATCHED_BY_TORCH = {"torch.nn.Module.__init__", "torch.nn.Module.__setstate__"}
 
 
+def tf32_switches():
+    """TF32 for fp32 matmuls and convolutions, and the fp32 matmul precision (which the first switch sets too)."""
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+            torch.get_float32_matmul_precision())
+
+
+def set_tf32_switches(switches):
+    matmul, cudnn, precision = switches
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    torch.set_float32_matmul_precision(precision)  # after allow_tf32, which sets it as well
+
+
 def global_state():
-    """What one test could leave behind for the next: torch's global switches, dynamo's config, the environment,
-    and the attributes tests patch on torch (a patch not undone, or undone into a deleted entry, as pytest's
-    monkeypatch does to torch._dynamo.config on torch 2.14)."""
+    """What one test could leave behind for the next: torch's global switches (TF32 included), a process group
+    left initialised, dynamo's config, the environment, and the attributes tests patch on torch (a patch not
+    undone, or undone into a deleted entry, as pytest's monkeypatch does to torch._dynamo.config on torch 2.14)."""
     import torch._dynamo
 
     patched = {name: dict(vars(obj)) for name, obj in [("torch", torch), ("torch.nn.Module", torch.nn.Module),
@@ -46,6 +58,8 @@ def global_state():
                                                        torch.distributed), ("torch.cuda", torch.cuda)]}
     return {"switches": (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads(),
                          torch.are_deterministic_algorithms_enabled(), torch.is_anomaly_enabled()),
+            "tf32": tf32_switches(),
+            "process_group": torch.distributed.is_available() and torch.distributed.is_initialized(),
             "dynamo": {k: getattr(torch._dynamo.config, k, "<deleted>") for k in torch._dynamo.config.get_config_copy()},
             "environ": {k: v for k, v in os.environ.items() if k not in SET_BY_LIBRARIES}, "patched": patched}
 
@@ -53,6 +67,10 @@ def global_state():
 def leaked(before, after):
     """The differences that matter: a changed or deleted entry (new attributes are lazily imported submodules)."""
     found = [f"torch switches {before['switches']} -> {after['switches']}"] if before["switches"] != after["switches"] else []
+    found += [f"TF32 switches (cuda.matmul.allow_tf32, cudnn.allow_tf32, float32_matmul_precision) {before['tf32']} -> "
+              f"{after['tf32']}"] if before["tf32"] != after["tf32"] else []
+    left_group = after["process_group"] and not before["process_group"]
+    found += ["a torch.distributed process group left initialised"] if left_group else []
     found += [f"torch._dynamo.config.{k}: {v} -> {after['dynamo'][k]}" for k, v in before["dynamo"].items()
               if after["dynamo"][k] != v]
     found += [f"os.environ[{k!r}]" for k in set(before["environ"]) ^ set(after["environ"])]
@@ -76,11 +94,16 @@ def no_global_state_left_behind():
 
 
 @pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each in-process run starts from a clean accelerate state (mixed precision is set once per process)."""
-    yield
-    from accelerate.state import AcceleratorState
+def fresh_accelerate_state(no_global_state_left_behind):
+    """Each in-process run starts from a clean accelerate state (mixed precision is set once per process). The TF32
+    switches that common.make_accelerator turns on with it go with it; changed by a test that made no accelerator,
+    they are the leak guard's to report. (Set up after the guard, so torn down before it looks.)"""
+    from accelerate.state import AcceleratorState, PartialState
 
+    switches = tf32_switches()
+    yield
+    if PartialState._shared_state:  # an accelerator was made
+        set_tf32_switches(switches)
     AcceleratorState._reset_state(reset_partial_state=True)
 
 

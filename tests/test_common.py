@@ -192,6 +192,32 @@ def test_a_process_of_a_multi_process_run_leaves_at_once_with_its_exit_code(monk
     assert exits == [0, common.REQUEUE_EXIT_CODE] and two.calls == ["barrier", "end_training"] * 2
 
 
+def test_the_leak_guard_sees_a_process_group_and_the_tf32_switches(tmp_path):
+    """tests/conftest.py's guard (global_state, leaked): a process group left initialised, and each TF32 switch that
+    common.make_accelerator sets globally (the test itself puts all back before the guard looks)."""
+    import torch.distributed as dist
+
+    from conftest import global_state, leaked, set_tf32_switches, tf32_switches
+
+    before, switches = global_state(), tf32_switches()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert leaked(before, global_state()) == ["a torch.distributed process group left initialised"]
+    finally:
+        dist.destroy_process_group()
+    assert leaked(before, global_state()) == []
+    for change in (lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", not switches[0]),
+                   lambda: setattr(torch.backends.cudnn, "allow_tf32", not switches[1]),
+                   lambda: torch.set_float32_matmul_precision("medium" if switches[2] != "medium" else "highest")):
+        try:
+            change()
+            found = leaked(before, global_state())
+            assert len(found) == 1 and found[0].startswith("TF32 switches"), found
+        finally:
+            set_tf32_switches(switches)
+    assert leaked(before, global_state()) == []
+
+
 # ---- Checkpoints: the layout, loads on the CPU, the intact check on headers ----------------------------------------
 
 

@@ -228,6 +228,56 @@ def test_a_run_folders_config_json_loads_back(tmp_path):
         config.load_config(ddpm.DEFAULTS, ["--config", str(tmp_path / "config.json")], "ddpm", schema=ddpm.CONFIG)
 
 
+def test_a_new_run_into_a_run_dir_that_holds_one_is_refused_before_any_work(tmp_path, no_work):
+    """Without --resume, a run_dir with a run's outputs (old checkpoints that a later --resume latest may pick, old
+    eval/ that would reach the new report) is refused naming both ways on; config.json alone (a start stopped in
+    the cache build) and --resume latest go on to work (no_work: the accelerator is the first)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    for trainer in (fm, ddpm):
+        with pytest.raises(AssertionError, match="work started"):
+            trainer.main(tiny_run_args(tmp_path))
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "eval").mkdir()
+    for trainer in (fm, ddpm):
+        with pytest.raises(config.ConfigError, match=r"run_dir='.*run' already holds a run \(checkpoints, eval\): "
+                                                     r"continue it with --resume latest, or give this run a new run_dir"):
+            trainer.main(tiny_run_args(tmp_path))
+        with pytest.raises(AssertionError, match="work started"):
+            trainer.main(tiny_run_args(tmp_path) + ["--resume", "latest"])
+
+
+@pytest.mark.parametrize("trainer", [fm, ddpm])
+def test_a_resumed_run_keeps_the_values_it_started_with(tmp_path, no_work, capsys, trainer):
+    """--resume: a default changed since the run started (control_power.crop 1 -> 0) and a key added since whose
+    default does another thing (conditioning.pooled_text: the pooled text reached the norm before it) take the
+    checkpoint's recorded values, before any work; what is set now wins (a change on purpose)."""
+    from safetensors.torch import save_file
+
+    run, method = tmp_path / "run", trainer.__name__.removeprefix("train_")
+    args = ["--run_dir", str(run), '--conditioning.controls=["crop", "flip"]']
+    recorded = json.loads(json.dumps(config.load_config(trainer.DEFAULTS, args, method, schema=trainer.CONFIG)))
+    recorded["conditioning"]["control_power"].update(crop=1.0, flip=1.0)  # the defaults the run started with
+    del recorded["conditioning"]["pooled_text"]  # a run from before the key
+    ckpt = run / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    for name in ("model", "ema", "optimizer"):
+        save_file({}, str(ckpt / f"{name}.safetensors"))
+    torch.save({"step": 4, "config": recorded}, ckpt / "state.pt")
+    with pytest.raises(AssertionError, match="work started"):
+        trainer.main(args + ["--resume", "latest", "--conditioning.control_power.flip=0.0"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume: ")]
+    assert lines == ["resume: conditioning.control_power.crop=1.0, as the run started (step_00000004; today's default: "
+                     "0.0; set it to change it)", "resume: conditioning.pooled_text=True, as the run started "
+                     "(step_00000004; today's default: None; set it to change it)"]
+    cfg = config.load_config(trainer.DEFAULTS, args + ["--resume", "latest"], method, schema=trainer.CONFIG)
+    assert set(config.keep_recorded(cfg, log=lambda line: None)) == {"conditioning.control_power.crop",
+                                                                     "conditioning.control_power.flip",
+                                                                     "conditioning.pooled_text"}
+    assert cfg.conditioning.control_power == {"size": 1.0, "crop": 1.0, "flip": 1.0} and cfg.conditioning.pooled_text
+
+
 def test_budgets_that_cannot_work_are_flagged(capsys):
     cfg = config.load_config(fm.DEFAULTS, ["--train.max_steps=100", "--train.warmup_steps=400", "--val.every=500"],
                              schema=fm.CONFIG)

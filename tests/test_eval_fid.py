@@ -151,6 +151,26 @@ def test_reference_stats_are_cached_and_invalidated_by_preprocessing(run, tmp_pa
     assert len(list(cache.glob("*.npz"))) == 2
 
 
+def test_a_class_folder_runs_heldout_reference_is_the_rows_the_trainer_held_out(tmp_path):
+    """Class folders (no metadata.jsonl) as the run's data.source, --reference_split heldout (the default): the
+    reference is the trainer's held-out rows (open_splits), as with metadata.jsonl, not every image it trained on.
+    A folder passed as another --reference is still scored as it is."""
+    from training.data import open_splits
+
+    for i in range(30):  # 30 flat colours in 2 class folders: each image is known by its colour
+        (tmp_path / "pets" / "ab"[i % 2]).mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (12, 10), (i * 8, 100, 50)).save(tmp_path / "pets" / "ab"[i % 2] / f"{i:03d}.png")
+    cfg = config.load_config(train_flow_matching.DEFAULTS, [f"--data.source={tmp_path / 'pets'}", "--data.resolution=8"])
+    args = eval_fid.parse_args(["--run", str(tmp_path)])
+    key = reference.reference_key(args, cfg, "f")
+    assert key["kind"] == "dataset" and key["split"] == "heldout"
+    colours = sorted(int(item()[0, 0, 0]) for item in reference.reference_images(key, cfg))
+    held = open_splits(config.Config({**cfg.data}), print)[1]
+    assert colours == sorted(int(np.asarray(Image.open(row["image"]["path"]))[0, 0, 0]) for row in held) and len(held) == 3
+    args = eval_fid.parse_args(["--run", str(tmp_path), "--reference", str(tmp_path / "pets" / "a")])
+    assert reference.reference_key(args, cfg, "f")["kind"] == "folder"
+
+
 @pytest.mark.xdist_group("gloo")
 @pytest.mark.slow
 def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):

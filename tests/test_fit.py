@@ -154,6 +154,25 @@ def test_the_probe_times_checkpointing_when_it_lets_a_larger_micro_batch_run(tmp
     assert "fit: measured (images/s per process, slowest rank)" in capsys.readouterr().out
 
 
+class Views(Rows):
+    """A cache of 4 views per image (data.cache_views=2 with flips): 4 rows of each image, one shown per epoch."""
+    views = 4
+
+
+def test_images_not_cached_views_bound_the_micro_batch_and_count_in_the_warnings(tmp_path, monkeypatch, capsys):
+    """64 rows are 16 images: iterate_batches refuses a micro-batch above 16, so the probe never tries one, and
+    the memorisation warnings count epochs and parameters per image of the 16."""
+    from training import runlog
+
+    oom_above(monkeypatch, 100)
+    cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=24", "--train.batch_size=auto")
+    fit.plan_batch(cfg, accelerator, model, optimizer, Views(64))
+    assert cfg.train.batch_size == 12 and json.loads((tmp_path / "fit.json").read_text())["candidates"][0] == 12
+    cfg.train.max_steps = 1000  # 1000 x 24 images = 1,500 epochs of 16 (375 of 64 rows: no warning)
+    runlog.describe_run(accelerator, cfg, model, Views(64), "lr", "method")
+    assert "is 1,500 epochs of 16 images: expect memorisation" in capsys.readouterr().out
+
+
 def test_a_resumed_run_reuses_its_recorded_choice_and_a_fixed_batch_derives_the_accumulation(tmp_path):
     ckpt = tmp_path / "step_00000002"
     ckpt.mkdir()
@@ -184,6 +203,42 @@ def test_nothing_fits_stops_naming_the_keys(tmp_path, monkeypatch):
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=8", "--train.batch_size=auto")
     with pytest.raises(config.ConfigError, match=r"train.batch_size='auto': not even a micro-batch of 1 fits.*train.ema_device"):
         fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
+
+
+def test_the_probe_runs_repas_encoder_and_projector(tmp_path, monkeypatch, tiny_dino):
+    """REPA's projector pass and, with targets on the fly, its frozen encoder take memory in every step of the run:
+    the probe's step has them. Injected: a GPU that fits 8 samples without the projector's pass, 4 with it."""
+    from training import repa
+
+    forward, encoded, targets = Denoiser.forward, [], repa.encoder_targets
+
+    def limited(self, x, *args, align=False, **kwargs):
+        if torch.is_grad_enabled() and len(x) > (4 if align else 8):
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: {len(x)}, align={align})")
+        return forward(self, x, *args, align=align, **kwargs)
+    monkeypatch.setattr(Denoiser, "forward", limited)
+    monkeypatch.setattr(repa, "encoder_targets", lambda encoder, x, grid: encoded.append(len(x)) or targets(encoder, x, grid))
+    cfg, accelerator, model, optimizer = tiny_run(
+        tmp_path, "--train.global_batch=8", "--train.batch_size=auto", "--objective.repa_weight=0.5",
+        f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=1", "--objective.repa_targets=on_the_fly")
+    fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64), align=repa.Alignment(cfg, torch.device("cpu")))
+    assert cfg.train.batch_size == 4 and 8 in encoded and 4 in encoded
+
+
+def test_contrastive_flow_matching_refuses_a_probed_micro_batch_of_one(tmp_path, monkeypatch):
+    """Written literally, train.batch_size=1 is refused at start-up (test_config); "auto" resolving to 1 must be
+    too, or the objective silently becomes (1 - lambda) x plain flow matching (the roll pairs each sample with itself)."""
+    limit = [1]
+    oom_above(monkeypatch, lambda: limit[0])
+    args = ["--train.global_batch=8", "--train.batch_size=auto", "--objective.contrastive_weight=0.05"]
+    cfg, accelerator, model, optimizer = tiny_run(tmp_path, *args)
+    with pytest.raises(config.ConfigError, match=r"objective.contrastive_weight=0.05 .* train.batch_size='auto' chose 1 "
+                                                 r"\(the largest divisor of 8 that fits.*make room for 2"):
+        fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
+    limit[0] = 2
+    cfg, accelerator, model, optimizer = tiny_run(tmp_path, *args)
+    fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
+    assert cfg.train.batch_size == 2
 
 
 def test_an_error_other_than_out_of_memory_is_not_swallowed(tmp_path, monkeypatch):

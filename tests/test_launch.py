@@ -65,7 +65,7 @@ python3 - "$@" <<'EOF'
 import json, os, sys
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
         "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "OMP_NUM_THREADS", "SRUN_CPUS_PER_TASK",
-        "PYTORCH_ALLOC_CONF"]
+        "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"]
 record = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}
 with open(os.path.join(os.environ["STUB_DIR"], f"task_{os.environ['RANK']}.json"), "w") as f:
     json.dump(record, f)
@@ -85,7 +85,8 @@ def run_sbatch(tmp_path, exit_code, term_batch=False, script="slurm.sbatch"):
            "STUB_EXIT": str(exit_code), "SLURM_JOB_ID": "4321", "SLURM_JOB_NODELIST": "gpu-node-[1-2]",
            "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "12", "HOME": str(tmp_path),
            "SLURM_SUBMIT_DIR": str(ROOT)}  # sbatch runs a copy of the script; the submit directory is the repository
-    for key in ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "OMP_NUM_THREADS", "PYTORCH_ALLOC_CONF"):
+    for key in ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "OMP_NUM_THREADS", "PYTORCH_ALLOC_CONF",
+                "PYTORCH_CUDA_ALLOC_CONF"):
         env.pop(key, None)
     if term_batch:
         env["STUB_TERM_BATCH"] = "1"
@@ -118,7 +119,7 @@ def test_sbatch_gives_every_task_its_rank_and_the_environment(tmp_path):
                                "MASTER_PORT": str(20000 + 4321 % 10000),
                                "HF_HOME": str(tmp_path / ".cache/huggingface"), "HF_HUB_OFFLINE": "1",
                                "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-                               "SRUN_CPUS_PER_TASK": "12", "PYTORCH_ALLOC_CONF": None}
+                               "SRUN_CPUS_PER_TASK": "12", "PYTORCH_ALLOC_CONF": None, "PYTORCH_CUDA_ALLOC_CONF": None}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -144,8 +145,10 @@ def test_the_sharded_script_runs_the_same_tasks_with_sharding_on_and_expandable_
         ddp, fsdp = (json.loads((tmp_path / run / f"task_{rank}.json").read_text()) for run in ("ddp", "fsdp"))
         assert fsdp["argv"] == ["train_ddpm.py", "--config", "configs/imagenet256.json", "--train.grad_accum=2",
                                 "--train.sharding=fsdp", "--resume", "latest"]
-        assert fsdp["env"]["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
-        same = lambda env: {k: v for k, v in env.items() if k not in ("PYTORCH_ALLOC_CONF", "HF_HOME")}
+        # both names: torch 2.6 (requirements.txt's floor) reads only PYTORCH_CUDA_ALLOC_CONF
+        assert fsdp["env"]["PYTORCH_ALLOC_CONF"] == fsdp["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        same = lambda env: {k: v for k, v in env.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                                                                      "HF_HOME")}
         assert same(fsdp["env"]) == same(ddp["env"]) and fsdp["env"]["RANK"] == str(rank)
     # SLURM's TERM at preemption goes to the batch shell, which must be the one that traps it and requeues: the
     # sharded script hands over with exec, not as a child (whose parent would die on the spot).

@@ -88,11 +88,20 @@ def test_bad_labels_of_an_imagefolder_name_their_files(tmp_path):
     (folder / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(ValueError, match=r"1 of the 4 rows .* rows 3 \(label 5, train/img_3.png\)"):
         open_splits(data_cfg(f"--data.source={tmp_path / 'meta'}", "--data.num_classes=3"), print)
-    for c in range(4):  # class folders, each with its 000.png: the row names its folder
+
+
+def test_a_class_count_other_than_the_class_folders_names_the_folders(tmp_path):
+    """4 class folders and data.num_classes 3 or 5: one ConfigError (a line, no traceback) naming the folders and
+    the count, not the rows (too few) nor data.class_ids (too many), which the user never set."""
+    for c in range(4):
         (tmp_path / "classes" / f"c{c}").mkdir(parents=True)
         Image.fromarray(np.full((12, 12, 3), 90, np.uint8)).save(tmp_path / "classes" / f"c{c}" / "000.png")
-    with pytest.raises(ValueError, match=r"rows 3 \(label 3, c3/000.png\)"):
-        open_splits(data_cfg(f"--data.source={tmp_path / 'classes'}", "--data.num_classes=3", "--data.val_holdout=1"), print)
+    for k in (3, 5):
+        with pytest.raises(config.ConfigError, match=rf"data.num_classes={k}, but .*classes has 4 classes \(its class "
+                                                     r"folders.*: c0, c1, c2, c3\): set data.num_classes=4, or leave"):
+            open_splits(data_cfg(f"--data.source={tmp_path / 'classes'}", f"--data.num_classes={k}",
+                                 "--data.val_holdout=1"), print)
+    assert open_splits(data_cfg(f"--data.source={tmp_path / 'classes'}", "--data.val_holdout=1"), print)[0]
 
 
 LAYOUTS = {  # folder -> files: class folders, a split folder of class folders, metadata.jsonl, split folders named val

@@ -154,6 +154,34 @@ def test_a_checkpoints_post_hoc_ema_is_reconstructed_at_its_own_step(tmp_path, m
         phema.reconstruct(run / "phema", target, checkpoint=ckpt)
 
 
+def test_a_repa_runs_profiles_load_into_the_model_that_consumers_rebuild(tmp_path, tiny_dino):
+    """A REPA run trains a Denoiser with its projector; eval_fid.py / sample.py / tools/phema.py --phema_std rebuild
+    the exported model, without it. The snapshots hold exactly its parameters; snapshots written with the
+    projector's (before) load too, its names left out."""
+    from safetensors.torch import save_file
+
+    from test_repa import run_config
+    from training.model import build_denoiser, build_for_run
+
+    cfg = run_config(tiny_dino)
+    trained = build_for_run(cfg, (3, 16, 16))
+    ema = phema.PowerEMA(trained, [0.05, 0.10], BATCH, BATCH, tmp_path / "run", True)
+    ema.update(trained)
+    path = ema.snapshot(1)
+    assert not any("projector" in k for k in load_file(str(path)))
+    consumer = build_denoiser(cfg, 3, 16)
+    assert phema.apply_reconstruction(consumer, tmp_path / "run", 0.08)["snapshots"] == 1
+    for name, p in consumer.named_parameters():
+        torch.testing.assert_close(p, dict(trained.named_parameters())[name], rtol=1e-3, atol=1e-3)  # (fp16)
+    old = {f"{std:g}/{name}": p.detach().half() for std in (0.05, 0.1) for name, p in trained.named_parameters()}
+    assert any("/projector." in k for k in old)
+    (tmp_path / "old" / "phema").mkdir(parents=True)
+    gammas = json.dumps([phema.gamma_of_std(0.05), phema.gamma_of_std(0.1)])
+    save_file(old, str(tmp_path / "old" / "phema" / "phema_000000000008.safetensors"),
+              metadata={"images": "8", "step": "1", "stds": "[0.05, 0.1]", "gammas": gammas})
+    assert phema.apply_reconstruction(build_denoiser(cfg, 3, 16), tmp_path / "old", 0.08)["snapshots"] == 1
+
+
 def test_loading_a_checkpoint_reads_the_profiles_only_where_they_live(tmp_path, monkeypatch):
     """PowerEMA.load at a resume or rollback: every rank needs the image count, only the main process the
     profiles (10 GB for the recipe model). The other ranks read one 8-byte tensor; the main process reads each
@@ -204,6 +232,46 @@ def test_loading_a_checkpoint_reads_the_profiles_only_where_they_live(tmp_path, 
     bad = phema.PowerEMA(Weights(), [0.05, 0.2], 10**9, BATCH, tmp_path / "bad", main_process=True)
     with pytest.raises(ValueError, match="has no profile of std 0.2"):
         bad.load(ckpt)
+
+
+def test_a_sharded_snapshot_is_kept_in_cpu_memory_by_the_main_process_only(tmp_path, monkeypatch):
+    """Sharded, every rank holds its shards of the profiles and takes part in gathering each whole; only the main
+    process, which writes the snapshot, makes CPU copies (2.7 GB per rank for the XL recipes with two profiles)."""
+    gathered, copied = [], []
+
+    class Whole:  # what sharding.full returns on the device: its conversion is the CPU copy
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def to(self, dtype):
+            copied.append(dtype)
+            return self.tensor.to(dtype)
+
+    monkeypatch.setattr(phema.sharding, "full", lambda p: gathered.append(p) or Whole(p))
+    for main in (False, True):
+        ema = phema.PowerEMA(Weights(), [0.05, 0.10], BATCH, BATCH, tmp_path / str(main), main_process=True)
+        ema.main = main  # a sharded rank: profiles on every rank, the main one writes
+        ema.update(Weights())
+        assert (ema.snapshot(1) is not None) == main and len(gathered) == 4  # 2 stds x 2 tensors, on every rank
+        assert len(copied) == (4 if main else 0)
+        gathered.clear(), copied.clear()
+
+
+def test_a_sharded_checkpoint_without_a_std_tracked_now_names_it(tmp_path):
+    """A resume with ckpt.phema_stds changed: the DDP layout names the std (the test above); the sharded one
+    (torch.distributed.checkpoint's shards) failed inside the loader on a missing key. It names it too, before
+    loading; the stds it holds load bitwise."""
+    import torch.distributed.checkpoint as dcp
+
+    source = train([0.05, 0.10], 10**9, tmp_path / "source")
+    ckpt = tmp_path / "step_00000400"
+    dcp.save({"phema": source.checkpoint_tensors()["phema"]}, checkpoint_id=str(ckpt / "sharded"), no_dist=True)
+    bad = phema.PowerEMA(Weights(), [0.05, 0.2], 10**9, BATCH, tmp_path / "bad", main_process=True)
+    with pytest.raises(ValueError, match=r"step_00000400 has no profile of std 0.2 \(ckpt.phema_stds changed on resume"):
+        bad.load(ckpt)
+    good = phema.PowerEMA(Weights(), [0.1], 10**9, BATCH, tmp_path / "good", main_process=True)
+    good.load(ckpt)
+    assert good.images == STEPS * BATCH and all(torch.equal(a, b) for a, b in zip(good.profiles[0], source.profiles[1]))
 
 
 KILLED_WRITE = '''

@@ -155,7 +155,8 @@ def test_start_up_problems_name_the_key(tiny_dino, tiny_text_encoder, tiny_vae):
 @pytest.mark.slow
 def test_a_run_with_repa_resumes_bitwise_logs_its_term_and_exports_without_the_projector(tmp_path, tiny_dino):
     """Flow matching with REPA (targets cached with the rows, HASTE's stop at step 4), 6 steps straight against
-    3 then --resume latest: the same weights, EMA and projector, the same logged loss and loss_repa."""
+    3 then --resume latest: the same weights, EMA and projector, the same logged loss and loss_repa; its post-hoc
+    EMA loads into the exported model (eval_fid.py / sample.py / tools/phema.py --phema_std)."""
     import json
 
     from safetensors.torch import load_file
@@ -164,7 +165,7 @@ def test_a_run_with_repa_resumes_bitwise_logs_its_term_and_exports_without_the_p
 
     extra = ["--objective.repa_weight=0.5", f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=2",
              "--objective.repa_projector_dim=16", "--objective.repa_off_step=4", "--log.every=1", "--ckpt.every=3",
-             "--log.report=false"]
+             "--log.report=false", "--ckpt.phema_every=32"]
     from accelerate.state import AcceleratorState
     for name, steps, more in (("straight", 6, []), ("resumed", 3, []), ("resumed", 6, ["--resume=latest"])):
         fm.main(tiny_run_args(tmp_path, name, steps=steps) + extra + more)
@@ -181,6 +182,10 @@ def test_a_run_with_repa_resumes_bitwise_logs_its_term_and_exports_without_the_p
     export = tmp_path / "straight" / "export"
     exported = [k for f in export.rglob("*.safetensors") for k in load_file(str(f))]
     assert exported and not any("projector" in k for k in exported)
+    import eval_fid
+
+    for checkpoint in (None, "latest"):  # the snapshots alone, and with the checkpoint's own profiles
+        assert eval_fid.load_model(tmp_path / "resumed", checkpoint, phema_std=0.1)[2]["phema"]["images"] == 96
 
 
 def test_prefetch_plans_the_encoder_and_fetches_it_through_the_training_call(tiny_dino):

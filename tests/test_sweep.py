@@ -149,6 +149,28 @@ def test_a_run_folder_made_with_another_config_is_an_error_and_a_finished_one_is
         sweep.prepare(path)
 
 
+def test_a_rerun_compares_keys_left_none_and_keys_added_since(tmp_path):
+    """The rerun check skipped every key whose wanted value is None, and every key the folder's config lacks: a run
+    from before conditioning.pooled_text (the pooled text on) resumed as one with it off (None). data.num_classes left
+    None is still the trainer's to fill."""
+    path = write_sweep(tmp_path, grid={"conditioning.mode": ["disentangled"]}, overrides={"train.max_steps": 5})
+    run = sweep.prepare(path)[2][0]
+    assert run["config"]["conditioning"]["pooled_text"] is None and run["config"]["data"]["num_classes"] is None
+    saved = json.loads(json.dumps({**run["config"], "resume": None}))
+    saved["data"]["num_classes"] = 9  # read from the data by the trainer
+    Path(run["run_dir"]).mkdir(parents=True)
+    for pooled, message in (("absent", r"conditioning\.pooled_text: True there, None now"),
+                            (False, r"conditioning\.pooled_text: False there, None now"), (None, None)):
+        saved["conditioning"].pop("pooled_text", None)
+        saved["conditioning"].update({} if pooled == "absent" else {"pooled_text": pooled})
+        (Path(run["run_dir"]) / "config.json").write_text(json.dumps(saved))
+        if message:
+            with pytest.raises(sweep.SweepError, match=message):
+                sweep.prepare(path)
+        else:
+            assert sweep.prepare(path)[2][0]["state"] == "new"
+
+
 def test_a_rerun_resumes_runs_whose_batch_the_trainer_resolved_from_global_batch(tmp_path):
     """train.global_batch: the trainer writes the resolved micro-batch, accumulation and checkpointing to the run's
     config.json (fit.plan_batch). A rerun compares like with like and resumes those runs; a real change is still an

@@ -130,6 +130,43 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, wandb_env, monkeypat
     assert logged == {ids[0], ids[2]}
 
 
+PREEMPTED = """
+import sys
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+import common
+from training import config, runlog
+import train_flow_matching as fm
+
+cfg = config.load_config(fm.DEFAULTS, ["--run_dir", sys.argv[2], "--log.wandb=auto"])  # WANDB_MODE=offline
+two = SimpleNamespace(num_processes=2, is_main_process=True, wait_for_everyone=lambda: None, end_training=lambda: None,
+                      print=print)
+log = runlog.RunLog(cfg, runlog.start_run(cfg, two), two)
+for step in range(1, 6):
+    log({"step": step, "loss": 1000 + step + 0.25})
+common.requeue(two, "at step 5: checkpoint written;")  # rank 0 of 2 processes: leaves by os._exit(75)
+"""
+
+
+@pytest.mark.slow
+def test_a_preempted_multi_process_run_finishes_wandb_before_it_leaves(tmp_path):
+    """common.end_processes leaves a multi-process run by os._exit, without the interpreter's teardown that used to
+    finish wandb: the offline run file held 7 bytes. Finished first, it holds the last rows (offline mode)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    (tmp_path / "script.py").write_text(PREEMPTED)
+    out = subprocess.run([sys.executable, str(tmp_path / "script.py"), str(ROOT), str(tmp_path / "run")], cwd=tmp_path,
+                         env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == common.REQUEUE_EXIT_CODE, out.stderr[-2000:]
+    data = b"".join(p.read_bytes() for p in (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert b"1005.25" in data and b"1001.25" in data  # the last row and the first, as JSON values of the history
+
+
 # ---- Validation grids show what was asked for ----------------------------------------------------------
 
 

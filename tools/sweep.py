@@ -240,18 +240,21 @@ def finished(run_dir, max_steps, report=True):
 
 def run_state(run):
     """'finished', 'interrupted' (a folder with a checkpoint or metrics) or 'new'. A folder whose config.json
-    differs from the sweep's config for that run (ignoring what the trainer fills in: resume, keys left None, and
-    what train.global_batch resolves at the start, fit.resolved_keys) is an error: rerunning would mix two
-    experiments under one name."""
+    differs from the sweep's config for that run (ignoring what the trainer fills in: resume, data.num_classes left
+    None, and what train.global_batch resolves at the start, fit.resolved_keys) is an error: rerunning would mix two
+    experiments under one name. A None wanted is compared like any value (conditioning.pooled_text: None is off in
+    disentangled text runs), and a key the folder's config lacks as what the run did before it (config.recorded)."""
     run_dir, cfg = Path(run["run_dir"]), run["config"]
     saved_file = run_dir / "config.json"
     if saved_file.is_file():
         saved, wanted = config.flatten(json.loads(saved_file.read_text())), config.flatten(cfg)
         filled = {"resume"} | fit.resolved_keys(cfg["train"])
-        differ = [k for k, v in wanted.items() if k not in filled and v is not None and saved.get(k, v) != v]
+        differ = [k for k, v in wanted.items() if k not in filled and not (v is None and k in config.TRAINER_FILLS)
+                  and config.recorded(saved, k, v) != v]
         if differ:
             raise SweepError(f"run {run['name']}: {saved_file} was written with another config ("
-                             + ", ".join(f"{k}: {saved.get(k)!r} there, {wanted[k]!r} now" for k in differ[:5])
+                             + ", ".join(f"{k}: {config.recorded(saved, k, None)!r} there, {wanted[k]!r} now"
+                                         for k in differ[:5])
                              + "); give the sweep another 'out' (that folder and its checkpoints stay as they are), "
                              "or set those keys back to resume it")
     if finished(run_dir, cfg["train"]["max_steps"], cfg["log"]["report"]):

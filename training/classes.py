@@ -47,7 +47,9 @@ def class_count(data, ds):
 def check_labels(data, ds, split, show=5):
     """Every label of `ds` (split `split` of data.source) must be a class, 0 .. data.num_classes - 1: a larger
     one crashes deep inside torch at the first step (a device-side assert on a GPU), and num_classes itself
-    would silently train as the null class of guidance. Raises naming the rows, the range found and a fix."""
+    would silently train as the null class of guidance. Raises naming the rows, the range found and a fix; class
+    folders (a ClassLabel column) of another count than data.num_classes, naming the folders."""
+    class_folders_match(data, ds)
     labels = ds.with_format("numpy", columns=[data.label_column])[:][data.label_column]
     if labels.dtype.kind not in "iuf":
         raise ValueError(f"data.label_column='{data.label_column}' of {data.source} (split '{split}') holds "
@@ -73,6 +75,25 @@ def check_labels(data, ds, split, show=5):
                      f"{data.source} (split '{split}') have a label that is not a class 0 .. {k - 1} "
                      f"(data.num_classes={k}; label {k} would train as the guidance null class): rows "
                      f"{', '.join(rows)}{' ...' if len(bad) > show else ''}. The labels found run {found}.{hint}")
+
+
+def class_folders_match(data, ds):
+    """A ClassLabel label column (an imagefolder's class folders, or a dataset's class names) numbers its classes
+    0 .. names - 1: a data.num_classes set to another count is refused naming them, before the rows' check or
+    read_class_ids would (naming rows, or data.class_ids, which the user never set)."""
+    import datasets
+
+    from training.config import ConfigError
+
+    feature = (ds.features or {}).get(data.label_column)
+    if not isinstance(feature, datasets.ClassLabel) or data.class_ids is not None:
+        return
+    if feature.num_classes == data.num_classes:
+        return
+    names = ", ".join(feature.names[:10]) + (" ..." if feature.num_classes > 10 else "")
+    raise ConfigError(f"data.num_classes={data.num_classes}, but {data.source} has {feature.num_classes} classes (its "
+                      f"class folders, or the class names of column '{data.label_column}': {names}): set "
+                      f"data.num_classes={feature.num_classes}, or leave it unset to read it from them")
 
 
 def class_id_list(data, ds):

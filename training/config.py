@@ -192,7 +192,49 @@ def load_config(defaults, argv=None, method="run", schema=None, check=None):
         raise SystemExit(0)
     for warning in budget_warnings(cfg) if schema is not None and int(os.environ.get("RANK", 0)) == 0 else []:
         print(f"warning: {warning}")
+    object.__setattr__(cfg, "explicit", frozenset(origin))  # the keys a --config file or the command line set
     return cfg
+
+
+# A key added since a run started whose default does not do what that run did: its value from before the key.
+# (conditioning.pooled_text: the pooled text vector reached the adaptive norm in every mode before it existed.)
+BEFORE_THE_KEY = {"conditioning.pooled_text": True}
+TRAINER_FILLS = {"data.num_classes"}  # left None, the trainer reads it from the data at every start (data.open_splits)
+
+
+def recorded(then, key, default):
+    """A key's value in a run's recorded config (flattened), what it did before the key existed, else `default`."""
+    return then[key] if key in then else BEFORE_THE_KEY.get(key, default)
+
+
+def keep_recorded(cfg, skip=(), log=print):
+    """--resume: the run goes on with the values it started with. Every key that neither a --config file nor the
+    command line sets now takes the value of the checkpoint's recorded config (or its value from before the key,
+    BEFORE_THE_KEY) where today's default differs: a default changed since would otherwise resume another model
+    without a word. What is set now wins (a change on purpose); `skip` and TRAINER_FILLS: keys the trainer resolves
+    itself. Each key taken is printed. Reads only the checkpoint's config (memory-mapped state.pt); no checkpoint:
+    nothing."""
+    import torch
+
+    import common
+
+    ckpt = common.find_checkpoint(cfg.run_dir, cfg.resume) if cfg.resume else None
+    if ckpt is None:
+        return {}
+    then = flatten(torch.load(Path(ckpt) / "state.pt", mmap=True, weights_only=True, map_location="cpu")["config"])
+    taken, kept = {}, {*cfg.explicit, *skip, "resume"}
+    for key, now in flatten(cfg).items():
+        old = json.loads(json.dumps(recorded(then, key, now)))  # as recorded (JSON): a tuple and its list are equal
+        if key in kept or (now is None and key in TRAINER_FILLS) or old == json.loads(json.dumps(now)):
+            continue
+        *sections, leaf = key.split(".")
+        section = cfg
+        for name in sections:
+            section = section[name]
+        section[leaf], taken[key] = old, (old, now)
+    for key, (old, now) in taken.items() if int(os.environ.get("RANK", 0)) == 0 else ():
+        log(f"resume: {key}={old!r}, as the run started ({ckpt.name}; today's default: {now!r}; set it to change it)")
+    return taken
 
 
 def help_text(defaults, method, schema):

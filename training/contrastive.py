@@ -21,10 +21,16 @@ def term(v_hat, v, weight):
     return -weight * (v_hat - negative).pow(2).mean(dim=tuple(range(1, v.dim())))
 
 
-def problems(cfg):
-    """The start-up check: a micro-batch of one has no other sample to contrast with."""
+def problems(cfg, chosen=None):
+    """The check of the micro-batch: one sample has no other to contrast with. At start-up (train.batch_size as
+    written), and once train.batch_size="auto" is resolved (fit.plan_batch; `chosen`: how it came to be)."""
     weight, batch = cfg["objective"].get("contrastive_weight", 0.0), cfg["train"]["batch_size"]
-    if weight and batch == 1:
+    if not weight or batch != 1:
+        return []
+    if chosen is None:
         return [f"objective.contrastive_weight={weight} contrasts each sample with another of its micro-batch, and "
                 f"train.batch_size=1 has none: use train.batch_size >= 2, or objective.contrastive_weight=0"]
-    return []
+    return [f"objective.contrastive_weight={weight} contrasts each sample with another of its micro-batch, and "
+            f"train.batch_size='auto' chose 1 ({chosen}), which has none: make room for 2 (train.gradient_checkpointing"
+            f"=true, train.ema_device='cpu', a smaller model.* or data.resolution), give train.global_batch at least 2 "
+            f"per process, or set objective.contrastive_weight=0"]

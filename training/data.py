@@ -491,6 +491,12 @@ def views_of(data, part):
     return data.cache_views * (2 if data.random_flip else 1) if part == "train" else 1
 
 
+def images_in(dataset):
+    """Training images, not cached rows: a cache of V views per image (data.cache_views, x 2 with flips) holds V
+    rows of each; what epochs, parameters per image and the largest micro-batch are counted in."""
+    return len(dataset) // getattr(dataset, "views", 1)
+
+
 def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs):
     """Micro-batches forever, starting at micro-batch `start`; `dataset[list of rows]` is one micro-batch
     (CachedDataset). Epoch e visits a permutation seeded by seed + e, split across ranks; so the data position

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import torch
 
 import common
-from training import config, sharding
-from training.data import COND_FIELDS, text_features
+from training import config, contrastive, repa, sharding
+from training.data import COND_FIELDS, images_in, text_features
 
 # A micro-batch fits when its probe step succeeds and the memory the allocator reserved at the peak stays under
 # this share of the GPU: the rest is for fragmentation over a long run, validation and the CUDA context.
@@ -106,29 +106,34 @@ def set_checkpointing(model, on):
 def probe_batch(train_set, text_encoder, micro, device):
     """`micro` rows of the cached training set (rows repeat when it is smaller) as the trainers feed them. Every
     cached row has the same shape (latents at data.resolution, text padded to encoders.max_tokens), so any rows
-    are the worst case. The probe's own times and conditions: nothing is drawn from the run's data order."""
+    are the worst case. The probe's own times and conditions: nothing is drawn from the run's data order. Returns
+    the batch too: REPA's targets come from it (its cached "repa", or its pixels through the encoder)."""
     batch = text_features({k: v.to(device) for k, v in train_set[[i % len(train_set) for i in range(micro)]].items()},
                           text_encoder)
     cond = {k: v for k, v in batch.items() if k in COND_FIELDS}
     cond["drop"] = cond["drop_controls"] = torch.zeros(micro, dtype=torch.bool, device=device)
-    return batch["x"], torch.rand(micro, device=device) * 1000, cond
+    return batch, torch.rand(micro, device=device) * 1000, cond
 
 
 def probe_step(run, micro, checkpointing, timed=0):
-    """Forward and backward of a micro-batch as the loop runs them (compiled or not, the run's autocast), then
+    """Forward and backward of a micro-batch as the loop runs them (compiled or not, the run's autocast; with REPA
+    its targets, encoded now when on the fly, and the projector's tokens and term), then
     the optimizer step skipped on the device (found_inf = 1: the fused AdamW allocates its moments, as the first
     real step will, and leaves weights and moments as they were), then the gradients dropped. With `timed`,
     returns seconds per forward + backward over that many passes after the first."""
     set_checkpointing(run.model, checkpointing)
-    x, t, cond = probe_batch(run.train_set, run.text_encoder, micro, run.device)
+    batch, t, cond = probe_batch(run.train_set, run.text_encoder, micro, run.device)
     seconds = None
     try:
         for i in range(1 + timed):
             if i == 1:
                 synchronize(run.device)
                 start = time.perf_counter()
+            align = run.align(batch, 0) if run.align is not None else None  # REPA (off: None)
             with run.accelerator.autocast():
-                loss = run.forward(x, t, cond).float().pow(2).mean()  # costs nothing next to the model
+                out, tokens = repa.forward(run.forward, align, batch["x"], t, cond)
+                terms = repa.terms(tokens, align)
+                loss = out.float().pow(2).mean() + sum(term.mean() for term in terms.values())  # costs nothing next to the model
             loss.backward()
         if timed:
             synchronize(run.device)
@@ -224,7 +229,7 @@ def resolved_keys(train):
     return keys
 
 
-def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None, ckpt=None):
+def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None, ckpt=None, align=None):
     """train.global_batch: sets train.batch_size (the micro-batch), train.grad_accum and
     train.gradient_checkpointing in `cfg`, and on the model. batch_size "auto": a resumed run reuses the choice
     its checkpoint recorded; a new one probes the divisors of global_batch / processes (largest_fitting, choose)
@@ -232,7 +237,8 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
     ranks. Called before accelerator.prepare: the probe runs the bare model, so no DDP collective (its buffer
     broadcast in every forward) can pair one rank's trial with another's, and its gradients take the memory that
     DDP's buckets take in the run. The probe changes nothing the run keeps (weights, optimizer state, RNG, data
-    position), so the run then equals the same run configured by hand. The resolved train section is written to
+    position), so the run then equals the same run configured by hand; `align` (repa.Alignment, None: off) puts
+    REPA's encoder and projector in the probe's step. The resolved train section is written to
     config.json and the probe's findings to fit.json in the run folder. Without global_batch: nothing
     (batch_size x processes x grad_accum, as set)."""
     tr, world, device = cfg.train, accelerator.num_processes, accelerator.device
@@ -252,8 +258,8 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
             raise RuntimeError("fit.plan_batch runs before the optimizer's first step (its state would be dropped)")
         run = SimpleNamespace(accelerator=accelerator, model=model.to(device), optimizer=optimizer, inner=inner,
                               forward=torch.compile(model) if tr.compile else model, train_set=train_set,
-                              text_encoder=text_encoder, device=device)
-        candidates = divisors(per_process, at_most=len(train_set) // world)
+                              text_encoder=text_encoder, device=device, align=align)
+        candidates = divisors(per_process, at_most=images_in(train_set) // world)  # what iterate_batches allows
         missing = object()
         found_inf = inner.__dict__.get("found_inf", missing)
         try:
@@ -282,6 +288,10 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
         raise config.ConfigError(f"train.batch_size={micro} x {world} processes does not divide train.global_batch="
                                  f"{tr.global_batch}: choose a divisor of {per_process} ({divisors(per_process)[:8]}"
                                  f"...) or train.batch_size='auto'")
+    if tr.batch_size == "auto":  # the start-up check saw "auto": what needs the number is checked on it now
+        refused = contrastive.problems({**cfg, "train": {**tr, "batch_size": micro}}, how)
+        if refused:
+            raise config.ConfigError(refused[0])
     set_checkpointing(model, checkpointing)
     if tr.grad_accum != accum and tr.batch_size != "auto":
         accelerator.print(f"fit: train.grad_accum {tr.grad_accum} -> {accum}, for train.global_batch={tr.global_batch}")

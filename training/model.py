@@ -180,11 +180,20 @@ class Denoiser(nn.Module):
         return (out, self.projector(aligned)) if align else out
 
 
+TRAINING_ONLY = ("projector.",)  # parts of the trained Denoiser that export() leaves out: REPA's projector
+
+
+def exported_parameters(model):
+    """[(name, parameter)] of what the export holds: every parameter but the training-only parts', so what is
+    averaged for export (the post-hoc EMA profiles) matches the model that evaluation and sampling rebuild."""
+    return [(name, p) for name, p in model.named_parameters() if not name.startswith(TRAINING_ONLY)]
+
+
 def drop_projector(module, state, prefix, *args):
     """A REPA run's weights load into a model without the projector (evaluation, sampling, init_from's source):
     the projector's tensors are left out of `state` before the strict key check."""
     if module.projector is None:
-        for key in [k for k in state if k.startswith(prefix + "projector.")]:
+        for key in [k for k in state if k.startswith(tuple(prefix + part for part in TRAINING_ONLY))]:
             del state[key]
 
 

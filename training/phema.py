@@ -30,6 +30,7 @@ import torch
 
 import common
 from training import sharding
+from training.model import TRAINING_ONLY, exported_parameters
 
 MAX_STD = 0.28  # reconstruction targets: sigma_rel in (0, MAX_STD]; the profile family ends at 12^-1/2 = 0.2887
 SNAPSHOT_DTYPE = torch.float16  # the paper's storage: half the disk of fp32, and errors of ~1e-3 relative at most
@@ -90,10 +91,11 @@ class PowerEMA:
         self.stds, self.gammas = list(stds), [gamma_of_std(s) for s in stds]
         self.every, self.images_per_step, self.images = every, images_per_step, 0
         self.folder = Path(run_dir) / "phema"
-        self.names, self.main = [name for name, _ in model.named_parameters()], main_process
+        # the exported model's parameters only (not REPA's projector): the snapshots load into what consumers rebuild
+        self.names, self.main = [name for name, _ in exported_parameters(model)], main_process
         # train.sharding="fsdp": every rank holds its shards of every profile (DTensors, sharded like the weights)
         sharded = common.is_sharded(model)
-        self.profiles = [[p.detach().float().clone() for p in model.parameters()] for _ in self.stds] \
+        self.profiles = [[p.detach().float().clone() for _, p in exported_parameters(model)] for _ in self.stds] \
             if every and (main_process or sharded) else []
 
     @torch.no_grad()
@@ -104,7 +106,7 @@ class PowerEMA:
         if not self.every:
             return
         self.images += self.images_per_step
-        params = common.local(p.detach().float() for p in model.parameters())  # sharded: shard by shard
+        params = common.local(p.detach().float() for _, p in exported_parameters(model))  # sharded: shard by shard
         for gamma, profile in zip(self.gammas, self.profiles):
             torch._foreach_lerp_(common.local(profile), params, 1 - (1 - self.images_per_step / self.images) ** (gamma + 1))
 
@@ -121,9 +123,14 @@ class PowerEMA:
             return None
         from safetensors.torch import save_file
 
-        # sharded: every rank takes part in gathering each profile whole (one tensor at a time); the main one writes
-        tensors = {f"{std:g}/{name}": sharding.full(p).to(SNAPSHOT_DTYPE).cpu() for std, profile in
-                   zip(self.stds, self.profiles) for name, p in zip(self.names, profile)}
+        # sharded: every rank takes part in gathering each profile whole (one tensor at a time, a collective); only
+        # the main one, which writes, keeps a CPU copy (the others' would be the whole snapshot per rank, dropped)
+        tensors = {}
+        for std, profile in zip(self.stds, self.profiles):
+            for name, p in zip(self.names, profile):
+                whole = sharding.full(p)
+                if self.main:
+                    tensors[f"{std:g}/{name}"] = whole.to(SNAPSHOT_DTYPE).cpu()
         if not self.main:
             return None
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -152,6 +159,9 @@ class PowerEMA:
         if not self.every or ckpt is None:
             return
         if (Path(ckpt) / sharding.SHARDED).is_dir():  # a sharded checkpoint: every rank loads its shards
+            keys = sharding.saved_keys(ckpt, "phema")
+            if keys and self.profiles:  # before the loader, which would only say "missing key"
+                self.check_stds(keys, ckpt)
             images = torch.zeros((), dtype=torch.int64)
             tensors = {**self.checkpoint_tensors()["phema"], "images": images} if self.profiles else {"images": images}
             if sharding.load_tensors(ckpt, {"phema": tensors}):
@@ -166,12 +176,19 @@ class PowerEMA:
         from safetensors import safe_open
 
         with safe_open(str(path), "pt", device="cpu") as f:
-            self.images, keys = int(f.get_tensor("images")), set(f.keys())
-            for std, profile in zip(self.stds, self.profiles):  # no profiles off the main process: nothing more read
-                if any(f"{std:g}/{n}" not in keys for n in self.names):
-                    raise ValueError(f"{path} has no profile of std {std:g} (ckpt.phema_stds changed on resume?)")
+            self.images = int(f.get_tensor("images"))
+            if self.profiles:  # no profiles off the main process: nothing more read
+                self.check_stds(set(f.keys()), path)
+            for std, profile in zip(self.stds, self.profiles):
                 for name, p in zip(self.names, profile):
                     p.copy_(f.get_tensor(f"{std:g}/{name}"))
+
+    def check_stds(self, keys, where):
+        """A checkpoint's profile `keys` ("std/name") hold every std tracked now, else a ValueError naming the std
+        (ckpt.phema_stds changed since the checkpoint), both layouts alike."""
+        for std in self.stds:
+            if any(f"{std:g}/{n}" not in keys for n in self.names):
+                raise ValueError(f"{where} has no profile of std {std:g} (ckpt.phema_stds changed on resume?)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -257,6 +274,8 @@ def apply_reconstruction(model, run, std, checkpoint=None):
     """Replace `model`'s parameters by the reconstructed EMA of std `std` from run's snapshots (at `checkpoint`'s
     time when given; buffers are constants and stay); returns the description."""
     weights, info = reconstruct(snapshot_folder(run), std, checkpoint=checkpoint)
+    # snapshots written before they held the exported parameters only still carry REPA's projector: left out
+    weights = {name: value for name, value in weights.items() if not name.startswith(TRAINING_ONLY)}
     params = dict(model.named_parameters())
     if set(weights) != set(params):
         raise ValueError(f"the snapshots in {snapshot_folder(run)} do not match this model's parameters "

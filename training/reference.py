@@ -157,9 +157,12 @@ def to_uint8(x):
 
 
 def reference_key(args, cfg, feature_name):
+    """What the reference statistics depend on: a folder of images given as --reference, scored as they are;
+    else a dataset's split, preprocessed as in training. The run's own data.source is always a dataset, class
+    folders too: its split "heldout" is then the rows the trainer held out, not every image it trained on."""
     data, source = cfg["data"], args.reference or cfg["data"]["source"]
     key = {"source": source, "feature": feature_name, "num": args.reference_num, "format": 1}
-    if files := image_files(source):
+    if not same_source(source, data["source"]) and (files := image_files(source)):
         listing = "\n".join(f"{f.relative_to(source)}:{f.stat().st_size}" for f in files)
         return {**key, "kind": "folder", "files": hashlib.sha256(listing.encode()).hexdigest()}
     key.update(kind="dataset", split=args.reference_split, crop=args.reference_crop,
@@ -170,6 +173,11 @@ def reference_key(args, cfg, feature_name):
     if source == "embedded":
         key["demo"] = [data["demo_samples"], data["demo_resolution"]]
     return key
+
+
+def same_source(a, b):
+    """Whether two data sources name the same thing (a folder however written, or the same id)."""
+    return a == b or (Path(a).expanduser().exists() and Path(a).expanduser().resolve() == Path(b).expanduser().resolve())
 
 
 def image_files(source):

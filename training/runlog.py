@@ -12,6 +12,8 @@ from PIL import Image
 
 import common
 from training import curves
+from training.config import ConfigError
+from training.data import images_in
 from training.sections import size_warnings
 
 # ----------------------------------------------------------------------------------------------------------
@@ -66,6 +68,22 @@ def caption_cells(grid, labels, nrow, cell):
 # The run folder and its sinks.
 
 
+# What a run leaves in its run_dir (README, "What a run writes"; eval_fid.py's eval/, sample.py's sampled/, tools/rate.py's
+# votes). config.json alone is not a run: a start stopped before training (in the cache build) may start again.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "samples", "phema", "export", "report.md", "eval", "sampled", "ratings.jsonl")
+
+
+def refuse_earlier_run(cfg):
+    """A new run (no resume) into a run_dir that holds one would train beside the old checkpoints (which a later
+    --resume latest may pick) and report the old samples, evaluations and votes: stopped before any work. At the
+    trainers' start, not in config.load_config, which also reads configs that start no run."""
+    found = [name for name in RUN_OUTPUTS if (Path(cfg.run_dir) / name).exists()] if cfg.resume is None else []
+    if found:
+        raise ConfigError(f"run_dir={cfg.run_dir!r} already holds a run ({', '.join(found)}): continue it with "
+                          f"--resume latest, or give this run a new run_dir (a new run there would mix with the old "
+                          f"one's checkpoints and outputs)")
+
+
 def start_run(cfg, accelerator):
     """The run folder, with the resolved config written first."""
     run_dir = Path(cfg.run_dir)
@@ -75,13 +93,13 @@ def start_run(cfg, accelerator):
     return run_dir
 
 
-def describe_run(accelerator, cfg, model, n_train, lr_rule, method):
+def describe_run(accelerator, cfg, model, train_set, lr_rule, method):
     """The run in one line (parameters, global batch, LR rule, the method's own settings in `method`), then a
-    warning for a model far larger than its data (sections.size_warnings)."""
+    warning for a model far larger than its data, counted in images, not cached views (sections.size_warnings)."""
     tr, world, n_params = cfg.train, accelerator.num_processes, sum(p.numel() for p in model.parameters())
     accelerator.print(f"model: {n_params / 1e6:.2f}M parameters; global batch {tr.batch_size} x {world} processes x "
                       f"{tr.grad_accum} accumulation = {tr.batch_size * world * tr.grad_accum}; {lr_rule}; {method}")
-    for warning in size_warnings(cfg, n_params, n_train, world):
+    for warning in size_warnings(cfg, n_params, images_in(train_set), world):
         accelerator.print(f"warning: {warning}")
 
 def wandb_mode(setting):

@@ -175,16 +175,22 @@ def load(folder, model, ema, optimizer):
     set_optimizer_state_dict(model, inner, state["optimizer"])
 
 
+def saved_keys(folder, name):
+    """The keys of part `name` ("phema", ...) that a sharded checkpoint holds, read from its metadata alone."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(os.path.join(folder, SHARDED)).read_metadata().state_dict_metadata
+    return {key[len(name) + 1:] for key in saved if key.startswith(f"{name}.")}
+
+
 def load_tensors(folder, tensors):
     """`tensors` ({name: {key: tensor}}, e.g. the post-hoc EMA profiles) loaded in place from a sharded checkpoint;
     False (nothing loaded) when the checkpoint has no `name` (written before that part was on)."""
     import torch.distributed.checkpoint as dcp
 
-    path = os.path.join(folder, SHARDED)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    if not all(any(key.startswith(f"{name}.") for key in saved) for name in tensors):
+    if not all(saved_keys(folder, name) for name in tensors):
         return False
-    dcp.load(tensors, checkpoint_id=path)
+    dcp.load(tensors, checkpoint_id=os.path.join(folder, SHARDED))
     return True
 
 
