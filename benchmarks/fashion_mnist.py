@@ -54,7 +54,8 @@ def ours(args):
     if not (run / "export").is_dir():
         before = cpu_seconds(resource.RUSAGE_CHILDREN)
         subprocess.run([sys.executable, str(ROOT / f"train_{args.trainer}.py"), "--config", str(RECIPE),
-                        f"--seed={args.seed}", f"--run_dir={run}", "--log.wandb=off", *args.extra], check=True)
+                        f"--seed={args.seed}", f"--run_dir={run}", "--log.wandb=off", "--resume=latest", *args.extra],
+                       check=True)  # --resume latest: an interrupted run continues, a new one starts fresh
         (run / "cpu_seconds.json").write_text(json.dumps({"train": cpu_seconds(resource.RUSAGE_CHILDREN) - before}))
     cfg = json.loads((run / "config.json").read_text())
     steps = cfg["train"]["max_steps"]
