@@ -94,18 +94,19 @@ def test_the_splits_come_from_their_own_files(tmp_path):
 
 
 def stripes(n, seed):
-    """A two-class toy: vertical (0) or horizontal (1) stripes with noise, uint8 (n, 28, 28, 3)."""
+    """A two-class toy: vertical (0) or horizontal (1) stripes with noise, uint8 (n, 14, 14, 3) (small: a fast test)."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 2, n)
-    base = (np.arange(28) % 4 < 2) * 200.0
+    base = (np.arange(14) % 4 < 2) * 200.0
     images = np.where(labels[:, None, None] == 0, base[None, None, :], base[None, :, None])
-    images = np.clip(images + rng.normal(0, 30, (n, 28, 28)), 0, 255).astype(np.uint8)
+    images = np.clip(images + rng.normal(0, 30, (n, 14, 14)), 0, 255).astype(np.uint8)
     return np.repeat(images[..., None], 3, axis=3), labels
 
 
+@pytest.mark.slow
 def test_classifier_learns_saves_and_loads_with_its_record(tmp_path):
     torch.manual_seed(0)
-    images, labels = stripes(512, 0)
+    images, labels = stripes(384, 0)
     test_images, test_labels = stripes(200, 1)
     model = classifier.train(classifier.build(2, ["vertical", "horizontal"]), images, labels, epochs=2,
                              batch_size=64, log=lambda line: None)
