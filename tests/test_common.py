@@ -206,9 +206,10 @@ def test_the_leak_guard_sees_a_process_group_and_the_tf32_switches(tmp_path):
     finally:
         dist.destroy_process_group()
     assert leaked(before, global_state()) == []
-    for change in (lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", not switches[0]),
-                   lambda: setattr(torch.backends.cudnn, "allow_tf32", not switches[1]),
-                   lambda: torch.set_float32_matmul_precision("medium" if switches[2] != "medium" else "highest")):
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # the legacy switches
+    for change in (lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", not matmul),
+                   lambda: setattr(torch.backends.cudnn, "allow_tf32", not cudnn),
+                   lambda: torch.set_float32_matmul_precision("medium")):  # (the default is "highest")
         try:
             change()
             found = leaked(before, global_state())

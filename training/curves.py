@@ -67,7 +67,7 @@ def scores(run, cfg):
 def load(cfg):
     """The reference of this run's method named by val.reference_curves, or None (unset). A named file that is
     missing or lacks the method is an error at start-up, not a silent run without it."""
-    path = cfg.val.get("reference_curves")
+    path = cfg.get("val", {}).get("reference_curves")  # (a config without a val section: a tool's or a test's)
     if not path:
         return None
     if not Path(path).is_file():
