@@ -116,6 +116,12 @@ def test_a_run_logs_and_prints_when_its_heldout_loss_leaves_the_band(reference_f
     assert acc.lines[-1].startswith("warning: step 300: val_loss 0.4500 is above the reference band [0.3000, 0.3400]")
 
 
+def test_a_missing_reference_file_is_a_config_problem_before_any_work(tmp_path):
+    with pytest.raises(config.ConfigError, match="val.reference_curves=.*nowhere.json.*no such file"):
+        config.load_config(train_flow_matching.DEFAULTS, [f"--val.reference_curves={tmp_path / 'nowhere.json'}"],
+                           method="flow_matching", schema=train_flow_matching.CONFIG)
+
+
 def test_a_named_reference_that_is_missing_or_lacks_the_method_stops_the_run(reference_file, tmp_path):
     cfg = config.as_config(json.loads(json.dumps(train_flow_matching.DEFAULTS)))
     cfg.val.reference_curves = str(tmp_path / "nowhere.json")

@@ -278,6 +278,9 @@ def combination_problems(cfg):
     if val["fid_dino"] and (reference.endswith(".npz") or reference.startswith("cleanfid:")):
         problems.append(f"val.fid_dino needs reference images, and val.fid_reference={reference!r} is precomputed "
                         f"Inception statistics: use a folder or a dataset, or leave it None (the held-out rows)")
+    if val.get("reference_curves") and not Path(val["reference_curves"]).is_file():  # .get: configs saved before it
+        problems.append(f"val.reference_curves={val['reference_curves']!r}: no such file (tools/curves.py makes one; "
+                        f"null runs without)")
     if val["prompts"] and not Path(val["prompts"]).is_file():
         problems.append(f"val.prompts={val['prompts']!r}: no such file (one validation prompt per line)")
     elif val["prompts"] and not enc["text_encoder"]:
