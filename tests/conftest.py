@@ -35,21 +35,25 @@ SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_
 PATCHED_BY_TORCH = {"torch.nn.Module.__init__", "torch.nn.Module.__setstate__"}
 
 
-TF32_SWITCHES = [(torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"),
-                 (torch.backends.mkldnn.matmul, "fp32_precision"), (torch.backends, "fp32_precision")]
-
-
 def tf32_switches():
-    """TF32 for fp32 matmuls and convolutions and the fp32 matmul precision, read through torch's per-backend
-    fp32_precision, which the legacy switches (cuda.matmul.allow_tf32, cudnn.allow_tf32,
-    set_float32_matmul_precision) also set. torch.get_float32_matmul_precision() would raise once both APIs were
-    used in the process ("mix of the legacy and new APIs"), as a full suite does."""
-    return tuple(getattr(obj, name) for obj, name in TF32_SWITCHES)
+    """TF32 for fp32 matmuls and convolutions, and the fp32 matmul precision (which the first switch sets too).
+    Once torch's legacy and per-backend (fp32_precision) APIs have both been used in a process, as a full suite
+    does, torch.get_float32_matmul_precision() raises ("mix of the legacy and new APIs"): the precision is then
+    read through the per-backend switches it sets."""
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        precision = ("fp32_precision", torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision
 
 
 def set_tf32_switches(switches):
-    for (obj, name), value in zip(TF32_SWITCHES, switches):
-        setattr(obj, name, value)
+    matmul, cudnn, precision = switches
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    if isinstance(precision, str):
+        torch.set_float32_matmul_precision(precision)  # after allow_tf32, which sets it as well
+    else:
+        torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision = precision[1:]
 
 
 def global_state():
