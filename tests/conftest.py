@@ -35,25 +35,37 @@ SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_
 PATCHED_BY_TORCH = {"torch.nn.Module.__init__", "torch.nn.Module.__setstate__"}
 
 
+NEW_API = ["", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn"]
+
+
+def backend(path):
+    obj = torch.backends
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
 def tf32_switches():
-    """TF32 for fp32 matmuls and convolutions, and the fp32 matmul precision (which the first switch sets too).
-    Once torch's legacy and per-backend (fp32_precision) APIs have both been used in a process, as a full suite
-    does, torch.get_float32_matmul_precision() raises ("mix of the legacy and new APIs"): the precision is then
-    read through the per-backend switches it sets."""
+    """TF32 for fp32 matmuls and convolutions, and the fp32 matmul precision (which the first switch sets too),
+    read and restored through the legacy switches that common.make_accelerator and inductor use. Once torch's
+    per-backend API (fp32_precision) has also been used in the process, the legacy getters raise ("mix of the
+    legacy and new APIs"), as they did once in a full suite: the state is then read, and restored, through the
+    per-backend switches, which never raise."""
     try:
-        precision = torch.get_float32_matmul_precision()
+        return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                torch.get_float32_matmul_precision())
     except RuntimeError:
-        precision = ("fp32_precision", torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
-    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision
+        return ("fp32_precision", *(backend(path).fp32_precision for path in NEW_API))
 
 
 def set_tf32_switches(switches):
+    if switches[0] == "fp32_precision":
+        for path, value in zip(NEW_API, switches[1:]):
+            backend(path).fp32_precision = value
+        return
     matmul, cudnn, precision = switches
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
-    if isinstance(precision, str):
-        torch.set_float32_matmul_precision(precision)  # after allow_tf32, which sets it as well
-    else:
-        torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision = precision[1:]
+    torch.set_float32_matmul_precision(precision)  # after allow_tf32, which sets it as well
 
 
 def global_state():
