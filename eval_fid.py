@@ -36,7 +36,7 @@ import torch
 from PIL import Image
 
 import common
-from training import classifier, config
+from training import classifier, config, curves
 from training.data import decode, encode_text, load_encoders, preprocess
 from training.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores, dinov2_features,
                               feature_tag, fid_size_warning, size_tag)
@@ -115,7 +115,7 @@ def interval_arg(text):
 def method_of(cfg):
     """The trainer whose generate(model, noise, cond, cfg, steps, guidance_scale, sampler) samples this run:
     Flow-matching configs have objective.time_sampling (both have objective.prediction)."""
-    return importlib.import_module("train_flow_matching" if "time_sampling" in cfg["objective"] else "train_ddpm")
+    return importlib.import_module(f"train_{curves.method_of(cfg)}")
 
 
 def load_model(run, checkpoint=None, weights="ema", phema_std=None):
@@ -400,9 +400,7 @@ def main(argv=None, feature_fn=None):
         images = [read_png(samples_dir, i) for i in idx]
         pairs += zip(idx, feature_fn(images))
         if judge is not None:  # 1 where the classifier sees the class that sample i asked for (i % K)
-            asked = torch.tensor([i % cfg["data"]["num_classes"] for i in idx])
-            judged += zip(idx, (classifier.logits_and_features(judge[0], images, device)[0].argmax(1).cpu() == asked)
-                          .double().numpy()[:, None])
+            judged += zip(idx, classifier.class_hits(judge[0], images, idx, cfg["data"]["num_classes"], device)[:, None])
         if dino_fn is not None:
             dino_pairs += zip(idx, dino_fn(images))
         if use_clip:

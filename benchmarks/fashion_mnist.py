@@ -30,6 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval_fid  # noqa: E402
+import train_flow_matching  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
 from training import classifier, config, fashion_mnist  # noqa: E402
 from training.metrics import all_scores, size_tag  # noqa: E402
 from training.reference import reference_for  # noqa: E402
@@ -142,18 +144,17 @@ def score_images(images, args):
     """The protocol's scores of uint8 (N, 28, 28, 3) images asked for class i % 10, as eval_fid.py computes them."""
     judge, record = classifier.load(args.classifier)
     feature_fn = classifier.feature_fn(judge)
-    cfg = config.load_config(__import__("train_flow_matching").DEFAULTS, ["--config", str(RECIPE)],
-                             method="flow_matching", schema=__import__("train_flow_matching").CONFIG)
+    cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", str(RECIPE)], method="flow_matching",
+                             schema=train_flow_matching.CONFIG)
     eval_args = eval_fid.parse_args(["--run", "-", *score_args(args, len(images))])
     feats, hits = [], []
     for first in range(0, len(images), 500):
         batch = list(images[first:first + 500])
         feats.append(feature_fn(batch))
-        asked = torch.arange(first, first + len(batch)) % 10
-        hits.append((classifier.logits_and_features(judge, batch)[0].argmax(1) == asked).double())
-    _, ref = reference_for(eval_args, cfg, feature_fn, __import__("accelerate").Accelerator(cpu=True))
+        hits.append(classifier.class_hits(judge, batch, range(first, first + len(batch)), 10))
+    _, ref = reference_for(eval_args, cfg, feature_fn, Accelerator(cpu=True))
     metrics = all_scores(np.concatenate(feats), ref, "clean", len(images), "classifier")
-    metrics[f"class_accuracy_{size_tag(len(images))}"] = float(torch.cat(hits).mean())
+    metrics[f"class_accuracy_{size_tag(len(images))}"] = float(np.concatenate(hits).mean())
     return metrics
 
 

@@ -26,11 +26,12 @@ from training.reference import to_uint8  # noqa: E402
 
 
 def split_images(data, split):
-    """(uint8 images (N, R, R, 3), int labels (N,)) of a split, as the trainer's cache would preprocess them."""
+    """(uint8 images (N, R, R, 3), int labels (N,), class names or None) of a split, as the trainer's cache would
+    preprocess them."""
     ds = open_dataset(data, split)
     images = np.stack([to_uint8(preprocess(load_image(row[data.image_column]), data.resolution, data, flip=False)[0][None])[0]
                        for row in progress(ds, f"read {split}", True)])
-    return images, np.asarray(ds[data.label_column])
+    return images, np.asarray(ds[data.label_column]), getattr(ds.features[data.label_column], "names", None)
 
 
 def main(argv=None):
@@ -50,10 +51,9 @@ def main(argv=None):
         sys.exit(f"tools/classifier.py: --test_split '{args.test_split}' is the training split (data.split)")
     torch.manual_seed(args.seed)
     start = time.time()
-    images, labels = split_images(data, data.split)
-    test_images, test_labels = split_images(data, args.test_split)
-    names = open_dataset(data, data.split).features[data.label_column]
-    model = classifier.build(int(labels.max()) + 1, getattr(names, "names", None))
+    images, labels, names = split_images(data, data.split)
+    test_images, test_labels, _ = split_images(data, args.test_split)
+    model = classifier.build(int(labels.max()) + 1, names)
     classifier.train(model, images, labels, args.epochs, seed=args.seed)
     record = {"source": data.source, "train_split": data.split, "train_rows": len(images), "resolution": data.resolution,
               "test_split": args.test_split, "test_rows": len(test_images),

@@ -44,6 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from training import config  # noqa: E402
+from training.curves import method_of  # noqa: E402
 from training.report import fmt, last, load_metrics, style_axis, table, xy  # noqa: E402
 
 NOT_ARMS = {"seed", "run_dir", "resume"}  # differ between runs of one arm, or say nothing about the method
@@ -150,10 +151,6 @@ def spearman(x, y):
 
 # ----------------------------------------------------------------------------------------------------------
 # Runs and arms.
-
-
-def method_of(cfg):
-    return "flow_matching" if "time_sampling" in cfg.get("objective", {}) else "ddpm"
 
 
 def find_runs(paths):

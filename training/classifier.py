@@ -43,16 +43,16 @@ def logits_and_features(model, images, device="cpu"):
 
 def train(model, images, labels, epochs=3, batch_size=256, lr=2e-3, seed=0, log=print):
     """AdamW with a cosine decay over `epochs` passes of uint8 images (N, H, W, 3) and int labels (N,)."""
-    g = torch.Generator().manual_seed(seed)
-    steps = epochs * (len(images) // batch_size)
+    g, per_epoch = torch.Generator().manual_seed(seed), len(images) // batch_size
+    steps = epochs * per_epoch
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=0.1)
     labels = torch.as_tensor(labels).long()
     model.train()
     for step in range(steps):
-        if step % (len(images) // batch_size) == 0:
+        if step % per_epoch == 0:
             order = torch.randperm(len(images), generator=g)
-        idx = order[(step % (len(images) // batch_size)) * batch_size:][:batch_size]
+        idx = order[(step % per_epoch) * batch_size:][:batch_size]
         loss = torch.nn.functional.cross_entropy(model(to_input(images[idx.numpy()])).logits, labels[idx])
         optimizer.zero_grad()
         loss.backward()
@@ -68,6 +68,12 @@ def accuracy(model, images, labels, batch_size=500):
     hits = sum((logits_and_features(model, images[i:i + batch_size])[0].argmax(1) == torch.as_tensor(
         labels[i:i + batch_size]).long()).sum().item() for i in range(0, len(images), batch_size))
     return hits / len(images)
+
+
+def class_hits(model, images, indices, num_classes, device="cpu"):
+    """1.0 where the classifier labels sample i with the class it was asked for, i % num_classes, else 0.0."""
+    asked = torch.tensor([i % num_classes for i in indices])
+    return (logits_and_features(model, images, device)[0].argmax(1).cpu() == asked).double().numpy()
 
 
 def load(path, device="cpu"):

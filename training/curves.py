@@ -8,7 +8,7 @@ of it sees at once whether it is on track ("is this spike normal?").
 The file holds, per method, the seeds' runs and, per metric, rows [step, lo, mean, hi] over the seeds (lo and hi:
 their minimum and maximum; a few KB). Any recipe can carry one: run it with a few seeds, then tools/curves.py.
 
-During a run (RunLog calls watch on every row) each held-out loss at a step the reference has is compared with
+During a run (RunLog passes every row to off_band) each held-out loss at a step the reference has is compared with
 its band [lo, hi]: more than the seed-to-seed spread (hi - lo) outside it, the run logs an `off_reference`
 event and prints one plain line with the step, the value, the band and by how much. At the end the report
 draws the run's curves over the bands (training/report.py).
@@ -80,7 +80,8 @@ def load(cfg):
 
 
 def method_of(cfg):
-    return "flow_matching" if "time_sampling" in cfg["objective"] else "ddpm"  # as eval_fid.method_of
+    """The trainer of a run's config: flow matching's objective has time_sampling (eval_fid.method_of imports it)."""
+    return "flow_matching" if "time_sampling" in cfg.get("objective", {}) else "ddpm"
 
 
 def differences(reference, cfg):

@@ -230,8 +230,7 @@ def plot_reference(series, cfg, run_dir, out):
     series = {k: dict(v) for k, v in series.items()}
     for key, value, step in curves.scores(run_dir, cfg):  # the run's own evaluations, at their steps
         series.setdefault(key, {})[step] = value
-    keys = [k for k in reference["curves"] if k in series and (k in ("loss_smoothed", "val_loss") or k.startswith(QUALITY)
-                                                                or k.startswith("class_accuracy"))]
+    keys = [k for k in reference["curves"] if k in series and not re.fullmatch(r"val_loss_t\d+", k)]  # bins: too many
     if not keys:
         return []
     fig = Figure(figsize=(9, 2.6 * len(keys) + 1), layout="constrained")
@@ -259,7 +258,7 @@ def table(rows, header=("", "")):
 
 def config_rows(cfg, series):
     d, m, t, o = (cfg.get(k, {}) for k in ("data", "model", "train", "objective"))
-    rows = [("method", "flow_matching" if "time_sampling" in o else "ddpm"),
+    rows = [("method", curves.method_of(cfg)),
             ("data", d.get("source", "-")), ("resolution", d.get("resolution", "-"))]
     if "num_layers" in m:
         width = m.get("num_attention_heads", 0) * m.get("attention_head_dim", 0)
