@@ -18,6 +18,7 @@ machine load from elsewhere does not count against either.
 """
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def ours(args):
         (run / "cpu_seconds.json").write_text(json.dumps({"train": cpu_seconds(resource.RUSAGE_CHILDREN) - before}))
     cfg = json.loads((run / "config.json").read_text())
     steps = cfg["train"]["max_steps"]
+    final = run / "eval" / f"test-step{steps}"
     for fraction in (1.0, 0.25, 0.5):  # the final score first
         step = round(steps * fraction)
         out = run / "eval" / f"test-step{step}"
@@ -68,10 +70,31 @@ def ours(args):
         if not (out / "report.json").is_file():
             n = args.num_samples if fraction == 1.0 else args.curve_samples
             eval_fid.main(["--run", str(run), *where, "--out_dir", str(out), *score_args(args, n), *args.eval_args])
-        metrics = json.loads((out / "report.json").read_text())["metrics"]
-        with open(run / "quality.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        print(f"{run.name} step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+        if fraction == 1.0:  # the final samples' first --curve_samples, scored alone: the curve's last point
+            first_samples(final, run / "eval" / f"test-step{steps}-first", args)
+    rows = []  # quality.jsonl rebuilt from every report, so a resumed benchmark never repeats a row
+    for report in sorted((run / "eval").glob("test-step*/report.json")):
+        report = json.loads(report.read_text())
+        rows.append({"step": report["model"].get("step", steps), **report["metrics"]})
+        print(f"{run.name} step {rows[-1]['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in report["metrics"].items()))
+    (run / "quality.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["step"])))
+
+
+def first_samples(final, out, args):
+    """Score the first --curve_samples of the final samples on their own: the same images a run of that size
+    would make (sample i's noise depends on i alone), so the 100% point of the quality curve and the peer's
+    score (sampled at that size: dopri5 costs about 0.8 CPU s a sample) compare at equal sample counts."""
+    if (out / "report.json").is_file():
+        return
+    (out / "samples").mkdir(parents=True, exist_ok=True)
+    for i in range(args.curve_samples):  # hard links: no copies of the images
+        link = eval_fid.png_path(out / "samples", i)
+        if not link.exists():
+            os.link(eval_fid.png_path(final / "samples", i), link)
+    generation = json.loads((final / "generation.json").read_text())
+    (out / "generation.json").write_text(json.dumps(generation, indent=1))
+    eval_fid.main(["--run", generation["model"]["run"], "--out_dir", str(out), *score_args(args, args.curve_samples),
+                   *args.eval_args])
 
 
 # ---- The peer: torchcfm's conditional MNIST example (examples/images/conditional_mnist.ipynb), unchanged but
