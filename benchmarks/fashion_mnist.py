@@ -63,7 +63,7 @@ def ours(args):
     cfg = json.loads((run / "config.json").read_text())
     steps = cfg["train"]["max_steps"]
     final = run / "eval" / f"test-step{steps}"
-    for fraction in (1.0, 0.25, 0.5):  # the final score first
+    for fraction in (1.0, *args.fractions):  # the final score first
         step = round(steps * fraction)
         out = run / "eval" / f"test-step{step}"
         where = [] if fraction == 1.0 else ["--checkpoint", str(run / "checkpoints" / f"step_{step:08d}")]
@@ -190,6 +190,8 @@ def main(argv=None):
     p.add_argument("--classifier", default="classifiers/fashion_mnist")
     p.add_argument("--num_samples", type=int, default=10_000, help="the final score's samples (the protocol: 10k)")
     p.add_argument("--curve_samples", type=int, default=2_000, help="samples at 25 and 50%% of the steps (a trend)")
+    p.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.5], help="the quality curve's checkpoints "
+                   "(fractions of the steps) scored at --curve_samples; none: the final score alone")
     p.add_argument("--cpu_seconds", type=float, default=None, help="peer: stop training at this CPU time")
     p.add_argument("--eval_args", nargs="*", default=[], help="more eval_fid.py arguments (--guidance_scale ...)")
     args, args.extra = p.parse_known_args(argv)
