@@ -59,7 +59,7 @@ def time_input(alphas_cumprod, shift):
 class MinimalDiffusionPipeline(DiffusionPipeline):
     """Class-conditional or text-to-image sampling from an MMDiT trained by minimal-diffusion."""
 
-    model_cpu_offload_seq = "text_encoder->transformer->vae"
+    model_cpu_offload_seq = "text_encoder->conditioner->transformer->vae"
     _optional_components = ["vae", "text_encoder", "tokenizer"]
 
     def __init__(self, transformer, conditioner, scheduler, vae=None, text_encoder=None, tokenizer=None,
