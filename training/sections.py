@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, create_model
 
-from training import repa, sharding
+from training import hub, repa, sharding
 
 # ----------------------------------------------------------------------------------------------------------
 # The shared sections, one key a line: its type, default, range (ge, gt, le, lt) or allowed values (Literal)
@@ -188,6 +188,8 @@ class Run(BaseModel, extra="forbid", strict=True):
     resume: Str = Field(None, description='"latest" (this run_dir\'s newest checkpoint) or a checkpoint folder')
     init_from: Str = Field(None, description="a run, checkpoint or export whose weights and EMA start this run "
                            '(256 -> 512 px, 22k -> 1k); "{method}": the trainer')
+    push_to_hub: Str = Field(None, description="owner/name: the export, a diffusers pipeline folder, uploaded to "
+                             "this Hub repository (private) at the end (docs/sharing.md)")
     data: Data = Field(default_factory=Data, description="the source, held-out rows, preprocessing, the cache")
     encoders: Encoders = Field(default_factory=Encoders, description="the frozen VAE and text encoder")
     model: Model = Field(default_factory=Model, description="SD3Transformer2DModel")
@@ -261,6 +263,7 @@ def combination_problems(cfg):
                         f"levels: flow-matching t, 1 = pure noise; [0, 1] guides every step)")
     problems += sharding.problems(cfg)  # what a sharded run refuses (batch probe, offloaded EMA, fp16)
     problems += repa.problems(cfg)  # the block exists, the encoder's config reads (training/repa.py)
+    problems += hub.push_problems(cfg.get("push_to_hub"))  # a repo name, network and a token, before any work
     if cfg["ckpt"]["phema_every"] and not cfg["ckpt"]["phema_stds"]:
         problems.append("ckpt.phema_every > 0 tracks the profiles of ckpt.phema_stds: give at least one std, e.g. [0.05, 0.1]")
     if tr["mixed_precision"] == "fp16":
