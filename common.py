@@ -21,6 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from training import muon
+
 # ----------------------------------------------------------------------------------------------------------
 # Run helpers: accelerator, stop signals, EMA, LR, time shift.
 
@@ -173,7 +175,10 @@ def finish_wandb(exit_code):
 def make_optimizer(model, tr):
     """Adam(W) (weight_decay 0 = Adam, as in the paper), fused: one kernel for all weights per step on CUDA, and
     the kernel that takes a skip decision on the device (skip_update_if_nonfinite). Fused runs on CPU too, so the
-    tests exercise the same optimizer as a GPU run."""
+    tests exercise the same optimizer as a GPU run. train.optimizer="muon": Muon for the blocks' matrices and this
+    AdamW for the rest (training/muon.py)."""
+    if tr.get("optimizer", "adamw") == "muon":
+        return muon.MuonAdamW(model, tr)
     return torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay,
                              fused=True)
 

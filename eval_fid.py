@@ -93,7 +93,34 @@ def parser():
     a("--adm_npz", default=None, help="also write the samples as uint8 NHWC 'arr_0' for ADM's evaluator")
     a("--generate_only", action="store_true", help="write the PNGs and stop (score later, anywhere)")
     a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
+    a("--untuned", action="store_true", help="ignore RUN/tuned.json (tools/tune.py): the run's own settings")
     return p
+
+
+TUNED = ("guidance_scale", "guidance_interval", "steps", "phema_std")  # what tools/tune.py chooses
+
+
+def tuned_defaults(args):
+    """`args` with RUN/tuned.json's chosen setting ("best", tools/tune.py) in each of TUNED that no flag sets, when
+    the file was chosen for the model being sampled (--checkpoint, --weights) and --untuned is not given; prints
+    where each setting comes from (eval_fid.py and sample.py call it first)."""
+    path, sampled = Path(args.run) / "tuned.json", {"checkpoint": args.checkpoint, "weights": args.weights}
+    tuned = json.loads(path.read_text()) if path.is_file() and not args.untuned else None
+    note = ""
+    if tuned is not None and tuned["model"] != sampled:
+        tuned, note = None, f" ({path} was chosen for {tuned['model']}, not this {sampled})"
+    where = {}
+    for key in TUNED:
+        if getattr(args, key) is not None:
+            where[key] = f"--{key}"
+        elif tuned is not None:
+            setattr(args, key, tuned["best"][key])
+            where[key] = str(path)
+        else:
+            where[key] = "the run's config" if key != "phema_std" else "the model's own EMA"
+    if int(os.environ.get("RANK", 0)) == 0:
+        print("sampling settings: " + "; ".join(f"{key} {getattr(args, key)} ({where[key]})" for key in TUNED) + note)
+    return args
 
 
 def interval_arg(text):
@@ -305,7 +332,7 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
 
 def main(argv=None, feature_fn=None):
     """Returns the report (None with --generate_only, and on ranks other than the main one)."""
-    args = parse_args(argv)
+    args = tuned_defaults(parse_args(argv))  # RUN/tuned.json's setting where no flag gives one
     t_start = time.time()
 
     # ---- Model and settings ---------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0)
     a("--batch_size", type=int, default=16)
     a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
+    a("--untuned", action="store_true", help="ignore RUN/tuned.json (tools/tune.py): the run's own settings")
     a("--out", default=None, help="default: <run>/sampled/<sampler><steps>-g<guidance>-seed<seed>; an earlier "
       "call's folder there is replaced whole")
     return p.parse_args(argv)
@@ -123,7 +124,7 @@ def read_prompts(path):
 
 @torch.no_grad()
 def main(argv=None):
-    args = parse_args(argv)
+    args = eval_fid.tuned_defaults(parse_args(argv))  # RUN/tuned.json's setting where no flag gives one
     if args.out:
         check_out(Path(args.out))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

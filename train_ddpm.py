@@ -33,7 +33,7 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import cache, config, fit, repa, runlog, sharding, stability, validation
+from training import cache, config, fit, muon, repa, runlog, sharding, stability, validation
 from training.data import (decode, iterate_batches, loader_options, open_splits, place_encoders, training_inputs,
                            validation_inputs)
 from training.model import export, guided, prepare_model
@@ -349,7 +349,8 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 def main(argv=None):
     signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
     # Every config problem is reported here, all at once, before any work (the shared sections and this method's).
-    cfg = config.load_config(DEFAULTS, argv, method="ddpm", schema=CONFIG, check=check_objective)
+    cfg = config.load_config(DEFAULTS, argv, method="ddpm", schema=CONFIG,
+                             check=lambda cfg: check_objective(cfg) + muon.problems(cfg))
     runlog.refuse_earlier_run(cfg)  # a run_dir that holds a run continues only with --resume
     config.keep_recorded(cfg, skip=fit.resolved_keys(cfg.train))  # --resume: the values the run started with
     data, obj, tr = cfg.data, cfg.objective, cfg.train
@@ -378,7 +379,7 @@ def main(argv=None):
     model, ema, ckpt = prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
     # rank 0's weights on every rank; train.sharding="fsdp": model and EMA sharded block by block (training/sharding.py)
     model, ema = sharding.shard(model, ema, cfg, accelerator)
-    optimizer = common.make_optimizer(model, tr)  # fused AdamW; weight_decay 0 = Adam, as in the paper
+    optimizer = common.make_optimizer(model, tr)  # fused AdamW (weight_decay 0 = Adam, the paper's), or Muon + AdamW
     ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
     # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe
     phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or

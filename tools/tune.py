@@ -1,16 +1,32 @@
-"""Choose a checkpoint's sampling settings on images held out from the training split: guidance scale, sampler
-steps and (where the run kept post-hoc EMA snapshots) EMA length, a grid scored with eval_fid.py.
+"""Choose a checkpoint's sampling settings on images held out from the training split: guidance scale, guidance
+interval, sampler steps and (where the run kept post-hoc EMA snapshots) EMA length, a grid searched at a small
+sample count with eval_fid.py, then the best two confirmed at the full count.
 
     python tools/tune.py --run runs/flow_matching_fashion_mnist --guidance 1,1.5,2,3 --steps 16,32 \\
-        --num_samples 2000 --classifier classifiers/fashion_mnist --features classifier
-    python eval_fid.py --run ... --guidance_scale G --steps S --reference_split test ...   # then the final score
+        --guidance_interval 0,1 0.1,0.9 --num_samples 2000 --confirm_samples 10000 \\
+        --classifier classifiers/fashion_mnist --features classifier
+    python eval_fid.py --run ... --reference_split test ...   # the final score, at the tuned settings (tuned.json)
 
-Every setting samples the same seeds, so the differences are the settings'. The reference is always the run's
-held-out rows (eval_fid.py's default): --reference and --reference_split are refused, and so is a run whose
-held-out rows are a test split (training/reference.py, check_selection), so no setting is ever chosen on the
-images that report the final score. The score is the first distance in eval_fid.py's report (FID, or
-fd_classifier with --features classifier); lower wins. Writes RUN/tuned.json: the table, the best and the
-runner-up. Any other argument goes to eval_fid.py as is (--classifier, --features, --batch_size, ...).
+Search: every setting samples the same seeds (eval_fid.py --seed, 0 by default) at --num_samples, so the
+differences are the settings'. Confirmation (--confirm_samples N, 0: none): the search's best and runner-up are
+sampled again on fresh noise, in CONFIRM_BLOCKS disjoint blocks of N / CONFIRM_BLOCKS samples (seeds seed + 1 ..
+seed + 5, the same for both settings, so block b of each has the same noise and classes): N samples per setting, as
+one full-count evaluation costs, but each block scored on its own. A setting's confirmed score is the mean of its
+block scores with a 95% Student-t interval over the blocks, and the difference best - runner-up is paired by block
+with its paired t-interval (tools/compare.py's statistics: exact coverage for normal block scores at any number
+of blocks, where a percentile bootstrap of 5 values cannot be). Fresh seeds, so the winner's luck in the search
+does not carry into its confirmed score. A block's score is a distance at N / 5 samples, biased upward against
+one at N (FID's bias falls as 1 / n), the same for both settings: compare it with distances at that count. The
+one with the lower confirmed mean is chosen; the output says whether the interval of the difference settles it.
+
+The reference is always the run's held-out rows (eval_fid.py's default): --reference and --reference_split are
+refused, and so is a run whose held-out rows are a test split (training/reference.py, check_selection), so no
+setting is ever chosen on the images that report the final score. The score is the first distance in
+eval_fid.py's report (FID, or fd_classifier with --features classifier); lower wins. Writes RUN/tuned.json: the
+search table, the confirmation, the chosen setting ("best") and the runner-up, and the model they were chosen for
+(--checkpoint, --weights). eval_fid.py and sample.py then sample that model with "best" wherever no flag sets a
+setting (eval_fid.tuned_defaults; --untuned: the run's own settings). Any other argument goes to eval_fid.py as is
+(--classifier, --features, --batch_size, --checkpoint, ...).
 """
 import argparse
 import itertools
@@ -19,7 +35,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+
 import eval_fid  # noqa: E402
+from tools.compare import paired_comparison, t_interval  # noqa: E402
 from training.reference import check_selection  # noqa: E402
 
 
@@ -35,47 +54,115 @@ def distance(metrics):
     return next((k, v) for k, v in metrics.items() if k.startswith(("fid_", "fd_")))
 
 
+CONFIRM_BLOCKS = 5  # disjoint seed blocks of the confirmation (tools/compare.py: 3 seeds at least, 5 where open)
+
+
+def label(row):
+    lo, hi = row["guidance_interval"]
+    return (f"guidance {row['guidance_scale']:g} in t [{lo:g}, {hi:g}], {row['steps']} steps, "
+            f"EMA {row['phema_std'] or 'export'}")
+
+
 def main(argv=None, feature_fn=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", required=True)
     p.add_argument("--guidance", type=floats, default=None, help="guidance scales; default: the run's val.guidance_scale")
+    p.add_argument("--guidance_interval", type=eval_fid.interval_arg, nargs="+", default=None, help="'lo,hi' "
+                   "intervals (flow-matching t, 1 = noise), e.g. 0,1 0.1,0.9; default: the run's val.guidance_interval")
     p.add_argument("--steps", type=floats, default=None, help="sampler steps; default: the run's val.steps")
     p.add_argument("--phema_std", type=floats, default=None, help="post-hoc EMA lengths (relative std); default: "
                    "the export's EMA")
-    p.add_argument("--num_samples", type=int, default=2000, help="samples per setting (a selection, not the final score)")
+    p.add_argument("--num_samples", type=int, default=2000, help="samples per setting in the search")
+    p.add_argument("--confirm_samples", type=int, default=10_000, help="samples per setting confirming the best two, "
+                   f"in {CONFIRM_BLOCKS} blocks (the real-image protocol's 10k); 0: no confirmation")
     args, eval_args = p.parse_known_args(argv)
+    if args.confirm_samples and args.confirm_samples < 2 * CONFIRM_BLOCKS:
+        raise ValueError(f"--confirm_samples={args.confirm_samples}: at least {2 * CONFIRM_BLOCKS} ({CONFIRM_BLOCKS} "
+                         f"blocks of 2), or 0 for no confirmation")
     cfg = json.loads((Path(args.run) / "config.json").read_text()) if (Path(args.run) / "config.json").is_file() \
         else eval_fid.load_model(args.run)[1]
-    check_selection(eval_fid.parse_args(["--run", args.run, *eval_args]), cfg)
+    given = eval_fid.parse_args(["--run", args.run, *eval_args])
+    check_selection(given, cfg)
     grid = list(itertools.product(args.guidance or [cfg["val"]["guidance_scale"]],
+                                  args.guidance_interval or [list(cfg["val"].get("guidance_interval", [0.0, 1.0]))],
                                   [int(s) for s in args.steps or [cfg["val"]["steps"]]], args.phema_std or [None]))
-    rows = []
-    for i, (guidance, steps, std) in enumerate(grid):
-        report = eval_fid.main(["--run", args.run, "--num_samples", str(args.num_samples), "--guidance_scale",
-                                str(guidance), "--steps", str(steps), *(["--phema_std", str(std)] if std else []),
-                                *eval_args], feature_fn=feature_fn)
+
+    def score(row, num_samples, seed):
+        """eval_fid.py at `row`'s settings, every one given (--untuned: an earlier tuned.json never fills one in):
+        (distance name, value, the report's class accuracies), or None off the main process."""
+        report = eval_fid.main(["--run", args.run, *eval_args, "--untuned", "--num_samples", str(num_samples),
+                                "--seed", str(seed), "--guidance_scale", str(row["guidance_scale"]), "--steps",
+                                str(row["steps"]), "--guidance_interval", ",".join(map(str, row["guidance_interval"])),
+                                *(["--phema_std", str(row["phema_std"])] if row["phema_std"] else [])],
+                               feature_fn=feature_fn)
         if report is None:  # not the main process (accelerate launch): it only helps sample
+            return None
+        return (*distance(report["metrics"]), {k: v for k, v in report["metrics"].items() if k.startswith("class_accuracy")})
+
+    rows = []
+    for i, (guidance, interval, steps, std) in enumerate(grid):
+        row = {"guidance_scale": guidance, "guidance_interval": list(interval), "steps": steps, "phema_std": std}
+        scored = score(row, args.num_samples, given.seed)
+        if scored is None:
             continue
-        name, score = distance(report["metrics"])
-        rows.append({"guidance_scale": guidance, "steps": steps, "phema_std": std, name: score,
-                     **{k: v for k, v in report["metrics"].items() if k.startswith("class_accuracy")}})
-        print(f"tune {i + 1}/{len(grid)}: guidance {guidance:g}, {steps} steps, EMA {std or 'export'}: {name} "
-              f"{score:.4f}", flush=True)
+        name, value, accuracy = scored
+        rows.append({**row, name: value, **accuracy})
+        print(f"tune {i + 1}/{len(grid)}: {label(row)}: {name} {value:.4f}", flush=True)
+    # The search's best two, on every process (accelerate launch: only the main one has the scores).
+    ranked = sorted(rows, key=lambda r: r[distance(r)[0]])
+    top = [ranked[:2]]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(top, src=0)
+    top = top[0]
+    blocks = None
+    if args.confirm_samples and len(top) > 1:
+        n = args.confirm_samples // CONFIRM_BLOCKS
+        blocks = [[score(row, n, given.seed + 1 + b) for b in range(CONFIRM_BLOCKS)] for row in top]
     if not rows:
         return None
     name = distance(rows[0])[0]
-    ranked = sorted(rows, key=lambda r: r[name])
-    print(f"\n{'guidance':>8} {'steps':>5} {'EMA':>7} {name:>16}\n" + "\n".join(
-        f"{r['guidance_scale']:8g} {r['steps']:5d} {str(r['phema_std'] or 'export'):>7} {r[name]:16.4f}"
+    print(f"\n{'guidance':>8} {'interval':>11} {'steps':>5} {'EMA':>7} {name:>16}\n" + "\n".join(
+        f"{r['guidance_scale']:8g} {'[%g, %g]' % tuple(r['guidance_interval']):>11} {r['steps']:5d} "
+        f"{str(r['phema_std'] or 'export'):>7} {r[name]:16.4f}"
         + ("  <- best" if r is ranked[0] else "  <- runner-up" if len(ranked) > 1 and r is ranked[1] else "")
         for r in rows))
+    confirm = None
+    if blocks is not None:
+        blocks = [[value for _, value, _ in scored] for scored in blocks]
+        stats = [dict(zip(("mean", "low", "high"), t_interval(v)), blocks=v) for v in blocks]
+        if stats[1]["mean"] < stats[0]["mean"]:  # the search's runner-up wins on fresh noise
+            ranked[:2], stats, blocks = ranked[1::-1], stats[::-1], blocks[::-1]
+        diff = paired_comparison(blocks[0], blocks[1], higher_is_better=False)
+        confirm = {"samples_per_block": args.confirm_samples // CONFIRM_BLOCKS, "blocks": CONFIRM_BLOCKS,
+                   "seeds": [given.seed + 1 + b for b in range(CONFIRM_BLOCKS)], "best": stats[0],
+                   "runner_up": stats[1], "difference": {k: diff[k] for k in ("mean", "low", "high")}}
+        ranked[0], ranked[1] = {**ranked[0], "confirmed": stats[0]}, {**ranked[1], "confirmed": stats[1]}
+    best, runner_up = ranked[0], ranked[1] if len(ranked) > 1 else None
     out = Path(args.run) / "tuned.json"
-    out.write_text(json.dumps({"best": ranked[0], "runner_up": ranked[1] if len(ranked) > 1 else None, "rows": rows,
-                               "num_samples": args.num_samples, "reference": "held-out rows of the training split",
-                               "eval_args": eval_args}, indent=1))
-    print(f"best: guidance {ranked[0]['guidance_scale']:g}, {ranked[0]['steps']} steps, EMA "
-          f"{ranked[0]['phema_std'] or 'export'} ({name} {ranked[0][name]:.4f}); table in {out}")
+    out.write_text(json.dumps({"best": best, "runner_up": runner_up, "rows": rows, "confirm": confirm,
+                               "num_samples": args.num_samples, "confirm_samples": args.confirm_samples,
+                               "model": {"checkpoint": given.checkpoint, "weights": given.weights},
+                               "reference": "held-out rows of the training split", "eval_args": eval_args}, indent=1))
+    print(f"\nchosen: {label(best)}: " + (f"{name} {best[name]:.4f} at {args.num_samples} samples (not confirmed)"
+                                          if confirm is None else confirmed_text(name, confirm, "best")))
+    if runner_up is not None:
+        print(f"runner-up: {label(runner_up)}: " + (f"{name} {runner_up[name]:.4f}" if confirm is None
+                                                    else confirmed_text(name, confirm, "runner_up")))
+    if confirm is not None:
+        d = confirm["difference"]
+        settled = d["high"] < 0
+        print(f"difference, best - runner-up, paired by block: {d['mean']:+.4f} (95% interval [{d['low']:+.4f}, "
+              f"{d['high']:+.4f}]): " + ("the best is better" if settled else
+                                         "the two cannot be told apart at this count; either will do"))
+    print(f"written to {out}: eval_fid.py and sample.py use the chosen setting by default for "
+          f"{given.checkpoint or 'the export'} ({given.weights}); --untuned or a flag overrides it")
     return ranked
+
+
+def confirmed_text(name, confirm, which):
+    s = confirm[which]
+    return (f"{name} {s['mean']:.4f} (95% interval [{s['low']:.4f}, {s['high']:.4f}]; the mean of {confirm['blocks']} "
+            f"blocks of {confirm['samples_per_block']} fresh samples)")
 
 
 if __name__ == "__main__":

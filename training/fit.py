@@ -311,9 +311,9 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
 
 
 def set_lr(optimizer, lr):
-    """The step's learning rate, in every parameter group."""
+    """The step's learning rate, in every parameter group (times its lr_ratio: Muon's group, training/muon.py)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_ratio", 1.0)
 
 def decay_at(decay, n):
     """common.ema_update's warm-up: d_n = min(decay, (1 + n) / (10 + n)) for the update after step n."""

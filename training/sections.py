@@ -100,7 +100,12 @@ class Train(BaseModel, extra="forbid", strict=True):
                                                                    'global: x processes x grad_accum; "auto" (with global_batch): the largest that fits')
     global_batch: Int = Field(None, ge=1, description="images per optimizer step; set: grad_accum = global / (batch x processes)")
     grad_accum: int = Field(1, ge=1, description="micro-batches per step (the recipes: 2, to fit an 80 GB A100)")
-    lr: float = Field(1e-3, ge=0, description="the paper: 1e-4 at batch 2048; the tiny demo model likes more")
+    lr: float = Field(1e-3, ge=0, description="the paper: 1e-4 at batch 2048; the tiny demo model likes more "
+                      "(train.optimizer='muon': the AdamW group's)")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description='"muon": torch.optim.Muon for the blocks\' 2-D '
+                                                'weights, AdamW for the rest (training/muon.py; torch >= 2.9)')
+    muon_lr: float | None = Field(None, ge=0, description="Muon's LR, on AdamW's scale (update RMS matched: Liu et al. "
+                                  "2025; PRX: 1e-4, as its AdamW group); None: train.lr")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="after warm-up (decay to 0)")
     lr_scaling: Literal["none", "sqrt", "linear"] = Field("none", description="lr x (global / reference batch)^p")
     lr_reference_batch: int = Field(2048, ge=1, description="the global batch that train.lr was tuned for")
