@@ -21,8 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-import common
-from training import config
+from training import checkpoints, config
 import eval_fid
 from training import runlog
 from training.classes import readable_names
@@ -81,8 +80,8 @@ def run_class_ids(run, checkpoint):
         export = Path(run) if (Path(run) / "transformer").is_dir() else Path(run) / "export"
         path = export / "class_ids.json"
         return json.loads(path.read_text()) if path.is_file() else None
-    ckpt = common.find_checkpoint(run, checkpoint)
-    return common.read_state(ckpt).get("class_ids") if ckpt else None  # on the CPU, never the optimizer
+    ckpt = checkpoints.find_checkpoint(run, checkpoint)
+    return checkpoints.read_state(ckpt).get("class_ids") if ckpt else None  # on the CPU, never the optimizer
 
 
 def pick_classes(spec, num_classes, ids):

@@ -33,7 +33,7 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import cache, config, fit, repa, runlog, sharding, stability, validation
+from training import cache, checkpoints, config, fit, repa, runlog, sharding, stability, validation
 from training.data import (decode, iterate_batches, loader_options, open_splits, place_encoders, training_inputs,
                            validation_inputs)
 from training.model import export, guided, prepare_model
@@ -394,7 +394,7 @@ def main(argv=None):
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     def load(ckpt):  # at resume and on a rollback: weights, EMA, optimizer, RNG, then the post-hoc EMA profiles
-        state, _ = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator), phema.load(ckpt)
+        state, _ = checkpoints.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator), phema.load(ckpt)
         return state
 
     state = load(ckpt) if ckpt else {"step": 0}
@@ -427,7 +427,7 @@ def main(argv=None):
         state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
                  "ema_inherited": sorted(ema.inherited), **monitor.state_dict(), **stab.state_dict()}  # in state.pt
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
-        common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep, raw_model)
+        checkpoints.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep, raw_model)
 
     @ema_update.on_device
     def fid(step, ema):  # every rank samples its share

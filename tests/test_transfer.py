@@ -9,7 +9,7 @@ from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid, get_2
 from safetensors.torch import load_file
 
 import common
-from training import config
+from training import checkpoints, config
 from training.classes import class_names, read_class_ids
 from training.data import DEMO_CLASSES, draw_shape, make_demo_dataset, preprocess
 from training.model import adapt_state, grid_positions, load_exported, map_classes, resample_pos_embed
@@ -171,7 +171,7 @@ def test_init_from_starts_fresh_and_resume_continues(trainer, tmp_path, capsys):
     assert report["unexpected"] == [] and report["reshaped"] == []
     # Fresh optimizer and step: the new run counts from 0 (3 steps, not 4 + 3).
     ckpt = high / "checkpoints" / "step_00000003"
-    state, moments = common.read_state(ckpt), common.read_optimizer_state(ckpt)["state"]
+    state, moments = checkpoints.read_state(ckpt), checkpoints.read_optimizer_state(ckpt)["state"]
     assert state["step"] == 3 and next(iter(moments.values()))["step"] == 3
     # Weights and EMA came from the source (lr = 0 leaves the weights as loaded); the grid is the resampled one.
     src, dst = (load_file(str(p / "checkpoints" / name / "model.safetensors"))
@@ -217,7 +217,7 @@ def test_init_from_keeps_the_source_ema(tmp_path):
     raw10 = load_file(str(tuned / "checkpoints" / "step_00000010" / "model.safetensors"))
     lag = sum((ema[k] - raw[k]).double().pow(2).sum() for k in fresh).sqrt()
     assert fresh and lag < 0.5 * sum((raw10[k] - raw[k]).double().pow(2).sum() for k in fresh).sqrt()
-    assert common.read_state(tuned / "checkpoints" / "step_00000020")["ema_inherited"]
+    assert checkpoints.read_state(tuned / "checkpoints" / "step_00000020")["ema_inherited"]
 
 
 @pytest.mark.slow

@@ -214,11 +214,11 @@ def keep_recorded(cfg, skip=(), log=print):
     without a word. What is set now wins (a change on purpose); `skip` and TRAINER_FILLS: keys the trainer resolves
     itself. Each key taken is printed. Reads only the checkpoint's config (memory-mapped state.pt); no checkpoint:
     nothing."""
-    import torch
+    import torch  # here, not at the top: --help, --print_config and the config tools answer without loading torch
 
-    import common
+    from training import checkpoints  # (torch with it)
 
-    ckpt = common.find_checkpoint(cfg.run_dir, cfg.resume) if cfg.resume else None
+    ckpt = checkpoints.find_checkpoint(cfg.run_dir, cfg.resume) if cfg.resume else None
     if ckpt is None:
         return {}
     then = flatten(torch.load(Path(ckpt) / "state.pt", mmap=True, weights_only=True, map_location="cpu")["config"])

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 import common
-from training import sharding
+from training import checkpoints, sharding
 from training.model import TRAINING_ONLY, exported_parameters
 
 MAX_STD = 0.28  # reconstruction targets: sigma_rel in (0, MAX_STD]; the profile family ends at 12^-1/2 = 0.2887
@@ -257,7 +257,7 @@ def reconstruct(folder, std, max_images=None, checkpoint=None):
     x, fit_error = solve_coefficients([t for _, t, _, _ in terms], [g for *_, g in terms], t_target, gamma_of_std(std))
     weights, k = {}, 0
     for path, _, stds, _ in snaps:
-        tensors = load_file(str(path)) if path.is_file() else common.read_tensors(path, "phema")  # (sharded: a folder)
+        tensors = load_file(str(path)) if path.is_file() else checkpoints.read_tensors(path, "phema")  # (sharded: a folder)
         for s in stds:
             prefix = f"{s:g}/"
             for key, value in tensors.items():

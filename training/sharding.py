@@ -56,6 +56,11 @@ def problems(cfg):
     return out
 
 
+def is_sharded(module):
+    """Whether `module`'s parameters are sharded (train.sharding="fsdp")."""
+    return any(map(common.is_dtensor, module.parameters()))
+
+
 def full(tensor):
     """A DTensor gathered whole (a collective: every rank calls it); a plain tensor as it is."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -128,7 +133,7 @@ def full_copy(module, to_cpu=False):
     """`module` itself unless sharded; else an unsharded copy with the gathered weights (a collective: every rank
     calls it): on the device on every rank, or with to_cpu in CPU memory on the main process only (None on the
     others), gathered one tensor at a time."""
-    if not common.is_sharded(module):
+    if not is_sharded(module):
         return module
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
