@@ -37,7 +37,8 @@ from PIL import Image
 
 import common
 from training import checkpoints, classifier, config, curves
-from training.data import decode, encode_text, load_encoders, preprocess
+from training.data import preprocess
+from training.encoders import decode, encode_text, load_encoders
 from training.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores, dinov2_features,
                               feature_tag, fid_size_warning, size_tag)
 from training.reference import heldout, inception_features, reference_for, reference_size, to_uint8

@@ -25,7 +25,7 @@ from training import checkpoints, config
 import eval_fid
 from training import runlog
 from training.classes import readable_names
-from training.data import encode_text, load_encoders
+from training.encoders import encode_text, load_encoders
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. None means "as the run was configured".

@@ -11,8 +11,8 @@ from PIL import Image
 import common
 from training import checkpoints, config
 from training.cache import CachedDataset, build_cache
-from training.data import (DEMO_COLORS, encode_text, iterate_batches, load_encoders, load_image, make_demo_dataset,
-                  open_splits, preprocess)
+from training.data import DEMO_COLORS, iterate_batches, load_image, make_demo_dataset, open_splits, preprocess
+from training.encoders import encode_text, load_encoders
 import train_flow_matching as fm
 
 

@@ -94,7 +94,7 @@ class PowerEMA:
         # the exported model's parameters only (not REPA's projector): the snapshots load into what consumers rebuild
         self.names, self.main = [name for name, _ in exported_parameters(model)], main_process
         # train.sharding="fsdp": every rank holds its shards of every profile (DTensors, sharded like the weights)
-        sharded = common.is_sharded(model)
+        sharded = sharding.is_sharded(model)
         self.profiles = [[p.detach().float().clone() for _, p in exported_parameters(model)] for _ in self.stds] \
             if every and (main_process or sharded) else []
 

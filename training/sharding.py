@@ -41,7 +41,8 @@ import common
 
 
 def problems(cfg):
-    """What train.sharding="fsdp" cannot do, each naming its key (sections.combination_problems)."""
+    """What train.sharding="fsdp" cannot do, each naming its key: its start-up check (handed to the config loader by
+    the trainers: sections.schema)."""
     tr, out = cfg["train"], []
     if tr.get("sharding", "ddp") != "fsdp":
         return out
