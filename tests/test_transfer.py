@@ -155,8 +155,10 @@ def test_init_from_a_22k_run_maps_each_class_to_its_wordnet_id(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", [fm, ddpm])
-def test_init_from_starts_fresh_and_resume_continues(trainer, tmp_path, capsys):
+def test_init_from_starts_fresh_and_resume_continues(tmp_path, capsys):
+    """The choice between init_from and resume, the resampled grid and the fresh optimizer are model.prepare_model's
+    and model.init_from's, which both trainers call: one trainer here; DDPM's init_from runs in its chain below."""
+    trainer = fm
     low = trainer.main(tiny_run_args(tmp_path, "low", steps=4) + TINY_MODEL + ["--data.resolution=8"])
     high_args = tiny_run_args(tmp_path, "high", steps=3) + TINY_MODEL + [
         "--data.resolution=16", "--objective.shift_base_resolution=8", "--init_from", str(low), "--train.lr=0",
@@ -279,8 +281,8 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
             assert full.model.pos_embed_transfer == "resample"
         if "22k" in recipe and not recipe.endswith("from22k"):
             assert full.data.num_classes == len(read_class_ids(full.data, None)) == 21841
-        if trainer is ddpm and recipe in TEXT_CHAIN:  # its init_from is model.py's, shared: the flow chain runs it
-            continue  # (DDPM runs the class chain, 22k -> 1k -> 512 px; the suite's time)
+        if (trainer is ddpm) == (recipe in TEXT_CHAIN):  # init_from is model.py's, shared by both trainers: each
+            continue  # runs one chain (flow matching the text chain, DDPM the class chain 22k -> 1k -> 512 px)
         # The tiny version: embedded data, tiny encoders, initialised from the previous tiny run of the chain.
         tiny = ["--config", recipe_file, *tiny_run_args(tmp_path, recipe, steps=2), *TINY_MODEL,
                 "--data.source=embedded", "--data.val_split=null", "--data.image_column=image",
