@@ -36,7 +36,7 @@ import torch
 from PIL import Image
 
 import common
-from training import checkpoints, classifier, config, curves
+from training import checkpoints, classifier, config, curves, hub
 from training.data import preprocess
 from training.encoders import decode, encode_text, load_encoders
 from training.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores, dinov2_features,
@@ -124,7 +124,7 @@ def load_model(run, checkpoint=None, weights="ema", phema_std=None):
     projection, side from the positional grid), so rebuilding it needs neither data nor encoders. phema_std:
     the export's model with the post-hoc EMA of that std reconstructed from the run's snapshots (with a checkpoint:
     at the checkpoint's step, from the snapshots before it and its own profiles, so the label is true)."""
-    run = Path(run)
+    run = hub.local_folder(run)  # a folder, or the hub id of an exported pipeline folder
     if phema_std is not None:
         model, cfg, desc = load_model(run, checkpoint, weights)
         info = apply_reconstruction(model, run, phema_std, None if checkpoint is None else desc["source"])

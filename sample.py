@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from training import checkpoints, config
+from training import checkpoints, config, hub
 import eval_fid
 from training import runlog
 from training.classes import readable_names
@@ -77,7 +77,8 @@ def publish(part, out):
 def run_class_ids(run, checkpoint):
     """The class ids a run saved with its model (export/class_ids.json, or a checkpoint's state), or None."""
     if checkpoint is None:
-        export = Path(run) if (Path(run) / "transformer").is_dir() else Path(run) / "export"
+        run = hub.local_folder(run)  # a folder, or the hub id of an exported pipeline folder
+        export = run if (run / "transformer").is_dir() else run / "export"
         path = export / "class_ids.json"
         return json.loads(path.read_text()) if path.is_file() else None
     ckpt = checkpoints.find_checkpoint(run, checkpoint)

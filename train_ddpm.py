@@ -33,7 +33,7 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import cache, checkpoints, config, encoders, fit, repa, runlog, sharding, stability, validation
+from training import cache, checkpoints, config, encoders, fit, hub, repa, runlog, sharding, stability, validation
 from training.data import iterate_batches, loader_options, open_splits, training_inputs
 from training.encoders import decode, place_encoders
 from training.model import export, guided, prepare_model
@@ -100,7 +100,8 @@ def check_objective(cfg):
 
 # The whole typed config: the shared sections with these two, and the start-up checks of the options this trainer
 # runs, each in its own module (every problem reported at once, before any work).
-CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, check_objective))
+CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, hub.problems,
+                                                   check_objective))
 # The defaults changed here: the demo's budget and guidance, chosen by benchmarks/demo_quality.py (docs/benchmarks.md,
 # "Demo quality"), as in train_flow_matching.py. The recipes set their own and pin the paper's constant LR.
 DEFAULTS = config.defaults(CONFIG, {"train.max_steps": 1000, "train.lr": 2e-3, "train.lr_schedule": "cosine",

@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import (cache, checkpoints, config, contrastive, encoders, fit, repa, runlog, sharding, stability,
+from training import (cache, checkpoints, config, contrastive, encoders, fit, hub, repa, runlog, sharding, stability,
                       validation, xprediction)
 from training.data import iterate_batches, loader_options, open_splits, training_inputs
 from training.encoders import decode, place_encoders
@@ -67,7 +67,7 @@ class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in 
 
 # The whole typed config: the shared sections with these two, and the start-up checks of the options this trainer
 # runs, each in its own module (every problem reported at once, before any work).
-CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems,
+CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, hub.problems,
                                                    contrastive.problems))
 # The defaults changed here: 32 sampling steps, and the demo's budget and guidance, chosen by
 # benchmarks/demo_quality.py (docs/benchmarks.md, "Demo quality"): a cosine decay of a higher LR over 1000 steps

@@ -143,7 +143,7 @@ def test_init_from_a_22k_run_maps_each_class_to_its_wordnet_id(tmp_path):
     assert json.loads((target_run / "export" / "class_ids.json").read_text()) == ["n01440764", "n02084071", "n09999999"]
     report = json.loads((target_run / "init_from.json").read_text())
     assert any("2 of 3 classes mapped by id from 4" in line and "n09999999" in line for line in report["adapted"])
-    source = load_file(str(source_run / "export" / "conditioner.safetensors"))["class_embed.weight"]
+    source = load_file(str(source_run / "export" / "conditioner" / "diffusion_pytorch_model.safetensors"))["class_embed.weight"]
     target = load_file(str(target_run / "checkpoints" / "step_00000002" / "model.safetensors"))
     emb = target["conditioner.class_embed.weight"]  # lr = 0: exactly what init_from loaded
     assert torch.equal(emb[0], source[0]) and torch.equal(emb[1], source[3])  # n01440764, n02084071

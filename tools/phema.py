@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval_fid  # noqa: E402
-from training.model import export  # noqa: E402
+from training import hub, pipeline_export  # noqa: E402
 from training.phema import list_snapshots, snapshot_folder  # noqa: E402
 from training.reference import check_selection  # noqa: E402
 
@@ -32,14 +32,17 @@ def stds_arg(text):
         raise argparse.ArgumentTypeError(f"{text!r}: give relative stds separated by commas, e.g. 0.05,0.1") from None
 
 
-def export_std(run, std, out=None):
-    """Reconstruct std's EMA and write it as an export; returns the folder holding export/."""
+def export_std(run, std, out=None, push_to_hub=None):
+    """Reconstruct std's EMA and write it as an export, a pipeline folder whose card records the std (and push
+    it when asked); returns the folder holding export/."""
     model, cfg, desc = eval_fid.load_model(run, phema_std=std)
     folder = Path(out or snapshot_folder(run) / "exports" / f"std_{std:g}")
     export_dir = Path(run) if (Path(run) / "transformer").is_dir() else Path(run) / "export"
     ids = export_dir / "class_ids.json"
-    path = export(model, cfg, folder, json.loads(ids.read_text()) if ids.is_file() else None)
-    (path / "phema.json").write_text(json.dumps(desc["phema"], indent=1))
+    path = pipeline_export.write(model, cfg, folder / "export", json.loads(ids.read_text()) if ids.is_file() else None,
+                                 run, desc["phema"], push_to_hub)
+    if push_to_hub:
+        print(f"pushed {path} to {hub.push(path, push_to_hub)} (private)")
     return folder, desc["phema"]
 
 
@@ -59,14 +62,20 @@ def main(argv=None, feature_fn=None):
     p.add_argument("--out", default=None, help="with one --std: the folder to write export/ into")
     p.add_argument("--sweep", type=stds_arg, default=None, help="score these stds by FID (eval_fid.py) and name the best")
     p.add_argument("--num_samples", type=int, default=1000, help="samples per std in a sweep")
+    p.add_argument("--push_to_hub", default=None, metavar="REPO", help="with one --std: upload its export to this Hub "
+                   "repository (private); the card records the std")
     args, eval_args = p.parse_known_args(argv)
     if not args.std and not args.sweep:
         p.error("give --std (export) or --sweep (score)")
+    if args.push_to_hub and len(args.std or []) != 1:
+        raise SystemExit(f"tools/phema.py: --push_to_hub uploads one export: give one --std, not {args.std}")
+    for problem in hub.push_problems(args.push_to_hub, "--push_to_hub"):  # before any reconstruction, in one line
+        raise SystemExit(f"tools/phema.py: {problem}")
     snaps = list_snapshots(snapshot_folder(args.run))
     print(f"{len(snaps)} snapshots in {snapshot_folder(args.run)}, the last at {snaps[-1][1] if snaps else 0:,} images")
 
     for std in args.std or []:
-        folder, info = export_std(args.run, std, args.out if len(args.std) == 1 else None)
+        folder, info = export_std(args.run, std, args.out if len(args.std) == 1 else None, args.push_to_hub)
         print(f"std {std:g} (gamma {info['gamma']:.2f}): profile fit error {info['profile_fit_error']:.2e}; "
               f"exported to {folder / 'export'}")
     if not args.sweep:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import common
-from training import checkpoints, config, repa
+from training import checkpoints, config, hub, pipeline_export, repa
 
 # ----------------------------------------------------------------------------------------------------------
 # Conditioning: class tokens or text tokens go to the MMDiT's context stream (attention); the pooled
@@ -294,28 +294,21 @@ def prepare_model(cfg, x_shape, null_text, class_ids, run_dir, accelerator):
 
 
 def export(ema, cfg, run_dir, class_ids=None):
-    """The fp32 EMA model: transformer/ loadable with SD3Transformer2DModel.from_pretrained (safetensors),
-    conditioner.safetensors, the run's config.json and, for init_from's class mapping, class_ids.json."""
-    from safetensors.torch import save_file
-
-    folder = Path(run_dir) / "export"
-    ema.transformer.save_pretrained(folder / "transformer", safe_serialization=True)
-    save_file({k: v.contiguous() for k, v in ema.conditioner.state_dict().items()}, str(folder / "conditioner.safetensors"))
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    if class_ids:
-        (folder / "class_ids.json").write_text(json.dumps(class_ids))
-    return folder
+    """The fp32 EMA model as a diffusers pipeline folder, run_dir/export (training/pipeline_export.py), pushed to
+    the Hub when the config's push_to_hub names a repository."""
+    return pipeline_export.export(ema, cfg, Path(run_dir) / "export", class_ids, run_dir)
 
 
 def load_exported(folder):
-    """The EMA model that a run exported: transformer via `from_pretrained`, conditioner from safetensors."""
+    """The EMA model that a run exported: transformer via `from_pretrained`, the conditioner's weights, the
+    run's config.json."""
     from diffusers import SD3Transformer2DModel
     from safetensors.torch import load_file
 
     folder = Path(folder)
     cfg = config.Config(json.loads((folder / "config.json").read_text()))
     transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer", use_safetensors=True)
-    state = load_file(str(folder / "conditioner.safetensors"))
+    state = load_file(str(pipeline_export.conditioner_weights(folder)))
     tc = transformer.config
     conditioner = make_conditioner(cfg, tc.num_attention_heads * tc.attention_head_dim, tc.joint_attention_dim,
                                    tc.pooled_projection_dim, len(state.get("null_tokens", ())))
@@ -415,21 +408,21 @@ def read_weights(source):
     checkpoint), a checkpoint folder, or an export folder (whose EMA weights serve as both)."""
     from safetensors.torch import load_file
 
-    folder = Path(source)
+    folder = hub.local_folder(source)  # a folder, or the hub id of an exported pipeline folder
     if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").exists():
         folder = checkpoints.find_checkpoint(folder, "latest") or folder / "checkpoints"
     if checkpoints.checkpoint_ok(folder):  # on the CPU, and never the optimizer
         return (checkpoints.read_tensors(folder, "model"), checkpoints.read_tensors(folder, "ema"),
                 checkpoints.read_state(folder).get("class_ids"), folder)
-    if (folder / "transformer").is_dir() and (folder / "conditioner.safetensors").exists():
+    if (folder / "transformer").is_dir() and pipeline_export.conditioner_weights(folder).exists():
         weights = {f"transformer.{k}": v for f in sorted((folder / "transformer").glob("*.safetensors"))
                    for k, v in load_file(str(f), device="cpu").items()}
         weights.update({f"conditioner.{k}": v
-                        for k, v in load_file(str(folder / "conditioner.safetensors"), device="cpu").items()})
+                        for k, v in load_file(str(pipeline_export.conditioner_weights(folder)), device="cpu").items()})
         ids = folder / "class_ids.json"
         return weights, weights, json.loads(ids.read_text()) if ids.exists() else None, folder
     raise FileNotFoundError(f"init_from: {source} is not a run folder with an intact checkpoint, a checkpoint "
-                            f"(model.safetensors, state.pt) or an export (transformer/, conditioner.safetensors)")
+                            f"(model.safetensors, state.pt) or an export (transformer/, conditioner/)")
 
 
 def init_from(source, model, ema, class_ids=None, pos_embed_mode="resample", log=print):

@@ -189,6 +189,8 @@ class Run(BaseModel, extra="forbid", strict=True):
     resume: Str = Field(None, description='"latest" (this run_dir\'s newest checkpoint) or a checkpoint folder')
     init_from: Str = Field(None, description="a run, checkpoint or export whose weights and EMA start this run "
                            '(256 -> 512 px, 22k -> 1k); "{method}": the trainer')
+    push_to_hub: Str = Field(None, description="owner/name: the export, a diffusers pipeline folder, uploaded to "
+                             "this Hub repository (private) at the end (docs/sharing.md)")
     data: Data = Field(default_factory=Data, description="the source, held-out rows, preprocessing, the cache")
     encoders: Encoders = Field(default_factory=Encoders, description="the frozen VAE and text encoder")
     model: Model = Field(default_factory=Model, description="SD3Transformer2DModel")

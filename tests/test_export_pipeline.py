@@ -1,0 +1,253 @@
+"""The export as a diffusers pipeline folder (training/pipeline_export.py): loaded in a fresh process where this
+repository cannot be imported, its samples are sample.py's for the same seeds, classes or prompts and settings
+(flow matching, DDPM with a VAE, a text run); the exported conditioner is the trained one; the model card holds
+the run's numbers; a push is refused before any work without a repo name, network or token, and goes private."""
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import eval_fid
+import sample
+import train_ddpm as ddpm
+import train_flow_matching as fm
+from conftest import ROOT, tiny_run_args
+from training import config, hub, model_card, pipeline_export
+from training.encoders import encode_text, load_encoders
+from training.exported.conditioner import Conditioner as ExportedConditioner
+from training.model import Conditioner, build_denoiser
+
+# Loads each folder with diffusers alone (python -I: no PYTHONPATH, no current folder on sys.path) and samples it
+# twice, the sampler's output ("latent") and the images, each image's noise from its own seeded generator.
+LOAD_AND_SAMPLE = """
+import json, sys
+import numpy as np, torch
+try:
+    import training
+    sys.exit("this repository is importable here")
+except ImportError:
+    pass
+from diffusers import DiffusionPipeline
+jobs, out = json.loads(sys.argv[1]), {}
+for job in jobs:
+    pipe = DiffusionPipeline.from_pretrained(job["folder"], trust_remote_code=True)
+    noise = lambda: [torch.Generator().manual_seed(s) for s in job["seeds"]]
+    latent = pipe(job["prompts"], generator=noise(), output_type="latent", **job["kwargs"]).images
+    images = pipe(job["prompts"], generator=noise(), **job["kwargs"]).images
+    out[job["name"]] = {"latent": latent, "pixels": torch.from_numpy(np.stack([np.asarray(i) for i in images]))}
+torch.save(out, sys.argv[2])
+"""
+
+
+def train(trainer, tmp, name, extra):
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # the last run's is the fixture's to undo (conftest)
+    return trainer.main(tiny_run_args(tmp, name, steps=2) + ["--log.report=false", "--model.num_layers=1", *extra])
+
+
+def repo_latents(run, labels=None, prompts=None, **overrides):
+    """The repository's own sampler (the trainer's generate, as sample.py calls it) on sample.py's noise and
+    conditions: image i's noise from eval_fid.seed_for(0, 0, i), controls of an uncropped square original."""
+    model, cfg, _ = eval_fid.load_model(run)
+    tc, n = model.transformer.config, len(labels or prompts)
+    noise = torch.stack([torch.randn((tc.in_channels, tc.sample_size, tc.sample_size),
+                                     generator=torch.Generator().manual_seed(eval_fid.seed_for(0, 0, i))) for i in range(n)])
+    cond = {"drop": torch.zeros(n, dtype=torch.bool)}
+    if prompts:
+        text = load_encoders(config.Config({**cfg["encoders"], "vae": None}), torch.device("cpu"))[1:]
+        cond.update(encode_text(*text, prompts, cfg["encoders"]["max_tokens"]))
+    else:
+        cond["label"] = torch.tensor(labels)
+    controls = eval_fid.make_controls(cfg, "square")
+    if controls is not None:
+        meta = [controls(i) for i in range(n)]
+        cond.update({k: torch.stack([m[k] for m in meta]) for k in meta[0]})
+    with torch.no_grad():
+        return eval_fid.method_of(cfg).generate(model, noise, cond, cfg, **overrides)
+
+
+def pngs(folder):
+    return np.stack([np.asarray(Image.open(p)) for p in sorted(folder.glob("0*.png"))])
+
+
+@pytest.mark.slow
+def test_the_folder_samples_as_sample_py_where_this_repository_is_not_importable(tmp_path, tiny_vae, tiny_text_encoder):
+    # Flow matching with the settings the pipeline must carry over: a time shift, a guidance interval that leaves
+    # the last step unguided (t = 1, 0.8 guided; 0.5 not), control guidance on the size / crop / flip controls.
+    runs = {"flow": train(fm, tmp_path, "flow", ["--objective.time_shift=2", "--val.steps=3", "--val.guidance_interval=[0.6,1]",
+                                                 "--val.control_guidance_scale=1.5", '--conditioning.controls=["size","crop","flip"]']),
+            # DDPM (v-prediction, zero terminal SNR, DDIM, guidance rescale) in a VAE's latents, with a resolution shift
+            "ddpm": train(ddpm, tmp_path, "ddpm", [f"--encoders.vae={tiny_vae}", "--objective.time_shift=2", "--val.steps=4"]),
+            "text": train(fm, tmp_path, "text", ["--data.caption_column=caption", "--encoders.max_tokens=8",
+                                                 f"--encoders.text_encoder={tiny_text_encoder}"])}
+    classes, prompts = ["red circle", "8"], ["a small red circle", "a large blue square"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    jobs = [{"name": name, "folder": str(run / "export"), "prompts": prompts if name == "text" else classes,
+             "seeds": [eval_fid.seed_for(0, 0, i) for i in range(2)], "kwargs": {}} for name, run in runs.items()]
+    jobs.append({**jobs[0], "name": "flow, guidance 2 everywhere", "kwargs": {"guidance_scale": 2.0, "guidance_interval": [0, 1]}})
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SAMPLE, json.dumps(jobs), str(tmp_path / "out.pt")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert str(ROOT) not in done.stderr  # no traceback or warning from this repository's files
+    theirs = torch.load(tmp_path / "out.pt")
+
+    for name, run in runs.items():
+        args = ["--prompts", str(tmp_path / "prompts.txt")] if name == "text" else ["--classes", ",".join(classes)]
+        out = sample.main(["--run", str(run), *args, "--per_class", "1", "--out", str(tmp_path / f"sampled_{name}")])
+        ours = repo_latents(run, *(([], prompts) if name == "text" else ([0, 8],)))
+        torch.testing.assert_close(theirs[name]["latent"], ours, atol=2e-4, rtol=1e-4, msg=f"{name}: the sampler's output")
+        diff = np.abs(theirs[name]["pixels"].numpy().astype(int) - pngs(out).astype(int))
+        assert diff.max() <= 1 and (diff > 0).mean() < 0.01, f"{name}: the images differ from sample.py's"
+    # Call arguments override the run's settings, as sample.py's flags do.
+    torch.testing.assert_close(theirs["flow, guidance 2 everywhere"]["latent"], repo_latents(
+        runs["flow"], [0, 8], guidance_scale=2.0, guidance_interval=[0, 1]), atol=2e-4, rtol=1e-4)
+    assert not torch.allclose(theirs["flow, guidance 2 everywhere"]["latent"], theirs["flow"]["latent"], atol=1e-2)
+    # sample.py, eval_fid.py and init_from read the pipeline folder as they read a run.
+    again = sample.main(["--run", str(runs["flow"] / "export"), "--classes", ",".join(classes), "--per_class", "1",
+                         "--out", str(tmp_path / "from_folder")])
+    assert np.array_equal(pngs(again), pngs(tmp_path / "sampled_flow"))
+
+
+@pytest.mark.parametrize("mode,text,controls", [("disentangled", False, ["size", "crop", "flip"]), ("both", False, ["size"]),
+                                                ("adanorm", False, ["crop", "flip"]), ("disentangled", True, ["size"])])
+def test_the_exported_conditioner_is_the_trained_one(mode, text, controls):
+    """The folder's conditioner.py (no import from here) gives what training/model.py's Conditioner gives, in eval
+    mode, for every mode, text with replicate padding, and each control, dropped or not; same weights, strictly."""
+    torch.manual_seed(0)
+    trained = Conditioner(5, 2, 24, 24, 32, text_tokens=6 if text else 0, controls={c: 1.0 for c in controls},
+                          mode=mode, padding_noise=0.1 if text else None, pooled_text=True).eval()
+    for p in trained.parameters():
+        torch.nn.init.normal_(p)  # controls start as a no-op: give every weight a value that shows
+    if text:
+        trained.null_tokens.normal_(), trained.null_mask[:2].fill_(1), trained.null_pooled.normal_()
+    ids = ["n0", "n1", "n2", "n3", "n4"]
+    transformer = SimpleNamespace(config=SimpleNamespace(joint_attention_dim=24, num_attention_heads=2, attention_head_dim=16))
+    exported = pipeline_export.exported_conditioner(trained, transformer, ids)
+    assert isinstance(exported, ExportedConditioner) and exported.config.class_names == ids
+    n = 4
+    cond = {"drop": torch.tensor([False, True, False, False]), "drop_controls": torch.tensor([False, False, True, False]),
+            "orig_hw": torch.tensor([[30, 20]] * n), "crop_box": torch.tensor([[5, 0, 20, 20]] * n), "flip": torch.tensor([[1]] * n)}
+    if text:
+        mask = torch.tensor([[1, 1, 1, 0, 0, 0]] * n, dtype=torch.float)
+        cond.update(text_tokens=torch.randn(n, 6, 24), text_mask=mask, text_pooled=torch.randn(n, 24))
+    else:
+        cond["label"] = torch.tensor([0, 3, 4, 2])
+    level = torch.tensor([1.0, 0.7, 0.3, 0.0])
+    with torch.no_grad():
+        for a, b in zip(trained(cond, level), exported(cond, level)):
+            torch.testing.assert_close(torch.as_tensor(b), torch.as_tensor(a))
+
+
+def fake_run(tmp_path):
+    """A run folder as the trainer leaves it, without training: config, metrics, a validation grid, an
+    evaluation report and quality rows; and its model, untrained."""
+    cfg = config.as_config(json.loads(json.dumps(fm.DEFAULTS)))
+    run = tmp_path / "run"
+    cfg["run_dir"], cfg["data"]["num_classes"], cfg["model"]["num_layers"], cfg["train"]["batch_size"] = str(run), 9, 1, 16
+    cfg["val"]["reference_curves"] = str(tmp_path / "curves.json")
+    (tmp_path / "curves.json").write_text(json.dumps({"flow_matching": {"runs": [], "seeds": [0, 1], "settings": {},
+                                                      "curves": {"val_loss": [[500, 0.5, 0.52, 0.54], [1000, 0.41, 0.425, 0.44]]}}}))
+    (run / "samples").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(run / "samples" / "step_00001000.png")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 500, "loss": 0.6, "images_per_s": 400.0, "images_per_s_per_device": 100.0},
+        {"step": 1000, "loss": 0.5, "images_per_s": 400.0, "images_per_s_per_device": 100.0}, {"step": 1000, "val_loss": 0.4321}]))
+    (run / "eval" / "export-ema-euler32-g7-seed0").mkdir(parents=True)
+    (run / "eval" / "export-ema-euler32-g7-seed0" / "report.json").write_text(json.dumps({
+        "metrics": {"fid_clean_10k": 12.3456}, "num_samples": 10000, "model": {"weights": "ema (export)"},
+        "sampler": "euler", "steps": 32, "guidance_scale": 7.0, "guidance_interval": [0, 1],
+        "reference": {"source": "embedded", "split": "heldout"}, "feature_extractor": "inception",
+        "command": "eval_fid.py --run runs/demo --num_samples 10000"}))
+    (run / "eval" / "step500-ema").mkdir()  # a checkpoint's score: not the exported model's
+    (run / "eval" / "step500-ema" / "report.json").write_text(json.dumps({"metrics": {"fid_clean_10k": 99.0}, "model": {"step": 500}}))
+    (run / "quality.jsonl").write_text(json.dumps({"step": 1000, "class_accuracy": 0.8765}) + "\n")
+    return build_denoiser(cfg, 3, 16), cfg, run
+
+
+def test_the_card_holds_the_runs_numbers_and_the_loading_lines(tmp_path):
+    model, cfg, run = fake_run(tmp_path)
+    folder = pipeline_export.write(model, cfg, run / "export", ["red circle"] * 9, run)
+    text = (folder / "README.md").read_text()
+    header = text.split("---")[1]
+    assert all(line in header.splitlines() for line in ["license: other", "library_name: diffusers", "- diffusers"])
+    assert "1,000 optimizer steps of 64 images: 64,000 images seen" in text  # 16 per process x 4 processes logged
+    assert "| fid_clean_10k | 12.3456 | 10,000 samples" in text and "99.0" not in text
+    assert "eval_fid.py --run runs/demo --num_samples 10000" in text and "| class_accuracy | 0.8765 |" in text
+    assert f"DiffusionPipeline.from_pretrained({str(folder)!r}, trust_remote_code=True)" in text
+    assert "image = pipe('red circle').images[0]" in text and "`python train_flow_matching.py --config config.json`" in text
+    assert "| val_loss | 1000 | 0.4100 .. 0.4400 | 0.4250 | 0.4321 |" in text  # the reference band and this run
+    assert (folder / model_card.GRID).is_file() and json.loads((folder / "config.json").read_text()) == json.loads(json.dumps(cfg))
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "class_ids.json", "conditioner", "config.json",
+                                                        "model_index.json", "pipeline.py", "samples.png", "scheduler", "transformer"]
+    scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler" and scheduler["shift"] == cfg["objective"]["time_shift"]
+    # A post-hoc EMA export names its std, and shows only the scores of those weights.
+    phema = {"phema_std": 0.08, "gamma": 11.9, "profile_fit_error": 1e-3}
+    folder = pipeline_export.write(model, cfg, tmp_path / "phema" / "export", None, run, phema, "me/demo-phema")
+    text = (folder / "README.md").read_text()
+    assert "post-hoc EMA of relative std 0.08" in text and "12.3456" not in text and "Not evaluated yet" in text
+    assert "from_pretrained('me/demo-phema', trust_remote_code=True)" in text
+    assert json.loads((folder / "phema.json").read_text())["phema_std"] == 0.08
+
+
+@pytest.mark.parametrize("sampler,prediction,expected", [("ddim", "v", ("DDIMScheduler", "v_prediction")),
+                                                         ("ddpm", "x0", ("DDPMScheduler", "sample"))])
+def test_the_ddpm_scheduler_is_the_runs_schedule(sampler, prediction, expected):
+    cfg = json.loads(json.dumps(ddpm.DEFAULTS))
+    cfg["val"]["sampler"], cfg["objective"]["prediction"] = sampler, prediction
+    scheduler = pipeline_export.make_scheduler(cfg)
+    assert (type(scheduler).__name__, scheduler.config.prediction_type) == expected
+    assert scheduler.config.rescale_betas_zero_snr and scheduler.config.timestep_spacing == "trailing"
+    assert not scheduler.config.clip_sample
+    torch.testing.assert_close(scheduler.alphas_cumprod.double(), ddpm.schedule_of(cfg), atol=2e-6, rtol=1e-4)
+
+
+def test_a_push_is_refused_before_any_work(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    argv = tiny_run_args(tmp_path)
+    with pytest.raises(config.ConfigError, match=r"push_to_hub='not a repo!' is not a Hub repository name: give owner/name"):
+        fm.main(argv + ["--push_to_hub", "not a repo!"])
+    with pytest.raises(config.ConfigError, match=r"push_to_hub=me/demo: HF_HUB_OFFLINE is set"):
+        ddpm.main(argv + ["--push_to_hub", "me/demo"])
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    with pytest.raises(config.ConfigError, match=r"push_to_hub=me/demo: no Hugging Face token: run `hf auth login`"):
+        fm.main(argv + ["--push_to_hub", "me/demo"])
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()  # no work was done
+    import tools.phema as phema_tool
+    import tools.export as export_tool
+
+    monkeypatch.setattr(eval_fid, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit, match=r"^tools/phema.py: --push_to_hub=me/demo: no Hugging Face token"):
+        phema_tool.main(["--run", str(tmp_path), "--std", "0.1", "--push_to_hub", "me/demo"])
+    with pytest.raises(SystemExit, match=r"^tools/export.py: --push_to_hub='me/a/b' is not a Hub repository name"):
+        export_tool.main(["--run", str(tmp_path), "--push_to_hub", "me/a/b"])
+
+
+def test_a_push_creates_a_private_repository_and_uploads_the_folder(tmp_path, monkeypatch):
+    calls = []
+
+    class Api:
+        def create_repo(self, repo, **kw):
+            calls.append(("create", repo, kw))
+
+        def upload_folder(self, **kw):
+            calls.append(("upload", kw["repo_id"], kw["folder_path"]))
+
+    monkeypatch.setattr(hub.huggingface_hub, "HfApi", Api)
+    assert hub.push(tmp_path, "me/demo").endswith("/me/demo")
+    assert calls == [("create", "me/demo", {"repo_type": "model", "private": True, "exist_ok": True}),
+                     ("upload", "me/demo", str(tmp_path))]
+    with pytest.raises(FileNotFoundError, match=r"me/not-here: no such folder, and no Hub model of that name can be read"):
+        hub.local_folder("me/not-here")

@@ -1,0 +1,154 @@
+"""The model card of an exported pipeline folder: its README.md, which the Hub shows as the model's page.
+
+The Hub's metadata header (licence, library, tags, datasets), then what was trained, on what, for how many steps
+and images; how to load and sample it in three lines; the command and the whole resolved config; the run's
+evaluation numbers with their protocol and date (eval_fid.py's eval/*/report.json, the rows of quality.jsonl);
+the last validation grid; the recipe's reference curves (val.reference_curves) against the run's own values.
+Everything comes from the run folder as it is at export time: export again (tools/export.py) after evaluating.
+"""
+import datetime
+import json
+from pathlib import Path
+
+from training import curves
+
+GRID = "samples.png"  # the run's last validation grid, copied beside the card
+
+
+def metadata(cfg, text):
+    """The YAML header the Hub reads. The licence is "other": the weights' terms follow the training data's and
+    the referenced VAE's / text encoder's, which the card names."""
+    source = cfg["data"]["source"]
+    on_hub = "/" in source and not Path(source).exists() and not any(c in source for c in "{*")
+    tags = ["diffusers", "minimal-diffusion", "mmdit", curves.method_of(cfg).replace("_", "-"),
+            "text-to-image" if text else "class-conditional"]
+    lines = ["---", "license: other", "library_name: diffusers", f"pipeline_tag: {'text-to-image' if text else 'unconditional-image-generation'}",
+             "tags:", *[f"- {t}" for t in tags]]
+    lines += ["datasets:", f"- {source}"] if on_hub else []
+    return "\n".join(lines + ["---"])
+
+
+def read_rows(path):
+    rows = []
+    for line in Path(path).read_text().splitlines() if Path(path).is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a killed run
+            continue
+    return [r for r in rows if isinstance(r, dict) and "event" not in r]
+
+
+def global_batch(cfg, rows):
+    """Images per optimizer step: train.global_batch, else the micro-batch x accumulation x the processes the run
+    logged (images_per_s / images_per_s_per_device)."""
+    tr = cfg["train"]
+    if tr.get("global_batch"):
+        return tr["global_batch"]
+    speed = [r for r in rows if r.get("images_per_s_per_device")]
+    world = round(speed[-1]["images_per_s"] / speed[-1]["images_per_s_per_device"]) if speed else 1
+    return tr["batch_size"] * tr["grad_accum"] * world
+
+
+def evaluations(run_dir, phema=None):
+    """Table rows (metric, value, protocol, date) of eval_fid.py's reports on these weights (the export's EMA, or
+    the post-hoc EMA of phema's std) and of quality.jsonl (the export's: its rows name their step)."""
+    out = []
+    for path in sorted(Path(run_dir).glob("eval/*/report.json")):
+        r = json.loads(path.read_text())
+        std = r["model"].get("phema", {}).get("phema_std")
+        if "step" in r["model"] or std != (phema or {}).get("phema_std"):  # a checkpoint's, or other weights'
+            continue
+        ref = r.get("reference") or {}
+        protocol = (f"{r['num_samples']:,} samples ({r['model'].get('weights', '')}), {r['sampler']} {r['steps']} steps, "
+                    f"guidance {r['guidance_scale']:g}, interval {r.get('guidance_interval', [0, 1])}, against "
+                    f"{ref.get('source', '?')} {ref.get('split', '')}, {r.get('feature_extractor') or 'inception'} "
+                    f"features; `{r.get('command', 'eval_fid.py')}`")
+        date = datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
+        out += [(k, v, protocol, date) for k, v in r["metrics"].items()]
+    quality = Path(run_dir) / "quality.jsonl"
+    for row in read_rows(quality) if phema is None else []:
+        date = datetime.date.fromtimestamp(quality.stat().st_mtime).isoformat()
+        out += [(k, v, f"quality.jsonl, step {row['step']}", date) for k, v in row.items() if k != "step"]
+    return out
+
+
+def reference_rows(cfg, run_dir, rows):
+    """(metric, step, band lo .. hi, mean, this run) at the last step of each of the recipe's reference curves."""
+    try:
+        ref = curves.load(cfg)
+    except (FileNotFoundError, ValueError):  # the recipe's file is not beside this export (another machine)
+        return []
+    if not ref:
+        return []
+    mine = {}
+    for row in rows:
+        mine.update({(k, row["step"]): v for k, v in row.items() if isinstance(v, (int, float))})
+    mine.update({(k, step): v for k, v, step in curves.scores(run_dir, cfg)})
+    return [(key, band[-1][0], band[-1][1], band[-1][3], band[-1][2], mine.get((key, band[-1][0])))
+            for key, band in sorted(ref["curves"].items()) if band]
+
+
+def card(cfg, run_dir, folder, n_params, phema=None, where=None):
+    """README.md's text for the pipeline folder `folder` of the run in `run_dir` (phema: the post-hoc EMA's
+    record, when the weights are one; where: what the loading lines give from_pretrained, the hub id it is
+    pushed to or the folder's final path)."""
+    d, enc, m, c, val = cfg["data"], cfg["encoders"], cfg["model"], cfg["conditioning"], cfg["val"]
+    method, text = curves.method_of(cfg), bool(enc["text_encoder"])
+    rows = read_rows(Path(run_dir) / "metrics.jsonl")
+    steps = max([r["step"] for r in rows if "loss" in r] or [cfg["train"]["max_steps"]])
+    batch = global_batch(cfg, rows)
+    names = json.loads((Path(folder) / "conditioner" / "config.json").read_text()).get("class_names") or []
+    example = "a small red circle" if text else (names[0] if names else "0")
+    where = where or str(folder)
+    objective = cfg["objective"]
+    if method == "flow_matching":
+        what = (f"flow matching (rectified flow, {objective['prediction']}-prediction, {objective['time_sampling']} "
+                f"time sampling)")
+    else:
+        what = (f"DDPM ({objective['prediction']}-prediction, {objective['beta_schedule']} betas, zero terminal SNR "
+                f"{objective['zero_terminal_snr']}, Min-SNR-{objective['min_snr_gamma']:g})")
+    space = f"the latents of `{enc['vae']}`" if enc["vae"] else "pixel space"
+    conditioning = (f"captions encoded by `{enc['text_encoder']}`" if text else f"{len(names) or d['num_classes']} classes")
+    weights = ("the EMA of the weights" if phema is None else
+               f"the post-hoc EMA of relative std {phema['phema_std']:g} (gamma {phema['gamma']:.2f}, profile fit error "
+               f"{phema['profile_fit_error']:.1e}), reconstructed from the run's snapshots (Karras et al. 2024)")
+    out = [metadata(cfg, text), "", f"# {Path(cfg['run_dir']).name}", "",
+           f"A {n_params / 1e6:.1f}M-parameter MMDiT (diffusers' SD3Transformer2DModel: {m['num_layers']} layers, "
+           f"{m['num_attention_heads']} heads of {m['attention_head_dim']}, patch {m['patch_size']}) trained by "
+           f"minimal-diffusion with {what} on `{d['source']}` at {d['resolution']} px in {space}, "
+           f"conditioned on {conditioning} ({c['mode']} conditioning"
+           f"{'; controls ' + ', '.join(c['controls']) if c['controls'] else ''}). The weights are {weights}. "
+           f"Licence: the terms of the training data and of the referenced VAE and text encoder apply.", "",
+           "## Use", "", "```python", "from diffusers import DiffusionPipeline",
+           f"pipe = DiffusionPipeline.from_pretrained({where!r}, trust_remote_code=True)",
+           f"image = pipe({example!r}).images[0]", "```", "",
+           f"The first argument is {'a prompt' if text else 'a class name, id or index'} (or a list); the run's "
+           f"sampling settings are the defaults: `num_inference_steps={val['steps']}`, `guidance_scale="
+           f"{val['guidance_scale']:g}`, `control_guidance_scale={val['control_guidance_scale']:g}`, `guidance_interval="
+           f"{tuple(val['guidance_interval'])}`" + (f", `guidance_rescale={val['guidance_rescale']:g}`" if method == "ddpm" else "")
+           + (", and the controls `original_size=(h, w)`, `crop_box=(top, left, height, width)`, `flip`" if c["controls"] else "")
+           + ". `generator=` (one per image) and `latents=` fix the noise; the VAE and text encoder are loaded by "
+           "their hub ids (model_index.json), or pass `vae=` / `text_encoder=` and `tokenizer=`.", "",
+           "## Training", "",
+           f"- {steps:,} optimizer steps of {batch:,} images: {steps * batch:,} images seen",
+           f"- command: `python train_{method}.py --config config.json` (config.json: this folder's, the run's "
+           f"resolved config, every key)", ""]
+    out += ["<details><summary>config.json</summary>", "", "```json", json.dumps(cfg, indent=1), "```", "", "</details>", ""]
+    out += ["## Evaluation", ""]
+    scores = evaluations(run_dir, phema)
+    if scores:
+        out += ["| metric | value | protocol | date |", "| --- | --- | --- | --- |"]
+        out += [f"| {k} | {v:.4f} | {protocol} | {date} |" for k, v, protocol, date in scores]
+    else:
+        out += ["Not evaluated yet: run eval_fid.py on the run, then export again (tools/export.py)."]
+    if (Path(folder) / GRID).is_file():
+        out += ["", "## Samples", "", f"![the last validation grid]({GRID})", "",
+                f"The run's last validation grid: {val['steps']} {val['sampler']} steps, guidance {val['guidance_scale']:g}."]
+    reference = reference_rows(cfg, run_dir, rows)
+    if reference:
+        out += ["", "## Reference curves", "", f"The recipe's reference runs ({cfg['val']['reference_curves']}) at their "
+                f"last step: the band over their seeds and this run's value.", "",
+                "| metric | step | band | mean | this run |", "| --- | --- | --- | --- | --- |"]
+        out += [f"| {k} | {s} | {lo:.4f} .. {hi:.4f} | {mean:.4f} | {'-' if v is None else f'{v:.4f}'} |"
+                for k, s, lo, hi, mean, v in reference]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,131 @@
+"""The export of a trained model as a diffusers pipeline folder, which anyone with diffusers loads and samples:
+
+    from diffusers import DiffusionPipeline
+    pipe = DiffusionPipeline.from_pretrained("runs/flow_matching_demo/export", trust_remote_code=True)
+    pipe("red circle").images[0]
+
+The folder (docs/sharing.md):
+    model_index.json        the pipeline: its class (pipeline.py), components, the run's sampling settings as
+                            defaults, and the VAE and text encoder by hub id (referenced, not copied)
+    pipeline.py             the sampling code (training/exported/pipeline.py): diffusers loads it for custom pipelines
+    transformer/            diffusers' SD3Transformer2DModel (also loadable on its own with from_pretrained)
+    conditioner/            the conditioner as a diffusers ModelMixin: conditioner.py (training/exported/), its
+                            config (classes and their names, controls, mode) and weights
+    scheduler/              the sampler's schedule: FlowMatchEulerDiscreteScheduler on the run's shift (flow
+                            matching); DDIMScheduler or DDPMScheduler with the run's betas, zero terminal SNR and
+                            prediction type (DDPM)
+    README.md, samples.png  the model card (training/model_card.py) and the run's last validation grid
+    config.json             the run's resolved config: what this repository's tools (sample.py, eval_fid.py,
+                            init_from) read besides the weights
+    class_ids.json          the class ids, for init_from's mapping of classes between runs
+    phema.json              for a post-hoc EMA export (tools/phema.py): its reconstruction
+Nothing from this repository is needed to load it: the two files of training/exported/ import torch and diffusers only.
+"""
+import json
+import shutil
+from pathlib import Path
+
+import diffusers
+from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler
+
+import common
+from training import curves, hub, model_card
+from training.classes import readable_names
+from training.exported.conditioner import Conditioner as ExportedConditioner
+
+SOURCES = Path(__file__).resolve().parent / "exported"  # the files copied into every folder
+BETAS = {"quadratic": "scaled_linear", "linear": "linear", "cosine": "squaredcos_cap_v2"}  # ours -> diffusers'
+PREDICTION = {"v": "v_prediction", "eps": "epsilon", "x0": "sample"}
+
+
+def make_scheduler(cfg):
+    """The diffusers scheduler that steps as the run's sampler does (train_*.sample): flow matching's Euler on
+    the time shift a (the pipeline passes sigmas = linspace(1, 0, steps + 1)[:-1], the trainer's grid); DDPM's
+    trailing timesteps on the run's betas, rescaled to zero terminal SNR, never clipped. DDPM's resolution
+    shift, which diffusers' schedulers lack, is the pipeline's time_shift."""
+    obj = cfg["objective"]
+    if curves.method_of(cfg) == "flow_matching":
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=common.shift_of(cfg))
+    scheduler = DDIMScheduler if cfg["val"]["sampler"] == "ddim" else DDPMScheduler
+    extra = {"set_alpha_to_one": True} if scheduler is DDIMScheduler else {"variance_type": "fixed_small"}
+    return scheduler(num_train_timesteps=obj["num_timesteps"], beta_schedule=BETAS[obj["beta_schedule"]],
+                     beta_start=obj["beta_start"], beta_end=obj["beta_end"], prediction_type=PREDICTION[obj["prediction"]],
+                     rescale_betas_zero_snr=obj["zero_terminal_snr"], timestep_spacing="trailing", clip_sample=False,
+                     **extra)
+
+
+def exported_conditioner(conditioner, transformer, class_ids):
+    """The trained conditioner as the exported ModelMixin, its weights loaded one to one (strict)."""
+    tc = transformer.config
+    names = readable_names(class_ids) if class_ids else [f"class {k}" for k in range(conditioner.num_classes)]
+    out = ExportedConditioner(
+        num_classes=conditioner.num_classes, class_tokens=conditioner.class_tokens, context_dim=tc.joint_attention_dim,
+        pooled_dim=conditioner.pooled_dim, width=tc.num_attention_heads * tc.attention_head_dim,
+        text_tokens=len(getattr(conditioner, "null_tokens", ())), controls=conditioner.controls, mode=conditioner.mode,
+        replicate_padding=conditioner.padding_noise is not None, pooled_text=conditioner.pooled_text,
+        class_ids=class_ids, class_names=names if conditioner.num_classes else None)
+    out.load_state_dict({k: v.detach().float().cpu() for k, v in conditioner.state_dict().items()})
+    return out
+
+
+def model_index(cfg, scheduler):
+    """model_index.json: the pipeline class in pipeline.py, its components, and the run's sampling settings."""
+    val, obj = cfg["val"], cfg["objective"]
+    flow = curves.method_of(cfg) == "flow_matching"
+    return {"_class_name": ["pipeline", "MinimalDiffusionPipeline"], "_diffusers_version": diffusers.__version__,
+            "transformer": ["diffusers", "SD3Transformer2DModel"], "conditioner": ["conditioner", "Conditioner"],
+            "scheduler": ["diffusers", type(scheduler).__name__],
+            "vae_id": cfg["encoders"]["vae"], "text_encoder_id": cfg["encoders"]["text_encoder"],
+            "max_tokens": cfg["encoders"]["max_tokens"], "num_inference_steps": val["steps"],
+            "guidance_scale": val["guidance_scale"], "control_guidance_scale": val["control_guidance_scale"],
+            "guidance_interval": list(val["guidance_interval"]), "guidance_rescale": 0.0 if flow else val["guidance_rescale"],
+            "sampler": val["sampler"], "prediction": obj.get("prediction", "v"),
+            "time_shift": common.shift_of(cfg), "resolution": cfg["data"]["resolution"]}
+
+
+def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None):
+    """Write the pipeline folder of the model `ema` (a Denoiser) trained by the run `run_dir` (its card's
+    source: metrics, evaluations, samples) into `folder`, whole: built beside it, then put in its place.
+    phema: the post-hoc EMA's record (tools/phema.py); repo: the hub id it will be pushed to (the card's
+    loading lines name it)."""
+    folder, run_dir = Path(folder), Path(run_dir or cfg["run_dir"])
+    part = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(part, ignore_errors=True)  # left by an export that died writing
+    part.mkdir(parents=True)
+    ema.transformer.save_pretrained(part / "transformer", safe_serialization=True)
+    exported_conditioner(ema.conditioner, ema.transformer, class_ids).save_pretrained(part / "conditioner")
+    shutil.copy(SOURCES / "conditioner.py", part / "conditioner" / "conditioner.py")
+    shutil.copy(SOURCES / "pipeline.py", part / "pipeline.py")
+    scheduler = make_scheduler(cfg)
+    scheduler.save_pretrained(part / "scheduler")
+    (part / "model_index.json").write_text(json.dumps(model_index(cfg, scheduler), indent=2))
+    (part / "config.json").write_text(json.dumps(cfg, indent=2))
+    if class_ids:
+        (part / "class_ids.json").write_text(json.dumps(class_ids))
+    if phema is not None:
+        (part / "phema.json").write_text(json.dumps(phema, indent=1))
+    grids = sorted((run_dir / "samples").glob("step_*.png"))
+    if grids:
+        shutil.copy(grids[-1], part / model_card.GRID)
+    n_params = sum(p.numel() for p in [*ema.transformer.parameters(), *ema.conditioner.parameters()])
+    (part / "README.md").write_text(model_card.card(cfg, run_dir, part, n_params, phema, repo or str(folder)))
+    if folder.exists():
+        shutil.rmtree(folder)
+    part.rename(folder)
+    return folder
+
+
+def export(ema, cfg, folder, class_ids=None, run_dir=None, phema=None):
+    """write, then push_to_hub (the config's key) when set: checked before the run began (hub.problems)."""
+    repo = cfg.get("push_to_hub")
+    folder = write(ema, cfg, folder, class_ids, run_dir, phema, repo)
+    if repo:
+        print(f"pushed {folder} to {hub.push(folder, repo)} (private)")
+    return folder
+
+
+def conditioner_weights(folder):
+    """The conditioner's weights in an export: conditioner/ (a pipeline folder), or conditioner.safetensors (an
+    export written before the pipeline folder)."""
+    new = Path(folder) / "conditioner" / "diffusion_pytorch_model.safetensors"
+    return new if new.is_file() else Path(folder) / "conditioner.safetensors"
