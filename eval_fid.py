@@ -36,8 +36,9 @@ import torch
 from PIL import Image
 
 import common
-from training import classifier, config, curves, hub
-from training.data import decode, encode_text, load_encoders, preprocess
+from training import checkpoints, classifier, config, curves, hub
+from training.data import preprocess
+from training.encoders import decode, encode_text, load_encoders
 from training.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores, dinov2_features,
                               feature_tag, fid_size_warning, size_tag)
 from training.reference import heldout, inception_features, reference_for, reference_size, to_uint8
@@ -159,12 +160,12 @@ def load_model(run, checkpoint=None, weights="ema", phema_std=None):
         export = run if (run / "transformer").is_dir() else run / "export"
         model, cfg = load_exported(export)
         return model, cfg, {"source": str(export), "weights": "ema (export)"}
-    ckpt = common.find_checkpoint(run, checkpoint)
+    ckpt = checkpoints.find_checkpoint(run, checkpoint)
     if ckpt is None:
         raise FileNotFoundError(f"no finished checkpoint under {run}/checkpoints")
-    state = common.read_state(ckpt)  # the small part, on the CPU (never the optimizer)
+    state = checkpoints.read_state(ckpt)  # the small part, on the CPU (never the optimizer)
     cfg = config.Config(state["config"])
-    tensors = common.read_tensors(ckpt, "ema" if weights == "ema" else "model")  # (sharded: gathered whole)
+    tensors = checkpoints.read_tensors(ckpt, "ema" if weights == "ema" else "model")  # (sharded: gathered whole)
     channels = tensors["transformer.pos_embed.proj.weight"].shape[1]
     size = math.isqrt(tensors["transformer.pos_embed.pos_embed"].shape[1]) * cfg["model"]["patch_size"]
     text_dims = None

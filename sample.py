@@ -21,12 +21,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-import common
-from training import config, hub
+from training import checkpoints, config, hub
 import eval_fid
 from training import runlog
 from training.classes import readable_names
-from training.data import encode_text, load_encoders
+from training.encoders import encode_text, load_encoders
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. None means "as the run was configured".
@@ -83,8 +82,8 @@ def run_class_ids(run, checkpoint):
         export = run if (run / "transformer").is_dir() else run / "export"
         path = export / "class_ids.json"
         return json.loads(path.read_text()) if path.is_file() else None
-    ckpt = common.find_checkpoint(run, checkpoint)
-    return common.read_state(ckpt).get("class_ids") if ckpt else None  # on the CPU, never the optimizer
+    ckpt = checkpoints.find_checkpoint(run, checkpoint)
+    return checkpoints.read_state(ckpt).get("class_ids") if ckpt else None  # on the CPU, never the optimizer
 
 
 def pick_classes(spec, num_classes, ids):

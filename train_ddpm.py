@@ -33,9 +33,9 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import cache, config, fit, muon, repa, runlog, sharding, stability, validation
-from training.data import (decode, iterate_batches, loader_options, open_splits, place_encoders, training_inputs,
-                           validation_inputs)
+from training import cache, checkpoints, config, encoders, fit, hub, muon, repa, runlog, sharding, stability, validation
+from training.data import iterate_batches, loader_options, open_splits, training_inputs
+from training.encoders import decode, place_encoders
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
 from training.phema import PowerEMA
@@ -73,7 +73,35 @@ class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in 
     guidance_rescale: float = Field(0.7, ge=0, le=1, description="phi of Lin et al. 2024, sec. 3.4; 0: plain guidance")
 
 
-CONFIG = config.schema(Objective, Sampler)  # the whole typed config: the shared sections with these two
+def check_objective(cfg):
+    """The objective's and sampler's problems, as a list (config.load_config reports them with the rest at
+    start-up; generate refuses them): e.g. zero terminal SNR with eps prediction."""
+    obj, val, problems = cfg["objective"], cfg["val"], []
+    if obj["prediction"] not in ("v", "eps", "x0"):
+        problems.append(f"objective.prediction must be 'v', 'eps' or 'x0', got {obj['prediction']!r}")
+    if obj["zero_terminal_snr"] and obj["prediction"] == "eps":
+        problems.append(
+            "objective.zero_terminal_snr=true cannot be combined with objective.prediction='eps': at the last "
+            "timestep alpha_bar = 0, so x_t is pure noise, eps is x_t itself, and x0 = (x_t - sqrt(1 - ab) eps) / "
+            "sqrt(ab) divides by zero (Lin et al. 2024, sec. 3.2). Set objective.prediction to 'v' or 'x0', or "
+            "objective.zero_terminal_snr=false.")
+    if val["sampler"] not in ("ddim", "ddpm"):
+        problems.append(f"val.sampler must be 'ddim' or 'ddpm', got {val['sampler']!r}")
+    if obj["beta_schedule"] != "cosine" and obj["beta_start"] >= obj["beta_end"]:
+        problems.append(f"objective.beta_start={obj['beta_start']} must be below objective.beta_end={obj['beta_end']}")
+    if not 1 <= val["steps"] <= obj["num_timesteps"]:
+        problems.append(f"val.steps={val['steps']} must be in [1, objective.num_timesteps={obj['num_timesteps']}]")
+    if obj["loss_bins"] > obj["num_timesteps"]:
+        problems.append(f"objective.loss_bins={obj['loss_bins']} must be <= objective.num_timesteps")
+    if obj.get("min_snr_form", "plus_one") not in ("plus_one", "paper", "floor"):  # .get: configs saved before the key
+        problems.append(f"objective.min_snr_form must be 'plus_one', 'paper' or 'floor', got {obj['min_snr_form']!r}")
+    return problems
+
+
+# The whole typed config: the shared sections with these two, and the start-up checks of the options this trainer
+# runs, each in its own module (every problem reported at once, before any work).
+CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, hub.problems,
+                                                   muon.problems, check_objective))
 # The defaults changed here: the demo's budget and guidance, chosen by benchmarks/demo_quality.py (docs/benchmarks.md,
 # "Demo quality"), as in train_flow_matching.py. The recipes set their own and pin the paper's constant LR.
 DEFAULTS = config.defaults(CONFIG, {"train.max_steps": 1000, "train.lr": 2e-3, "train.lr_schedule": "cosine",
@@ -106,31 +134,6 @@ def make_schedule(num_timesteps=1000, beta_schedule="quadratic", beta_start=0.00
         s = alphas_cumprod.sqrt()
         alphas_cumprod = ((s - s[-1]) * s[0] / (s[0] - s[-1])) ** 2
     return alphas_cumprod
-
-
-def check_objective(cfg):
-    """The objective's and sampler's problems, as a list (config.load_config reports them with the rest at
-    start-up; generate refuses them): e.g. zero terminal SNR with eps prediction."""
-    obj, val, problems = cfg["objective"], cfg["val"], []
-    if obj["prediction"] not in ("v", "eps", "x0"):
-        problems.append(f"objective.prediction must be 'v', 'eps' or 'x0', got {obj['prediction']!r}")
-    if obj["zero_terminal_snr"] and obj["prediction"] == "eps":
-        problems.append(
-            "objective.zero_terminal_snr=true cannot be combined with objective.prediction='eps': at the last "
-            "timestep alpha_bar = 0, so x_t is pure noise, eps is x_t itself, and x0 = (x_t - sqrt(1 - ab) eps) / "
-            "sqrt(ab) divides by zero (Lin et al. 2024, sec. 3.2). Set objective.prediction to 'v' or 'x0', or "
-            "objective.zero_terminal_snr=false.")
-    if val["sampler"] not in ("ddim", "ddpm"):
-        problems.append(f"val.sampler must be 'ddim' or 'ddpm', got {val['sampler']!r}")
-    if obj["beta_schedule"] != "cosine" and obj["beta_start"] >= obj["beta_end"]:
-        problems.append(f"objective.beta_start={obj['beta_start']} must be below objective.beta_end={obj['beta_end']}")
-    if not 1 <= val["steps"] <= obj["num_timesteps"]:
-        problems.append(f"val.steps={val['steps']} must be in [1, objective.num_timesteps={obj['num_timesteps']}]")
-    if obj["loss_bins"] > obj["num_timesteps"]:
-        problems.append(f"objective.loss_bins={obj['loss_bins']} must be <= objective.num_timesteps")
-    if obj.get("min_snr_form", "plus_one") not in ("plus_one", "paper", "floor"):  # .get: configs saved before the key
-        problems.append(f"objective.min_snr_form must be 'plus_one', 'paper' or 'floor', got {obj['min_snr_form']!r}")
-    return problems
 
 
 def objective_summary(cfg):
@@ -349,8 +352,7 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 def main(argv=None):
     signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
     # Every config problem is reported here, all at once, before any work (the shared sections and this method's).
-    cfg = config.load_config(DEFAULTS, argv, method="ddpm", schema=CONFIG,
-                             check=lambda cfg: check_objective(cfg) + muon.problems(cfg))
+    cfg = config.load_config(DEFAULTS, argv, method="ddpm", schema=CONFIG)
     runlog.refuse_earlier_run(cfg)  # a run_dir that holds a run continues only with --resume
     config.keep_recorded(cfg, skip=fit.resolved_keys(cfg.train))  # --resume: the values the run started with
     data, obj, tr = cfg.data, cfg.objective, cfg.train
@@ -395,7 +397,7 @@ def main(argv=None):
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     def load(ckpt):  # at resume and on a rollback: weights, EMA, optimizer, RNG, then the post-hoc EMA profiles
-        state, _ = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator), phema.load(ckpt)
+        state, _ = checkpoints.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator), phema.load(ckpt)
         return state
 
     state = load(ckpt) if ckpt else {"step": 0}
@@ -406,8 +408,8 @@ def main(argv=None):
     stab = stability.Parts(cfg, accelerator, model, log, state, lambda u: (u * T).long().clamp(max=T - 1))
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
-    val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,
-                                            device, d.val_text)
+    val_noise, val_cond = validation.validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape,
+                                                       cfg.seed, device, d.val_text)
 
     @ema_update.on_device  # the whole EMA on the device: an offloaded one visits the GPU, a sharded one is gathered
     @torch.no_grad()
@@ -428,7 +430,7 @@ def main(argv=None):
         state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
                  "ema_inherited": sorted(ema.inherited), **monitor.state_dict(), **stab.state_dict()}  # in state.pt
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
-        common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep, raw_model)
+        checkpoints.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep, raw_model)
 
     @ema_update.on_device
     def fid(step, ema):  # every rank samples its share

@@ -28,10 +28,10 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import (cache, config, contrastive, fit, muon, repa, runlog, sharding, stability, validation,
-                      xprediction)
-from training.data import (decode, iterate_batches, loader_options, open_splits, place_encoders, training_inputs,
-                           validation_inputs)
+from training import (cache, checkpoints, config, contrastive, encoders, fit, hub, muon, repa, runlog, sharding,
+                      stability, validation, xprediction)
+from training.data import iterate_batches, loader_options, open_splits, training_inputs
+from training.encoders import decode, place_encoders
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
 from training.phema import PowerEMA
@@ -65,7 +65,10 @@ class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in 
     sampler: Literal["euler", "heun"] = Field("euler", description="Euler, or Heun's 2nd order (2 evaluations a step)")
 
 
-CONFIG = config.schema(Objective, Sampler)  # the whole typed config: the shared sections with these two
+# The whole typed config: the shared sections with these two, and the start-up checks of the options this trainer
+# runs, each in its own module (every problem reported at once, before any work).
+CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, hub.problems,
+                                                   muon.problems, contrastive.problems))
 # The defaults changed here: 32 sampling steps, and the demo's budget and guidance, chosen by
 # benchmarks/demo_quality.py (docs/benchmarks.md, "Demo quality"): a cosine decay of a higher LR over 1000 steps
 # and guidance 7 draw the asked-for shape in >= 0.9 of samples, in under 5 min on 2 CPU cores. The recipes set
@@ -192,8 +195,7 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 def main(argv=None):
     signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
     # Every config problem is reported here, all at once, before any work (the shared sections and this method's).
-    cfg = config.load_config(DEFAULTS, argv, method="flow_matching", schema=CONFIG,
-                             check=lambda cfg: contrastive.problems(cfg) + muon.problems(cfg))
+    cfg = config.load_config(DEFAULTS, argv, method="flow_matching", schema=CONFIG)
     runlog.refuse_earlier_run(cfg)  # a run_dir that holds a run continues only with --resume
     config.keep_recorded(cfg, skip=fit.resolved_keys(cfg.train))  # --resume: the values the run started with
     data, obj, tr = cfg.data, cfg.objective, cfg.train
@@ -235,7 +237,7 @@ def main(argv=None):
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     def load(ckpt):  # at resume and on a rollback: weights, EMA, optimizer, RNG, then the post-hoc EMA profiles
-        state, _ = common.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator), phema.load(ckpt)
+        state, _ = checkpoints.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator), phema.load(ckpt)
         return state
 
     state = load(ckpt) if ckpt else {"step": 0}
@@ -246,8 +248,8 @@ def main(argv=None):
     stab = stability.Parts(cfg, accelerator, model, log, state, lambda u: time_quantile(u, obj, shift))
 
     # ---- Validation: EMA samples with fixed noise and conditions, and a held-out loss on a fixed t grid ------
-    val_noise, val_cond = validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape, cfg.seed,
-                                            device, d.val_text)
+    val_noise, val_cond = validation.validation_inputs(val_set, len(d.val_prompts), data.num_classes, x_shape,
+                                                       cfg.seed, device, d.val_text)
 
     @ema_update.on_device  # the whole EMA on the device: an offloaded one visits the GPU, a sharded one is gathered
     @torch.no_grad()
@@ -266,7 +268,7 @@ def main(argv=None):
         state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
                  "ema_inherited": sorted(ema.inherited), **monitor.state_dict(), **stab.state_dict()}  # in state.pt
         tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
-        common.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep, raw_model)
+        checkpoints.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep, raw_model)
 
     @ema_update.on_device
     def fid(step, ema):  # every rank samples its share

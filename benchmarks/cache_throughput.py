@@ -29,7 +29,8 @@ from training import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from training.cache import CachedDataset, build_cache  # noqa: E402
 from training.encoding import cache_size, human_bytes  # noqa: E402
-from training.data import make_encode, open_splits  # noqa: E402
+from training.data import open_splits  # noqa: E402
+from training.encoders import make_encode  # noqa: E402
 from training.model import build_denoiser  # noqa: E402
 
 WORDS = ["a", "photo", "of", "the", "red", "green", "blue", "dog", "cat", "house", "tree", "on", "in", "street"]

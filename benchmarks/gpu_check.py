@@ -67,7 +67,7 @@ import gpu_throughput  # noqa: E402
 import sizing  # noqa: E402
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
-from training import config, sharding  # noqa: E402
+from training import checkpoints, config, sharding  # noqa: E402
 from training.model import build_denoiser  # noqa: E402
 
 TRAINERS = {"flow_matching": train_flow_matching, "ddpm": train_ddpm}
@@ -182,12 +182,12 @@ def check(name, args, overrides):
     with tempfile.TemporaryDirectory(dir=args.tmp) as run_dir:
         start = time.perf_counter()
         state = {"step": step, "config": json.loads(json.dumps(cfg))}  # the small part; the optimizer has its file
-        ckpt = common.save_checkpoint(accelerator, run_dir, step, {"model": raw.state_dict(), "ema": ema.state_dict()},
+        ckpt = checkpoints.save_checkpoint(accelerator, run_dir, step, {"model": raw.state_dict(), "ema": ema.state_dict()},
                                       optimizer, state, keep=1, model=raw)
         row["checkpoint_write_s"] = time.perf_counter() - start
         before = [train_step(step).item(), train_step(step + 1).item()]  # the RNG continues from the checkpoint's
         start = time.perf_counter()
-        common.load_checkpoint(ckpt, raw, ema, optimizer, accelerator)  # weights, EMA, optimizer, RNG
+        checkpoints.load_checkpoint(ckpt, raw, ema, optimizer, accelerator)  # weights, EMA, optimizer, RNG
         row["checkpoint_read_s"] = time.perf_counter() - start
         after = [train_step(step).item(), train_step(step + 1).item()]
         row["checkpoint_gb"] = sum(f.stat().st_size for f in Path(ckpt).rglob("*") if f.is_file()) / 2**30

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
+from training import checkpoints
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
@@ -31,11 +32,11 @@ def ckpt(run, step, name):
 
 
 def state(run, step):
-    return common.read_state(Path(run) / "checkpoints" / f"step_{step:08d}")
+    return checkpoints.read_state(Path(run) / "checkpoints" / f"step_{step:08d}")
 
 
 def optimizer_state(run, step):
-    return common.read_optimizer_state(Path(run) / "checkpoints" / f"step_{step:08d}")
+    return checkpoints.read_optimizer_state(Path(run) / "checkpoints" / f"step_{step:08d}")
 
 
 def train_rows(run):
@@ -246,7 +247,7 @@ def test_dataloader_workers_ignore_sigterm_and_the_run_checkpoints_and_exits_75(
         stdout, stderr = proc.communicate(timeout=180)
     assert proc.returncode == common.REQUEUE_EXIT_CODE, stderr[-3000:]
     step = int(re.search(r"stopped by a signal at step (\d+)", stdout)[1])
-    assert common.find_checkpoint(tmp_path / "workers", "latest").name == f"step_{step:08d}"
+    assert checkpoints.find_checkpoint(tmp_path / "workers", "latest").name == f"step_{step:08d}"
 
 
 # ---- Two processes: disjoint rows, averaged gradients ---------------------------------------------------------

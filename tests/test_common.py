@@ -9,10 +9,10 @@ from accelerate import Accelerator
 from PIL import Image
 
 import common
-from training import config
+from training import checkpoints, config
 from training.cache import CachedDataset, build_cache
-from training.data import (DEMO_COLORS, encode_text, iterate_batches, load_encoders, load_image, make_demo_dataset,
-                  open_splits, preprocess)
+from training.data import DEMO_COLORS, iterate_batches, load_image, make_demo_dataset, open_splits, preprocess
+from training.encoders import encode_text, load_encoders
 import train_flow_matching as fm
 
 
@@ -241,7 +241,7 @@ def tiny_checkpoint(tmp_path):
         model(torch.randn(8, 64)).square().mean().backward()
         optimizer.step()
     state = {"step": 2, "config": {"seed": 0}, "class_ids": ["a", "b"]}
-    folder = common.save_checkpoint(OneProcess(), tmp_path, 2, {"model": model.state_dict(), "ema": model.state_dict()},
+    folder = checkpoints.save_checkpoint(OneProcess(), tmp_path, 2, {"model": model.state_dict(), "ema": model.state_dict()},
                                     optimizer, state, keep=3)
     return folder, model, optimizer
 
@@ -266,15 +266,15 @@ def test_checkpoint_keeps_the_optimizer_apart_and_resumes_old_and_new_layouts(tm
     # The moments come back bitwise, param_groups included; the small state never carries the optimizer.
     resumed, ema = (torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 3)) for _ in range(2))
     again = fresh_optimizer(resumed)
-    state = common.load_checkpoint(folder, resumed, ema, again, OneProcess())
+    state = checkpoints.load_checkpoint(folder, resumed, ema, again, OneProcess())
     assert "optimizer" not in state and state["step"] == 2
     assert_same_optimizer_state(again.state_dict(), optimizer.state_dict())
     # A checkpoint written before the optimizer had its own file (all of it in state.pt) still resumes.
     torch.save({**small, "optimizer": optimizer.state_dict()}, folder / "state.pt")
     (folder / "optimizer.safetensors").unlink()
-    assert common.checkpoint_ok(folder) and "optimizer" not in common.read_state(folder)
+    assert checkpoints.checkpoint_ok(folder) and "optimizer" not in checkpoints.read_state(folder)
     old = fresh_optimizer(resumed)
-    assert "optimizer" not in common.load_checkpoint(folder, resumed, ema, old, OneProcess())
+    assert "optimizer" not in checkpoints.load_checkpoint(folder, resumed, ema, old, OneProcess())
     assert_same_optimizer_state(old.state_dict(), optimizer.state_dict())
 
 
@@ -299,14 +299,14 @@ def test_the_fp16_gradient_scaler_is_checkpointed_and_restored_at_resume_and_rol
     saved = scaler.state_dict()
     assert (saved["scale"], saved["_growth_tracker"]) == (2.0 ** 14, 3)
     accelerator = type("FP16Process", (OneProcess,), {"scaler": scaler})()
-    folder = common.save_checkpoint(accelerator, tmp_path, 5, {"model": model.state_dict(), "ema": model.state_dict()},
+    folder = checkpoints.save_checkpoint(accelerator, tmp_path, 5, {"model": model.state_dict(), "ema": model.state_dict()},
                                     optimizer, {"step": 5}, keep=3)
     steps(6, overflow=True)  # a run of non-finite steps: the scale 2^-6 of the checkpoint's
     assert scaler.get_scale() == 2.0 ** 8
-    common.load_checkpoint(folder, model, torch.nn.Linear(8, 1), optimizer, accelerator)  # the rollback's load
+    checkpoints.load_checkpoint(folder, model, torch.nn.Linear(8, 1), optimizer, accelerator)  # the rollback's load
     assert scaler.state_dict() == saved and scaler.get_scale() == 2.0 ** 14
     fresh = torch.amp.GradScaler("cpu")  # a resume: a new scaler, not yet used
-    common.load_checkpoint(folder, model, torch.nn.Linear(8, 1), optimizer, type("FP16Process", (OneProcess,),
+    checkpoints.load_checkpoint(folder, model, torch.nn.Linear(8, 1), optimizer, type("FP16Process", (OneProcess,),
                                                                                 {"scaler": fresh})())
     assert fresh.state_dict() == saved
     steps(1, overflow=False)  # and it goes on as the saved one would: the 4th good step doubles the scale
@@ -317,21 +317,18 @@ def test_every_rank_must_pick_the_same_checkpoint_at_resume_and_at_every_load(tm
     """Each rank picks its checkpoint from the file system alone (a resume's latest, a rollback's last good one).
     One all-gather of the picks (two ranks here: the other rank's pick injected into gather_object) turns a
     file system that shows one rank a checkpoint late into an error naming each rank's pick, before any load."""
-    import accelerate.utils
-    import safetensors.torch
-
     from training.model import prepare_model
 
     folder, model, _ = tiny_checkpoint(tmp_path)
     two_ranks, other = type("TwoRanks", (OneProcess,), {"num_processes": 2})(), []
-    monkeypatch.setattr(accelerate.utils, "gather_object", lambda picks: picks + other)
+    monkeypatch.setattr(checkpoints, "gather_object", lambda picks: picks + other)
     resumed, ema = (torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 3)) for _ in range(2))
     other[:] = ["step_00000002"]  # the same pick: loads
-    assert common.load_checkpoint(folder, resumed, ema, fresh_optimizer(resumed), two_ranks)["step"] == 2
+    assert checkpoints.load_checkpoint(folder, resumed, ema, fresh_optimizer(resumed), two_ranks)["step"] == 2
     other[:] = ["step_00000001"]  # a rollback whose other rank picked an older checkpoint
-    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("loaded before the check"))
+    monkeypatch.setattr(checkpoints, "load_file", lambda *a, **k: pytest.fail("loaded before the check"))
     with pytest.raises(RuntimeError, match=r"different checkpoints to load \(rank 0: step_00000002, rank 1: step_00000001\)"):
-        common.load_checkpoint(folder, resumed, ema, fresh_optimizer(resumed), two_ranks)
+        checkpoints.load_checkpoint(folder, resumed, ema, fresh_optimizer(resumed), two_ranks)
     other[:] = [None]  # a resume whose other rank sees no checkpoint at all (it would start from step 0)
     cfg = config.load_config(fm.DEFAULTS, ["--resume=latest", f"--run_dir={tmp_path}", "--data.num_classes=9",
                                            "--model.num_layers=1", "--model.num_attention_heads=2",
@@ -346,7 +343,7 @@ def test_the_intact_checkpoint_check_reads_only_headers_and_the_small_state(tmp_
 
     folder, _, _ = tiny_checkpoint(tmp_path)
     optimizer_file = str(folder / "optimizer.safetensors")
-    opened, real_safe_open, real_load, real_load_file = [], common.safe_open, torch.load, safetensors.torch.load_file
+    opened, real_safe_open, real_load, real_load_file = [], checkpoints.safe_open, torch.load, safetensors.torch.load_file
 
     class HeadersOnly:  # safe_open that refuses to hand out the optimizer's tensors
         def __init__(self, path, *args, **kwargs):
@@ -371,18 +368,19 @@ def test_the_intact_checkpoint_check_reads_only_headers_and_the_small_state(tmp_
             return real(path, *args, **kwargs)
         return load
 
-    monkeypatch.setattr(common, "safe_open", HeadersOnly)
+    monkeypatch.setattr(checkpoints, "safe_open", HeadersOnly)
     monkeypatch.setattr(safetensors, "safe_open", HeadersOnly)
     monkeypatch.setattr(torch, "load", refuse_optimizer(real_load))
     monkeypatch.setattr(safetensors.torch, "load_file", refuse_optimizer(real_load_file))
-    assert common.checkpoint_ok(folder) and common.find_checkpoint(tmp_path, "latest") == folder
+    monkeypatch.setattr(checkpoints, "load_file", refuse_optimizer(real_load_file))
+    assert checkpoints.checkpoint_ok(folder) and checkpoints.find_checkpoint(tmp_path, "latest") == folder
     assert "optimizer.safetensors" in opened  # its header was checked
     # A truncated optimizer file is caught from its header alone; a missing one too.
     data = Path(optimizer_file).read_bytes()
     Path(optimizer_file).write_bytes(data[:-64])
-    assert not common.checkpoint_ok(folder)
+    assert not checkpoints.checkpoint_ok(folder)
     Path(optimizer_file).unlink()
-    assert not common.checkpoint_ok(folder)
+    assert not checkpoints.checkpoint_ok(folder)
 
 
 # ---- Augmentations under the cache: data.cache_views crops x 2 flips per image, one view per epoch -------------

@@ -167,6 +167,29 @@ def test_all_problems_are_reported_at_once(no_work, tmp_path):
         assert f"\n  {key}=" in message
 
 
+@pytest.mark.parametrize("trainer", [fm, ddpm], ids=["flow_matching", "ddpm"])
+def test_every_options_problem_is_reported_with_the_others_at_once(no_work, tmp_path, tiny_vae, tiny_dino, trainer):
+    """One bad key of each option, each checked in its own module and handed to the loader by the trainer
+    (sections.schema's checks): the encoders (a resolution the VAE's patches do not divide), sharding, REPA, the
+    trainer's objective (contrastive flow matching; DDPM's eps with zero terminal SNR), and a shared combination,
+    all in one ConfigError."""
+    own = {fm: (["--objective.contrastive_weight=0.05", "--train.batch_size=1"], "objective.contrastive_weight=0.05"),
+           ddpm: (["--objective.prediction=eps", "--objective.zero_terminal_snr=true"], "objective.zero_terminal_snr=true")}
+    args, own_message = own[trainer]
+    with pytest.raises(config.ConfigError) as err:
+        trainer.main(tiny_run_args(tmp_path) + args + [
+            "--encoders.vae", tiny_vae, "--data.resolution=18",  # encoders: 18 px is not 4 px patches of latents
+            "--train.sharding=fsdp", "--train.ema_device=cpu",  # sharding
+            "--objective.repa_weight=0.5", f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=99",  # REPA
+            "--data.cache_views=2"])  # a shared combination: several crops, all centred
+    message = str(err.value)
+    assert message.startswith("invalid config (5 problems):"), message
+    for says in ("data.resolution=18 is not divisible", "train.ema_device='cpu' with train.sharding='fsdp'",
+                 "objective.repa_block=99 is past the model's last block", own_message, "data.cache_views=2 caches"):
+        assert says in message, (says, message)
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_unknown_key_and_a_bad_value_are_reported_together(no_work, tmp_path):
     with pytest.raises(config.ConfigError) as err:
         fm.main(tiny_run_args(tmp_path) + ["--train.lrr=1", "--data.crop=middle"])

@@ -18,7 +18,7 @@ import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 from training import config, hub, model_card, pipeline_export
-from training.data import encode_text, load_encoders
+from training.encoders import encode_text, load_encoders
 from training.exported.conditioner import Conditioner as ExportedConditioner
 from training.model import Conditioner, build_denoiser
 

@@ -19,7 +19,7 @@ import common
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 from test_config import no_work  # noqa: F401  (fixture)
-from training import config, data, fit
+from training import config, encoders, fit
 from training.model import Denoiser, build_for_run
 
 
@@ -412,19 +412,19 @@ class Recorder(torch.nn.Module):
 @pytest.mark.parametrize("cache_text", [True, False])
 def test_encoders_leave_the_gpu_after_the_cache_stage_unless_the_text_encoder_encodes_every_step(cache_text):
     vae, text_encoder = Recorder(), Recorder()
-    data.place_encoders(vae, text_encoder, torch.device("cuda"), encode_each_step=not cache_text)
+    encoders.place_encoders(vae, text_encoder, torch.device("cuda"), encode_each_step=not cache_text)
     assert vae.moves == [("cpu", None)]
     assert text_encoder.moves == ([("cpu", None)] if cache_text else [("cuda", torch.bfloat16)])
     vae.moves.clear()
-    data.decode(vae, torch.zeros(1, 4, 2, 2), torch.device("cuda"))  # validation decoding: there and back
+    encoders.decode(vae, torch.zeros(1, 4, 2, 2), torch.device("cuda"))  # validation decoding: there and back
     assert vae.moves == [("cuda", None), ("cpu", None)]
 
 
 def test_a_bf16_text_encoder_gives_fp32_features(tiny_text_encoder):
-    _, tokenizer, encoder = data.load_encoders(config.Config(vae=None, text_encoder=tiny_text_encoder), "cpu")
-    reference = data.encode_text(tokenizer, encoder, ["a red circle"], 8)
+    _, tokenizer, encoder = encoders.load_encoders(config.Config(vae=None, text_encoder=tiny_text_encoder), "cpu")
+    reference = encoders.encode_text(tokenizer, encoder, ["a red circle"], 8)
     encoder.to(dtype=torch.bfloat16)
-    features = data.encode_text(tokenizer, encoder, ["a red circle"], 8)
+    features = encoders.encode_text(tokenizer, encoder, ["a red circle"], 8)
     assert features["text_tokens"].dtype == features["text_pooled"].dtype == torch.float32  # as the cache serves them
     torch.testing.assert_close(features["text_tokens"], reference["text_tokens"], rtol=0.05, atol=0.05)
 

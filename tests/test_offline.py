@@ -97,17 +97,17 @@ def test_a_model_that_cannot_be_loaded_is_one_line_naming_the_key():
         raise OSError(f"{name} does not appear to have a file named config.json.\nCheckout your internet ...")
 
     with pytest.raises(SystemExit) as stop:
-        prefetch.data.from_pretrained("encoders.vae", missing, "org/vae", use_safetensors=True)
+        prefetch.encoders.from_pretrained("encoders.vae", missing, "org/vae", use_safetensors=True)
     message = str(stop.value)
     assert "\n" not in message and message.startswith("encoders.vae='org/vae' cannot be loaded: org/vae does not "
                                                       "appear to have a file named config.json")
     assert "python tools/prefetch.py --config" in message and "set encoders.vae to a local folder" in message
-    assert prefetch.data.from_pretrained("k", lambda name, **kw: (name, kw), "x", a=1) == ("x", {"a": 1})
+    assert prefetch.encoders.from_pretrained("k", lambda name, **kw: (name, kw), "x", a=1) == ("x", {"a": 1})
 
 
 @pytest.mark.slow
 def test_a_missing_text_encoder_offline_is_one_line_naming_the_key(tmp_path):
-    done = run_offline("from training import config, data\ndata.load_encoders(config.Config(vae=None, "
+    done = run_offline("from training import config, encoders\nencoders.load_encoders(config.Config(vae=None, "
                        "text_encoder='nonexistent-org/no-such-encoder', max_tokens=8), 'cpu')", tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if "nonexistent-org" in line]

@@ -8,7 +8,7 @@ import torch
 import train_ddpm
 import train_flow_matching as fm
 from training import config, repa
-from training.data import make_encode
+from training.encoders import make_encode
 from training.encoding import encoded_rows
 from training.model import build_denoiser, build_for_run
 

@@ -16,8 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import common
-from training import runlog
-from training import config
+from training import checkpoints, config, runlog
 from training.cache import CachedDataset, build_cache
 from training.data import open_splits
 import train_flow_matching as fm
@@ -32,7 +31,7 @@ def assert_same_checkpoint(run_a, run_b, step):
     for name in ("model", "ema"):
         a, b = weights(run_a, step, name), weights(run_b, step, name)
         assert all(torch.equal(a[k], b[k]) for k in a), name
-    sa, sb = (common.read_optimizer_state(Path(r) / "checkpoints" / f"step_{step:08d}") for r in (run_a, run_b))
+    sa, sb = (checkpoints.read_optimizer_state(Path(r) / "checkpoints" / f"step_{step:08d}") for r in (run_a, run_b))
     for (ka, va), (kb, vb) in zip(sa["state"].items(), sb["state"].items()):
         assert all(torch.equal(va[s], vb[s]) for s in va)
     losses = [[m["loss"] for m in map(json.loads, (Path(r) / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
@@ -77,7 +76,7 @@ def test_preemption_signal_checkpoints_and_exits_for_requeue_then_resumes(tmp_pa
     assert proc.returncode == common.REQUEUE_EXIT_CODE, stderr[-2000:]
     stopped = int(re.search(r"stopped by a signal at step (\d+)", stdout).group(1))
     assert 2 <= stopped < 10_000
-    assert common.find_checkpoint(tmp_path / "preempted", "latest").name == f"step_{stopped:08d}"
+    assert checkpoints.find_checkpoint(tmp_path / "preempted", "latest").name == f"step_{stopped:08d}"
     # Requeued: the same command with --resume latest continues from there.
     __import__(trainer).main(tiny_run_args(tmp_path, "preempted", steps=stopped + 2) + ["--log.every=1", "--resume=latest"])
     steps = [m["step"] for m in map(json.loads, metrics.read_text().splitlines()) if "loss" in m]
@@ -91,10 +90,10 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
     newest = run / "checkpoints" / "step_00000004" / "ema.safetensors"
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a crash mid-write on a shared filesystem
     (run / "checkpoints" / ".tmp_step_00000005").mkdir()  # an unfinished one is never picked
-    assert common.find_checkpoint(run, "latest").name == "step_00000003"
+    assert checkpoints.find_checkpoint(run, "latest").name == "step_00000003"
     assert "step_00000004 is incomplete or corrupt" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="no intact checkpoint"):
-        common.find_checkpoint(run, str(run / "checkpoints" / "step_00000004"))
+        checkpoints.find_checkpoint(run, str(run / "checkpoints" / "step_00000004"))
 
 
 @pytest.mark.slow
@@ -120,6 +119,7 @@ def test_every_checkpoint_load_maps_to_the_cpu(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "load", load)
     monkeypatch.setattr(safetensors.torch, "load_file", load_file)
+    monkeypatch.setattr(checkpoints, "load_file", load_file)
     fm.main(tiny_run_args(tmp_path, "cpu", steps=3) + ["--resume=latest"])
     fm.main(tiny_run_args(tmp_path, "tuned", steps=1) + [f"--init_from={run}"])
     eval_fid.load_model(run, "latest")
@@ -152,7 +152,7 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     with pytest.raises(FloatingPointError, match=r"\d+ optimizer steps in a row"):
         fm.main(tiny_run_args(tmp_path, "nan", steps=20) + ["--ckpt.every=1", "--resume=latest",
                                                            "--train.max_nonfinite_steps=3", "--data.verify_cache=false"])
-    latest = common.find_checkpoint(run, "latest")
+    latest = checkpoints.find_checkpoint(run, "latest")
     assert all(torch.isfinite(v).all() for v in load_file(str(latest / "model.safetensors")).values())
 
 
@@ -386,7 +386,7 @@ def test_resume_with_another_process_count_warns_and_continues(tmp_path, capsys)
     fm.main(tiny_run_args(tmp_path, "world", steps=4) + ["--resume=latest"])
     out = capsys.readouterr().out
     assert "written by 2 processes and is resumed by 1" in out and "resumed from" in out
-    assert common.find_checkpoint(run, "latest").name == "step_00000004"
+    assert checkpoints.find_checkpoint(run, "latest").name == "step_00000004"
 
 
 def free_port():
@@ -441,7 +441,7 @@ def test_killed_run_resumes_with_the_metrics_of_an_uninterrupted_one(tmp_path, m
     run's."""
     args = ["--log.every=2", "--ckpt.every=3", "--log.grad_every=0", "--log.report=false"]
     straight = fm.main(tiny_run_args(tmp_path, "straight", steps=4) + args)
-    saves, save_checkpoint = [], common.save_checkpoint
+    saves, save_checkpoint = [], checkpoints.save_checkpoint
 
     def killed_in_the_second_checkpoint(*a):
         saves.append(1)
@@ -449,10 +449,10 @@ def test_killed_run_resumes_with_the_metrics_of_an_uninterrupted_one(tmp_path, m
             raise KeyboardInterrupt("killed")
         return save_checkpoint(*a)
 
-    monkeypatch.setattr(common, "save_checkpoint", killed_in_the_second_checkpoint)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", killed_in_the_second_checkpoint)
     with pytest.raises(KeyboardInterrupt):
         fm.main(tiny_run_args(tmp_path, "killed", steps=4) + args)
-    monkeypatch.setattr(common, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", save_checkpoint)
     killed = fm.main(tiny_run_args(tmp_path, "killed", steps=4) + args + ["--resume=latest"])
 
     def rows(path):

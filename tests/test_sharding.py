@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 from test_bookkeeping import killed_at_exit, signal_rank_one, train_rows
-from training import config, sharding
+from training import checkpoints, config, sharding
 
 # accumulation (no reduce-scatter on the first micro-batch), the post-hoc EMA, the gradient analysis and a
 # checkpoint at every step; fp32, so the sharded sums differ from DDP's only by fp32 rounding
@@ -156,8 +156,6 @@ def test_a_sharded_run_rolls_back_to_its_sharded_checkpoint(tmp_path, monkeypatc
 def test_a_sharded_checkpoint_is_intact_only_once_its_metadata_is_written(tmp_path):
     """torch.distributed.checkpoint writes .metadata after every rank's shards: without it (a write cut off) the
     checkpoint is not intact and --resume latest falls back to the one before."""
-    import common
-
     for step, complete in ((1, True), (2, False)):
         folder = tmp_path / "checkpoints" / f"step_{step:08d}"
         (folder / "sharded").mkdir(parents=True)
@@ -165,9 +163,9 @@ def test_a_sharded_checkpoint_is_intact_only_once_its_metadata_is_written(tmp_pa
         torch.save({"step": step}, folder / "state.pt")
         if complete:
             (folder / "sharded" / ".metadata").write_bytes(b"metadata")
-    assert common.checkpoint_ok(tmp_path / "checkpoints" / "step_00000001")
-    assert not common.checkpoint_ok(tmp_path / "checkpoints" / "step_00000002")
-    assert common.find_checkpoint(tmp_path, "latest").name == "step_00000001"
+    assert checkpoints.checkpoint_ok(tmp_path / "checkpoints" / "step_00000001")
+    assert not checkpoints.checkpoint_ok(tmp_path / "checkpoints" / "step_00000002")
+    assert checkpoints.find_checkpoint(tmp_path, "latest").name == "step_00000001"
 
 
 @pytest.mark.slow

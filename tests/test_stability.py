@@ -20,8 +20,7 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-import common
-from training import clipping, config, convergence, monitor, smoothing, stability, time_density
+from training import checkpoints, clipping, config, convergence, monitor, smoothing, stability, time_density
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 
@@ -412,7 +411,7 @@ def test_the_importance_weight_reaches_the_backward_pass(tmp_path, monkeypatch, 
 
 def test_loss_spikes_roll_back_at_the_right_step_to_exactly_the_checkpoints_state(tmp_path):
     """The trainers' loop order on a small quadratic model (Monitor, the stability parts: the adaptive density, the
-    adaptive clip, the noise scale at accumulation 2, AdamW, common.save_checkpoint every 8 steps), log
+    adaptive clip, the noise scale at accumulation 2, AdamW, checkpoints.save_checkpoint every 8 steps), log
     every 4 steps, rollback after 3 loss spikes within 40 steps. Spikes (losses x 50) at steps 105, 130, 160
     and 166: at log step 160 only two lie in the window, at 168 three (130, 160, 166): the divergence began in
     the interval 129-132, so it rolls back to step 128, sets aside the checkpoints 136-160 and skips 40 steps of
@@ -443,7 +442,7 @@ def test_loss_spikes_roll_back_at_the_right_step_to_exactly_the_checkpoints_stat
                 "noise": stab.noise_scale.estimate.ema.value.clone(), "loss_state": dict(mon.loss_state)}
 
     def load(ckpt):
-        return common.load_checkpoint(ckpt, model, ema, optimizer, acc)
+        return checkpoints.load_checkpoint(ckpt, model, ema, optimizer, acc)
 
     step, snapshots = 0, {}
     while step < 168:
@@ -470,7 +469,7 @@ def test_loss_spikes_roll_back_at_the_right_step_to_exactly_the_checkpoints_stat
         if step % 8 == 0:
             snapshots[step] = memory()
             state = {"step": step, "config": json.loads(json.dumps(cfg)), **mon.state_dict(), **stab.state_dict()}
-            common.save_checkpoint(acc, tmp_path, step, {"model": model.state_dict(), "ema": ema.state_dict()},
+            checkpoints.save_checkpoint(acc, tmp_path, step, {"model": model.state_dict(), "ema": ema.state_dict()},
                                    optimizer, state, keep=100)
     assert [r["step"] for r in logged if r.get("event") == "loss_spike"] == [105, 130, 160, 166]
     assert (step, stab.rollback.divergence) == (168, 129)
@@ -576,9 +575,9 @@ def test_a_rollback_to_a_preemption_checkpoint_is_kept_there_and_repeats_no_vali
     events = [r for r in rows(run) if r.get("event") == "rollback"]
     assert [(e["step"], e["detected_at"], e["diverged_at"]) for e in events] == [(5, 7, 6)]
     assert [r["step"] for r in rows(run) if "val_loss" in r] == [5, 10] and fid_steps == [5, 10]
-    slopes = common.read_state(ckpts / "step_00000010")["stability"]["slopes"]["history"]
+    slopes = checkpoints.read_state(ckpts / "step_00000010")["stability"]["slopes"]["history"]
     assert [row[0] for row in slopes] == [5, 10]
-    kept = common.read_state(ckpts / "step_00000005")["stability"]["rollback"]
+    kept = checkpoints.read_state(ckpts / "step_00000005")["stability"]["rollback"]
     assert (kept["count"], kept["lr_factor"], kept["data_offset"]) == (1, 0.5, 2)
     AcceleratorState._reset_state(reset_partial_state=True)
     for step in (8, 10):  # preempted again before its next checkpoint
@@ -660,10 +659,10 @@ def test_every_new_state_resumes_bitwise(tmp_path):
     for name in ("model", "ema"):
         a, b = (load_file(str(r / "checkpoints" / "step_00000008" / f"{name}.safetensors")) for r in (straight, resumed))
         assert all(torch.equal(a[k], b[k]) for k in a), name
-    oa, ob = (common.read_optimizer_state(r / "checkpoints" / "step_00000008") for r in (straight, resumed))
+    oa, ob = (checkpoints.read_optimizer_state(r / "checkpoints" / "step_00000008") for r in (straight, resumed))
     for p in oa["state"]:
         assert all(torch.equal(v, ob["state"][p][k]) for k, v in oa["state"][p].items())
-    sa, sb = (common.read_state(r / "checkpoints" / "step_00000008") for r in (straight, resumed))
+    sa, sb = (checkpoints.read_state(r / "checkpoints" / "step_00000008") for r in (straight, resumed))
     # (the validation slopes differ: the 6-step run validated at its last step, the straight one did not)
     without_slopes = lambda st: {k: v for k, v in st["stability"].items() if k != "slopes"}
     assert without_slopes(sa) == without_slopes(sb) and sa["loss_state"] == sb["loss_state"]
@@ -697,13 +696,11 @@ def test_a_rollback_whose_ranks_pick_different_checkpoints_stops_on_every_rank(t
     the same error naming both picks."""
     import types
 
-    import accelerate.utils
-
     cfg = config.load_config(fm.DEFAULTS, ["--train.on_divergence=rollback", f"--run_dir={tmp_path}"],
                              method="flow_matching", schema=fm.CONFIG)
     rollback = stability.Parts(cfg, Accelerator(cpu=True), Quadratic(4), lambda row: None, {}, lambda u: u).rollback
     rollback.accelerator = types.SimpleNamespace(num_processes=2, process_index=0, is_main_process=True)
-    monkeypatch.setattr(accelerate.utils, "gather_object", lambda picks: picks + ["step_00000008"])
+    monkeypatch.setattr(checkpoints, "gather_object", lambda picks: picks + ["step_00000008"])
     rollback.divergence = 12
     with pytest.raises(RuntimeError, match=r"rank 0: none, rank 1: step_00000008"):
         rollback.roll_back(12, None, lambda ckpt: pytest.fail("loaded"))

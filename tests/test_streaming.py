@@ -15,13 +15,14 @@ from safetensors.torch import load_file
 
 from training import cache
 from training import config
-from training import data as data_module
+from training import encoders
 import eval_fid
 import train_flow_matching as fm
 from conftest import DEMO_WORDS, tiny_run_args
 from training.cache import CachedDataset, build_cache
 from training.encoding import cache_size, samples_per_shard
-from training.data import encode_text, make_encode, open_splits
+from training.data import open_splits
+from training.encoders import encode_text, make_encode
 
 SHARDS, PER_SHARD = 8, 32  # 256 samples
 BROKEN = {(1, 5): "jpg", (2, 9): "txt", (4, 0): "empty", (6, 31): "jpg"}  # (shard, index) -> what is wrong
@@ -190,7 +191,7 @@ def test_size_estimate_matches_the_written_cache(wds, tmp_path, tiny_vae, tiny_t
         "--encoders.vae", tiny_vae, "--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8",
         "--data.resolution=16", f"--data.cache_text={str(cache_text).lower()}", "--data.val_shards=[2,8]",
         "--data.encode_batch_size=32", "--data.random_flip=false"]))  # one view per image: rows = samples
-    vae, tokenizer, text_encoder = data_module.load_encoders(cfg.encoders, torch.device("cpu"))
+    vae, tokenizer, text_encoder = encoders.load_encoders(cfg.encoders, torch.device("cpu"))
     encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
     train, _ = open_splits(cfg.data)
     text = "features" if cache_text else "tokens"
@@ -217,13 +218,13 @@ def test_a_cache_that_cannot_fit_is_refused_before_any_work(wds, tmp_path, monke
 
 def test_text_features_at_each_step_equal_the_cached_features(tiny_text_encoder):
     # data.cache_text=false: token ids from the cache, encoded at the step, give what encode_text would have cached.
-    _, tokenizer, encoder = data_module.load_encoders(config.Config({"vae": None, "text_encoder": tiny_text_encoder}),
+    _, tokenizer, encoder = encoders.load_encoders(config.Config({"vae": None, "text_encoder": tiny_text_encoder}),
                                                       torch.device("cpu"))
     captions = ["a small red circle", "large blue", "green square triangle a"]
     encode = make_encode(None, tokenizer, encoder, 8)
     tokens = encode(torch.zeros(3, 3, 4, 4), captions, text="tokens")
     assert tokens["input_ids"].dtype == torch.int32 and tokens["attention_mask"].dtype == torch.uint8
-    batch = data_module.text_features({"x": tokens["x"], "input_ids": tokens["input_ids"],
+    batch = encoders.text_features({"x": tokens["x"], "input_ids": tokens["input_ids"],
                                        "attention_mask": tokens["attention_mask"]}, encoder)
     expected = encode_text(tokenizer, encoder, captions, 8)
     assert "input_ids" not in batch and set(expected) <= set(batch)
@@ -259,7 +260,7 @@ def test_exact_resume_on_a_streamed_cache(wds, tmp_path, tiny_text_encoder, proc
     # The cache those ranks wrote holds the same rows as one built here by one process without workers.
     cfg = config.load_config(fm.DEFAULTS, args("here", 1) + ["--data.cache_dir", str(tmp_path / "here"),
                                                              "--data.num_workers=0"])
-    _, tokenizer, text_encoder = data_module.load_encoders(cfg.encoders, torch.device("cpu"))
+    _, tokenizer, text_encoder = encoders.load_encoders(cfg.encoders, torch.device("cpu"))
     train, _ = open_splits(cfg.data)
     here = build(cfg, train, "train", 1, make_encode(None, tokenizer, text_encoder, 8))
     assert_same_shards(shard_tensors(here), shard_tensors(next((tmp_path / "cache").glob("*-train-*"))))

@@ -9,7 +9,7 @@ from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid, get_2
 from safetensors.torch import load_file
 
 import common
-from training import config
+from training import checkpoints, config
 from training.classes import class_names, read_class_ids
 from training.data import DEMO_CLASSES, draw_shape, make_demo_dataset, preprocess
 from training.model import adapt_state, grid_positions, load_exported, map_classes, resample_pos_embed
@@ -155,8 +155,10 @@ def test_init_from_a_22k_run_maps_each_class_to_its_wordnet_id(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", [fm, ddpm])
-def test_init_from_starts_fresh_and_resume_continues(trainer, tmp_path, capsys):
+def test_init_from_starts_fresh_and_resume_continues(tmp_path, capsys):
+    """The choice between init_from and resume, the resampled grid and the fresh optimizer are model.prepare_model's
+    and model.init_from's, which both trainers call: one trainer here; DDPM's init_from runs in its chain below."""
+    trainer = fm
     low = trainer.main(tiny_run_args(tmp_path, "low", steps=4) + TINY_MODEL + ["--data.resolution=8"])
     high_args = tiny_run_args(tmp_path, "high", steps=3) + TINY_MODEL + [
         "--data.resolution=16", "--objective.shift_base_resolution=8", "--init_from", str(low), "--train.lr=0",
@@ -171,7 +173,7 @@ def test_init_from_starts_fresh_and_resume_continues(trainer, tmp_path, capsys):
     assert report["unexpected"] == [] and report["reshaped"] == []
     # Fresh optimizer and step: the new run counts from 0 (3 steps, not 4 + 3).
     ckpt = high / "checkpoints" / "step_00000003"
-    state, moments = common.read_state(ckpt), common.read_optimizer_state(ckpt)["state"]
+    state, moments = checkpoints.read_state(ckpt), checkpoints.read_optimizer_state(ckpt)["state"]
     assert state["step"] == 3 and next(iter(moments.values()))["step"] == 3
     # Weights and EMA came from the source (lr = 0 leaves the weights as loaded); the grid is the resampled one.
     src, dst = (load_file(str(p / "checkpoints" / name / "model.safetensors"))
@@ -217,7 +219,7 @@ def test_init_from_keeps_the_source_ema(tmp_path):
     raw10 = load_file(str(tuned / "checkpoints" / "step_00000010" / "model.safetensors"))
     lag = sum((ema[k] - raw[k]).double().pow(2).sum() for k in fresh).sqrt()
     assert fresh and lag < 0.5 * sum((raw10[k] - raw[k]).double().pow(2).sum() for k in fresh).sqrt()
-    assert common.read_state(tuned / "checkpoints" / "step_00000020")["ema_inherited"]
+    assert checkpoints.read_state(tuned / "checkpoints" / "step_00000020")["ema_inherited"]
 
 
 @pytest.mark.slow
@@ -279,8 +281,8 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
             assert full.model.pos_embed_transfer == "resample"
         if "22k" in recipe and not recipe.endswith("from22k"):
             assert full.data.num_classes == len(read_class_ids(full.data, None)) == 21841
-        if trainer is ddpm and recipe in TEXT_CHAIN:  # its init_from is model.py's, shared: the flow chain runs it
-            continue  # (DDPM runs the class chain, 22k -> 1k -> 512 px; the suite's time)
+        if (trainer is ddpm) == (recipe in TEXT_CHAIN):  # init_from is model.py's, shared by both trainers: each
+            continue  # runs one chain (flow matching the text chain, DDPM the class chain 22k -> 1k -> 512 px)
         # The tiny version: embedded data, tiny encoders, initialised from the previous tiny run of the chain.
         tiny = ["--config", recipe_file, *tiny_run_args(tmp_path, recipe, steps=2), *TINY_MODEL,
                 "--data.source=embedded", "--data.val_split=null", "--data.image_column=image",

@@ -198,7 +198,8 @@ def test_a_grid_of_one_image_is_padded_and_labelled_like_any_other(tmp_path):
 
 def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_path):
     from training.classes import readable_names
-    from training.data import DEMO_CLASSES, make_demo_dataset, validation_prompts
+    from training.data import DEMO_CLASSES, make_demo_dataset
+    from training.validation import validation_prompts
     import datasets
 
     demo = make_demo_dataset(12, seed=0, resolution=8)
@@ -223,7 +224,8 @@ def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_pat
 
 
 def test_validation_conditions_are_the_encoded_prompts(tiny_text_encoder):
-    from training.data import encode_text, load_encoders, validation_inputs
+    from training.encoders import encode_text, load_encoders
+    from training.validation import validation_inputs
 
     _, tokenizer, encoder = load_encoders(config.Config(vae=None, text_encoder=tiny_text_encoder), "cpu")
     text = encode_text(tokenizer, encoder, ["a red circle", "a blue square", "a green triangle"], 8)

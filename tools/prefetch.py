@@ -9,7 +9,7 @@ A config needs: its dataset (data.source, the split and the held-out split), the
 encoder and tokenizer (encoders.text_encoder), the CLIP model of eval_fid.py's CLIP score for text-to-image
 runs, the Inception network of FID, and the DINOv2 model of FD-DINOv2 when asked (--dino [MODEL], default
 facebook/dinov2-base, for eval_fid.py --dino; or val.fid_dino in the config). Each is fetched through the very call that training or evaluation
-makes (data.open_dataset, data.load_encoders, metrics.clip_scores,
+makes (data.open_dataset, encoders.load_encoders, metrics.clip_scores,
 metrics.dinov2_features), so the offline node finds exactly the files
 it will ask for. Then copy the cache folder to storage the nodes see and run with HF_HUB_OFFLINE=1 and
 HF_DATASETS_OFFLINE=1 (launch/slurm.sbatch sets both). Local folders (an imagefolder, a model saved with
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from training import config  # noqa: E402
 from training import data  # noqa: E402
+from training import encoders  # noqa: E402
 from training import metrics  # noqa: E402
 from training import reference  # noqa: E402
 from training import repa  # noqa: E402
@@ -78,7 +79,7 @@ def fetch(item, cfg, inception_file):
     if key.startswith("encoders."):
         only = config.Config({"vae": None, "text_encoder": None, "max_tokens": cfg.encoders.max_tokens})
         only[key.split(".")[1]] = name
-        data.load_encoders(only, "cpu")
+        encoders.load_encoders(only, "cpu")
         return "loaded"
     if key == "objective.repa_encoder":
         repa.load_encoder(name, "cpu")  # the model and its image processor, as training loads them

@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: eval_fid, sample, the package
 
 from training import ratings  # noqa: E402
+from training.classes import readable_names  # noqa: E402
 
 PAIR_CHOICES = ("left", "right", "tie", "skip")
 STAR_CHOICES = (1, 2, 3, 4, 5, "skip")
@@ -65,7 +66,7 @@ def parse_args(argv=None):
 def generate(item, args):
     """An eval_fid.py output folder of `item` (a run, export or checkpoint folder) with args.num_samples PNGs,
     made by eval_fid.py --generate_only (a folder made before with the same settings is resumed, not redone)."""
-    import eval_fid
+    import eval_fid  # here, not at the top: the rating server starts without torch, and often never generates
 
     item = Path(item)
     run, ckpt = (item.parents[1], item) if (item / "state.pt").is_file() else (item, None)
@@ -99,8 +100,7 @@ def condition_names(side):
     """names(i) -> the condition of sample i in words: 'class 3: blue square' or the prompt."""
     cond, run = side["generation"]["conditioning"], side["run"]
     if "labels" in cond:
-        import sample
-        from training.classes import readable_names
+        import sample  # (torch: class runs only)
 
         source = side["generation"]["model"]
         ckpt = source["source"] if "step" in source else None
@@ -112,7 +112,7 @@ def condition_names(side):
     if Path(prompts).is_file():
         lines = [s.strip() for s in Path(prompts).read_text().splitlines() if s.strip()]
     elif (run / "config.json").is_file():
-        import eval_fid
+        import eval_fid  # (torch: text runs only)
 
         lines = eval_fid.load_prompts(prompts, json.loads((run / "config.json").read_text()))
     else:
@@ -246,7 +246,7 @@ class Study:
     def write_reports(self):
         """Rewrite report.md of each side's run (a training run folder: metrics.jsonl) when votes came since the
         last time, so the votes reach the report (its "Human ratings" section) without a command by hand."""
-        from training.report import write_report
+        from training.report import write_report  # (matplotlib: once votes came)
 
         with self.lock:
             if self.voted == self.reported:

@@ -200,8 +200,7 @@ def resolve_config(method, argv):
     the combination checks). A bad key or value raises config.ConfigError naming it. The one place this tool
     touches the config API."""
     trainer = importlib.import_module(f"train_{method}")
-    return config.load_config(trainer.DEFAULTS, argv, method=method, schema=trainer.CONFIG,
-                              check=getattr(trainer, "check_objective", None))
+    return config.load_config(trainer.DEFAULTS, argv, method=method, schema=trainer.CONFIG)
 
 
 def validate(runs):

@@ -4,7 +4,7 @@ load / miss: process -> cache results"), which both trainers spell out:
     frozen_encoders -> for the training and held-out rows: locate_cache (key -> folder) -> check_cache (each
       rank its share: headers, and the contents of any shard changed since verified) -> hit, or write_cache:
       DecodedShards (decode, crop in DataLoader workers) -> encode here -> write_shards (atomic, checksummed,
-      read back) -> manifest -> CachedDataset; then data.place_encoders
+      read back) -> manifest -> CachedDataset; then encoders.place_encoders
 
 Where the rows come from (sources, streams, preprocessing, encoders) is data.py's; how a row is decoded and
 encoded, and the size estimate, encoding.py's.
@@ -26,10 +26,11 @@ from tqdm.auto import tqdm
 
 from training import repa
 from training.classes import class_names, read_class_ids
-from training.data import (encode_text, expand_braces, is_stream, load_encoders, loader_options, make_encode, stream_shards,
-                           validation_prompts, views_of)
+from training.data import expand_braces, is_stream, loader_options, stream_shards, views_of
+from training.encoders import encode_text, load_encoders, make_encode
 from training.encoding import DecodedShards, cache_size, encoded_rows, human_bytes, samples_per_shard
 from training.monitor import interactive
+from training.validation import validation_prompts
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from training.config import ConfigError
+
 
 def labels_are_the_condition(data):
     """Class-conditional training (ImageNet-22k captions from class names count too): the labels must be classes."""
@@ -82,8 +84,6 @@ def class_folders_match(data, ds):
     0 .. names - 1: a data.num_classes set to another count is refused naming them, before the rows' check or
     read_class_ids would (naming rows, or data.class_ids, which the user never set)."""
     import datasets
-
-    from training.config import ConfigError
 
     feature = (ds.features or {}).get(data.label_column)
     if not isinstance(feature, datasets.ClassLabel) or data.class_ids is not None:

@@ -1,8 +1,8 @@
 """The run's config: a trainer's DEFAULTS <- --config file.json <- --section.key=value, checked at start-up.
 
 The keys are typed in training/sections.py (pydantic models: each key's type, its range or allowed values and
-its one-line description); a trainer adds its objective section and its sampler keys (schema) and names the
-defaults it changes (defaults). Every problem is reported at once, one line each, in one ConfigError, before
+its one-line description); a trainer adds its objective section, its sampler keys and the start-up checks of the
+options it runs (schema), and names the defaults it changes (defaults). Every problem is reported at once, one line each, in one ConfigError, before
 any data is opened or any model is built. `--help` lists every key with its type, default and description from
 the models; `--print_config` prints the resolved config and exits. The rest of the code reads a `Config`.
 """
@@ -142,15 +142,15 @@ def schema_problems(model, cfg, origin):
         return list(out.values())
 
 
-def load_config(defaults, argv=None, method="run", schema=None, check=None):
+def load_config(defaults, argv=None, method="run", schema=None):
     """Resolve the config: the trainer's DEFAULTS, then `--config file.json`, then `--a.b=value` overrides.
 
     Values parse as JSON when they can (`--train.lr=3e-4`, `--data.label_column=null`), else as strings. An
     unset run_dir becomes runs/{method}_{config name} (runs/{method}_demo without one) and "{method}" in
     init_from the trainer's name, so one recipe runs under both trainers side by side. Unknown keys are always
-    problems; `schema` (the trainer's model) marks a trainer's start-up: every value is validated, then the
-    combinations and the files the run needs, then `check(cfg)`, the method's own. All problems raise at once
-    in one ConfigError. `--help` prints every key and `--print_config` the resolved config; both then exit.
+    problems; `schema` (the trainer's model) marks a trainer's start-up: every value is validated, then, once all
+    are valid, the combinations and the files the run needs together with the checks of the options the trainer
+    runs (schema.checks: REPA, sharding, its objective's). All problems raise at once in one ConfigError. `--help` prints every key and `--print_config` the resolved config; both then exit.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
@@ -183,8 +183,8 @@ def load_config(defaults, argv=None, method="run", schema=None, check=None):
         cfg.init_from = cfg.init_from.replace("{method}", method)
     if schema is not None:  # the values beside any unknown key (never merged), combinations once all are right
         problems += schema_problems(schema, cfg, origin)
-        problems += combination_problems(cfg) if not problems else []
-        problems += check(cfg) if check is not None and not problems else []
+        if not problems:
+            problems += combination_problems(cfg) + [p for check in schema.checks for p in check(cfg)]
     if problems:
         raise ConfigError(f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  " + "\n  ".join(problems))
     if print_only:
@@ -214,11 +214,11 @@ def keep_recorded(cfg, skip=(), log=print):
     without a word. What is set now wins (a change on purpose); `skip` and TRAINER_FILLS: keys the trainer resolves
     itself. Each key taken is printed. Reads only the checkpoint's config (memory-mapped state.pt); no checkpoint:
     nothing."""
-    import torch
+    import torch  # here, not at the top: --help, --print_config and the config tools answer without loading torch
 
-    import common
+    from training import checkpoints  # (torch with it)
 
-    ckpt = common.find_checkpoint(cfg.run_dir, cfg.resume) if cfg.resume else None
+    ckpt = checkpoints.find_checkpoint(cfg.run_dir, cfg.resume) if cfg.resume else None
     if ckpt is None:
         return {}
     then = flatten(torch.load(Path(ckpt) / "state.pt", mmap=True, weights_only=True, map_location="cpu")["config"])

@@ -1,12 +1,13 @@
-"""Where images come from (the seed's "Data Loading" stage, up to the cache, which is cache.py's):
+"""Where images come from (the seed's "Data Loading" stage), and the batches the cache gives back:
 
     source (embedded demo, hub id, imagefolder, parquet, webdataset tar stream) -> open_splits (labels checked
       against data.num_classes, read from the data when unset; train / held-out rows sized and announced)
-      (classes.py) -> load_image, preprocess (crop, flip, control metadata) -> encoders (VAE posterior, text features or
-      token ids) -> [cache.py] -> iterate_batches (a pure function of the micro-batch count, for exact resume)
-      and the validation inputs (fixed conditions, noise and held-out batches).
+      (classes.py) -> load_image, preprocess (crop, flip, control metadata) -> [encoders.py: VAE posterior, text
+      features or token ids; encoding.py and cache.py: the cache] -> iterate_batches (a pure function of the
+      micro-batch count, for exact resume) -> training_inputs (a micro-batch's x0 and conditions).
 
-Condition dropout (drop_conditions) is applied when the cache is read, never baked into it.
+Condition dropout (drop_conditions) is applied when the cache is read, never baked into it. The validation
+inputs (fixed conditions, noise and held-out batches) are validation.py's.
 """
 import contextlib
 import difflib
@@ -18,8 +19,11 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from common import ignore_stop_signals
 from training import fashion_mnist
-from training.classes import check_labels, class_count, class_id_list, class_names, labels_are_the_condition, read_class_ids, readable_names
+from training.classes import check_labels, class_count, class_id_list, labels_are_the_condition
+from training.config import ConfigError
+from training.encoders import text_features
 
 # ----------------------------------------------------------------------------------------------------------
 # Embedded demo data: coloured shapes, generated deterministically, offline, in about a second.
@@ -92,8 +96,6 @@ def load_source(source, split):
     the run with one ConfigError naming data.source, what was tried (the local path, then the hub id) and why
     each failed. A path that cannot be a hub id (absolute, ./, ../, ~, a trailing /) is never sent to the hub."""
     import datasets
-
-    from training.config import ConfigError
 
     path = Path(source).expanduser()
     parquet = source.endswith(".parquet") or (path.is_dir() and any(path.glob("**/*.parquet")))
@@ -369,120 +371,7 @@ def stream_heldout(data):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Frozen encoders: a diffusers AutoencoderKL (None: pixel space) and a transformers text encoder (None: class
-# labels), by hub id or local path.
-
-
-def from_pretrained(key, load, name, **kwargs):
-    """load(name, **kwargs) for the model that config key `key` names. A model that is neither a local folder
-    nor in the Hugging Face cache, and cannot be downloaded (an offline node, a gated or misspelt id), stops the
-    run with one line naming the key and the command that fetches it, not a library traceback."""
-    try:
-        return load(name, **kwargs)
-    except OSError as e:  # what diffusers and transformers raise for a model they cannot find
-        from huggingface_hub import constants
-
-        why = str(e).strip().splitlines()[0].rstrip(".") + (" (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "")
-        raise SystemExit(f"{key}='{name}' cannot be loaded: {why}. On a machine with network run `python "
-                         f"tools/prefetch.py --config YOUR_CONFIG` and copy the Hugging Face cache it names (HF_HOME) "
-                         f"here, or set {key} to a local folder.") from None
-
-
-def load_encoders(enc, device):
-    vae = tokenizer = text_encoder = None
-    if enc.vae:
-        from diffusers import AutoencoderKL
-
-        vae = from_pretrained("encoders.vae", AutoencoderKL.from_pretrained, enc.vae, use_safetensors=True)
-        vae = vae.to(device).eval().requires_grad_(False)
-    if enc.text_encoder:
-        from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel, T5EncoderModel
-
-        key, name = "encoders.text_encoder", enc.text_encoder
-        kind = from_pretrained(key, AutoConfig.from_pretrained, name).model_type
-        model_cls = {"clip": CLIPTextModel, "clip_text_model": CLIPTextModel, "t5": T5EncoderModel}.get(kind, AutoModel)
-        tokenizer = from_pretrained(key, AutoTokenizer.from_pretrained, name)
-        text_encoder = from_pretrained(key, model_cls.from_pretrained, name, use_safetensors=True)
-        text_encoder = text_encoder.to(device).eval().requires_grad_(False)
-    return vae, tokenizer, text_encoder
-
-
-def place_encoders(vae, text_encoder, device, encode_each_step):
-    """Once the cache is built: the VAE leaves the GPU (decode() brings it back for validation and FID); the text
-    encoder too, unless it encodes every batch (data.cache_text=false), where it stays on the GPU in bf16: half
-    its memory, and its features come out in fp32 like the cache's (encode_tokens)."""
-    if vae is not None:
-        vae.to("cpu")
-    if text_encoder is not None and encode_each_step:
-        text_encoder.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else text_encoder.dtype)
-    elif text_encoder is not None:
-        text_encoder.to("cpu")
-
-
-def tokenize(tokenizer, captions, max_tokens):
-    tok = tokenizer(captions, padding="max_length", max_length=max_tokens, truncation=True, return_tensors="pt")
-    return tok.input_ids, tok.attention_mask
-
-
-def encode_text(tokenizer, encoder, captions, max_tokens):
-    """Token features for the context stream and a pooled vector (CLIP's pooler, else the masked mean)."""
-    return encode_tokens(encoder, *tokenize(tokenizer, captions, max_tokens))
-
-
-@torch.no_grad()
-def encode_tokens(encoder, input_ids, attention_mask):
-    input_ids, attention_mask = input_ids.to(encoder.device, torch.long), attention_mask.to(encoder.device, torch.long)
-    out = encoder(input_ids=input_ids, attention_mask=attention_mask)
-    mask = attention_mask.float()
-    pooled = getattr(out, "pooler_output", None)
-    if pooled is None:
-        pooled = (out.last_hidden_state * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-    return {"text_tokens": out.last_hidden_state.float(), "text_mask": mask, "text_pooled": pooled.float()}
-
-
-def text_features(batch, text_encoder):
-    """data.cache_text=false: the cache holds token ids, and the frozen text encoder turns them into the
-    features the cache would have held, here, at each step. A batch that holds features passes unchanged."""
-    if "input_ids" in batch:
-        batch.update(encode_tokens(text_encoder, batch.pop("input_ids"), batch.pop("attention_mask")))
-    return batch
-
-
-def make_encode(vae, tokenizer, text_encoder, max_tokens):
-    """The cache's "process" step: pixels in [-1, 1] -> latents (z - shift) * scale with the VAE's own
-    factors, stored as posterior mean and std; captions -> text features, or with text="tokens" only their
-    token ids and mask (data.cache_text=false: 77 x 5 bytes instead of 77 x 768 x 2 for CLIP-L)."""
-
-    @torch.no_grad()
-    def encode(pixels, captions, text="features"):
-        if vae is None:
-            out = {"x": pixels}
-        else:
-            posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-            scale, shift = vae.config.scaling_factor, vae.config.shift_factor or 0.0
-            out = {"x": (posterior.mean - shift) * scale, "x_std": posterior.std * scale}
-        if text_encoder is not None and text == "tokens":
-            input_ids, attention_mask = tokenize(tokenizer, captions, max_tokens)
-            out.update(input_ids=input_ids.int(), attention_mask=attention_mask.to(torch.uint8))
-        elif text_encoder is not None:
-            out.update(encode_text(tokenizer, text_encoder, captions, max_tokens))
-        return out
-
-    return encode
-
-
-@torch.no_grad()
-def decode(vae, x, device=None):
-    """Model space -> pixels in [-1, 1] (inverse of make_encode's scaling). With `device`, an offloaded VAE
-    comes to it for the call and leaves again (encoders stay off the GPU while training)."""
-    if vae is None:
-        return x
-    if device is not None:
-        vae.to(device)
-    out = vae.decode(x.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)).sample
-    if device is not None:
-        vae.cpu()
-    return out
+# Batches: the cache's rows in a resumable order, the loader, and a training micro-batch's inputs.
 
 
 def views_of(data, part):
@@ -536,8 +425,6 @@ def drop_conditions(batch_size, rate, device, generator=None):
 
 def loader_options(data, device):
     """DataLoader settings: workers (which leave stop signals to the trainer), pinned memory on CUDA."""
-    from common import ignore_stop_signals
-
     kwargs = dict(num_workers=data.num_workers, pin_memory=device.type == "cuda", worker_init_fn=ignore_stop_signals)
     if data.num_workers > 0:
         kwargs["prefetch_factor"] = data.prefetch_factor
@@ -545,7 +432,7 @@ def loader_options(data, device):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Validation inputs: fixed conditions and noise for the sample grid, fixed batches for the held-out loss.
+# A micro-batch's conditions: what the conditioner reads, dropped for guidance in training.
 
 COND_FIELDS = ("label", "text_tokens", "text_mask", "text_pooled", "orig_hw", "crop_box", "flip")  # what the conditioner reads
 
@@ -569,56 +456,3 @@ def training_inputs(batch, text_encoder, conditioning, accelerator):
     cond["drop"] = drop_conditions(len(x0), conditioning.semantic_dropout, device)
     cond["drop_controls"] = drop_conditions(len(x0), conditioning.control_dropout, device)
     return batch, x0, cond
-
-def validation_prompts(cfg, train_ds, val_ds):
-    """What each cell of the validation grid shows, in grid order (also written beside the grid). Text runs:
-    the lines of the file val.prompts, else the first held-out captions (label_captions: the held-out rows'
-    class names). Class runs: the names of classes 0, 1, 2, ... (cycled), from the data's class names
-    (ClassLabel, class folders, data.class_ids), else "class k"."""
-    data, n = cfg.data, cfg.val.num_samples
-    if cfg.val.prompts is not None:
-        if not cfg.encoders.text_encoder:
-            raise ValueError(f"val.prompts={cfg.val.prompts!r} is for text-to-image runs (encoders.text_encoder); "
-                             f"a class-conditional run's grid shows its classes in order")
-        path = Path(cfg.val.prompts)
-        if not path.is_file():
-            raise FileNotFoundError(f"val.prompts={cfg.val.prompts!r}: no such file (a text file, one prompt per line)")
-        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-        if not prompts:
-            raise ValueError(f"val.prompts={cfg.val.prompts!r} holds no prompts (one per line)")
-        return prompts[:n]
-    if data.label_captions:
-        names = class_names(data, train_ds)
-        return [names[label] for label in val_ds[:n][data.label_column]]
-    if data.caption_column:
-        return [str(caption) for caption in val_ds[:n][data.caption_column]]
-    ids = read_class_ids(data, train_ds)
-    names = readable_names(ids) if ids else [f"class {k}" for k in range(data.num_classes)]
-    return [names[k % data.num_classes] for k in range(n)]
-
-
-def validation_inputs(val_set, num_samples, num_classes, x_shape, seed, device, text=None):
-    """Fixed conditions and noise for the validation grid: classes in order (0, 1, 2, ...) for class runs,
-    the encoded validation prompts `text` (encode_text of validation_prompts) for text runs; controls (size,
-    crop, flip) from the held-out rows, cycled."""
-    rows = [val_set[i % len(val_set)] for i in range(num_samples)]
-    n = num_samples
-    cond = conditions_of({k: torch.stack([r[k] for r in rows]) for k in rows[0]}, device)
-    if "label" in cond:
-        cond["label"] = torch.arange(n, device=device) % num_classes
-    if text is not None:
-        cond.update({k: v.to(device) for k, v in text.items()})
-    noise = torch.randn((n, *x_shape), generator=torch.Generator().manual_seed(seed)).to(device)
-    return noise, cond
-
-
-def heldout_batches(val_set, num_samples, batch_size, seed, device):
-    """(x0, noise, cond) batches of the first `num_samples` held-out rows with fixed latents draws and noise,
-    so the validation loss of two checkpoints differs only by the model."""
-    gen, n = torch.Generator().manual_seed(seed), min(num_samples, len(val_set))
-    for i in range(0, n, batch_size):
-        rows = [val_set[j] for j in range(i, min(i + batch_size, n))]
-        batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-        x0 = batch["x"] + batch["x_std"] * torch.randn(batch["x"].shape, generator=gen) if "x_std" in batch else batch["x"]
-        noise = torch.randn(x0.shape, generator=gen)
-        yield x0.to(device), noise.to(device), conditions_of(batch, device)

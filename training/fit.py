@@ -22,7 +22,8 @@ import torch
 
 import common
 from training import config, contrastive, repa, sharding
-from training.data import COND_FIELDS, images_in, text_features
+from training.data import COND_FIELDS, images_in
+from training.encoders import text_features
 
 # A micro-batch fits when its probe step succeeds and the memory the allocator reserved at the peak stays under
 # this share of the GPU: the rest is for fragmentation over a long run, validation and the CUDA context.

@@ -15,6 +15,11 @@ from huggingface_hub.errors import HFValidationError
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # owner/name, as the Hub spells repositories
 
 
+def problems(cfg):
+    """push_to_hub's start-up check (handed to the config loader by the trainers: sections.schema)."""
+    return push_problems(cfg.get("push_to_hub"))
+
+
 def push_problems(repo, key="push_to_hub"):
     """The reasons `repo` cannot be pushed to from here, one line each (none: it can); nothing is sent."""
     if not repo:

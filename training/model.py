@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import common
-from training import config, hub, pipeline_export, repa
+from training import checkpoints, config, hub, pipeline_export, repa
 
 # ----------------------------------------------------------------------------------------------------------
 # Conditioning: class tokens or text tokens go to the MMDiT's context stream (attention); the pooled
@@ -285,7 +285,7 @@ def prepare_model(cfg, x_shape, null_text, class_ids, run_dir, accelerator):
     model = build_for_run(cfg, x_shape, null_text)
     ema = copy.deepcopy(model).requires_grad_(False).float()
     ema.inherited = set()  # names of EMA tensors init_from takes from another run's EMA (common.ema_update)
-    ckpt = common.same_checkpoint(common.find_checkpoint(run_dir, cfg.resume), accelerator) if cfg.resume else None
+    ckpt = checkpoints.same_checkpoint(checkpoints.find_checkpoint(run_dir, cfg.resume), accelerator) if cfg.resume else None
     if cfg.init_from and ckpt is None:
         report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print)
         if accelerator.is_main_process:
@@ -410,10 +410,10 @@ def read_weights(source):
 
     folder = hub.local_folder(source)  # a folder, or the hub id of an exported pipeline folder
     if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").exists():
-        folder = common.find_checkpoint(folder, "latest") or folder / "checkpoints"
-    if common.checkpoint_ok(folder):  # on the CPU, and never the optimizer
-        return (common.read_tensors(folder, "model"), common.read_tensors(folder, "ema"),
-                common.read_state(folder).get("class_ids"), folder)
+        folder = checkpoints.find_checkpoint(folder, "latest") or folder / "checkpoints"
+    if checkpoints.checkpoint_ok(folder):  # on the CPU, and never the optimizer
+        return (checkpoints.read_tensors(folder, "model"), checkpoints.read_tensors(folder, "ema"),
+                checkpoints.read_state(folder).get("class_ids"), folder)
     if (folder / "transformer").is_dir() and pipeline_export.conditioner_weights(folder).exists():
         weights = {f"transformer.{k}": v for f in sorted((folder / "transformer").glob("*.safetensors"))
                    for k, v in load_file(str(f), device="cpu").items()}

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 import common
-from training import sharding
+from training import checkpoints, sharding
 from training.model import TRAINING_ONLY, exported_parameters
 
 MAX_STD = 0.28  # reconstruction targets: sigma_rel in (0, MAX_STD]; the profile family ends at 12^-1/2 = 0.2887
@@ -94,7 +94,7 @@ class PowerEMA:
         # the exported model's parameters only (not REPA's projector): the snapshots load into what consumers rebuild
         self.names, self.main = [name for name, _ in exported_parameters(model)], main_process
         # train.sharding="fsdp": every rank holds its shards of every profile (DTensors, sharded like the weights)
-        sharded = common.is_sharded(model)
+        sharded = sharding.is_sharded(model)
         self.profiles = [[p.detach().float().clone() for _, p in exported_parameters(model)] for _ in self.stds] \
             if every and (main_process or sharded) else []
 
@@ -257,7 +257,7 @@ def reconstruct(folder, std, max_images=None, checkpoint=None):
     x, fit_error = solve_coefficients([t for _, t, _, _ in terms], [g for *_, g in terms], t_target, gamma_of_std(std))
     weights, k = {}, 0
     for path, _, stds, _ in snaps:
-        tensors = load_file(str(path)) if path.is_file() else common.read_tensors(path, "phema")  # (sharded: a folder)
+        tensors = load_file(str(path)) if path.is_file() else checkpoints.read_tensors(path, "phema")  # (sharded: a folder)
         for s in stds:
             prefix = f"{s:g}/"
             for key, value in tensors.items():

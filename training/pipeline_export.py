@@ -116,7 +116,7 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
 
 
 def export(ema, cfg, folder, class_ids=None, run_dir=None, phema=None):
-    """write, then push_to_hub (the config's key) when set: checked before the run began (sections)."""
+    """write, then push_to_hub (the config's key) when set: checked before the run began (hub.problems)."""
     repo = cfg.get("push_to_hub")
     folder = write(ema, cfg, folder, class_ids, run_dir, phema, repo)
     if repo:

@@ -25,6 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from training.encoders import from_pretrained
+from training.encoding import human_bytes
+
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # REPA's normalisation for DINOv2
 SPATIAL_GAMMA = 0.6  # iREPA's spatial normalisation: y - gamma mean_n(y), over std_n (its default zscore_alpha)
 
@@ -35,10 +38,8 @@ SPATIAL_GAMMA = 0.6  # iREPA's spatial normalisation: y - gamma mean_n(y), over 
 
 def encoder_config(name):
     """The encoder's transformers config (no weights); a model that cannot be found stops with one line naming
-    objective.repa_encoder (data.from_pretrained)."""
-    from transformers import AutoConfig
-
-    from training.data import from_pretrained
+    objective.repa_encoder (encoders.from_pretrained)."""
+    from transformers import AutoConfig  # here, not at the top: seconds to import, and only REPA runs need it
 
     return from_pretrained("objective.repa_encoder", AutoConfig.from_pretrained, name)
 
@@ -48,9 +49,7 @@ def load_encoder(name, device):
     size, width and pixel normalisation (its image processor's, else ImageNet's, which DINOv2 uses)."""
     from types import SimpleNamespace
 
-    from transformers import AutoImageProcessor, AutoModel
-
-    from training.data import from_pretrained
+    from transformers import AutoImageProcessor, AutoModel  # (REPA runs only)
 
     model = from_pretrained("objective.repa_encoder", AutoModel.from_pretrained, name)
     try:
@@ -94,14 +93,12 @@ def token_grid(cfg, vae_factor=1):
 
 
 def with_targets(encode, cfg, vae, device, log=print):
-    """The cache's encode (data.make_encode) plus "repa": the encoder's targets of the same pixels, stored with
+    """The cache's encode (encoders.make_encode) plus "repa": the encoder's targets of the same pixels, stored with
     each row in data.cache_dtype, when objective.repa_targets is "cache" (else `encode` itself). The encoder is
     loaded at the first call, i.e. only on a cache miss, and says first what the targets cost on disk."""
     obj = cfg["objective"]
     if not obj.get("repa_weight") or obj["repa_targets"] != "cache":
         return encode
-    from training.encoding import human_bytes
-
     grid = token_grid(cfg, 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1)
     encoder = None
 
@@ -213,7 +210,7 @@ def terms(tokens, align):
 
 
 def problems(cfg):
-    """The start-up checks (sections.combination_problems): the block exists, the encoder's config can be read
+    """The start-up checks (handed to the config loader by the trainers: sections.schema): the block exists, the encoder's config can be read
     and is a patch-token image model, and on-the-fly targets have pixels to encode."""
     obj, out = cfg["objective"], []
     if not obj.get("repa_weight"):
@@ -228,7 +225,7 @@ def problems(cfg):
             out.append(f"objective.repa_encoder={obj['repa_encoder']!r} is a {enc.model_type!r} model, not a ViT-like "
                        f"image encoder with patch tokens (its config has no patch_size and hidden_size): use e.g. "
                        f"'facebook/dinov2-base' (the paper's)")
-    except SystemExit as e:  # data.from_pretrained's one line, naming the key
+    except SystemExit as e:  # encoders.from_pretrained's one line, naming the key
         out.append(str(e))
     except Exception as e:
         out.append(f"objective.repa_encoder={obj['repa_encoder']!r}: its config cannot be read ({type(e).__name__}: "

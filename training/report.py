@@ -26,7 +26,7 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
-from training import curves
+from training import curves, ratings
 
 MAX_EVENT_ROWS = 20
 MANIFOLD = ("precision_", "recall_", "density_", "coverage_")  # training/metrics.py, on Inception or DINOv2 features
@@ -303,8 +303,6 @@ def final_rows(series, events):
 
 def evaluation_lines(run_dir):
     """eval_fid.py's reports (one row per output folder) and what the human votes in the run folder say."""
-    from training import ratings
-
     md = []
     reports = sorted(run_dir.glob("eval/*/report.json"))
     if reports:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-import common
+from training import checkpoints
 
 
 def step_of(folder):
@@ -17,14 +17,14 @@ def step_of(folder):
 
 def last_good_checkpoint(run_dir, last_step):
     """The newest intact checkpoint of at most `last_step` steps, and the newer ones (written during the
-    divergence). Checkpoints are run_dir/checkpoints/<name ending in the step>; common.find_checkpoint checks each."""
+    divergence). Checkpoints are run_dir/checkpoints/<name ending in the step>; checkpoints.find_checkpoint checks each."""
     newer = []
     for folder in sorted((Path(run_dir) / "checkpoints").glob("step_*"), key=step_of, reverse=True):
         if step_of(folder) > last_step:
             newer.append(folder)
             continue
         try:
-            return common.find_checkpoint(run_dir, str(folder)), newer
+            return checkpoints.find_checkpoint(run_dir, str(folder)), newer
         except FileNotFoundError:
             print(f"warning: checkpoint {folder} is incomplete or corrupt; trying an earlier one")
     return None, newer
@@ -91,7 +91,7 @@ class Rollback:
 
     def roll_back(self, step, monitor, load):
         """Reload the newest checkpoint from before the divergence on every rank (`load(ckpt)` is the trainer's
-        common.load_checkpoint: weights, EMA, optimizer, RNG), with the monitor's and the stability parts' state
+        checkpoints.load_checkpoint: weights, EMA, optimizer, RNG), with the monitor's and the stability parts' state
         from it (`restore`); keep the rollback count, the lower LR and the skipped data window, in memory and in
         that checkpoint. Returns the step to go on from, whose validation, FID, snapshot and checkpoint are done:
         the loop does not repeat them (a second validation point at one step would skew the slopes)."""
@@ -101,7 +101,7 @@ class Rollback:
             raise FloatingPointError(f"the run diverged at step {start} after {self.count} rollbacks "
                                      f"(train.max_rollbacks={tr.max_rollbacks}); checkpoints in {self.cfg.run_dir}")
         ckpt, newer = last_good_checkpoint(self.cfg.run_dir, start - 1)
-        ckpt = common.same_checkpoint(ckpt, acc)  # a rank that sees none must not leave the others waiting
+        ckpt = checkpoints.same_checkpoint(ckpt, acc)  # a rank that sees none must not leave the others waiting
         if ckpt is None:
             raise FloatingPointError(f"the run diverged at step {start} and has no checkpoint from before it to "
                                      f"roll back to (ckpt.every={self.cfg.ckpt.every})")

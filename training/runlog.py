@@ -184,7 +184,7 @@ class RunLog:
         """The run report (a plotting problem must not fail a finished run), then close the sinks."""
         if self.main and cfg.log.report:
             try:
-                from training import report
+                from training import report  # here, not at the top: matplotlib takes seconds, and most starts end no run
 
                 accelerator.print(f"report: {report.write_report(self.run_dir)}")
             except Exception as e:

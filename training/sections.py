@@ -3,11 +3,9 @@ values, and its one-line description), a trainer's whole schema from them, and t
 cannot work. training/config.py reads a config against these; a trainer adds its own section (schema).
 """
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, Field, create_model
-
-from training import hub, repa, sharding
 
 # ----------------------------------------------------------------------------------------------------------
 # The shared sections, one key a line: its type, default, range (ge, gt, le, lt) or allowed values (Literal)
@@ -188,6 +186,9 @@ class Repa(BaseModel, extra="forbid", strict=True):  # both trainers' objective 
 
 
 class Run(BaseModel, extra="forbid", strict=True):
+    # The start-up checks of the options a trainer runs (REPA, sharding, its objective's, ...): functions cfg ->
+    # [problem], each in the option's own module, handed over by the trainer (schema); this module imports none.
+    checks: ClassVar[tuple] = ()
     run_dir: Str = Field(None, description="None: runs/{method}_{config name}, runs/{method}_demo without one")
     seed: int = Field(0, ge=0, description="each rank adds its index")
     resume: Str = Field(None, description='"latest" (this run_dir\'s newest checkpoint) or a checkpoint folder')
@@ -206,15 +207,18 @@ class Run(BaseModel, extra="forbid", strict=True):
     ckpt: Ckpt = Field(default_factory=Ckpt, description="checkpoints")
 
 
-def schema(objective, sampler):
+def schema(objective, sampler, checks=()):
     """A trainer's whole config: the shared sections with its `objective` section (plus the REPA keys) and its
-    `sampler` keys in val."""
+    `sampler` keys in val, carrying `checks`, the start-up checks of the options it runs (config.load_config runs
+    them with combination_problems, every problem at once)."""
     val = create_model("Val", __base__=Val, **{k: (f.annotation, f) for k, f in sampler.model_fields.items()})
     objective = create_model("Objective", __base__=objective, __doc__=objective.__doc__,
                              **{k: (f.annotation, f) for k, f in Repa.model_fields.items()})
     about = Run.model_fields["val"].description
-    return create_model("Run", __base__=Run, val=(val, Field(default_factory=val, description=about)),
-                        objective=(objective, Field(default_factory=objective, description=objective.__doc__)))
+    run = create_model("Run", __base__=Run, val=(val, Field(default_factory=val, description=about)),
+                       objective=(objective, Field(default_factory=objective, description=objective.__doc__)))
+    run.checks = tuple(checks)
+    return run
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -222,24 +226,10 @@ def schema(objective, sampler):
 
 
 def combination_problems(cfg):
-    """Problems no single key shows: settings that contradict each other or name files that are not there."""
-    d, m, tr, enc, val = cfg["data"], cfg["model"], cfg["train"], cfg["encoders"], cfg["val"]
-    problems, factor = [], 1
-    if enc["vae"]:  # only the VAE's config is read here (no weights)
-        try:
-            from diffusers import AutoencoderKL
-
-            from training.data import from_pretrained
-
-            factor = 2 ** (len(from_pretrained("encoders.vae", AutoencoderKL.load_config, enc["vae"])["block_out_channels"]) - 1)
-        except SystemExit as e:  # data.from_pretrained: a model that cannot be found, in one line
-            problems.append(str(e))
-        except Exception as e:
-            problems.append(f"encoders.vae={enc['vae']!r}: its config cannot be read ({type(e).__name__}: "
-                            f"{str(e).strip().splitlines()[0][:200]})")
-    if d["resolution"] % (m["patch_size"] * factor):
-        problems.append(f"data.resolution={d['resolution']} is not divisible by model.patch_size={m['patch_size']}"
-                        f" x the VAE's downsampling factor {factor}")
+    """Problems no single key shows: settings of the shared sections that contradict each other or name files that
+    are not there. An option's own combinations are its module's (Run.checks)."""
+    d, tr, enc, val = cfg["data"], cfg["train"], cfg["encoders"], cfg["val"]
+    problems = []
     if bool(d["caption_column"] or d["label_captions"]) != bool(enc["text_encoder"]):
         problems.append("encoders.text_encoder goes with data.caption_column (or data.label_captions): set both or neither")
     if d["demo_sizes"] and d["demo_sizes"][0] > d["demo_sizes"][1]:
@@ -266,9 +256,6 @@ def combination_problems(cfg):
     if val["guidance_interval"][0] > val["guidance_interval"][1]:
         problems.append(f"val.guidance_interval={val['guidance_interval']!r} must be [lo, hi] with lo <= hi (noise "
                         f"levels: flow-matching t, 1 = pure noise; [0, 1] guides every step)")
-    problems += sharding.problems(cfg)  # what a sharded run refuses (batch probe, offloaded EMA, fp16)
-    problems += repa.problems(cfg)  # the block exists, the encoder's config reads (training/repa.py)
-    problems += hub.push_problems(cfg.get("push_to_hub"))  # a repo name, network and a token, before any work
     if cfg["ckpt"]["phema_every"] and not cfg["ckpt"]["phema_stds"]:
         problems.append("ckpt.phema_every > 0 tracks the profiles of ckpt.phema_stds: give at least one std, e.g. [0.05, 0.1]")
     if tr["mixed_precision"] == "fp16":

@@ -41,7 +41,8 @@ import common
 
 
 def problems(cfg):
-    """What train.sharding="fsdp" cannot do, each naming its key (sections.combination_problems)."""
+    """What train.sharding="fsdp" cannot do, each naming its key: its start-up check (handed to the config loader by
+    the trainers: sections.schema)."""
     tr, out = cfg["train"], []
     if tr.get("sharding", "ddp") != "fsdp":
         return out
@@ -54,6 +55,11 @@ def problems(cfg):
     if tr["mixed_precision"] == "fp16":
         out.append("train.mixed_precision='fp16' with train.sharding='fsdp': its gradient scaler is DDP's; use 'bf16'")
     return out
+
+
+def is_sharded(module):
+    """Whether `module`'s parameters are sharded (train.sharding="fsdp")."""
+    return any(map(common.is_dtensor, module.parameters()))
 
 
 def full(tensor):
@@ -128,7 +134,7 @@ def full_copy(module, to_cpu=False):
     """`module` itself unless sharded; else an unsharded copy with the gathered weights (a collective: every rank
     calls it): on the device on every rank, or with to_cpu in CPU memory on the main process only (None on the
     others), gathered one tensor at a time."""
-    if not common.is_sharded(module):
+    if not is_sharded(module):
         return module
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -1,0 +1,145 @@
+"""The frozen encoders: a diffusers AutoencoderKL (None: pixel space) and a transformers text encoder (None: class
+labels), by hub id or local path. Loading them (from_pretrained: a model that cannot be found is one line naming
+its config key), where they sit while training runs, tokenising and encoding captions, and the VAE's encoding
+into model space and decoding back to pixels. What the cache stores of them is encoding.py's and cache.py's.
+
+problems(): the start-up check of the encoders section (the VAE's config reads, and data.resolution divides into
+the model's patches at the VAE's downsampling), handed to the config loader by the trainers (sections.schema).
+"""
+import torch
+
+def from_pretrained(key, load, name, **kwargs):
+    """load(name, **kwargs) for the model that config key `key` names. A model that is neither a local folder
+    nor in the Hugging Face cache, and cannot be downloaded (an offline node, a gated or misspelt id), stops the
+    run with one line naming the key and the command that fetches it, not a library traceback."""
+    try:
+        return load(name, **kwargs)
+    except OSError as e:  # what diffusers and transformers raise for a model they cannot find
+        from huggingface_hub import constants
+
+        why = str(e).strip().splitlines()[0].rstrip(".") + (" (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "")
+        raise SystemExit(f"{key}='{name}' cannot be loaded: {why}. On a machine with network run `python "
+                         f"tools/prefetch.py --config YOUR_CONFIG` and copy the Hugging Face cache it names (HF_HOME) "
+                         f"here, or set {key} to a local folder.") from None
+
+
+def load_encoders(enc, device):
+    vae = tokenizer = text_encoder = None
+    if enc.vae:
+        from diffusers import AutoencoderKL  # here, not at the top: seconds to import, and only latent runs need it
+
+        vae = from_pretrained("encoders.vae", AutoencoderKL.from_pretrained, enc.vae, use_safetensors=True)
+        vae = vae.to(device).eval().requires_grad_(False)
+    if enc.text_encoder:
+        from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel, T5EncoderModel  # (text runs only)
+
+        key, name = "encoders.text_encoder", enc.text_encoder
+        kind = from_pretrained(key, AutoConfig.from_pretrained, name).model_type
+        model_cls = {"clip": CLIPTextModel, "clip_text_model": CLIPTextModel, "t5": T5EncoderModel}.get(kind, AutoModel)
+        tokenizer = from_pretrained(key, AutoTokenizer.from_pretrained, name)
+        text_encoder = from_pretrained(key, model_cls.from_pretrained, name, use_safetensors=True)
+        text_encoder = text_encoder.to(device).eval().requires_grad_(False)
+    return vae, tokenizer, text_encoder
+
+
+def place_encoders(vae, text_encoder, device, encode_each_step):
+    """Once the cache is built: the VAE leaves the GPU (decode() brings it back for validation and FID); the text
+    encoder too, unless it encodes every batch (data.cache_text=false), where it stays on the GPU in bf16: half
+    its memory, and its features come out in fp32 like the cache's (encode_tokens)."""
+    if vae is not None:
+        vae.to("cpu")
+    if text_encoder is not None and encode_each_step:
+        text_encoder.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else text_encoder.dtype)
+    elif text_encoder is not None:
+        text_encoder.to("cpu")
+
+
+def tokenize(tokenizer, captions, max_tokens):
+    tok = tokenizer(captions, padding="max_length", max_length=max_tokens, truncation=True, return_tensors="pt")
+    return tok.input_ids, tok.attention_mask
+
+
+def encode_text(tokenizer, encoder, captions, max_tokens):
+    """Token features for the context stream and a pooled vector (CLIP's pooler, else the masked mean)."""
+    return encode_tokens(encoder, *tokenize(tokenizer, captions, max_tokens))
+
+
+@torch.no_grad()
+def encode_tokens(encoder, input_ids, attention_mask):
+    input_ids, attention_mask = input_ids.to(encoder.device, torch.long), attention_mask.to(encoder.device, torch.long)
+    out = encoder(input_ids=input_ids, attention_mask=attention_mask)
+    mask = attention_mask.float()
+    pooled = getattr(out, "pooler_output", None)
+    if pooled is None:
+        pooled = (out.last_hidden_state * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    return {"text_tokens": out.last_hidden_state.float(), "text_mask": mask, "text_pooled": pooled.float()}
+
+
+def text_features(batch, text_encoder):
+    """data.cache_text=false: the cache holds token ids, and the frozen text encoder turns them into the
+    features the cache would have held, here, at each step. A batch that holds features passes unchanged."""
+    if "input_ids" in batch:
+        batch.update(encode_tokens(text_encoder, batch.pop("input_ids"), batch.pop("attention_mask")))
+    return batch
+
+
+def make_encode(vae, tokenizer, text_encoder, max_tokens):
+    """The cache's "process" step: pixels in [-1, 1] -> latents (z - shift) * scale with the VAE's own
+    factors, stored as posterior mean and std; captions -> text features, or with text="tokens" only their
+    token ids and mask (data.cache_text=false: 77 x 5 bytes instead of 77 x 768 x 2 for CLIP-L)."""
+
+    @torch.no_grad()
+    def encode(pixels, captions, text="features"):
+        if vae is None:
+            out = {"x": pixels}
+        else:
+            posterior = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+            scale, shift = vae.config.scaling_factor, vae.config.shift_factor or 0.0
+            out = {"x": (posterior.mean - shift) * scale, "x_std": posterior.std * scale}
+        if text_encoder is not None and text == "tokens":
+            input_ids, attention_mask = tokenize(tokenizer, captions, max_tokens)
+            out.update(input_ids=input_ids.int(), attention_mask=attention_mask.to(torch.uint8))
+        elif text_encoder is not None:
+            out.update(encode_text(tokenizer, text_encoder, captions, max_tokens))
+        return out
+
+    return encode
+
+
+@torch.no_grad()
+def decode(vae, x, device=None):
+    """Model space -> pixels in [-1, 1] (inverse of make_encode's scaling). With `device`, an offloaded VAE
+    comes to it for the call and leaves again (encoders stay off the GPU while training)."""
+    if vae is None:
+        return x
+    if device is not None:
+        vae.to(device)
+    out = vae.decode(x.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)).sample
+    if device is not None:
+        vae.cpu()
+    return out
+
+
+def vae_factor(name):
+    """The VAE's downsampling factor, 2^(levels - 1), from its config alone (no weights)."""
+    from diffusers import AutoencoderKL  # here, not at the top: diffusers takes seconds to import, pixel runs never do
+
+    return 2 ** (len(from_pretrained("encoders.vae", AutoencoderKL.load_config, name)["block_out_channels"]) - 1)
+
+
+def problems(cfg):
+    """The encoders' start-up check: the VAE's config can be read (only the config: no weights), and data.resolution
+    is a whole number of the model's patches at the VAE's downsampling factor (1 in pixel space)."""
+    d, m, enc, out, factor = cfg["data"], cfg["model"], cfg["encoders"], [], 1
+    if enc["vae"]:
+        try:
+            factor = vae_factor(enc["vae"])
+        except SystemExit as e:  # from_pretrained: a model that cannot be found, in one line
+            out.append(str(e))
+        except Exception as e:
+            out.append(f"encoders.vae={enc['vae']!r}: its config cannot be read ({type(e).__name__}: "
+                       f"{str(e).strip().splitlines()[0][:200]})")
+    if d["resolution"] % (m["patch_size"] * factor):
+        out.append(f"data.resolution={d['resolution']} is not divisible by model.patch_size={m['patch_size']}"
+                   f" x the VAE's downsampling factor {factor}")
+    return out
