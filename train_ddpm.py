@@ -38,6 +38,7 @@ from training.data import iterate_batches, loader_options, open_splits, training
 from training.encoders import decode, place_encoders
 from training.model import export, guided, prepare_model
 from training.monitor import Monitor
+from training.optimizers import make_optimizer, skip_update_if_nonfinite
 from training.phema import PowerEMA
 
 # ----------------------------------------------------------------------------------------------------------
@@ -381,7 +382,7 @@ def main(argv=None):
     model, ema, ckpt = prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
     # rank 0's weights on every rank; train.sharding="fsdp": model and EMA sharded block by block (training/sharding.py)
     model, ema = sharding.shard(model, ema, cfg, accelerator)
-    optimizer = common.make_optimizer(model, tr)  # fused AdamW (weight_decay 0 = Adam, the paper's), or Muon + AdamW
+    optimizer = make_optimizer(model, tr)  # fused AdamW (weight_decay 0 = Adam, the paper's), or Muon + AdamW
     ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
     # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe
     phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or
@@ -470,7 +471,7 @@ def main(argv=None):
         # the device so the host never waits for it. The norm is of the all-reduced gradients, so every rank
         # decides the same. The step still counts: the data position and the LR stay pure functions of it.
         finite = torch.isfinite(grad_norm)
-        common.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
+        skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.step()
         monitor.optimizer_step(grad_norm, finite, stab.clip.threshold)  # on analysis steps it reads the gradients
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay views of DDP's buckets, one copy

@@ -67,7 +67,7 @@ import gpu_throughput  # noqa: E402
 import sizing  # noqa: E402
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
-from training import checkpoints, config, sharding  # noqa: E402
+from training import checkpoints, config, optimizers, sharding  # noqa: E402
 from training.model import build_denoiser  # noqa: E402
 
 TRAINERS = {"flow_matching": train_flow_matching, "ddpm": train_ddpm}
@@ -132,7 +132,7 @@ def check(name, args, overrides):
     for module in model.transformer.transformer_blocks if sharded else [model]:  # as the trainers: in place, the
         module.compile(backend=args.compile_backend)  # whole model before DDP wraps it, or each block before sharding
     model, ema = sharding.shard(model, ema, cfg, accelerator)
-    optimizer = common.make_optimizer(model, tr)
+    optimizer = optimizers.make_optimizer(model, tr)
     model, optimizer = sharding.prepare(model, optimizer, accelerator, tr)
     raw = accelerator.unwrap_model(model)
     sample_time, loss_of = objective(trainer, cfg, device)
@@ -147,7 +147,7 @@ def check(name, args, overrides):
                 accelerator.backward(loss.mean() / tr.grad_accum)
         grad_norm = sharding.full(accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip))
         finite = torch.isfinite(grad_norm)
-        common.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
+        optimizers.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         common.ema_update(ema, raw, tr.ema_decay, step, applied=finite)

@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from training import config  # noqa: E402
+from training import config, optimizers  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from training.model import build_denoiser  # noqa: E402
 
@@ -80,7 +80,7 @@ def train_step(model, forward, optimizer, ema, x0, cond, step, bf16, accum=1):
             loss = fm.flow_matching_loss(forward, x0, cond, torch.rand(len(x0), device=x0.device), torch.randn_like(x0))
         (loss.mean() / accum).backward()
     finite = torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-    common.skip_update_if_nonfinite(optimizer, finite)
+    optimizers.skip_update_if_nonfinite(optimizer, finite)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     common.ema_update(ema, model, 0.9999, step, applied=finite)
@@ -107,7 +107,7 @@ def measure_training(cfg, x0, cond, text_dims, device, compile, checkpointing, s
         torch.cuda.reset_peak_memory_stats(device)
     model = build(cfg, x0, text_dims, device, checkpointing)
     ema = copy.deepcopy(model).requires_grad_(False)
-    optimizer = common.make_optimizer(model, cfg.train)
+    optimizer = optimizers.make_optimizer(model, cfg.train)
     forward = torch.compile(model) if compile else model
     for i in range(warmup):
         train_step(model, forward, optimizer, ema, x0, cond, i, bf16, cfg.train.grad_accum)

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 from training import config  # noqa: E402
-from training import monitor  # noqa: E402
+from training import monitor, optimizers  # noqa: E402
 from training.model import build_denoiser  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 
@@ -33,7 +33,7 @@ def same_model_and_batch(cfg):
     model = build_denoiser(cfg, 3, cfg.data.resolution)
     b, r = cfg.train.batch_size, cfg.data.resolution
     cond = {"label": torch.randint(0, cfg.data.num_classes, (b,)), "drop": torch.zeros(b, dtype=torch.bool)}
-    return model, common.make_optimizer(model, cfg.train), torch.randn(b, 3, r, r), torch.randn(b, 3, r, r), cond
+    return model, optimizers.make_optimizer(model, cfg.train), torch.randn(b, 3, r, r), torch.randn(b, 3, r, r), cond
 
 
 def bare_loop(cfg):
@@ -74,7 +74,7 @@ def parts(cfg, train_set, repeats=20):
 
     steps = {
         "forward + backward (both loops)": forward_backward,
-        "fused AdamW step, device-side skip (both loops)": lambda: (common.skip_update_if_nonfinite(opt, finite), opt.step()),
+        "fused AdamW step, device-side skip (both loops)": lambda: (optimizers.skip_update_if_nonfinite(opt, finite), opt.step()),
         "gradient clipping (norm, then scale)": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), tr.grad_clip),
         "EMA (foreach lerp, the skip flag as weight)": lambda: common.ema_update(ema, model, tr.ema_decay, 1000, finite),
         "reading a micro-batch from the cache": lambda: next(batches),

@@ -19,7 +19,7 @@ import common
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 from test_config import no_work  # noqa: F401  (fixture)
-from training import config, encoders, fit
+from training import config, encoders, fit, optimizers
 from training.model import Denoiser, build_for_run
 
 
@@ -121,7 +121,7 @@ def tiny_run(tmp_path, *args):
                                            "--model.attention_head_dim=16", f"--run_dir={tmp_path}", *args])
     torch.manual_seed(0)
     model = build_for_run(cfg, (3, 16, 16))
-    return cfg, common.make_accelerator("no"), model, common.make_optimizer(model, cfg.train)  # before prepare
+    return cfg, common.make_accelerator("no"), model, optimizers.make_optimizer(model, cfg.train)  # before prepare
 
 
 def test_the_probe_chooses_the_largest_divisor_below_the_limit_and_changes_nothing(tmp_path, monkeypatch):

@@ -6,10 +6,9 @@ import copy
 import pytest
 import torch
 
-import common
 import train_flow_matching as fm
 from conftest import tiny_run_args
-from training import config, fit, muon
+from training import config, fit, muon, optimizers
 from training.model import build_denoiser
 
 
@@ -48,7 +47,7 @@ def test_the_blocks_matrices_go_to_muon_and_everything_else_to_adamw():
 def test_a_step_equals_torch_muon_and_adamw_called_directly_on_the_same_groups():
     model, tr = tiny(muon_lr=3e-3, lr=1e-3)
     twin = copy.deepcopy(model)
-    ours = common.make_optimizer(model, tr)
+    ours = optimizers.make_optimizer(model, tr)
     split = muon.split(twin)
     direct = [torch.optim.Muon([p for _, p in split[0]], lr=3e-3, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"),
               torch.optim.AdamW([p for _, p in split[1]], lr=1e-3, betas=tuple(tr.betas), weight_decay=0.01, fused=True)]
@@ -56,7 +55,7 @@ def test_a_step_equals_torch_muon_and_adamw_called_directly_on_the_same_groups()
         fit.set_lr(ours, lr)
         direct[0].param_groups[0]["lr"], direct[1].param_groups[0]["lr"] = 3 * lr, lr
         backward(model, step), backward(twin, step)
-        common.skip_update_if_nonfinite(ours, torch.tensor(True))  # the trainers' path: found_inf = 0
+        optimizers.skip_update_if_nonfinite(ours, torch.tensor(True))  # the trainers' path: found_inf = 0
         ours.step()
         for opt in direct:
             opt.step()
@@ -67,18 +66,18 @@ def test_a_step_equals_torch_muon_and_adamw_called_directly_on_the_same_groups()
 
 def test_a_nonfinite_step_leaves_weights_and_state_bitwise_unchanged():
     model, tr = tiny()
-    opt = common.make_optimizer(model, tr)
+    opt = optimizers.make_optimizer(model, tr)
     for first in (True, False):  # before any state exists, and after a real step
         if not first:
             backward(model, 0)
-            common.skip_update_if_nonfinite(opt, torch.tensor(True))
+            optimizers.skip_update_if_nonfinite(opt, torch.tensor(True))
             opt.step()
             opt.zero_grad()
         weights = [p.detach().clone() for p in model.parameters()]
         states = copy.deepcopy(opt.state_dict()["state"])
         backward(model, 1)
         next(p for name, p in muon.split(model)[0]).grad[0, 0] = float("nan")
-        common.skip_update_if_nonfinite(opt, torch.tensor(False))
+        optimizers.skip_update_if_nonfinite(opt, torch.tensor(False))
         opt.step()
         opt.zero_grad()
         assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
@@ -90,7 +89,7 @@ def test_a_nonfinite_step_leaves_weights_and_state_bitwise_unchanged():
 
 def test_the_momentum_and_moments_travel_through_state_dict():
     model, tr = tiny(muon_lr=2e-3, lr=1e-3)
-    opt = common.make_optimizer(model, tr)
+    opt = optimizers.make_optimizer(model, tr)
     for step in range(2):
         backward(model, step)
         opt.step()

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
 from training import config
-from training import monitor
+from training import monitor, optimizers
 from conftest import tiny_run_args
 
 
@@ -122,14 +122,14 @@ def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
     ema = copy.deepcopy(model)
-    optimizer = common.make_optimizer(model, tr)
+    optimizer = optimizers.make_optimizer(model, tr)
 
     def train_step(step, poison):
         model(torch.randn(5, 4)).pow(2).mean().backward()
         if poison:
             model[1].weight.grad[0, 0] = float("nan")
         finite = torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-        common.skip_update_if_nonfinite(optimizer, finite)
+        optimizers.skip_update_if_nonfinite(optimizer, finite)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         common.ema_update(ema, model, 0.9, step, applied=finite)

@@ -23,7 +23,7 @@ Jordan's ("typically work well. Only the learning rate and weight decay must be 
 decay, batch scaling, a rollback's cut) multiplies both LRs alike: the Muon group carries lr_ratio = muon_lr / lr,
 which fit.set_lr applies.
 
-The skip of a non-finite step, on the device (common.skip_update_if_nonfinite sets `found_inf`): the fused AdamW
+The skip of a non-finite step, on the device (optimizers.skip_update_if_nonfinite sets `found_inf`): the fused AdamW
 skips by itself; torch.optim.Muon has no such input, so its weights and momentum buffers are copied before its step
 and put back by torch.where(found_inf, copy, new) after it. No host sync. The cost: a transient copy of the Muon
 group's weights and momentum (8 bytes per Muon parameter, freed after the step) and three elementwise passes over
