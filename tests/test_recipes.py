@@ -12,7 +12,8 @@ import train_ddpm
 import train_flow_matching
 from conftest import ROOT
 
-RECIPES = sorted(p for p in (ROOT / "configs").glob("*.json") if not p.name.startswith("sweep_"))  # sweeps: test_sweep.py
+RECIPES = sorted(p for p in (ROOT / "configs").glob("*.json")  # sweeps: test_sweep.py; reference curves: test_curves.py
+                 if not p.name.startswith("sweep_") and not p.name.endswith(".curves.json"))
 TRAINERS = {"flow_matching": train_flow_matching.DEFAULTS, "ddpm": train_ddpm.DEFAULTS}
 
 

@@ -31,7 +31,7 @@ them, small next to the 5 Newton-Schulz iterations (about 6 matmuls each per mat
 per parameter (4 bytes) where Adam keeps two.
 
 Checkpoints: one torch.optim.Optimizer whose param_groups are [Muon's, AdamW's] and whose `state` the two share, so
-its state_dict is the usual one (integer parameter ids, tensors only) and common.save_checkpoint / load_checkpoint
+its state_dict is the usual one (integer parameter ids, tensors only) and checkpoints.save_checkpoint / load_checkpoint
 write and read it as they do AdamW's: the momentum buffers resume exactly.
 
 Refused at start-up (problems): a torch without torch.optim.Muon (new in 2.9; requirements.txt keeps torch>=2.6
