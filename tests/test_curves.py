@@ -140,3 +140,21 @@ def test_the_report_draws_the_run_over_the_band(reference_file, tmp_path):
     (run / "config.json").write_text(json.dumps(cfg))
     md = report.write_report(run).read_text()
     assert (run / "report" / "reference.png").is_file() and "![Against the reference run](report/reference.png)" in md
+
+
+@pytest.mark.parametrize("trainer", ["flow_matching", "ddpm"])
+def test_the_shipped_reference_matches_its_recipe(trainer, monkeypatch):
+    """configs/fashion_mnist.json names its curves: both trainers find their method's band, made by at least 3 seeds
+    of exactly the recipe's settings (a recipe changed without new curves would warn on every run), and the band
+    holds every held-out loss bin at each validation."""
+    import train_ddpm
+    module = {"flow_matching": train_flow_matching, "ddpm": train_ddpm}[trainer]
+    monkeypatch.chdir(ROOT)  # the recipe names the file from the repository's root, as its commands run
+    cfg = config.load_config(module.DEFAULTS, ["--config", "configs/fashion_mnist.json"], method=trainer,
+                             schema=module.CONFIG)
+    reference = curves.load(cfg)
+    assert len(set(reference["seeds"])) >= 3 and curves.differences(reference, cfg) == []
+    steps = list(range(cfg.val.every, cfg.train.max_steps + 1, cfg.val.every))
+    for key in ["val_loss", *(f"val_loss_t{i}" for i in range(5))]:
+        assert [row[0] for row in reference["curves"][key]] == steps
+        assert all(lo <= mean <= hi for _, lo, mean, hi in reference["curves"][key])

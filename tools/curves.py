@@ -25,8 +25,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     cfgs = [json.loads((Path(r) / "config.json").read_text()) for r in args.runs]
     methods = {curves.method_of(c) for c in cfgs}
+    # Keys only some runs have were added to the trainers between them (a new key defaults to the old behaviour).
     others = {k for c in cfgs[1:] for k in ("data", "model", "train", "objective", "conditioning")
-              if c[k] != cfgs[0][k]}
+              if any(c[k][key] != cfgs[0][k][key] for key in c[k].keys() & cfgs[0][k].keys())}
     if len(methods) > 1 or others:
         sys.exit(f"tools/curves.py: the runs must differ only in their seed; they differ in "
                  f"{sorted(others) or 'their method'}")
