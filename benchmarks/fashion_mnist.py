@@ -83,7 +83,7 @@ def ours(args):
 def first_samples(final, out, args):
     """Score the first --curve_samples of the final samples on their own: the same images a run of that size
     would make (sample i's noise depends on i alone), so the 100% point of the quality curve and the peer's
-    score (sampled at that size: dopri5 costs about 0.8 CPU s a sample) compare at equal sample counts."""
+    score (sampled at that size: its dopri5 took about 2 CPU s a sample once trained) compare at equal sample counts."""
     if (out / "report.json").is_file():
         return
     (out / "samples").mkdir(parents=True, exist_ok=True)
