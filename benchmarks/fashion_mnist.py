@@ -101,20 +101,8 @@ def first_samples(final, out, args):
 # for the data (Fashion-MNIST's training split) and the stopping rule (equal CPU time, or its 10 epochs). -------
 
 
-def peer(args):
-    from torchcfm.conditional_flow_matching import ConditionalFlowMatcher
-    from torchcfm.models.unet import UNetModel
-    import torchdiffeq
-
-    out = Path(args.out) / f"torchcfm_s{args.seed}"
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    images, labels = fashion_mnist.split_arrays("train")
-    x_all = torch.from_numpy(images).float().div(127.5).sub(1).unsqueeze(1)  # ToTensor + Normalize((0.5,), (0.5,))
-    y_all = torch.from_numpy(labels).long()
-    model = UNetModel(dim=(1, 28, 28), num_channels=32, num_res_blocks=1, num_classes=10, class_cond=True)
-    optimizer = torch.optim.Adam(model.parameters())  # the example's: Adam at its default lr 1e-3
-    fm = ConditionalFlowMatcher(sigma=0.0)
+def peer_train(args, model, optimizer, fm, x_all, y_all):
+    """The example's loop: Adam, batch 128, 10 epochs or --cpu_seconds of this process's CPU, whichever first."""
     start, step, log = cpu_seconds(), 0, []
     for epoch in range(10):  # the example's n_epochs
         for idx in torch.randperm(len(x_all)).split(128):  # batch_size 128, shuffled
@@ -135,10 +123,34 @@ def peer(args):
         else:
             continue
         break
-    train_cpu = cpu_seconds() - start
+    return step, cpu_seconds() - start, log
+
+
+def peer(args):
+    from torchcfm.conditional_flow_matching import ConditionalFlowMatcher
+    from torchcfm.models.unet import UNetModel
+    import torchdiffeq
+
+    out = Path(args.out) / f"torchcfm_s{args.seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    images, labels = fashion_mnist.split_arrays("train")
+    x_all = torch.from_numpy(images).float().div(127.5).sub(1).unsqueeze(1)  # ToTensor + Normalize((0.5,), (0.5,))
+    y_all = torch.from_numpy(labels).long()
+    model = UNetModel(dim=(1, 28, 28), num_channels=32, num_res_blocks=1, num_classes=10, class_cond=True)
+    optimizer = torch.optim.Adam(model.parameters())  # the example's: Adam at its default lr 1e-3
+    fm = ConditionalFlowMatcher(sigma=0.0)
+    trained = out / "model.pt"  # the trained peer, so that a stopped benchmark resumes at sampling
+    if trained.exists():
+        saved = torch.load(trained)
+        model.load_state_dict(saved.pop("model"))
+        step, train_cpu, log = saved["step"], saved["train_cpu_seconds"], saved["log"]
+    else:
+        step, train_cpu, log = peer_train(args, model, optimizer, fm, x_all, y_all)
+        torch.save({"model": model.state_dict(), "step": step, "train_cpu_seconds": train_cpu, "log": log}, trained)
     # Sampling as the example does: dopri5 from noise (t = 0) to data (t = 1), atol = rtol = 1e-4, class i % 10.
     model.eval()
-    samples, nfe = [], [0]
+    samples, nfe, sampled = [], [0], 0
 
     def velocity(t, x, y):
         nfe[0] += 1
@@ -146,15 +158,21 @@ def peer(args):
     with torch.no_grad():
         for first in range(0, args.num_samples, 250):
             n = min(250, args.num_samples - first)
+            batch_file = out / f"samples_{first:06d}_{n}.npy"  # each batch kept: sampling resumes where it stopped
+            if batch_file.exists():
+                samples.append(np.load(batch_file))
+                continue
             y = torch.arange(first, first + n) % 10
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + first)
             x = torchdiffeq.odeint(lambda t, x: velocity(t, x, y), torch.randn(n, 1, 28, 28, generator=g),
                                    torch.linspace(0, 1, 2), atol=1e-4, rtol=1e-4, method="dopri5")[-1]
             samples.append(x.clamp(-1, 1).add(1).mul(127.5).round().byte().squeeze(1).numpy())
+            np.save(batch_file, samples[-1])
+            sampled += 1
             print(f"torchcfm samples {first + n}/{args.num_samples}", flush=True)
     images = np.repeat(np.concatenate(samples)[..., None], 3, axis=3)  # grey -> RGB, as load_image converts
     metrics = score_images(images, args)
-    result = {"steps": step, "train_cpu_seconds": train_cpu, "nfe_per_batch": nfe[0] / -(-args.num_samples // 250),
+    result = {"steps": step, "train_cpu_seconds": train_cpu, "nfe_per_batch": nfe[0] / max(sampled, 1),
               "metrics": metrics, "num_samples": args.num_samples, "log": log}
     (out / "result.json").write_text(json.dumps(result, indent=1))
     with open(out / "quality.jsonl", "a") as f:
