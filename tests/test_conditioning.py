@@ -53,7 +53,9 @@ def test_each_control_acts_on_its_own_schedule(mode):
     (p = 0, the defaults) act at pure noise already. The adanorm baseline (w = 1) lets every control act there."""
     model, x = tiny_model(mode), torch.randn(3, 3, 8, 8)
     assert model.conditioner.controls == {"size": 1.0, "crop": 0.0, "flip": 0.0}  # the defaults
-    moved = {"size": {"orig_hw": torch.full((3, 2), 1000)}, "crop": {"crop_box": torch.zeros(3, 4, dtype=torch.long)},
+    # size: the original twice as large, the same relative crop (the crop control reads the box / the short side)
+    moved = {"size": {"orig_hw": batch()["orig_hw"] * 2, "crop_box": batch()["crop_box"] * 2},
+             "crop": {"crop_box": torch.zeros(3, 4, dtype=torch.long)},
              "flip": {"flip": 1 - batch()["flip"]}}
     for name, change in moved.items():
         with torch.no_grad():
@@ -64,6 +66,34 @@ def test_each_control_acts_on_its_own_schedule(mode):
             assert torch.equal(*at[1000.0])  # exactly: w(1) = 0
         else:
             assert not torch.allclose(*at[1000.0], rtol=0, atol=1e-4), name
+
+
+@pytest.mark.parametrize("t,moves", [(1000.0, False), (500.0, True)])
+def test_the_crop_carries_no_size(t, moves):
+    """Issue 42: the crop control says where and how much of the original is shown, relative to its short side, so
+    the original size reaches the model only through its own gated control. In the disentangled mode with the
+    paper's schedule (size p = 1, crop p = 0), the whole image of a 32 px and of an 8 px original (the same
+    relative crop) give exactly the same output at pure noise (t = 1, the first sampling step); at t = 0.5 the size
+    control acts. A crop in original pixels (the old form) says 8 px at t = 1 and fails the first case."""
+    model, x = tiny_model("disentangled", ("size", "crop")), torch.randn(3, 3, 8, 8)
+    assert model.conditioner.controls == {"size": 1.0, "crop": 0.0}
+    big = {**batch(), "orig_hw": torch.tensor([[32, 32]] * 3), "crop_box": torch.tensor([[0, 0, 32, 32]] * 3)}
+    small = {**big, "orig_hw": torch.tensor([[8, 8]] * 3), "crop_box": torch.tensor([[0, 0, 8, 8]] * 3)}
+    with torch.no_grad():
+        a, b = model(x, torch.full((3,), t), big), model(x, torch.full((3,), t), small)
+    assert torch.equal(a, b) != moves
+    if moves:
+        assert (a - b).norm() / a.norm() > 1e-3
+
+
+def test_a_checkpoint_with_the_pixel_crop_fails_to_load():
+    """The crop's MLP reads 3 scalars, no longer 4 pixel values: an old checkpoint fails loudly, not silently."""
+    model = tiny_model("disentangled", ("size", "crop"))
+    state = model.state_dict()
+    old = state["conditioner.control_mlp.crop.0.weight"]
+    state["conditioner.control_mlp.crop.0.weight"] = torch.zeros(old.shape[0], 64 * 4)
+    with pytest.raises(RuntimeError, match="control_mlp.crop"):
+        model.load_state_dict(state)
 
 
 FAIR_RATIO = 10  # the most any arm's class effect at initialisation may exceed another's (see the test)

@@ -78,6 +78,7 @@ def cache_key(cfg, part, ds, rows):
            "source_files": source_fingerprint(data, ds), "format": 4}
     if data.source == "embedded":
         key["demo"] = [data.demo_samples, data.demo_resolution] + ([data.demo_sizes] if data.get("demo_sizes") else [])
+        key["demo"] += [data.demo_render] if data.get("demo_render", "native") != "native" else []
     if data.label_captions:
         key["label_captions"] = data.class_ids
     if is_stream(data):

@@ -50,22 +50,82 @@ def draw_shape(label, size, rng, resolution=32):
     return img
 
 
-def make_demo_dataset(num_samples, seed, resolution=32, sizes=None):
+# data.demo_render: how a demo image of native side s is drawn (benchmarks/control_ablation.py, issue 42).
+#   native          the shape drawn at s px directly (the original demo): shapes drawn at 8 and at 32 px snap to
+#                   different pixels, so the 8 px image is not the 32 px scene at lower resolution
+#   band_limited    a scene (shape, colour, place and size as fractions of the side) drawn at SUPERSAMPLE x s px
+#                   and box-averaged down to s px, as a camera's pixels average the light: a smaller original is
+#                   the same scene at lower resolution
+#   colour_by_size  band_limited, with the native side tied to the colour on disjoint supports (the positive
+#                   control): red only at COLOUR_SIDES["red"], blue only at COLOUR_SIDES["blue"], green at any side
+DEMO_RENDERS = ("native", "band_limited", "colour_by_size")
+SUPERSAMPLE = 8
+COLOUR_SIDES = {"red": (8, 14), "blue": (26, 32)}
+
+
+def demo_scene(label, rng):
+    """A resolution-free scene of class `label`: the shape's side and top-left as fractions of the image side
+    (side 0.35-0.75, as the native demo's), and the background colour."""
+    frac = rng.uniform(0.35, 0.75)
+    return {"label": label, "frac": frac, "x": rng.uniform(0.03, 0.97 - frac), "y": rng.uniform(0.03, 0.97 - frac),
+            "bg": tuple(int(v) for v in rng.integers(200, 245, 3))}
+
+
+def render_scene(scene, side, supersample=SUPERSAMPLE):
+    """The scene drawn at supersample x side px and box-averaged (Image.reduce) to side x side: band-limited."""
+    big = side * supersample
+    color, shape = DEMO_CLASSES[scene["label"]].split()
+    img = Image.new("RGB", (big, big), scene["bg"])
+    x, y, size = scene["x"] * big, scene["y"] * big, scene["frac"] * big
+    box, fill = [x, y, x + size, y + size], DEMO_COLORS[color]
+    draw = ImageDraw.Draw(img)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(x + size / 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+    return img.reduce(supersample)
+
+
+def native_side(label, sizes, render, rng):
+    """The side an image of class `label` is drawn at: uniform over data.demo_sizes, or, for colour_by_size,
+    over its colour's support (green: all of demo_sizes)."""
+    lo, hi = COLOUR_SIDES.get(DEMO_CLASSES[label].split()[0], sizes) if render == "colour_by_size" else sizes
+    return int(rng.integers(lo, hi + 1))
+
+
+def make_demo_dataset(num_samples, seed, resolution=32, sizes=None, render="native"):
     """A `datasets.Dataset` with image, label and caption columns ("a small red circle"). `sizes` = [lo, hi]
     (data.demo_sizes): each image is drawn natively at a side in lo .. hi px instead of `resolution`, so an
     image upsampled to the training resolution is blurrier the smaller it was drawn: its size carries sharpness,
-    which the size control can learn (benchmarks/control_ablation.py)."""
+    which the size control can learn (benchmarks/control_ablation.py). `render` (data.demo_render, above): how
+    an image is drawn at its side; band_limited and colour_by_size need `sizes`."""
+    if render not in DEMO_RENDERS:
+        raise ValueError(f"data.demo_render must be one of {DEMO_RENDERS}, got {render!r}")
+    if render != "native" and not sizes:
+        raise ValueError(f"data.demo_render={render!r} draws each image at a native side: set data.demo_sizes, "
+                         f"e.g. [8, 32]")
+    if render == "colour_by_size" and not (sizes[0] <= 8 and sizes[1] >= 32):
+        raise ValueError(f"data.demo_render='colour_by_size' draws red at {COLOUR_SIDES['red']} px and blue at "
+                         f"{COLOUR_SIDES['blue']} px: data.demo_sizes={sizes} must cover [8, 32]")
     import datasets
 
     rng = np.random.default_rng(seed)
     rows = {"image": [], "label": [], "caption": []}
     for i in range(num_samples):
         label = i % len(DEMO_CLASSES)
-        side = int(rng.integers(sizes[0], sizes[1] + 1)) if sizes else resolution
-        size = int(rng.integers(round(side * 0.35), round(side * 0.75) + 1))
-        rows["image"].append(draw_shape(label, size, rng, side))
+        if render == "native":
+            side = int(rng.integers(sizes[0], sizes[1] + 1)) if sizes else resolution
+            size = int(rng.integers(round(side * 0.35), round(side * 0.75) + 1))
+            rows["image"].append(draw_shape(label, size, rng, side))
+            small = size < side * 0.55
+        else:
+            side, scene = native_side(label, sizes, render, rng), demo_scene(label, rng)
+            rows["image"].append(render_scene(scene, side))
+            small = scene["frac"] < 0.55
         rows["label"].append(label)
-        rows["caption"].append(f"a {'small' if size < side * 0.55 else 'large'} {DEMO_CLASSES[label]}")
+        rows["caption"].append(f"a {'small' if small else 'large'} {DEMO_CLASSES[label]}")
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=DEMO_CLASSES),
                                   "caption": datasets.Value("string")})
     return datasets.Dataset.from_dict(rows, features=features)
@@ -81,7 +141,8 @@ def open_dataset(data, split):
 
     source = data.source
     if source == "embedded":
-        ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution, sizes=data.get("demo_sizes"))
+        ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution, sizes=data.get("demo_sizes"),
+                                render=data.get("demo_render", "native"))
     else:
         ds = fashion_mnist.load(split) if source == fashion_mnist.SOURCE else load_source(source, split)
     for key in ("image_column", "label_column", "caption_column"):

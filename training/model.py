@@ -24,7 +24,25 @@ from training import checkpoints, config, hub, pipeline_export, repa
 
 
 CONTROL_FIELDS = {"size": "orig_hw", "crop": "crop_box", "flip": "flip"}  # control -> cached metadata
-CONTROL_SCALARS = {"size": 2, "crop": 4, "flip": 1}
+# Scalars each control's MLP reads. The crop is 3 (top, left, side relative to the original's short side), not the
+# 4 pixel values it was before issue 42: an older checkpoint's crop MLP then fails to load with a shape error
+# instead of silently reading pixels as fractions (docs/paper.md, "The crop control carries no size").
+CONTROL_SCALARS = {"size": 2, "crop": 3, "flip": 1}
+CROP_UNITS = 1000  # the relative crop in thousandths of the short side: the range sinusoidal() resolves, as pixels
+
+
+def control_values(name, cond):
+    """The scalars control `name` embeds, (B, CONTROL_SCALARS[name]). Size: the original (h, w) in pixels. Crop:
+    where and how much of the image is shown, (top, left, side) / the original's short side, computed here from
+    the cached pixel box and orig_hw (so caches stay valid): the crop carries no pixel count, and the original
+    size reaches the model only through its own, gated, control (issue 42: with the pixel box, a whole-image crop
+    of an 8 px original said "8 px" ungated from pure noise). Flip: 0 or 1."""
+    values = cond[CONTROL_FIELDS[name]]
+    values = values.reshape(len(values), -1).float()
+    if name == "crop":
+        short = cond["orig_hw"].reshape(len(values), 2).float().min(1, keepdim=True).values.clamp(min=1)
+        values = values[:, :3] / short * CROP_UNITS  # crops are square: (top, left, height); width = height
+    return values
 
 
 def sinusoidal(values, dim=64):
@@ -131,7 +149,7 @@ class Conditioner(nn.Module):
         keep = ~cond["drop_controls"] if "drop_controls" in cond else torch.ones_like(drop)
         for name, power in self.controls.items():
             w = torch.ones_like(noise_level) if self.mode == "adanorm" else control_weight(noise_level, power)
-            emb = self.control_mlp[name](sinusoidal(cond[CONTROL_FIELDS[name]].view(len(drop), -1)))
+            emb = self.control_mlp[name](sinusoidal(control_values(name, cond)))
             adanorm = adanorm + emb * (w.float() * keep)[:, None]
         return context, pooled, adanorm
 
@@ -312,6 +330,11 @@ def load_exported(folder):
     tc = transformer.config
     conditioner = make_conditioner(cfg, tc.num_attention_heads * tc.attention_head_dim, tc.joint_attention_dim,
                                    tc.pooled_projection_dim, len(state.get("null_tokens", ())))
+    crop = state.get("control_mlp.crop.0.weight")
+    if crop is not None and crop.shape[1] != 64 * CONTROL_SCALARS["crop"]:
+        raise ValueError(f"{folder}: its crop control reads {crop.shape[1] // 64} scalars, the crop box in pixels of "
+                         f"a model from before issue 42; this code reads {CONTROL_SCALARS['crop']} (top, left, side "
+                         f"relative to the short side, docs/paper.md): retrain, or sample it with the older code")
     conditioner.load_state_dict(state)
     return Denoiser(transformer, conditioner).eval(), cfg
 

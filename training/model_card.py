@@ -126,7 +126,8 @@ def card(cfg, run_dir, folder, n_params, phema=None, where=None):
            f"sampling settings are the defaults: `num_inference_steps={val['steps']}`, `guidance_scale="
            f"{val['guidance_scale']:g}`, `control_guidance_scale={val['control_guidance_scale']:g}`, `guidance_interval="
            f"{tuple(val['guidance_interval'])}`" + (f", `guidance_rescale={val['guidance_rescale']:g}`" if method == "ddpm" else "")
-           + (", and the controls `original_size=(h, w)`, `crop_box=(top, left, height, width)`, `flip`" if c["controls"] else "")
+           + (", and the controls `original_size=(h, w)`, `crop_box=(top, left, height, width)` in the original's pixels (the model reads it relative to the short side: "
+              "where and how much is shown, never the size), `flip`" if c["controls"] else "")
            + ". `generator=` (one per image) and `latents=` fix the noise; the VAE and text encoder are loaded by "
            "their hub ids (model_index.json), or pass `vae=` / `text_encoder=` and `tokenizer=`.", "",
            "## Training", "",

@@ -172,6 +172,7 @@ def reference_key(args, cfg, feature_name):
         key["heldout"] = [data["split"], data["val_split"], data["val_holdout"]]
     if source == "embedded":
         key["demo"] = [data["demo_samples"], data["demo_resolution"]]
+        key["demo"] += [data["demo_sizes"], data["demo_render"]] if data.get("demo_render", "native") != "native" else []
     return key
 
 

@@ -43,6 +43,9 @@ class Data(BaseModel, extra="forbid", strict=True):
     demo_resolution: int = Field(16, ge=8, description="side of the embedded demo images")
     demo_sizes: list[Annotated[int, Field(ge=4)]] | None = Field(None, min_length=2, max_length=2, description="[lo, hi]: "
                                                                  "each demo image drawn at a side in lo .. hi px (size carries sharpness)")
+    demo_render: Literal["native", "band_limited", "colour_by_size"] = Field("native", description="native: drawn at "
+        "its side directly; band_limited: drawn at 8x and box-averaged, so a small original is the same scene at lower "
+        "resolution; colour_by_size: band_limited, red only at 8-14 px and blue only at 26-32 (the positive control)")
     cache_dir: str = Field("cache", description="where the encoded cache goes (shared storage on a cluster)")
     cache_dtype: Literal["float16", "bfloat16", "float32"] = Field("float16", description="of the cached values")
     cache_text: bool = Field(True, description="cache text features; False: token ids, encoded at each step (lean)")
@@ -232,6 +235,8 @@ def combination_problems(cfg):
     problems = []
     if bool(d["caption_column"] or d["label_captions"]) != bool(enc["text_encoder"]):
         problems.append("encoders.text_encoder goes with data.caption_column (or data.label_captions): set both or neither")
+    if d["demo_render"] != "native" and not d["demo_sizes"]:
+        problems.append(f"data.demo_render={d['demo_render']!r} draws each image at a native side: set data.demo_sizes")
     if d["demo_sizes"] and d["demo_sizes"][0] > d["demo_sizes"][1]:
         problems.append(f"data.demo_sizes={d['demo_sizes']} must be [lo, hi] with lo <= hi (pixels per side)")
     if d["cache_views"] > 1 and d["crop"] == "center":

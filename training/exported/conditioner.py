@@ -16,7 +16,19 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 CONTROL_FIELDS = {"size": "orig_hw", "crop": "crop_box", "flip": "flip"}  # control -> its condition field
-CONTROL_SCALARS = {"size": 2, "crop": 4, "flip": 1}
+CONTROL_SCALARS = {"size": 2, "crop": 3, "flip": 1}  # crop: (top, left, side) / short side, so no pixel count
+CROP_UNITS = 1000  # the relative crop in thousandths of the short side
+
+
+def control_values(name, cond):
+    """(B, n) scalars of a control: size (h, w) in pixels; crop (top, left, side) / the original's short side,
+    from crop_box (top, left, height, width) in original pixels and orig_hw; flip 0 or 1."""
+    values = cond[CONTROL_FIELDS[name]]
+    values = values.reshape(len(values), -1).float()
+    if name == "crop":
+        short = cond["orig_hw"].reshape(len(values), 2).float().min(1, keepdim=True).values.clamp(min=1)
+        values = values[:, :3] / short * CROP_UNITS
+    return values
 
 
 def sinusoidal(values, dim=64):
@@ -90,6 +102,6 @@ class Conditioner(ModelMixin, ConfigMixin):
         keep = ~cond["drop_controls"] if "drop_controls" in cond else torch.ones_like(drop)
         for name, power in self.controls.items():
             w = torch.ones_like(noise_level) if c.mode == "adanorm" else control_weight(noise_level, power)
-            emb = self.control_mlp[name](sinusoidal(cond[CONTROL_FIELDS[name]].view(len(drop), -1)))
+            emb = self.control_mlp[name](sinusoidal(control_values(name, cond)))
             adanorm = adanorm + emb * (w.float() * keep)[:, None]
         return context, pooled, adanorm

@@ -121,7 +121,8 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
 
     def controls(self, n, original_size, crop_box, flip, device):
         """The control fields the model was trained with (conditioning.controls): the original image's (h, w),
-        the crop (top, left, height, width) in its pixels (default: its centre square) and the flip (0 / 1)."""
+        the crop (top, left, height, width) in its pixels (default: its centre square) and the flip (0 / 1). The
+        conditioner reads the crop relative to the original's short side, so only original_size says its size."""
         h, w = original_size or (self.config.resolution,) * 2
         side = min(h, w)
         box = crop_box or ((h - side) // 2, (w - side) // 2, side, side)
