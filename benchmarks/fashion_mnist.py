@@ -142,7 +142,7 @@ def peer(args):
     fm = ConditionalFlowMatcher(sigma=0.0)
     trained = out / "model.pt"  # the trained peer, so that a stopped benchmark resumes at sampling
     if trained.exists():
-        saved = torch.load(trained)
+        saved = torch.load(trained, weights_only=True)
         model.load_state_dict(saved.pop("model"))
         step, train_cpu, log = saved["step"], saved["train_cpu_seconds"], saved["log"]
     else:
