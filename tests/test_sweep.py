@@ -271,7 +271,8 @@ def test_process_tree_finds_descendants_in_other_sessions():
 # ---- end to end --------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_local_sweep_of_two_values_and_two_seeds_reruns_skip_and_resume_then_compare(tmp_path, capfd, monkeypatch):
+def test_local_sweep_of_two_values_and_two_seeds_reruns_skip_and_resume_then_compare(tmp_path, capfd, monkeypatch,
+                                                                                      unrendered_figures):
     import demo_quality
 
     overrides = {**TINY, "data.cache_dir": str(tmp_path / "cache"), "train.max_steps": 4}
