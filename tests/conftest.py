@@ -176,3 +176,13 @@ def tiny_dino(tmp_path_factory):
     path = tmp_path_factory.mktemp("dino")
     Dinov2Model(config).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture
+def unrendered_figures(monkeypatch):
+    """For a test that checks a report's text and which figures it names: each figure is drawn as usual but saved
+    as an empty file, not rendered to PNG (the rendering is most of such a test's time; the tests that look at
+    the images render them)."""
+    from matplotlib.figure import Figure
+
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, *args, **kwargs: Path(path).write_bytes(b""))

@@ -157,7 +157,7 @@ def test_compare_writes_every_section_and_plot_with_the_right_numbers(tmp_path):
     assert "| conditioning.mode=disentangled | 101 |" in md
 
 
-def test_compare_md_with_two_seeds_says_so_before_the_numbers_and_gives_no_verdict(tmp_path):
+def test_compare_md_with_two_seeds_says_so_before_the_numbers_and_gives_no_verdict(tmp_path, unrendered_figures):
     for mode in ("disentangled", "adanorm"):
         for seed in range(2):
             write_run(tmp_path / f"{mode}{seed}", mode, seed)

@@ -67,6 +67,10 @@ def count_syncs(monkeypatch, counter):
     monkeypatch.setattr(monitor.Monitor, "batches", host_data)
 
 
+# A sync is a matter of the loop, not of the model's size: two narrow blocks (REPA aligns the second) and a small
+# data set keep each run to a few seconds under the counter, which sees every operator.
+SMALL = ["--model.num_layers=2", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+         "--data.demo_samples=96", "--data.val_holdout=32", "--val.loss_samples=8"]
 STABILITY = ["--train.grad_clip_mode=adaptive", "--train.grad_clip_history=4", "--train.on_divergence=rollback"]
 
 
@@ -91,7 +95,7 @@ def test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer,
     counter = SyncCounter()
     count_syncs(monkeypatch, counter)
     args = tiny_run_args(tmp_path, steps=8) + ["--train.batch_size=8", "--log.every=4", "--log.grad_every=3",
-                                               "--log.report=false", *extra]
+                                               "--log.report=false", *SMALL, *extra]
     with counter:
         __import__(trainer).main(args)
     # Step s (0-based) ends at optimizer step s + 1: a log step at 4 and 8, gradient analysis at 3 and 6.

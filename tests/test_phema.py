@@ -3,8 +3,10 @@ tracked EMA against the closed-form profile integral, the reconstruction against
 exactly, snapshots that a kill cuts off never read, and the profiles resumed bitwise in a real run."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -274,34 +276,44 @@ def test_a_sharded_checkpoint_without_a_std_tracked_now_names_it(tmp_path):
     assert good.images == STEPS * BATCH and all(torch.equal(a, b) for a, b in zip(good.profiles[0], source.profiles[1]))
 
 
-KILLED_WRITE = '''
-import os, signal, sys, torch
-sys.path.insert(0, sys.argv[1])
-import safetensors.torch
-from training import phema
+def killed_write(run_dir):
+    """In a forked child (the modules already imported: no new interpreter to start): one complete snapshot,
+    then SIGKILL halfway through writing the next, as a kill during the write would leave it."""
+    import signal
 
-def save_half_then_die(tensors, path, metadata=None):  # the process is killed halfway through the write
-    data = safetensors.torch.save(tensors, metadata=metadata)
-    with open(path, "wb") as f:
-        f.write(data[: len(data) // 2])
-        f.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    import safetensors.torch
 
-model = torch.nn.Linear(4, 3)
-ema = phema.PowerEMA(model, [0.05, 0.1], 8, 8, sys.argv[2], True)
-ema.update(model)
-ema.snapshot(1)                  # a complete snapshot at 8 images
-ema.update(model)
-safetensors.torch.save_file = save_half_then_die
-ema.snapshot(2)                  # killed while writing the one at 16 images
-'''
+    def save_half_then_die(tensors, path, metadata=None):  # the process is killed halfway through the write
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        with open(path, "wb") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    model = torch.nn.Linear(4, 3)
+    ema = phema.PowerEMA(model, [0.05, 0.1], 8, 8, run_dir, True)
+    ema.update(model)
+    ema.snapshot(1)                  # a complete snapshot at 8 images
+    ema.update(model)
+    safetensors.torch.save_file = save_half_then_die
+    ema.snapshot(2)                  # killed while writing the one at 16 images
 
 
 def test_a_snapshot_cut_off_by_sigkill_is_never_read(tmp_path, capsys):
-    script = tmp_path / "killed.py"
-    script.write_text(KILLED_WRITE)
-    proc = subprocess.run([sys.executable, str(script), str(ROOT), str(tmp_path / "run")], capture_output=True, text=True)
-    assert proc.returncode == -9, proc.stderr[-2000:]
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest, whatever happens
+        try:
+            killed_write(str(tmp_path / "run"))
+        finally:
+            os._exit(1)
+    deadline = time.monotonic() + 120
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the child writing the snapshots hung")
+    assert os.WIFSIGNALED(done[1]) and os.WTERMSIG(done[1]) == signal.SIGKILL, done[1]
     folder = tmp_path / "run" / "phema"
     assert sorted(p.name for p in folder.iterdir()) == [".phema_000000000016.safetensors.tmp", "phema_000000000008.safetensors"]
     assert [s[1] for s in phema.list_snapshots(folder)] == [8]

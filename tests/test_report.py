@@ -93,7 +93,7 @@ def test_full_run_report(tmp_path):
     assert re.search(r"^\| 70 \| loss_spike \| loss 0.9, loss_smoothed 0.12 \|$", md, re.M)
 
 
-def test_events_table_is_capped(tmp_path):
+def test_events_table_is_capped(tmp_path, unrendered_figures):
     rows = [training_row(10)] + [{"step": s, "event": "loss_spike", "loss": 1.0} for s in range(1, 31)]
     write_run(tmp_path / "spiky", rows, config(), grids=())
     md = report.write_report(tmp_path / "spiky").read_text()
@@ -101,7 +101,7 @@ def test_events_table_is_capped(tmp_path):
     assert md.count("| loss_spike |") == report.MAX_EVENT_ROWS
 
 
-def test_odd_rows_do_not_break_the_report(tmp_path):
+def test_odd_rows_do_not_break_the_report(tmp_path, unrendered_figures):
     rows = [{"step": 10, "loss": float("nan"), "clip_excess": 2.0, "grad_norm/block_00": 0.0, "note": "text"},
             {"step": 20, "loss": 0.5, "grad_norm/block_00": 1.0, "update_ratio/conditioning": 1e-3},
             [1, 2], {"no_step": 1}, {"step": 30, "event": "grad_exploding"}]
@@ -112,7 +112,7 @@ def test_odd_rows_do_not_break_the_report(tmp_path):
         "grad_norm.png", "loss.png", "update_ratio.png"]
 
 
-def test_old_run_with_training_rows_only(tmp_path):
+def test_old_run_with_training_rows_only(tmp_path, unrendered_figures):
     rows = [training_row(s, extra=False) for s in range(10, 101, 10)]
     rows = [{k: v for k, v in r.items() if k != "images_per_s_per_device"} for r in rows]
     write_run(tmp_path / "old", rows, config(num_timesteps=1000), grids=())
@@ -135,7 +135,7 @@ def test_empty_run_folder(tmp_path):
     assert md.startswith("# Run report:") and "![" not in md
 
 
-def test_command_line_has_help_and_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+def test_command_line_has_help_and_refuses_a_folder_that_is_not_a_run(tmp_path, unrendered_figures, capsys):
     import pytest
 
     with pytest.raises(SystemExit) as e:

@@ -23,7 +23,8 @@ import sweep  # noqa: E402
 
 TINY = {"data.demo_samples": 320, "data.val_holdout": 64, "train.batch_size": 16, "train.warmup_steps": 2,
         "val.steps": 2, "val.num_samples": 4, "val.loss_samples": 16, "log.wandb": "off", "log.every": 2,
-        "val.every": 2, "ckpt.every": 2, "ckpt.keep": 3}  # conftest.tiny_run_args, with checkpoints to score
+        "val.every": 2, "ckpt.every": 2, "ckpt.keep": 3,  # conftest.tiny_run_args, with checkpoints to score
+        "model.num_layers": 1, "model.num_attention_heads": 2, "model.attention_head_dim": 16}  # a sweep's plumbing
 
 
 def write_sweep(tmp_path, **spec):
@@ -271,7 +272,8 @@ def test_process_tree_finds_descendants_in_other_sessions():
 # ---- end to end --------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_local_sweep_of_two_values_and_two_seeds_reruns_skip_and_resume_then_compare(tmp_path, capfd, monkeypatch):
+def test_local_sweep_of_two_values_and_two_seeds_reruns_skip_and_resume_then_compare(tmp_path, capfd, monkeypatch,
+                                                                                      unrendered_figures):
     import demo_quality
 
     overrides = {**TINY, "data.cache_dir": str(tmp_path / "cache"), "train.max_steps": 4}

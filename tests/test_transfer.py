@@ -287,7 +287,8 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
         tiny = ["--config", recipe_file, *tiny_run_args(tmp_path, recipe, steps=2), *TINY_MODEL,
                 "--data.source=embedded", "--data.val_split=null", "--data.image_column=image",
                 f"--data.resolution={resolution}", "--data.num_workers=0", "--objective.shift_base_resolution=16",
-                "--data.demo_samples=96", "--data.val_holdout=32", "--log.report=false",  # each link: seconds
+                "--data.demo_samples=48", "--data.val_holdout=16", "--val.loss_samples=8",  # each link: seconds
+                "--log.report=false",
                 "--train.compile=false"]  # the recipes compile: inductor's CPU build is half the chain's time
         tiny += ["--encoders.vae", tiny_vae, "--init_from", str(runs[parent]) if parent else "null"]
         if full.data.label_column:
