@@ -117,12 +117,16 @@ def cost(args, table):
             print(f"{trainer:14s} {arm:13s} {row['cpu_s_per_step']:.3f} CPU-s/step  {row['peak_rss_gib']:.2f} GiB{rel}")
 
 
+def measured_costs(args, trainer):
+    path = Path(args.out) / "cost.json"
+    return json.loads(path.read_text()).get(trainer, {}) if path.is_file() else {}
+
+
 def steps_for(args, trainer, arm, budget, recipe_steps):
     """The arm's train.max_steps under a budget: the recipe's, or the base arm's CPU time over the arm's CPU per step."""
     if budget == "steps" or arm == "base":
         return recipe_steps
-    path = Path(args.out) / "cost.json"
-    rows = json.loads(path.read_text()).get(trainer, {}) if path.is_file() else {}
+    rows, path = measured_costs(args, trainer), Path(args.out) / "cost.json"
     if "base" not in rows or arm not in rows:
         sys.exit(f"budget 'cpu' needs the CPU per step of base and {arm} ({trainer}) in {path}: run "
                  f"`python benchmarks/real_options.py cost` first")
@@ -138,14 +142,17 @@ def run_dir(args, trainer, arm, budget, seed, recipe_steps):
 def campaign(args, table):
     """Train and score every (budget, arm, trainer, seed), skipping what is already there."""
     recipe_steps = json.loads(fashion_mnist.RECIPE.read_text())["train"]["max_steps"]
-    todo = [(b, a, t, s) for s in args.seeds for b in ("steps", "cpu") for t in args.trainers for a in table
-            if applies(a, t, args.combo)]
-    started, seen = time.time(), set()
-    for i, (budget, arm, trainer, seed) in enumerate(todo, 1):
-        run, steps = run_dir(args, trainer, arm, budget, seed, recipe_steps)
-        if run in seen:
-            continue
-        seen.add(run)
+    todo, seen = [], set()  # every run's folder and steps first: a missing cost stops the campaign before it starts
+    for seed in args.seeds:
+        for budget in ("steps", "cpu"):
+            for trainer in args.trainers:
+                for arm in [a for a in table if applies(a, trainer, args.combo)]:
+                    run, steps = run_dir(args, trainer, arm, budget, seed, recipe_steps)
+                    if run not in seen:
+                        seen.add(run)
+                        todo.append((budget, arm, trainer, seed, run, steps))
+    started = time.time()
+    for i, (budget, arm, trainer, seed, run, steps) in enumerate(todo, 1):
         if (run / "quality.jsonl").is_file():
             print(f"[{i}/{len(todo)}] {budget} {arm} {trainer} seed {seed}: done before", flush=True)
             continue
@@ -166,7 +173,12 @@ def compare(args, table):
     recipe_steps = json.loads(fashion_mnist.RECIPE.read_text())["train"]["max_steps"]
     for trainer in args.trainers:
         for budget in ("steps", "cpu"):
-            runs = [run for arm in table if applies(arm, trainer, args.combo) for seed in args.seeds
+            measured = [a for a in table if applies(a, trainer, args.combo) and a in measured_costs(args, trainer)]
+            if budget == "cpu" and "base" not in measured:
+                print(f"{trainer} cpu: no CPU cost measured yet (real_options.py cost)")
+                continue
+            runs = [run for arm in table if applies(arm, trainer, args.combo) and (budget == "steps" or arm in measured)
+                    for seed in args.seeds
                     for run in [run_dir(args, trainer, arm, budget, seed, recipe_steps)[0]]
                     if (run / "quality.jsonl").is_file()]  # base first: compare's arm A
             if len({r.parent for r in runs}) < 2:

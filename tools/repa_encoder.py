@@ -110,7 +110,7 @@ def probes(backbone, train_images, train_labels, held_images, held_labels, mean,
     # the linear probe: ridge regression onto the one-hot classes on standardised features (closed form: no
     # iterations to tune, seconds for 50,000 rows), the class with the largest output
     mu, sigma = train.mean(0), train.std(0) + 1e-6
-    design = lambda f: F.pad((f - mu) / sigma, (0, 1), value=1.0)  # noqa: E731  (the bias column)
+    design = lambda f: F.pad((f - mu) / sigma, (0, 1), value=1.0)  # with a bias column
     a = design(train)
     weights = torch.linalg.solve(a.T @ a + 1e-3 * len(a) * torch.eye(a.shape[1], dtype=a.dtype),
                                  a.T @ F.one_hot(train_labels, int(train_labels.max()) + 1).double())
