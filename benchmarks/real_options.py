@@ -1,0 +1,221 @@
+"""The training options on the real-image recipe (issue 43, item 3): Muon, x-prediction, contrastive flow matching
+and REPA (in-domain encoder, and its random control) against the baseline, and a combination, on
+configs/fashion_mnist.json, for both trainers where an option applies; at equal steps and at equal CPU time; scored
+by docs/evaluation.md's protocol (benchmarks/fashion_mnist.py: eval_fid.py --classifier --features classifier
+--reference_split test); compared with tools/compare.py (paired over seeds, 95% intervals). docs/benchmarks.md
+has the commands and the numbers.
+
+    python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist   # once
+    python tools/repa_encoder.py --out encoders/fashion_mnist                                         # once
+    python benchmarks/real_options.py cost                       # CPU-s per step and peak memory of every arm
+    python benchmarks/real_options.py run --seeds 0,1,2 [--combo x0,muon]   # train and score (resumes)
+    python benchmarks/real_options.py compare [--combo x0,muon]  # each arm against base, per trainer and budget
+
+Every other argument (e.g. --data.cache_dir=/tmp/fm/cache) goes to every trainer run. Budgets: "steps" trains
+every arm the recipe's train.max_steps; "cpu" trains each arm for the steps the base arm's CPU time buys at that
+arm's measured CPU seconds per step (`cost`, OUT/cost.json: a run of 5 and of 25 steps, the difference over 20
+steps, so start-up, cache loading and export cancel and load from other processes does not count, since CPU
+time is the process's own). An arm whose equal-CPU step count equals the recipe's shares its equal-steps runs.
+Peak memory is the trainer process's peak RSS (the kernel's, as the trainer logs on CPU). Each step is skipped
+when its result is already in OUT, so a stopped campaign resumes; progress is one plain line per run.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import fashion_mnist  # noqa: E402
+
+ENCODERS = ROOT / "encoders" / "fashion_mnist"  # tools/repa_encoder.py --out encoders/fashion_mnist
+# REPA at this size: the paper's weight; block 2 of the recipe's 6 (the paper's 4 of 12); the MLP projector's
+# hidden width 256 for a model of width 128 (the paper's 2048 is for width 1152); targets encoded from each
+# batch's pixels (pixel space), so the cache stays the base arm's and the encoder's cost is in the step.
+REPA = ["--objective.repa_weight=0.5", "--objective.repa_block=2", "--objective.repa_projector_dim=256",
+        "--objective.repa_targets=on_the_fly"]
+ARMS = {"base": [],
+        "muon": ["--train.optimizer=muon"],
+        "x0": ["--objective.prediction=x0"],  # DDPM: its own x0 target (the loss on x0), JiT's on flow matching
+        "contrastive": ["--objective.contrastive_weight=0.05"],
+        "repa_trained": [*REPA, f"--objective.repa_encoder={ENCODERS / 'trained'}"],
+        "repa_random": [*REPA, f"--objective.repa_encoder={ENCODERS / 'random'}"]}
+FLOW_MATCHING_ONLY = {"contrastive"}
+TRAINERS = ("flow_matching", "ddpm")
+RUN = ["--log.wandb=off", "--log.report=false"]
+COST_STEPS = (5, 25)  # the two lengths of the cost runs: their difference, 20 steps, is what a step costs
+
+
+def arms(combo):
+    """{name: trainer arguments}: ARMS and, with --combo a,b, the arm "combo" that stacks them."""
+    out = dict(ARMS)
+    if combo:
+        parts = combo.split(",")
+        if unknown := [a for a in parts if a not in ARMS or a == "base"]:
+            sys.exit(f"--combo {combo}: {unknown} not among the options {[a for a in ARMS if a != 'base']}")
+        if {"repa_trained", "repa_random"} <= set(parts):
+            sys.exit(f"--combo {combo}: one REPA encoder at a time")
+        out["combo"] = [arg for a in parts for arg in ARMS[a]]
+    return out
+
+
+def applies(arm, trainer, combo):
+    parts = combo.split(",") if arm == "combo" else [arm]
+    return trainer == "flow_matching" or not FLOW_MATCHING_ONLY & set(parts)
+
+
+def check_encoders(table):
+    if any("--objective.repa_weight=0.5" in arm for arm in table.values()):
+        missing = [str(ENCODERS / k) for k in ("trained", "random") if not (ENCODERS / k / "config.json").is_file()]
+        if missing:
+            sys.exit(f"the REPA arms need {', '.join(missing)}: run `python tools/repa_encoder.py --out {ENCODERS}`")
+
+
+def trainer_cpu(args_list):
+    """Run a trainer to the end; (CPU seconds, peak RSS GiB) of that process alone (os.wait4's rusage)."""
+    proc = subprocess.Popen(args_list, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(args_list)} failed ({proc.returncode}):\n{err[-3000:]}")
+    return usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024 / 2**30
+
+
+def cost(args, table):
+    """CPU seconds per step and peak memory of every arm and trainer, one thread, into OUT/cost.json."""
+    path = Path(args.out) / "cost.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    todo = [(t, a) for t in args.trainers for a in table if applies(a, t, args.combo)]
+    for i, (trainer, arm) in enumerate(todo, 1):
+        if arm in result.get(trainer, {}):
+            print(f"[{i}/{len(todo)}] cost {trainer} {arm}: done before", flush=True)
+            continue
+        measured = {}
+        for steps in COST_STEPS:
+            run = Path(args.out) / "cost" / f"{trainer}_{arm}_{steps}"
+            measured[steps] = trainer_cpu([
+                sys.executable, str(ROOT / f"train_{trainer}.py"), "--config", str(fashion_mnist.RECIPE),
+                f"--run_dir={run}", f"--train.max_steps={steps}", "--train.warmup_steps=0", "--val.every=100000",
+                "--ckpt.every=100000", "--log.every=5", "--seed=0", *RUN, *table[arm], *args.extra])
+        (c0, _), (c1, rss) = (measured[s] for s in COST_STEPS)
+        result = json.loads(path.read_text()) if path.is_file() else {}  # again: one process per trainer may share it
+        result.setdefault(trainer, {})[arm] = {"cpu_s_per_step": (c1 - c0) / (COST_STEPS[1] - COST_STEPS[0]),
+                                               "peak_rss_gib": rss}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"[{i}/{len(todo)}] cost {trainer} {arm}: {result[trainer][arm]['cpu_s_per_step']:.3f} CPU-s a step, "
+              f"peak RSS {rss:.2f} GiB", flush=True)
+    for trainer, rows in result.items():
+        base = rows.get("base")
+        for arm, row in rows.items():
+            rel = f" ({row['cpu_s_per_step'] / base['cpu_s_per_step']:.2f}x base, {row['peak_rss_gib'] - base['peak_rss_gib']:+.2f} GiB)" if base else ""
+            print(f"{trainer:14s} {arm:13s} {row['cpu_s_per_step']:.3f} CPU-s/step  {row['peak_rss_gib']:.2f} GiB{rel}")
+
+
+def measured_costs(args, trainer):
+    path = Path(args.out) / "cost.json"
+    return json.loads(path.read_text()).get(trainer, {}) if path.is_file() else {}
+
+
+def steps_for(args, trainer, arm, budget, recipe_steps):
+    """The arm's train.max_steps under a budget: the recipe's, or the base arm's CPU time over the arm's CPU per step."""
+    if budget == "steps" or arm == "base":
+        return recipe_steps
+    rows, path = measured_costs(args, trainer), Path(args.out) / "cost.json"
+    if "base" not in rows or arm not in rows:
+        sys.exit(f"budget 'cpu' needs the CPU per step of base and {arm} ({trainer}) in {path}: run "
+                 f"`python benchmarks/real_options.py cost` first")
+    return round(recipe_steps * rows["base"]["cpu_s_per_step"] / rows[arm]["cpu_s_per_step"])
+
+
+def run_dir(args, trainer, arm, budget, seed, recipe_steps):
+    steps = steps_for(args, trainer, arm, budget, recipe_steps)
+    folder = "steps" if steps == recipe_steps else f"cpu{steps}"  # equal step counts share one run
+    return Path(args.out) / folder / arm / f"{trainer}_s{seed}", steps
+
+
+def campaign(args, table):
+    """Train and score every (budget, arm, trainer, seed), skipping what is already there."""
+    recipe_steps = json.loads(fashion_mnist.RECIPE.read_text())["train"]["max_steps"]
+    todo, seen = [], set()  # every run's folder and steps first: a missing cost stops the campaign before it starts
+    for seed in args.seeds:
+        for budget in ("steps", "cpu"):
+            for trainer in args.trainers:
+                for arm in [a for a in table if applies(a, trainer, args.combo)]:
+                    run, steps = run_dir(args, trainer, arm, budget, seed, recipe_steps)
+                    if run not in seen:
+                        seen.add(run)
+                        todo.append((budget, arm, trainer, seed, run, steps))
+    started = time.time()
+    for i, (budget, arm, trainer, seed, run, steps) in enumerate(todo, 1):
+        if (run / "quality.jsonl").is_file():
+            print(f"[{i}/{len(todo)}] {budget} {arm} {trainer} seed {seed}: done before", flush=True)
+            continue
+        print(f"[{i}/{len(todo)}] {budget} {arm} {trainer} seed {seed}: {steps} steps ({time.time() - started:.0f} s "
+              f"into this session)", flush=True)
+        more = [] if steps == recipe_steps else [f"--train.max_steps={steps}"]
+        fashion_mnist.ours(argparse.Namespace(
+            trainer=trainer, seed=seed, out=str(run.parent), classifier=args.classifier,
+            num_samples=args.num_samples, curve_samples=args.num_samples, fractions=[],
+            eval_args=["--stats_cache", str(Path(args.out) / "fid_stats")],
+            extra=[*RUN, *table[arm], *more, *args.extra]))
+
+
+def compare(args, table):
+    """tools/compare.py on each trainer and budget: every arm against base, paired over seeds."""
+    from tools.compare import compare as compare_runs
+
+    recipe_steps = json.loads(fashion_mnist.RECIPE.read_text())["train"]["max_steps"]
+    for trainer in args.trainers:
+        for budget in ("steps", "cpu"):
+            measured = [a for a in table if applies(a, trainer, args.combo) and a in measured_costs(args, trainer)]
+            if budget == "cpu" and "base" not in measured:
+                print(f"{trainer} cpu: no CPU cost measured yet (real_options.py cost)")
+                continue
+            runs = [run for arm in table if applies(arm, trainer, args.combo) and (budget == "steps" or arm in measured)
+                    for seed in args.seeds
+                    for run in [run_dir(args, trainer, arm, budget, seed, recipe_steps)[0]]
+                    if (run / "quality.jsonl").is_file()]  # base first: compare's arm A
+            if len({r.parent for r in runs}) < 2:
+                print(f"{trainer} {budget}: fewer than two arms scored yet")
+                continue
+            keys = json.loads((runs[0] / "quality.jsonl").read_text().splitlines()[-1])
+            for metric in [k for k in keys if k.startswith(("fd_classifier", "class_accuracy"))]:
+                md = compare_runs(runs, Path(args.out) / "compare" / f"{trainer}_{budget}_{metric}", metric=metric)
+                print(f"{trainer} {budget} {metric}: {md}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=["cost", "run", "compare"])
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS))
+    p.add_argument("--combo", default=None, help="the options the combination arm stacks, e.g. x0,muon (chosen "
+                   "from the single-option results)")
+    p.add_argument("--trainers", default=",".join(TRAINERS))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--out", default="runs/real_options")
+    p.add_argument("--classifier", default="classifiers/fashion_mnist")
+    p.add_argument("--num_samples", type=int, default=2000, help="samples scored per run (the protocol's "
+                   "final score: 10,000; 2,000 as in docs/benchmarks.md's 3-seed comparison)")
+    args, args.extra = p.parse_known_args(argv)
+    table = arms(args.combo)
+    names = args.arms.split(",") + (["combo"] if args.combo else [])
+    if unknown := [a for a in names if a not in table]:
+        p.error(f"--arms: {unknown} unknown; the arms: {list(table)}")
+    if "base" not in names:
+        names.insert(0, "base")  # every comparison, and the equal-CPU budget, is against it
+    table = {a: table[a] for a in sorted(names, key=list(table).index)}
+    args.trainers, args.seeds = args.trainers.split(","), [int(s) for s in args.seeds.split(",")]
+    if bad := [t for t in args.trainers if t not in TRAINERS]:
+        p.error(f"--trainers: {bad}; the trainers: {list(TRAINERS)}")
+    check_encoders(table)
+    {"cost": cost, "run": campaign, "compare": compare}[args.what](args, table)
+
+
+if __name__ == "__main__":
+    main()
