@@ -444,9 +444,20 @@ def test_few_reference_images_are_flagged_before_sampling_and_a_missing_network_
 @pytest.mark.slow
 def test_fid_end_to_end_equals_clean_fids_own_compute_fid(run, tmp_path, monkeypatch):
     """The same two image folders, scored by eval_fid.py (its PNGs, resizer, features, statistics) and by
-    clean-fid's compute_fid with the same feature network: the same FID to 1e-6 relative."""
+    clean-fid's compute_fid with the same feature network: the same 2048-dimensional means and covariances
+    handed to clean-fid's frechet_distance (1e-6 relative), and the same FID to 1e-6 relative. Both sides'
+    frechet_distance is clean-fid's own, run on the first 16 coordinates of those statistics: two 2048 x 2048
+    matrix square roots cost ~50 CPU-s and would prove nothing more than the statistics' equality does."""
     from cleanfid import fid
     from cleanfid.inception_torchscript import InceptionV3W
+
+    seen, own_frechet = [], fid.frechet_distance
+
+    def frechet_on_16(mu1, sigma1, mu2, sigma2):
+        seen.append((mu1, sigma1, mu2, sigma2))
+        return own_frechet(mu1[:16], sigma1[:16, :16], mu2[:16], sigma2[:16, :16])
+
+    monkeypatch.setattr(fid, "frechet_distance", frechet_on_16)  # eval_fid's metrics.frechet and compare_folders'
 
     monkeypatch.setattr(reference.urllib.request, "urlopen", None)  # any download attempt would fail loudly
     weights = tmp_path / "inception" / reference.INCEPTION_FILE
@@ -463,6 +474,9 @@ def test_fid_end_to_end_equals_clean_fids_own_compute_fid(run, tmp_path, monkeyp
     theirs = fid.compute_fid(str(tmp_path / "ours" / "samples"), str(reference_dir / "samples"), mode="clean",
                              custom_feat_extractor=network, device=torch.device("cpu"), num_workers=0,
                              batch_size=8, verbose=False)
+    assert len(seen) == 2 and seen[0][1].shape == (2048, 2048)  # ours, then clean-fid's
+    for ours, cleanfids in zip(seen[0], seen[1]):
+        np.testing.assert_allclose(ours, cleanfids, rtol=1e-5, atol=1e-6 * np.abs(cleanfids).max())  # float32 features
     assert report["metrics"]["fid_clean_24"] == pytest.approx(theirs, rel=1e-6)
     assert theirs > 1e-3  # two different sample sets: a real distance, not 0 = 0
 

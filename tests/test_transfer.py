@@ -154,12 +154,19 @@ def test_init_from_a_22k_run_maps_each_class_to_its_wordnet_id(tmp_path):
 # ---- init_from vs resume, across resolutions ---------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory):
+    """One 4-step run at 8 x 8 on the one-block model, its last checkpoint step 4: the source the init_from tests
+    below load (they only read it), trained once for the module instead of once per test."""
+    return fm.main(tiny_run_args(tmp_path_factory.mktemp("source"), "low", steps=4) + TINY_MODEL + ["--data.resolution=8"])
+
+
 @pytest.mark.slow
-def test_init_from_starts_fresh_and_resume_continues(tmp_path, capsys):
+def test_init_from_starts_fresh_and_resume_continues(source_run, tmp_path, capsys):
     """The choice between init_from and resume, the resampled grid and the fresh optimizer are model.prepare_model's
     and model.init_from's, which both trainers call: one trainer here; DDPM's init_from runs in its chain below."""
-    trainer = fm
-    low = trainer.main(tiny_run_args(tmp_path, "low", steps=4) + TINY_MODEL + ["--data.resolution=8"])
+    trainer, low = fm, source_run
+    capsys.readouterr()  # the source's own output, when this test trained it
     high_args = tiny_run_args(tmp_path, "high", steps=3) + TINY_MODEL + [
         "--data.resolution=16", "--objective.shift_base_resolution=8", "--init_from", str(low), "--train.lr=0",
         "--conditioning.controls", '["size"]', "--ckpt.every=3", "--resume", "latest"]
@@ -193,13 +200,13 @@ def test_init_from_starts_fresh_and_resume_continues(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_init_from_keeps_the_source_ema(tmp_path):
+def test_init_from_keeps_the_source_ema(source_run, tmp_path):
     """A fine-tuning run keeps the EMA it loads: after 20 steps at ema_decay 0.999 the EMA has moved 2% of the
     way to the weights (d = decay, no warm-up), not restarted from them (the warm-up from n = 0 weighs the
     loaded EMA prod (1 + n) / (10 + n) ~ 1e-7 after 20 steps). Tensors init_from leaves fresh (here the size
     control's MLP) warm up as before. Resuming the fine-tuning run keeps the rule (ema_inherited in state.pt)."""
-    source = fm.main(tiny_run_args(tmp_path, "source", steps=4) + TINY_MODEL + ["--ckpt.every=4"])
-    args = tiny_run_args(tmp_path, "tuned", steps=20) + TINY_MODEL + [
+    source = source_run
+    args = tiny_run_args(tmp_path, "tuned", steps=20) + TINY_MODEL + ["--data.resolution=8",
         f"--init_from={source}", "--train.ema_decay=0.999", "--ckpt.every=10", "--conditioning.controls", '["size"]']
     tuned = fm.main(args)
     source_ema = load_file(str(source / "checkpoints" / "step_00000004" / "ema.safetensors"))
@@ -223,8 +230,8 @@ def test_init_from_keeps_the_source_ema(tmp_path):
 
 
 @pytest.mark.slow
-def test_init_from_reports_reshaped_tensors_and_rejects_a_wrong_source(tmp_path, tiny_vae):
-    pixels = fm.main(tiny_run_args(tmp_path, "pixels", steps=2) + TINY_MODEL)
+def test_init_from_reports_reshaped_tensors_and_rejects_a_wrong_source(source_run, tmp_path, tiny_vae):
+    pixels = source_run
     latents = fm.main(tiny_run_args(tmp_path, "latents", steps=2) + TINY_MODEL + [
         "--encoders.vae", tiny_vae, "--init_from", str(pixels / "export")])
     reshaped = json.loads((latents / "init_from.json").read_text())["reshaped"]  # 3 pixel channels -> 4 latent
