@@ -16,9 +16,15 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 DEMO_WORDS = ["a", "small", "large", "red", "green", "blue", "circle", "square", "triangle"]
 
 
+# Two narrow blocks (width 32): the end-to-end tests check the loop's plumbing and bookkeeping, not what a bigger
+# model learns, and this halves a run's CPU against the default four blocks of width 128. A test that needs the
+# default model names its own --model.* keys after these (later arguments win).
+TINY_MODEL = ["--model.num_layers=2", "--model.num_attention_heads=2", "--model.attention_head_dim=16"]
+
+
 def tiny_run_args(tmp_path, name="run", steps=4):
-    """A few-second training run on a small slice of the embedded data."""
-    return ["--run_dir", str(tmp_path / name), "--data.cache_dir", str(tmp_path / "cache"),
+    """A few-second training run on a small slice of the embedded data, with a two-block narrow model."""
+    return [*TINY_MODEL, "--run_dir", str(tmp_path / name), "--data.cache_dir", str(tmp_path / "cache"),
             "--data.demo_samples=320", "--data.val_holdout=64", f"--train.max_steps={steps}",
             "--train.batch_size=16", "--train.warmup_steps=2", "--val.steps=2", "--val.num_samples=4",
             "--val.loss_samples=16", "--log.wandb=off", "--log.every=2", "--val.every=1000", "--ckpt.every=1000"]
