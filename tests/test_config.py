@@ -126,7 +126,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--objective.repa_weight=0.5", "--objective.repa_encoder={tmp}/no_encoder"],
      r"objective.repa_encoder='.*no_encoder' cannot be loaded"),
     (ddpm, ["--objective.repa_weight=0.5", "--objective.repa_block=9"],
-     r"objective.repa_block=9 is past the model's last block \(model.num_layers=4\): choose 1 .. 4"),
+     r"objective.repa_block=9 is past the model's last block \(model.num_layers=2\): choose 1 .. 2"),
     (fm, ["--objective.repa_projector=linear"], r"objective.repa_projector='linear' must be 'mlp' or 'conv'"),
     (ddpm, ["--objective.repa_targets=disk"], r"objective.repa_targets='disk' must be 'cache' or 'on_the_fly'"),
     (ddpm, ["--objective.repa_weight=-0.5"], r"objective.repa_weight=-0.5 must be a number >= 0"),
