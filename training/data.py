@@ -39,15 +39,19 @@ def draw_shape(label, size, rng, resolution=32):
     bg = tuple(int(v) for v in rng.integers(200, 245, 3))
     img = Image.new("RGB", (resolution, resolution), bg)
     x, y = (int(v) for v in rng.integers(1, resolution - size, 2))
-    box, fill = [x, y, x + size, y + size], DEMO_COLORS[color]
-    draw = ImageDraw.Draw(img)
+    paint_shape(img, shape, DEMO_COLORS[color], x, y, size)
+    return img
+
+
+def paint_shape(img, shape, fill, x, y, size):
+    """Draw `shape` (circle, square or triangle) of side `size` with its top-left corner at (x, y) onto `img`."""
+    box, draw = [x, y, x + size, y + size], ImageDraw.Draw(img)
     if shape == "circle":
         draw.ellipse(box, fill=fill)
     elif shape == "square":
         draw.rectangle(box, fill=fill)
     else:
         draw.polygon([(x + size / 2, y), (x, y + size), (x + size, y + size)], fill=fill)
-    return img
 
 
 # data.demo_render: how a demo image of native side s is drawn (benchmarks/control_ablation.py, issue 42).
@@ -76,15 +80,7 @@ def render_scene(scene, side, supersample=SUPERSAMPLE):
     big = side * supersample
     color, shape = DEMO_CLASSES[scene["label"]].split()
     img = Image.new("RGB", (big, big), scene["bg"])
-    x, y, size = scene["x"] * big, scene["y"] * big, scene["frac"] * big
-    box, fill = [x, y, x + size, y + size], DEMO_COLORS[color]
-    draw = ImageDraw.Draw(img)
-    if shape == "circle":
-        draw.ellipse(box, fill=fill)
-    elif shape == "square":
-        draw.rectangle(box, fill=fill)
-    else:
-        draw.polygon([(x + size / 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+    paint_shape(img, shape, DEMO_COLORS[color], scene["x"] * big, scene["y"] * big, scene["frac"] * big)
     return img.reduce(supersample)
 
 
