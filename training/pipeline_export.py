@@ -4,7 +4,7 @@
     pipe = DiffusionPipeline.from_pretrained("runs/flow_matching_demo/export", trust_remote_code=True)
     pipe("red circle").images[0]
 
-The folder (docs/sharing.md):
+The folder (docs/evaluation.md, Sharing a model):
     model_index.json        the pipeline: its class (pipeline.py), components, the run's sampling settings as
                             defaults, and the VAE and text encoder by hub id (referenced, not copied)
     pipeline.py             the sampling code (training/exported/pipeline.py): diffusers loads it for custom pipelines

@@ -198,7 +198,7 @@ class Run(BaseModel, extra="forbid", strict=True):
     init_from: Str = Field(None, description="a run, checkpoint or export whose weights and EMA start this run "
                            '(256 -> 512 px, 22k -> 1k); "{method}": the trainer')
     push_to_hub: Str = Field(None, description="owner/name: the export, a diffusers pipeline folder, uploaded to "
-                             "this Hub repository (private) at the end (docs/sharing.md)")
+                             "this Hub repository (private) at the end (docs/evaluation.md, Sharing a model)")
     data: Data = Field(default_factory=Data, description="the source, held-out rows, preprocessing, the cache")
     encoders: Encoders = Field(default_factory=Encoders, description="the frozen VAE and text encoder")
     model: Model = Field(default_factory=Model, description="SD3Transformer2DModel")
