@@ -239,6 +239,9 @@ def combination_problems(cfg):
         problems.append(f"data.demo_render={d['demo_render']!r} draws each image at a native side: set data.demo_sizes")
     if d["demo_sizes"] and d["demo_sizes"][0] > d["demo_sizes"][1]:
         problems.append(f"data.demo_sizes={d['demo_sizes']} must be [lo, hi] with lo <= hi (pixels per side)")
+    if d["demo_render"] == "colour_by_size" and d["demo_sizes"] and not (d["demo_sizes"][0] <= 8 and d["demo_sizes"][1] >= 32):
+        problems.append(f"data.demo_render='colour_by_size' draws red at 8-14 px and blue at 26-32 px (data.COLOUR_SIDES): "
+                        f"data.demo_sizes={d['demo_sizes']} must cover [8, 32]")
     if d["cache_views"] > 1 and d["crop"] == "center":
         problems.append(f"data.cache_views={d['cache_views']} caches that many crops per image, and data.crop='center' "
                         f"gives the same centre square each time: set data.crop to 'random' or 'random_resized', or "
