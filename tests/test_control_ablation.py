@@ -94,3 +94,34 @@ def test_sharpness_ratio_sees_the_native_size():
     s = scenes(18)
     assert ca.sharpness(views(s, 32)) / ca.sharpness(views(s, 8)) > 1.2
     assert ca.sharpness(views(s, 32)) / ca.sharpness(views(s, 32)) == 1
+
+
+def arm_scores(layout, sharpness=1.3):
+    """A stage's score table: {arm: {seed: scores}} from {arm: [layout change per seed]}."""
+    return {arm: {seed: {"layout_change": v, "sharpness_ratio": sharpness + 0.01 * seed} for seed, v in enumerate(vs)}
+            for arm, vs in layout.items()}
+
+
+def test_contrasts_are_the_preregistered_formulas_and_the_verdict_its_sentences():
+    """Per seed, the gating and class-path main effects, their interaction and the overall contrast exactly as
+    docs/benchmarks.md writes them (each arm's value is a distinct power of two, so a wrong sign or a swapped arm
+    changes the number); with adanorm and the paper's arm alone (the real stage), the overall contrast only."""
+    layout = {"both p=0": [1.0, 1.0, 1.0], "both p=1": [2.0, 2.0, 2.0], "disentangled p=0": [4.0, 4.0, 4.0],
+              "disentangled p=1": [8.0, 8.5, 7.5], "adanorm": [16.0, 16.0, 16.0]}
+    seeds, effects = ca.contrasts(arm_scores(layout))
+    assert seeds == [0, 1, 2]
+    np.testing.assert_allclose(effects["gating (p=1 - p=0, mean over class path)"], [2.5, 2.75, 2.25])
+    np.testing.assert_allclose(effects["class path (disentangled - both, mean over p)"], [4.5, 4.75, 4.25])
+    np.testing.assert_allclose(effects["interaction ((dis p1 - p0) - (both p1 - p0))"], [3.0, 3.5, 2.5])
+    np.testing.assert_allclose(effects["overall (disentangled p=1 - adanorm)"], [-8.0, -7.5, -8.5])
+    two = {arm: layout[arm] for arm in ("disentangled p=1", "adanorm")}
+    assert list(ca.contrasts(arm_scores(two))[1]) == ["overall (disentangled p=1 - adanorm)"]
+
+    def said(overall, sharpness=1.3):
+        table = arm_scores({"disentangled p=1": [0.5 + d for d in overall], "adanorm": [0.5] * len(overall)}, sharpness)
+        return ca.verdict(table, ca.contrasts(table)[1]["overall (disentangled p=1 - adanorm)"])
+
+    assert said([-0.3, -0.25, -0.35]).startswith("supports")  # interval below 0
+    assert said([-0.01, 0.01, 0.0]).startswith("contradicts")  # interval within (-0.1, ...)
+    assert said([-0.3, 0.1, -0.05]).startswith("cannot tell: the interval")  # holds both 0 and -0.1
+    assert said([-0.3, -0.25, -0.35], sharpness=0.99).startswith("cannot tell: an arm's sharpness")  # not learnt
