@@ -355,9 +355,10 @@ def main(argv=None):
         lines += ["", f"Pre-registered contrasts on layout_change (s = 1), paired over seeds {seeds_used}: mean [95% t]", ""]
         lines += [f"- {name}: {cell(v)} (per seed {', '.join(f'{d:.3f}' for d in v)})" for name, v in effects.items()]
         lines += ["", "Verdict: " + verdict(table, effects["overall (disentangled p=1 - adanorm)"])]
-        for metric in ("layout_change", "sharpness_ratio"):
+        paper = "conditioning.mode=disentangled" + (",conditioning.control_power.size=1.0" if args.stage == "main" else "")
+        for metric in ("layout_change", "sharpness_ratio"):  # compare.py names an arm by the keys that vary
             compare([out / args.stage / "gated", out / args.stage / "adanorm"], out / args.stage / f"compare_{metric}",
-                    metric, "conditioning.mode=disentangled,conditioning.control_power.size=1.0")
+                    metric, paper)
     else:  # switch_time: main's runs, no training
         manifest = json.loads((out / "main/gated/sweep.json").read_text())["runs"]
         manifest += json.loads((out / "main/adanorm/sweep.json").read_text())["runs"]
