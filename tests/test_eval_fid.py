@@ -131,6 +131,18 @@ def test_checkpoint_raw_weights_against_dataset_reference(run, tmp_path):
     assert np.isfinite(report["metrics"]["fid_clean_8"]) and "kid_clean_8" in report["metrics"]
 
 
+def test_the_demo_reference_key_holds_every_setting_the_demo_images_depend_on(tmp_path):
+    """The embedded demo's images depend on data.demo_sizes (native sides) and data.demo_render: each is in the
+    reference key, as in the cache's, so reference statistics are never reused across them; the plain demo's key
+    is unchanged by the keys it does not set."""
+    args = eval_fid.parse_args(["--run", str(tmp_path)])
+    keys = [reference.reference_key(args, config.load_config(train_flow_matching.DEFAULTS, extra), "f")["demo"]
+            for extra in ([], ["--data.demo_sizes=[8, 32]"], ["--data.demo_sizes=[8, 24]"],
+                          ["--data.demo_sizes=[8, 32]", "--data.demo_render=band_limited"])]
+    assert keys[0] == [config.load_config(train_flow_matching.DEFAULTS, []).data.demo_samples, 16]
+    assert len({json.dumps(k) for k in keys}) == 4
+
+
 @pytest.mark.slow
 def test_reference_stats_are_cached_and_invalidated_by_preprocessing(run, tmp_path):
     from accelerate import Accelerator

@@ -171,8 +171,9 @@ def reference_key(args, cfg, feature_name):
     if args.reference_split == "heldout":
         key["heldout"] = [data["split"], data["val_split"], data["val_holdout"]]
     if source == "embedded":
-        key["demo"] = [data["demo_samples"], data["demo_resolution"]]
-        key["demo"] += [data["demo_sizes"], data["demo_render"]] if data.get("demo_render", "native") != "native" else []
+        key["demo"] = [data["demo_samples"], data["demo_resolution"]]  # and what the images depend on, as the cache's key
+        key["demo"] += [data["demo_sizes"]] if data.get("demo_sizes") else []
+        key["demo"] += [data["demo_render"]] if data.get("demo_render", "native") != "native" else []
     return key
 
 
