@@ -8,8 +8,8 @@ import torch
 
 from conftest import ROOT
 from training import config
-from training.data import (COLOUR_SIDES, DEMO_CLASSES, demo_scene, make_demo_dataset, native_side, preprocess,
-                           render_scene)
+from training.data import (COLOUR_SIDES, DEMO_CLASSES, SUPERSAMPLE, demo_scene, make_demo_dataset, native_side,
+                           preprocess, render_scene)
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import control_ablation as ca  # noqa: E402
@@ -19,8 +19,7 @@ def views(scenes, side, supersample=None, res=16):
     """Training views (16 px, centre crop) of scenes drawn at `side` px: band-limited (the renderer's default)
     or with `supersample` given."""
     crop = config.Config(crop="center", random_flip=False)
-    draw = (lambda s: render_scene(s, side)) if supersample is None else (lambda s: render_scene(s, side, supersample))
-    return torch.stack([preprocess(draw(s), res, crop)[0] for s in scenes])
+    return torch.stack([preprocess(render_scene(s, side, supersample or SUPERSAMPLE), res, crop)[0] for s in scenes])
 
 
 def scenes(n, seed=0):
@@ -75,7 +74,7 @@ def test_colour_centroid_and_shape_of_rendered_shapes():
     labels = torch.tensor([sc["label"] for sc in s])
     assert ca.colour_of(x).tolist() == (labels // 3).tolist()
     assert ca.shape_of(x).tolist() == (labels % 3).tolist()
-    # identical pairs: no flip, no shift; a planted 4 px roll moves every centroid 4 / 16 of a side
+    # identical pairs: no flip, no shift, no drift
     m = ca.pair_metrics(x, x, labels, demo=True)
     assert m["colour_flip"] == 0 and m["centroid_shift"] == 0 and m["shape_drift"] == 0
     # a planted shift: a red 4 x 4 block moved 3 px right and 2 down moves its centroid by (2, 3) / 16

@@ -102,9 +102,10 @@ def make_demo_dataset(num_samples, seed, resolution=32, sizes=None, render="nati
     if render != "native" and not sizes:
         raise ValueError(f"data.demo_render={render!r} draws each image at a native side: set data.demo_sizes, "
                          f"e.g. [8, 32]")
-    if render == "colour_by_size" and not (sizes[0] <= 8 and sizes[1] >= 32):
+    cover = [COLOUR_SIDES["red"][0], COLOUR_SIDES["blue"][1]]  # sections.combination_problems checks it in configs
+    if render == "colour_by_size" and not (sizes[0] <= cover[0] and sizes[1] >= cover[1]):
         raise ValueError(f"data.demo_render='colour_by_size' draws red at {COLOUR_SIDES['red']} px and blue at "
-                         f"{COLOUR_SIDES['blue']} px: data.demo_sizes={sizes} must cover [8, 32]")
+                         f"{COLOUR_SIDES['blue']} px: data.demo_sizes={sizes} must cover {cover}")
     import datasets
 
     rng = np.random.default_rng(seed)
