@@ -12,10 +12,12 @@ has the commands and the numbers.
     python benchmarks/real_options.py compare [--combo x0,muon]  # each arm against base, per trainer and budget
 
 Every other argument (e.g. --data.cache_dir=/tmp/fm/cache) goes to every trainer run. Budgets: "steps" trains
-every arm the recipe's train.max_steps; "cpu" trains each arm for the steps the base arm's CPU time buys at that
-arm's measured CPU seconds per step (`cost`, OUT/cost.json: a run of 5 and of 25 steps, the difference over 20
-steps, so start-up, cache loading and export cancel and load from other processes does not count, since CPU
-time is the process's own). An arm whose equal-CPU step count equals the recipe's shares its equal-steps runs.
+every arm --steps (default: the recipe's train.max_steps); "cpu" trains each arm for the steps the base arm's CPU
+time buys at that arm's measured CPU seconds per step (`cost`, OUT/cost.json: a run of 5 and of 25 steps, the
+difference over 20 steps, so start-up, cache loading and export cancel and load from other processes does not
+count, since CPU time is the process's own). An arm within COST_TIE of base's CPU per step trains base's steps
+at equal CPU too (the difference is below what `cost` can tell), sharing its equal-steps runs. A run is named by
+what decides it: OUT/steps<N>/<arm>/<trainer>_s<seed>, so runs of equal steps from either budget are one run.
 Peak memory is the trainer process's peak RSS (the kernel's, as the trainer logs on CPU). Each step is skipped
 when its result is already in OUT, so a stopped campaign resumes; progress is one plain line per run.
 """
@@ -47,6 +49,7 @@ FLOW_MATCHING_ONLY = {"contrastive"}
 TRAINERS = ("flow_matching", "ddpm")
 RUN = ["--log.wandb=off", "--log.report=false"]
 COST_STEPS = (5, 25)  # the two lengths of the cost runs: their difference, 20 steps, is what a step costs
+COST_TIE = 0.05  # two measurements of one arm's CPU per step differ by up to ~3% on an unloaded machine (docs/benchmarks.md)
 
 
 def arms(combo):
@@ -130,21 +133,21 @@ def steps_for(args, trainer, arm, budget, recipe_steps):
     if "base" not in rows or arm not in rows:
         sys.exit(f"budget 'cpu' needs the CPU per step of base and {arm} ({trainer}) in {path}: run "
                  f"`python benchmarks/real_options.py cost` first")
-    return round(recipe_steps * rows["base"]["cpu_s_per_step"] / rows[arm]["cpu_s_per_step"])
+    ratio = rows["base"]["cpu_s_per_step"] / rows[arm]["cpu_s_per_step"]
+    return recipe_steps if abs(ratio - 1) <= COST_TIE else round(recipe_steps * ratio)
 
 
 def run_dir(args, trainer, arm, budget, seed, recipe_steps):
     steps = steps_for(args, trainer, arm, budget, recipe_steps)
-    folder = "steps" if steps == recipe_steps else f"cpu{steps}"  # equal step counts share one run
-    return Path(args.out) / folder / arm / f"{trainer}_s{seed}", steps
+    return Path(args.out) / f"steps{steps}" / arm / f"{trainer}_s{seed}", steps
 
 
 def campaign(args, table):
     """Train and score every (budget, arm, trainer, seed), skipping what is already there."""
-    recipe_steps = json.loads(fashion_mnist.RECIPE.read_text())["train"]["max_steps"]
+    recipe_steps = args.steps
     todo, seen = [], set()  # every run's folder and steps first: a missing cost stops the campaign before it starts
     for seed in args.seeds:
-        for budget in ("steps", "cpu"):
+        for budget in args.budgets:
             for trainer in args.trainers:
                 for arm in [a for a in table if applies(a, trainer, args.combo)]:
                     run, steps = run_dir(args, trainer, arm, budget, seed, recipe_steps)
@@ -158,7 +161,7 @@ def campaign(args, table):
             continue
         print(f"[{i}/{len(todo)}] {budget} {arm} {trainer} seed {seed}: {steps} steps ({time.time() - started:.0f} s "
               f"into this session)", flush=True)
-        more = [] if steps == recipe_steps else [f"--train.max_steps={steps}"]
+        more = [f"--train.max_steps={steps}"]
         fashion_mnist.ours(argparse.Namespace(
             trainer=trainer, seed=seed, out=str(run.parent), classifier=args.classifier,
             num_samples=args.num_samples, curve_samples=args.num_samples, fractions=[],
@@ -170,9 +173,9 @@ def compare(args, table):
     """tools/compare.py on each trainer and budget: every arm against base, paired over seeds."""
     from tools.compare import compare as compare_runs
 
-    recipe_steps = json.loads(fashion_mnist.RECIPE.read_text())["train"]["max_steps"]
+    recipe_steps = args.steps
     for trainer in args.trainers:
-        for budget in ("steps", "cpu"):
+        for budget in args.budgets:
             measured = [a for a in table if applies(a, trainer, args.combo) and a in measured_costs(args, trainer)]
             if budget == "cpu" and "base" not in measured:
                 print(f"{trainer} cpu: no CPU cost measured yet (real_options.py cost)")
@@ -198,19 +201,28 @@ def main(argv=None):
                    "from the single-option results)")
     p.add_argument("--trainers", default=",".join(TRAINERS))
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=None, help="the equal-steps budget (default: the recipe's "
+                   "train.max_steps); equal CPU is the base arm's CPU time at it")
+    p.add_argument("--budgets", default="steps,cpu", help="steps, cpu or both: which comparisons to train / make")
     p.add_argument("--out", default="runs/real_options")
     p.add_argument("--classifier", default="classifiers/fashion_mnist")
     p.add_argument("--num_samples", type=int, default=2000, help="samples scored per run (the protocol's "
                    "final score: 10,000; 2,000 as in docs/benchmarks.md's 3-seed comparison)")
     args, args.extra = p.parse_known_args(argv)
+    if bad := [a for a in args.extra if a.startswith("--train.max_steps")]:
+        p.error(f"{bad[0]}: give the budget as --steps (the equal-CPU step counts are computed from it)")
+    args.steps = args.steps or json.loads(fashion_mnist.RECIPE.read_text())["train"]["max_steps"]
     table = arms(args.combo)
     names = args.arms.split(",") + (["combo"] if args.combo else [])
     if unknown := [a for a in names if a not in table]:
         p.error(f"--arms: {unknown} unknown; the arms: {list(table)}")
-    if "base" not in names:
-        names.insert(0, "base")  # every comparison, and the equal-CPU budget, is against it
+    if "base" not in names and args.what != "run":
+        names.insert(0, "base")  # every comparison, and every cost ratio, is against it (`run` trains what it is given)
     table = {a: table[a] for a in sorted(names, key=list(table).index)}
     args.trainers, args.seeds = args.trainers.split(","), [int(s) for s in args.seeds.split(",")]
+    if bad := [b for b in args.budgets.split(",") if b not in ("steps", "cpu")]:
+        p.error(f"--budgets: {bad}; the budgets: steps, cpu")
+    args.budgets = args.budgets.split(",")
     if bad := [t for t in args.trainers if t not in TRAINERS]:
         p.error(f"--trainers: {bad}; the trainers: {list(TRAINERS)}")
     check_encoders(table)

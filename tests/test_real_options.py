@@ -34,8 +34,14 @@ def test_a_steps_cost_is_the_difference_of_two_run_lengths(tmp_path, monkeypatch
     rows = json.loads((tmp_path / "cost.json").read_text())["ddpm"]
     assert rows["base"] == pytest.approx({"cpu_s_per_step": 1.5, "peak_rss_gib": 1.75})
     assert rows["muon"]["cpu_s_per_step"] == pytest.approx(2.0)
-    # equal CPU: base's 1,200 steps at 1.5 CPU-s buy muon 900; an arm as cheap as base shares the steps runs
-    assert ro.run_dir(args, "ddpm", "muon", "cpu", 0, 1200) == (tmp_path / "cpu900" / "muon" / "ddpm_s0", 900)
-    assert ro.run_dir(args, "ddpm", "base", "cpu", 0, 1200) == (tmp_path / "steps" / "base" / "ddpm_s0", 1200)
+    # equal CPU: base's 1,200 steps at 1.5 CPU-s buy muon 900; a run is named by its steps, whichever budget asks
+    assert ro.run_dir(args, "ddpm", "muon", "cpu", 0, 1200) == (tmp_path / "steps900" / "muon" / "ddpm_s0", 900)
+    assert ro.run_dir(args, "ddpm", "muon", "steps", 0, 900) == (tmp_path / "steps900" / "muon" / "ddpm_s0", 900)
+    assert ro.run_dir(args, "ddpm", "base", "cpu", 0, 1200) == (tmp_path / "steps1200" / "base" / "ddpm_s0", 1200)
+    # an arm within COST_TIE of base's cost (below what the measurement can tell) trains base's steps at equal CPU
+    rows = json.loads((tmp_path / "cost.json").read_text())
+    rows["ddpm"]["muon"]["cpu_s_per_step"] = 1.5 * (1 + ro.COST_TIE * 0.9)
+    (tmp_path / "cost.json").write_text(json.dumps(rows))
+    assert ro.steps_for(args, "ddpm", "muon", "cpu", 1200) == 1200
     with pytest.raises(SystemExit, match="run `python benchmarks/real_options.py cost` first"):
         ro.steps_for(args, "flow_matching", "muon", "cpu", 1200)
