@@ -7,15 +7,16 @@ has the commands and the numbers.
 
     python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist   # once
     python tools/repa_encoder.py --out encoders/fashion_mnist                                         # once
-    python benchmarks/real_options.py cost                       # CPU-s per step and peak memory of every arm
-    python benchmarks/real_options.py run --seeds 0,1,2 [--combo x0,muon]   # train and score (resumes)
+    python benchmarks/real_options.py run --seeds 0,1,2 --budgets steps      # train and score (resumes)
+    python benchmarks/real_options.py cost --seeds 0,1,2         # CPU-s per step and peak memory, from those runs
+    python benchmarks/real_options.py run --seeds 0,1,2 --budgets cpu [--combo x0,muon]   # the equal-CPU runs
     python benchmarks/real_options.py compare [--combo x0,muon]  # each arm against base, per trainer and budget
 
 Every other argument (e.g. --data.cache_dir=/tmp/fm/cache) goes to every trainer run. Budgets: "steps" trains
 every arm --steps (default: the recipe's train.max_steps); "cpu" trains each arm for the steps the base arm's CPU
-time buys at that arm's measured CPU seconds per step (`cost`, OUT/cost.json: a run of 5 and of 25 steps, the
-difference over 20 steps, so start-up, cache loading and export cancel and load from other processes does not
-count, since CPU time is the process's own). An arm within COST_TIE of base's CPU per step trains base's steps
+time buys at that arm's CPU seconds per step (`cost`, OUT/cost.json: read from the equal-steps runs, each the
+training process's own CPU time, so load from other processes does not count; short timing runs measured the
+same arm 25% apart here, three whole runs agree within a few per cent). An arm within COST_TIE of base's CPU per step trains base's steps
 at equal CPU too (the difference is below what `cost` can tell), sharing its equal-steps runs. A run is named by
 what decides it: OUT/steps<N>/<arm>/<trainer>_s<seed>, so runs of equal steps from either budget are one run.
 Peak memory is the trainer process's peak RSS (the kernel's, as the trainer logs on CPU). Each step is skipped
@@ -23,8 +24,6 @@ when its result is already in OUT, so a stopped campaign resumes; progress is on
 """
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,8 +47,7 @@ ARMS = {"base": [],
 FLOW_MATCHING_ONLY = {"contrastive"}
 TRAINERS = ("flow_matching", "ddpm")
 RUN = ["--log.wandb=off", "--log.report=false"]
-COST_STEPS = (5, 25)  # the two lengths of the cost runs: their difference, 20 steps, is what a step costs
-COST_TIE = 0.05  # two measurements of one arm's CPU per step differ by up to ~3% on an unloaded machine (docs/benchmarks.md)
+COST_TIE = 0.05  # below this, a difference in CPU per step is within the seeds' spread (docs/benchmarks.md)
 
 
 def arms(combo):
@@ -77,47 +75,33 @@ def check_encoders(table):
             sys.exit(f"the REPA arms need {', '.join(missing)}: run `python tools/repa_encoder.py --out {ENCODERS}`")
 
 
-def trainer_cpu(args_list):
-    """Run a trainer to the end; (CPU seconds, peak RSS GiB) of that process alone (os.wait4's rusage)."""
-    proc = subprocess.Popen(args_list, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(args_list)} failed ({proc.returncode}):\n{err[-3000:]}")
-    return usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024 / 2**30
-
-
 def cost(args, table):
-    """CPU seconds per step and peak memory of every arm and trainer, one thread, into OUT/cost.json."""
+    """CPU seconds per step and peak memory of every arm and trainer, from its equal-steps runs (--steps, every
+    seed of --seeds): a run's CPU is its training process's own (benchmarks/fashion_mnist.py's cpu_seconds.json,
+    start-up, validation and export included: what an equal-CPU run spends), its memory the largest
+    peak_memory_gb the trainer logged (on CPU, the process's peak RSS). Into OUT/cost.json."""
+    result = {}
+    for trainer in args.trainers:
+        for arm in [a for a in table if applies(a, trainer, args.combo)]:
+            runs = [Path(args.out) / f"steps{args.steps}" / arm / f"{trainer}_s{seed}" for seed in args.seeds]
+            if missing := [str(r) for r in runs if not (r / "cpu_seconds.json").is_file()]:
+                print(f"cost {trainer} {arm}: not yet trained: {', '.join(missing)}")
+                continue
+            cpu = [json.loads((r / "cpu_seconds.json").read_text())["train"] / args.steps for r in runs]
+            peak = [max(json.loads(line).get("peak_memory_gb", 0) for line in open(r / "metrics.jsonl")) for r in runs]
+            result.setdefault(trainer, {})[arm] = {"cpu_s_per_step": sum(cpu) / len(cpu), "cpu_s_per_step_runs": cpu,
+                                                   "peak_memory_gib": max(peak), "steps": args.steps}
     path = Path(args.out) / "cost.json"
-    result = json.loads(path.read_text()) if path.is_file() else {}
-    todo = [(t, a) for t in args.trainers for a in table if applies(a, t, args.combo)]
-    for i, (trainer, arm) in enumerate(todo, 1):
-        if arm in result.get(trainer, {}):
-            print(f"[{i}/{len(todo)}] cost {trainer} {arm}: done before", flush=True)
-            continue
-        measured = {}
-        for steps in COST_STEPS:
-            run = Path(args.out) / "cost" / f"{trainer}_{arm}_{steps}"
-            measured[steps] = trainer_cpu([
-                sys.executable, str(ROOT / f"train_{trainer}.py"), "--config", str(fashion_mnist.RECIPE),
-                f"--run_dir={run}", f"--train.max_steps={steps}", "--train.warmup_steps=0", "--val.every=100000",
-                "--ckpt.every=100000", "--log.every=5", "--seed=0", *RUN, *table[arm], *args.extra])
-        (c0, _), (c1, rss) = (measured[s] for s in COST_STEPS)
-        result = json.loads(path.read_text()) if path.is_file() else {}  # again: one process per trainer may share it
-        result.setdefault(trainer, {})[arm] = {"cpu_s_per_step": (c1 - c0) / (COST_STEPS[1] - COST_STEPS[0]),
-                                               "peak_rss_gib": rss}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
-        print(f"[{i}/{len(todo)}] cost {trainer} {arm}: {result[trainer][arm]['cpu_s_per_step']:.3f} CPU-s a step, "
-              f"peak RSS {rss:.2f} GiB", flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
     for trainer, rows in result.items():
         base = rows.get("base")
         for arm, row in rows.items():
-            rel = f" ({row['cpu_s_per_step'] / base['cpu_s_per_step']:.2f}x base, {row['peak_rss_gib'] - base['peak_rss_gib']:+.2f} GiB)" if base else ""
-            print(f"{trainer:14s} {arm:13s} {row['cpu_s_per_step']:.3f} CPU-s/step  {row['peak_rss_gib']:.2f} GiB{rel}")
+            rel = (f" ({row['cpu_s_per_step'] / base['cpu_s_per_step']:.2f}x base, "
+                   f"{row['peak_memory_gib'] - base['peak_memory_gib']:+.3f} GiB)") if base else ""
+            spread = "/".join(f"{c:.3f}" for c in row["cpu_s_per_step_runs"])
+            print(f"{trainer:14s} {arm:13s} {row['cpu_s_per_step']:.3f} CPU-s/step (runs {spread})  "
+                  f"{row['peak_memory_gib']:.2f} GiB{rel}")
 
 
 def measured_costs(args, trainer):
@@ -130,9 +114,9 @@ def steps_for(args, trainer, arm, budget, recipe_steps):
     if budget == "steps" or arm == "base":
         return recipe_steps
     rows, path = measured_costs(args, trainer), Path(args.out) / "cost.json"
-    if "base" not in rows or arm not in rows:
-        sys.exit(f"budget 'cpu' needs the CPU per step of base and {arm} ({trainer}) in {path}: run "
-                 f"`python benchmarks/real_options.py cost` first")
+    if "base" not in rows or arm not in rows or rows[arm]["steps"] != recipe_steps:
+        sys.exit(f"budget 'cpu' needs the CPU per step of base and {arm} ({trainer}) at --steps {recipe_steps} in "
+                 f"{path}: train the equal-steps runs (--budgets steps), then `python benchmarks/real_options.py cost`")
     ratio = rows["base"]["cpu_s_per_step"] / rows[arm]["cpu_s_per_step"]
     return recipe_steps if abs(ratio - 1) <= COST_TIE else round(recipe_steps * ratio)
 
@@ -143,30 +127,30 @@ def run_dir(args, trainer, arm, budget, seed, recipe_steps):
 
 
 def campaign(args, table):
-    """Train and score every (budget, arm, trainer, seed), skipping what is already there."""
-    recipe_steps = args.steps
-    todo, seen = [], set()  # every run's folder and steps first: a missing cost stops the campaign before it starts
-    for seed in args.seeds:
-        for budget in args.budgets:
+    """Train and score every (budget, arm, trainer, seed), skipping what is already there: the equal-steps runs
+    first, since the equal-CPU step counts are measured on them (`cost`, run here between the two)."""
+    started = time.time()
+    for budget in args.budgets:
+        if budget == "cpu":
+            cost(args, {"base": [], **table})
+        todo = []
+        for seed in args.seeds:
             for trainer in args.trainers:
                 for arm in [a for a in table if applies(a, trainer, args.combo)]:
-                    run, steps = run_dir(args, trainer, arm, budget, seed, recipe_steps)
-                    if run not in seen:
-                        seen.add(run)
+                    run, steps = run_dir(args, trainer, arm, budget, seed, args.steps)
+                    if run not in [t[4] for t in todo]:
                         todo.append((budget, arm, trainer, seed, run, steps))
-    started = time.time()
-    for i, (budget, arm, trainer, seed, run, steps) in enumerate(todo, 1):
-        if (run / "quality.jsonl").is_file():
-            print(f"[{i}/{len(todo)}] {budget} {arm} {trainer} seed {seed}: done before", flush=True)
-            continue
-        print(f"[{i}/{len(todo)}] {budget} {arm} {trainer} seed {seed}: {steps} steps ({time.time() - started:.0f} s "
-              f"into this session)", flush=True)
-        more = [f"--train.max_steps={steps}"]
-        fashion_mnist.ours(argparse.Namespace(
-            trainer=trainer, seed=seed, out=str(run.parent), classifier=args.classifier,
-            num_samples=args.num_samples, curve_samples=args.num_samples, fractions=[],
-            eval_args=["--stats_cache", str(Path(args.out) / "fid_stats")],
-            extra=[*RUN, *table[arm], *more, *args.extra]))
+        for i, (budget, arm, trainer, seed, run, steps) in enumerate(todo, 1):
+            if (run / "quality.jsonl").is_file():
+                print(f"[{budget} {i}/{len(todo)}] {arm} {trainer} seed {seed}: done before", flush=True)
+                continue
+            print(f"[{budget} {i}/{len(todo)}] {arm} {trainer} seed {seed}: {steps} steps ({time.time() - started:.0f} s "
+                  f"into this session)", flush=True)
+            fashion_mnist.ours(argparse.Namespace(
+                trainer=trainer, seed=seed, out=str(run.parent), classifier=args.classifier,
+                num_samples=args.num_samples, curve_samples=args.num_samples, fractions=[],
+                eval_args=["--stats_cache", str(Path(args.out) / "fid_stats")],
+                extra=[*RUN, *table[arm], f"--train.max_steps={steps}", *args.extra]))
 
 
 def compare(args, table):
@@ -189,7 +173,7 @@ def compare(args, table):
                 continue
             keys = json.loads((runs[0] / "quality.jsonl").read_text().splitlines()[-1])
             for metric in [k for k in keys if k.startswith(("fd_classifier", "class_accuracy"))]:
-                md = compare_runs(runs, Path(args.out) / "compare" / f"{trainer}_{budget}_{metric}", metric=metric)
+                md = compare_runs(runs, Path(args.out) / "compare" / f"{trainer}_steps{recipe_steps}_{budget}_{metric}", metric=metric)
                 print(f"{trainer} {budget} {metric}: {md}")
 
 
