@@ -88,7 +88,8 @@ def cost(args, table):
                 print(f"cost {trainer} {arm}: not yet trained: {', '.join(missing)}")
                 continue
             cpu = [json.loads((r / "cpu_seconds.json").read_text())["train"] / args.steps for r in runs]
-            peak = [max(json.loads(line).get("peak_memory_gb", 0) for line in (r / "metrics.jsonl").read_text().splitlines()) for r in runs]
+            logs = [(r / "metrics.jsonl").read_text().splitlines() for r in runs]
+            peak = [max(json.loads(line).get("peak_memory_gb", 0) for line in log) for log in logs]
             result.setdefault(trainer, {})[arm] = {"cpu_s_per_step": sum(cpu) / len(cpu), "cpu_s_per_step_runs": cpu,
                                                    "peak_memory_gib": max(peak), "steps": args.steps}
     path = Path(args.out) / "cost.json"
