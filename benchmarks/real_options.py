@@ -80,7 +80,8 @@ def cost(args, table):
     seed of --seeds): a run's CPU is its training process's own (benchmarks/fashion_mnist.py's cpu_seconds.json,
     start-up, validation and export included: what an equal-CPU run spends), its memory the largest
     peak_memory_gb the trainer logged (on CPU, the process's peak RSS). Into OUT/cost.json."""
-    result = {}
+    path = Path(args.out) / "cost.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}  # other trainers' and arms' rows stay
     for trainer in args.trainers:
         for arm in [a for a in table if applies(a, trainer, args.combo)]:
             runs = [Path(args.out) / f"steps{args.steps}" / arm / f"{trainer}_s{seed}" for seed in args.seeds]
@@ -92,7 +93,6 @@ def cost(args, table):
             peak = [max(json.loads(line).get("peak_memory_gb", 0) for line in log) for log in logs]
             result.setdefault(trainer, {})[arm] = {"cpu_s_per_step": sum(cpu) / len(cpu), "cpu_s_per_step_runs": cpu,
                                                    "peak_memory_gib": max(peak), "steps": args.steps}
-    path = Path(args.out) / "cost.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     for trainer, rows in result.items():
@@ -132,8 +132,9 @@ def campaign(args, table):
     first, since the equal-CPU step counts are measured on them (`cost`, run here between the two)."""
     started = time.time()
     for budget in args.budgets:
-        if budget == "cpu":
-            cost(args, {"base": [], **table})
+        if budget == "cpu" and any(measured_costs(args, t).get(a, {}).get("steps") != args.steps
+                                   for t in args.trainers for a in ["base", *table] if applies(a, t, args.combo)):
+            cost(args, {"base": [], **table})  # measured once, on the seeds given then: later seeds keep its step counts
         todo = []
         for seed in args.seeds:
             for trainer in args.trainers:
