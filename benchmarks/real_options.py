@@ -18,7 +18,7 @@ time buys at that arm's CPU seconds per step (`cost`, OUT/cost.json: read from t
 training process's own CPU time, so load from other processes does not count; short timing runs measured the
 same arm 25% apart here, three whole runs agree within a few per cent). An arm within COST_TIE of base's CPU per step trains base's steps
 at equal CPU too (the difference is below what `cost` can tell), sharing its equal-steps runs. A run is named by
-what decides it: OUT/steps<N>/<arm>/<trainer>_s<seed>, so runs of equal steps from either budget are one run.
+what decides it: OUT/steps<N>/<arm>/<trainer>_s<seed> (the combination's arm: combo_<a>+<b>), so runs of equal steps from either budget are one run.
 Peak memory is the trainer process's peak RSS (the kernel's, as the trainer logs on CPU). Each step is skipped
 when its result is already in OUT, so a stopped campaign resumes; progress is one plain line per run.
 """
@@ -84,14 +84,14 @@ def cost(args, table):
     result = json.loads(path.read_text()) if path.is_file() else {}  # other trainers' and arms' rows stay
     for trainer in args.trainers:
         for arm in [a for a in table if applies(a, trainer, args.combo)]:
-            runs = [Path(args.out) / f"steps{args.steps}" / arm / f"{trainer}_s{seed}" for seed in args.seeds]
+            runs = [run_dir(args, trainer, arm, "steps", seed, args.steps)[0] for seed in args.seeds]
             if missing := [str(r) for r in runs if not (r / "cpu_seconds.json").is_file()]:
                 print(f"cost {trainer} {arm}: not yet trained: {', '.join(missing)}")
                 continue
             cpu = [json.loads((r / "cpu_seconds.json").read_text())["train"] / args.steps for r in runs]
             logs = [(r / "metrics.jsonl").read_text().splitlines() for r in runs]
             peak = [max(json.loads(line).get("peak_memory_gb", 0) for line in log) for log in logs]
-            result.setdefault(trainer, {})[arm] = {"cpu_s_per_step": sum(cpu) / len(cpu), "cpu_s_per_step_runs": cpu,
+            result.setdefault(trainer, {})[name(args, arm)] = {"cpu_s_per_step": sum(cpu) / len(cpu), "cpu_s_per_step_runs": cpu,
                                                    "peak_memory_gib": max(peak), "steps": args.steps}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
@@ -115,16 +115,22 @@ def steps_for(args, trainer, arm, budget, recipe_steps):
     if budget == "steps" or arm == "base":
         return recipe_steps
     rows, path = measured_costs(args, trainer), Path(args.out) / "cost.json"
-    if "base" not in rows or arm not in rows or rows[arm]["steps"] != recipe_steps:
-        sys.exit(f"budget 'cpu' needs the CPU per step of base and {arm} ({trainer}) at --steps {recipe_steps} in "
+    key = name(args, arm)
+    if "base" not in rows or key not in rows or rows[key]["steps"] != recipe_steps:
+        sys.exit(f"budget 'cpu' needs the CPU per step of base and {key} ({trainer}) at --steps {recipe_steps} in "
                  f"{path}: train the equal-steps runs (--budgets steps), then `python benchmarks/real_options.py cost`")
-    ratio = rows["base"]["cpu_s_per_step"] / rows[arm]["cpu_s_per_step"]
+    ratio = rows["base"]["cpu_s_per_step"] / rows[key]["cpu_s_per_step"]
     return recipe_steps if abs(ratio - 1) <= COST_TIE else round(recipe_steps * ratio)
+
+
+def name(args, arm):
+    """An arm's folder and cost.json key: the combination's names what it stacks (another one is not its runs)."""
+    return arm if arm != "combo" else "combo_" + "+".join(args.combo.split(","))
 
 
 def run_dir(args, trainer, arm, budget, seed, recipe_steps):
     steps = steps_for(args, trainer, arm, budget, recipe_steps)
-    return Path(args.out) / f"steps{steps}" / arm / f"{trainer}_s{seed}", steps
+    return Path(args.out) / f"steps{steps}" / name(args, arm) / f"{trainer}_s{seed}", steps
 
 
 def campaign(args, table):
@@ -132,7 +138,7 @@ def campaign(args, table):
     first, since the equal-CPU step counts are measured on them (`cost`, run here between the two)."""
     started = time.time()
     for budget in args.budgets:
-        if budget == "cpu" and any(measured_costs(args, t).get(a, {}).get("steps") != args.steps
+        if budget == "cpu" and any(measured_costs(args, t).get(name(args, a), {}).get("steps") != args.steps
                                    for t in args.trainers for a in ["base", *table] if applies(a, t, args.combo)):
             cost(args, {"base": [], **table})  # measured once, on the seeds given then: later seeds keep its step counts
         todo = []
@@ -162,7 +168,7 @@ def compare(args, table):
     recipe_steps = args.steps
     for trainer in args.trainers:
         for budget in args.budgets:
-            measured = [a for a in table if applies(a, trainer, args.combo) and a in measured_costs(args, trainer)]
+            measured = [a for a in table if applies(a, trainer, args.combo) and name(args, a) in measured_costs(args, trainer)]
             if budget == "cpu" and "base" not in measured:
                 print(f"{trainer} cpu: no CPU cost measured yet (real_options.py cost)")
                 continue

@@ -2,6 +2,7 @@
 step's CPU cost as the difference of two run lengths, and the equal-CPU step counts and run folders from it."""
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -43,9 +44,41 @@ def test_a_steps_cost_comes_from_the_equal_steps_runs_and_sets_the_equal_cpu_ste
     # a run is named by its steps, whichever budget asks for it
     assert ro.run_dir(args, "ddpm", "muon", "cpu", 0, 200) == (tmp_path / "steps150" / "muon" / "ddpm_s0", 150)
     assert ro.run_dir(args, "ddpm", "base", "cpu", 1, 200) == (tmp_path / "steps200" / "base" / "ddpm_s1", 200)
+    args.combo = "x0,muon"  # a combination's runs are named by what it stacks: another one is not "done before"
+    assert ro.run_dir(args, "ddpm", "combo", "steps", 0, 200)[0] == tmp_path / "steps200" / "combo_x0+muon" / "ddpm_s0"
+    args.combo = None
     with pytest.raises(SystemExit, match="at --steps 300"):  # costs measured at another budget are not used
         ro.steps_for(args, "ddpm", "muon", "cpu", 300)
     # an arm within COST_TIE of base's cost (below what the runs can tell apart) trains base's steps at equal CPU
     rows["muon"]["cpu_s_per_step"] = 1.575 * (1 + ro.COST_TIE * 0.9)
     (tmp_path / "cost.json").write_text(json.dumps({"ddpm": rows}))
     assert ro.steps_for(args, "ddpm", "muon", "cpu", 200) == 200
+
+
+def test_the_campaign_trains_equal_steps_then_measures_then_trains_equal_cpu(tmp_path, monkeypatch):
+    """A fake trainer-and-scorer (fashion_mnist.ours): base costs 1.0 CPU-s a step, muon 2.0. The campaign trains
+    every arm at --steps, measures the cost on those runs, then trains muon for half the steps; a second call
+    trains nothing; the combination's runs go to a folder named by what it stacks."""
+    per_step = {(): 1.0, ("--train.optimizer=muon",): 2.0}
+    trained = []
+
+    def ours(ns):
+        steps = int(next(a for a in ns.extra if a.startswith("--train.max_steps=")).split("=")[1])
+        arm = tuple(a for a in ns.extra if a == "--train.optimizer=muon")
+        run = Path(ns.out) / f"{ns.trainer}_s{ns.seed}"
+        fake_run(run, per_step[arm] * steps, [1.0])
+        (run / "quality.jsonl").write_text(json.dumps({"step": steps, "fd_classifier_1k": 1.0}) + "\n")
+        trained.append((Path(ns.out).relative_to(tmp_path).as_posix(), ns.seed, steps))
+
+    monkeypatch.setattr(ro.fashion_mnist, "ours", ours)
+    args = argparse.Namespace(out=str(tmp_path), trainers=["ddpm"], combo=None, seeds=[0, 1], steps=100,
+                              budgets=["steps", "cpu"], classifier="c", num_samples=10, extra=[])
+    table = {"base": [], "muon": ro.ARMS["muon"]}
+    ro.campaign(args, table)
+    assert trained == [("steps100/base", 0, 100), ("steps100/muon", 0, 100), ("steps100/base", 1, 100),
+                       ("steps100/muon", 1, 100), ("steps50/muon", 0, 50), ("steps50/muon", 1, 50)]
+    ro.campaign(args, table)
+    assert len(trained) == 6  # everything scored is skipped
+    args.combo, args.budgets = "x0,muon", ["steps"]
+    ro.campaign(args, ro.arms("x0,muon"))
+    assert ("steps100/combo_x0+muon", 0, 100) in trained
