@@ -74,6 +74,20 @@ def test_the_guidance_interval_is_searched_and_the_best_two_confirmed_on_fresh_s
     assert "chosen: guidance 2 in t [0, 1], 16 steps" in out and "95% interval" in out and "runner-up:" in out
 
 
+@pytest.mark.parametrize("planted, note", [(3.0, "--guidance 3 is the largest of 1, 2, 3 searched"),
+                                           (1.0, "--guidance 1 is the smallest of 1, 2, 3 searched"), (2.0, None)])
+def test_a_best_setting_at_the_grids_edge_is_flagged(run, monkeypatch, capsys, planted, note):
+    """A best at the end of a searched range may have a better one beyond it: said, and kept in tuned.json; a best
+    inside the range, or on a setting searched at two values (always an end), is not flagged."""
+    monkeypatch.setattr(eval_fid, "main", fake_eval([], best=(planted, 16)))
+    tune.main(["--run", str(run), "--guidance", "1,2,3", "--steps", "16,32", "--num_samples", "100",
+               "--confirm_samples", "0"])
+    saved, out = json.loads((run / "tuned.json").read_text()), capsys.readouterr().out
+    assert saved["best"]["guidance_scale"] == planted and saved["best"]["steps"] == 16
+    assert saved["at_edge"] == ([] if note is None else [note + ": the best may lie beyond it; search past it"])
+    assert ("at the grid's edge" in out) == (note is not None)
+
+
 def test_defaults_are_the_runs_own_settings(run, monkeypatch):
     calls = []
     monkeypatch.setattr(eval_fid, "main", fake_eval(calls))

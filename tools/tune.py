@@ -23,8 +23,9 @@ The reference is always the run's held-out rows (eval_fid.py's default): --refer
 refused, and so is a run whose held-out rows are a test split (training/reference.py, check_selection), so no
 setting is ever chosen on the images that report the final score. The score is the first distance in
 eval_fid.py's report (FID, or fd_classifier with --features classifier); lower wins. Writes RUN/tuned.json: the
-search table, the confirmation, the chosen setting ("best") and the runner-up, and the model they were chosen for
-(--checkpoint, --weights). eval_fid.py and sample.py then sample that model with "best" wherever no flag sets a
+search table, the confirmation, the chosen setting ("best") and the runner-up, the model they were chosen for
+(--checkpoint, --weights) and "at_edge": a note for each setting searched at three or more values whose chosen
+value is the smallest or largest of them (printed too: the best may lie beyond the grid). eval_fid.py and sample.py then sample that model with "best" wherever no flag sets a
 setting (eval_fid.tuned_defaults; --untuned: the run's own settings). Any other argument goes to eval_fid.py as is
 (--classifier, --features, --batch_size, --checkpoint, ...).
 """
@@ -61,6 +62,19 @@ def label(row):
     lo, hi = row["guidance_interval"]
     return (f"guidance {row['guidance_scale']:g} in t [{lo:g}, {hi:g}], {row['steps']} steps, "
             f"EMA {row['phema_std'] or 'export'}")
+
+
+def at_edge(best, grid):
+    """The searched settings whose chosen value is the smallest or largest of three or more searched: the best may
+    lie beyond the grid (the best guidance moves with training length and recipe: LightningDiT#49)."""
+    notes = []
+    for key, flag in (("guidance_scale", "--guidance"), ("steps", "--steps"), ("phema_std", "--phema_std")):
+        values = sorted({row[key] for row in grid if row[key] is not None})
+        if len(values) >= 3 and best[key] in (values[0], values[-1]):
+            side = "smallest" if best[key] == values[0] else "largest"
+            notes.append(f"{flag} {best[key]:g} is the {side} of {', '.join(f'{v:g}' for v in values)} searched: "
+                         f"the best may lie beyond it; search past it")
+    return notes
 
 
 def main(argv=None, feature_fn=None):
@@ -138,8 +152,9 @@ def main(argv=None, feature_fn=None):
                    "runner_up": stats[1], "difference": {k: diff[k] for k in ("mean", "low", "high")}}
         ranked[0], ranked[1] = {**ranked[0], "confirmed": stats[0]}, {**ranked[1], "confirmed": stats[1]}
     best, runner_up = ranked[0], ranked[1] if len(ranked) > 1 else None
+    edge = at_edge(best, rows)
     out = Path(args.run) / "tuned.json"
-    out.write_text(json.dumps({"best": best, "runner_up": runner_up, "rows": rows, "confirm": confirm,
+    out.write_text(json.dumps({"best": best, "runner_up": runner_up, "rows": rows, "confirm": confirm, "at_edge": edge,
                                "num_samples": args.num_samples, "confirm_samples": args.confirm_samples,
                                "model": {"checkpoint": given.checkpoint, "weights": given.weights},
                                "reference": "held-out rows of the training split", "eval_args": eval_args}, indent=1))
@@ -154,6 +169,8 @@ def main(argv=None, feature_fn=None):
         print(f"difference, best - runner-up, paired by block: {d['mean']:+.4f} (95% interval [{d['low']:+.4f}, "
               f"{d['high']:+.4f}]): " + ("the best is better" if settled else
                                          "the two cannot be told apart at this count; either will do"))
+    for note in edge:
+        print(f"at the grid's edge: {note}")
     print(f"written to {out}: eval_fid.py and sample.py use the chosen setting by default for "
           f"{given.checkpoint or 'the export'} ({given.weights}); --untuned or a flag overrides it")
     return ranked
