@@ -25,9 +25,10 @@ setting is ever chosen on the images that report the final score. The score is t
 eval_fid.py's report (FID, or fd_classifier with --features classifier); lower wins. Writes RUN/tuned.json: the
 search table, the confirmation, the chosen setting ("best") and the runner-up, the model they were chosen for
 (--checkpoint, --weights) and "at_edge": a note for each setting searched at three or more values whose chosen
-value is the smallest or largest of them (printed too: the best may lie beyond the grid). eval_fid.py and sample.py then sample that model with "best" wherever no flag sets a
-setting (eval_fid.tuned_defaults; --untuned: the run's own settings). Any other argument goes to eval_fid.py as is
-(--classifier, --features, --batch_size, --checkpoint, ...).
+value is the smallest or largest of them (printed too: the best may lie beyond the grid). eval_fid.py and sample.py
+then sample that model with "best" wherever no flag sets a setting (eval_fid.tuned_defaults; --untuned: the run's
+own settings). Any other argument goes to eval_fid.py as is (--classifier, --features, --batch_size, --checkpoint,
+...).
 """
 import argparse
 import itertools
@@ -64,12 +65,12 @@ def label(row):
             f"EMA {row['phema_std'] or 'export'}")
 
 
-def at_edge(best, grid):
+def at_edge(best, rows):
     """The searched settings whose chosen value is the smallest or largest of three or more searched: the best may
     lie beyond the grid (the best guidance moves with training length and recipe: LightningDiT#49)."""
     notes = []
     for key, flag in (("guidance_scale", "--guidance"), ("steps", "--steps"), ("phema_std", "--phema_std")):
-        values = sorted({row[key] for row in grid if row[key] is not None})
+        values = sorted({row[key] for row in rows if row[key] is not None})
         if len(values) >= 3 and best[key] in (values[0], values[-1]):
             side = "smallest" if best[key] == values[0] else "largest"
             notes.append(f"{flag} {best[key]:g} is the {side} of {', '.join(f'{v:g}' for v in values)} searched: "
