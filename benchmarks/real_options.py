@@ -180,8 +180,10 @@ def compare(args, table):
                 print(f"{trainer} {budget}: fewer than two arms scored yet")
                 continue
             keys = json.loads((runs[0] / "quality.jsonl").read_text().splitlines()[-1])
+            compared = "_vs_".join(dict.fromkeys(r.parent.name for r in runs))  # a compare of other arms: its own folder
             for metric in [k for k in keys if k.startswith(("fd_classifier", "class_accuracy"))]:
-                md = compare_runs(runs, Path(args.out) / "compare" / f"{trainer}_steps{recipe_steps}_{budget}_{metric}", metric=metric)
+                out = Path(args.out) / "compare" / f"{trainer}_steps{recipe_steps}_{budget}_{metric}" / compared
+                md = compare_runs(runs, out, metric=metric)
                 print(f"{trainer} {budget} {metric}: {md}")
 
 

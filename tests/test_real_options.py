@@ -82,3 +82,21 @@ def test_the_campaign_trains_equal_steps_then_measures_then_trains_equal_cpu(tmp
     args.combo, args.budgets = "x0,muon", ["steps"]
     ro.campaign(args, ro.arms("x0,muon"))
     assert ("steps100/combo_x0+muon", 0, 100) in trained
+
+
+def test_each_set_of_compared_arms_gets_its_own_comparison_folder(tmp_path, monkeypatch):
+    """Comparing base with x0 and then base with muon on the same runs keeps both compare.md files."""
+    written = []
+    monkeypatch.setattr("tools.compare.compare", lambda runs, out, metric: written.append(
+        (sorted({r.parent.name for r in runs}), Path(out).relative_to(tmp_path / "compare").as_posix())))
+    for arm in ("base", "x0", "muon"):
+        for seed in (0, 1):
+            run = tmp_path / "steps100" / arm / f"ddpm_s{seed}"
+            run.mkdir(parents=True)
+            (run / "quality.jsonl").write_text(json.dumps({"step": 100, "fd_classifier_1k": 1.0}) + "\n")
+    args = argparse.Namespace(out=str(tmp_path), trainers=["ddpm"], combo=None, seeds=[0, 1], steps=100,
+                              budgets=["steps"])
+    for arms in (("base", "x0"), ("base", "muon")):
+        ro.compare(args, {a: ro.ARMS[a] for a in arms})
+    assert written == [(["base", "x0"], "ddpm_steps100_steps_fd_classifier_1k/base_vs_x0"),
+                       (["base", "muon"], "ddpm_steps100_steps_fd_classifier_1k/base_vs_muon")]
