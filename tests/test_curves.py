@@ -158,6 +158,7 @@ def test_the_shipped_reference_matches_its_recipe(trainer, monkeypatch):
                              schema=module.CONFIG)
     reference = curves.load(cfg)
     assert len(set(reference["seeds"])) >= 3 and curves.differences(reference, cfg) == []
+    assert set(reference["settings"]) == {f"{a}.{b}" for a, b in curves.COMPARABLE}  # each one checked above
     steps = list(range(cfg.val.every, cfg.train.max_steps + 1, cfg.val.every))
     for key in ["val_loss", *(f"val_loss_t{i}" for i in range(5))]:
         assert [row[0] for row in reference["curves"][key]] == steps
