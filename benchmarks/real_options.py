@@ -46,7 +46,9 @@ ARMS = {"base": [],
         "repa_random": [*REPA, f"--objective.repa_encoder={ENCODERS / 'random'}"]}
 FLOW_MATCHING_ONLY = {"contrastive"}
 TRAINERS = ("flow_matching", "ddpm")
-RUN = ["--log.wandb=off", "--log.report=false"]
+# Every arm starts from the recipe as it was when the campaign ran: v-prediction (the recipe predicts x0 since this
+# campaign settled it at 1,200 steps; an arm's own arguments come after, so the x0 arm and the combinations override it).
+RUN = ["--log.wandb=off", "--log.report=false", "--objective.prediction=v"]
 COST_TIE = 0.05  # below this, a difference in CPU per step is within the seeds' spread (docs/benchmarks.md)
 
 

@@ -100,3 +100,27 @@ def test_each_set_of_compared_arms_gets_its_own_comparison_folder(tmp_path, monk
         ro.compare(args, {a: ro.ARMS[a] for a in arms})
     assert written == [(["base", "x0"], "ddpm_steps100_steps_fd_classifier_1k/base_vs_x0"),
                        (["base", "muon"], "ddpm_steps100_steps_fd_classifier_1k/base_vs_muon")]
+
+
+def test_every_arm_starts_from_the_v_prediction_recipe_the_campaign_measured(tmp_path, monkeypatch):
+    """The recipe now predicts x0; the campaign's base stays v-prediction (what its documented runs are), and the
+    x0 arm's own argument wins: the trainer's config, resolved from the arguments each run gets."""
+    import train_flow_matching
+    from training import config
+
+    got = {}
+
+    def ours(ns):
+        cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", str(ro.fashion_mnist.RECIPE), *ns.extra],
+                                 method="flow_matching", schema=train_flow_matching.CONFIG)
+        got[Path(ns.out).name] = cfg.objective.prediction
+        run = Path(ns.out) / f"{ns.trainer}_s{ns.seed}"
+        fake_run(run, 1.0, [1.0])
+        (run / "quality.jsonl").write_text(json.dumps({"step": 1, "fd_classifier_1k": 1.0}) + "\n")
+
+    monkeypatch.setattr(ro.fashion_mnist, "ours", ours)
+    args = argparse.Namespace(out=str(tmp_path), trainers=["flow_matching"], combo=None, seeds=[0], steps=10,
+                              budgets=["steps"], classifier="c", num_samples=10, extra=[])
+    ro.campaign(args, {"base": [], "x0": ro.ARMS["x0"]})
+    assert json.loads(ro.fashion_mnist.RECIPE.read_text())["objective"]["prediction"] == "x0"
+    assert got == {"base": "v", "x0": "x0"}
