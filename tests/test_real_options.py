@@ -27,6 +27,11 @@ def fake_run(folder, cpu, peaks):
                                                   for i, p in enumerate(peaks)))
 
 
+def score(run, step):
+    """The run's quality.jsonl as the scorer leaves it: a scored run, skipped by the campaign, read by compare."""
+    (run / "quality.jsonl").write_text(json.dumps({"step": step, "fd_classifier_1k": 1.0}) + "\n")
+
+
 def test_a_steps_cost_comes_from_the_equal_steps_runs_and_sets_the_equal_cpu_steps(tmp_path):
     """Base's runs spend 300 and 330 CPU-s on 200 steps (1.575 a step), muon's 420 and 420 (2.1): at equal CPU
     muon trains 200 x 1.575 / 2.1 = 150 steps; memory is the largest peak any run logged."""
@@ -67,7 +72,7 @@ def test_the_campaign_trains_equal_steps_then_measures_then_trains_equal_cpu(tmp
         arm = tuple(a for a in ns.extra if a == "--train.optimizer=muon")
         run = Path(ns.out) / f"{ns.trainer}_s{ns.seed}"
         fake_run(run, per_step[arm] * steps, [1.0])
-        (run / "quality.jsonl").write_text(json.dumps({"step": steps, "fd_classifier_1k": 1.0}) + "\n")
+        score(run, steps)
         trained.append((Path(ns.out).relative_to(tmp_path).as_posix(), ns.seed, steps))
 
     monkeypatch.setattr(ro.fashion_mnist, "ours", ours)
@@ -93,7 +98,7 @@ def test_each_set_of_compared_arms_gets_its_own_comparison_folder(tmp_path, monk
         for seed in (0, 1):
             run = tmp_path / "steps100" / arm / f"ddpm_s{seed}"
             run.mkdir(parents=True)
-            (run / "quality.jsonl").write_text(json.dumps({"step": 100, "fd_classifier_1k": 1.0}) + "\n")
+            score(run, 100)
     args = argparse.Namespace(out=str(tmp_path), trainers=["ddpm"], combo=None, seeds=[0, 1], steps=100,
                               budgets=["steps"])
     for arms in (("base", "x0"), ("base", "muon")):
@@ -116,7 +121,7 @@ def test_every_arm_starts_from_the_v_prediction_recipe_the_campaign_measured(tmp
         got[Path(ns.out).name] = cfg.objective.prediction
         run = Path(ns.out) / f"{ns.trainer}_s{ns.seed}"
         fake_run(run, 1.0, [1.0])
-        (run / "quality.jsonl").write_text(json.dumps({"step": 1, "fd_classifier_1k": 1.0}) + "\n")
+        score(run, 1)
 
     monkeypatch.setattr(ro.fashion_mnist, "ours", ours)
     args = argparse.Namespace(out=str(tmp_path), trainers=["flow_matching"], combo=None, seeds=[0], steps=10,
