@@ -108,10 +108,11 @@ def test_a_run_logs_and_prints_when_its_heldout_loss_leaves_the_band(reference_f
     log = runlog.RunLog(cfg, tmp_path / "run", acc)
     assert acc.lines == ["note: this run differs from the reference curves' runs in train.max_steps 300 -> 600: "
                          "compared step by step all the same"]
-    cfg.objective.prediction = "x0"  # another objective's loss: said too
+    cfg.objective.prediction, cfg.train.optimizer = "x0", "muon"  # another objective's loss, or optimizer's: said too
     assert curves.differences(reference(reference_file), cfg) == ["train.max_steps 300 -> 600",
-                                                                  "objective.prediction v -> x0"]
-    cfg.objective.prediction = "v"
+                                                                  "objective.prediction v -> x0",
+                                                                  "train.optimizer adamw -> muon"]
+    cfg.objective.prediction, cfg.train.optimizer = "v", "adamw"
     log({"step": 200, "val_loss": 0.41, "val_loss_t0": 0.82})
     log({"step": 300, "val_loss": 0.45, "val_loss_t0": 0.64})
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

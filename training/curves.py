@@ -22,7 +22,8 @@ WATCHED = re.compile(r"val_loss(_t\d+)?")  # the held-out losses: the same image
 # The settings that must match for the curves to be comparable step by step; a difference is said once.
 COMPARABLE = [("train", "max_steps"), ("train", "batch_size"), ("train", "grad_accum"), ("train", "lr"),
               ("train", "lr_schedule"), ("model", "num_layers"), ("model", "patch_size"), ("data", "resolution"),
-              ("val", "loss_samples"), ("objective", "prediction")]  # x0's loss is not v's, step for step
+              ("val", "loss_samples"), ("objective", "prediction"),  # x0's loss is not v's, step for step
+              ("train", "optimizer"), ("train", "muon_lr")]  # nor AdamW's descent Muon's (docs/benchmarks.md)
 
 
 def band(values):
