@@ -46,9 +46,11 @@ ARMS = {"base": [],
         "repa_random": [*REPA, f"--objective.repa_encoder={ENCODERS / 'random'}"]}
 FLOW_MATCHING_ONLY = {"contrastive"}
 TRAINERS = ("flow_matching", "ddpm")
-# Every arm starts from the recipe as it was when the campaign ran: v-prediction (the recipe predicts x0 since this
-# campaign settled it at 1,200 steps; an arm's own arguments come after, so the x0 arm and the combinations override it).
-RUN = ["--log.wandb=off", "--log.report=false", "--objective.prediction=v"]
+# Every arm starts from the recipe as it was when the campaign ran: v-prediction and AdamW (the recipe predicts x0 and
+# trains with Muon at 1e-2 since this campaign settled both at 1,200 steps; an arm's own arguments come after, so the
+# x0 and muon arms and the combinations override them, and --train.muon_lr=1e-2 after those sets Muon's LR).
+RUN = ["--log.wandb=off", "--log.report=false", "--objective.prediction=v", "--train.optimizer=adamw",
+       "--train.muon_lr=null"]
 COST_TIE = 0.05  # below this, a difference in CPU per step is within the seeds' spread (docs/benchmarks.md)
 
 

@@ -2,6 +2,7 @@
 AdamW called directly on the same groups, a non-finite step that changes nothing, the state through state_dict,
 exact resume of a trainer run, and the start-up refusals."""
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,6 +123,20 @@ def test_muon_is_refused_with_fsdp_on_an_old_torch_and_its_lr_without_it(tmp_pat
     monkeypatch.delattr(torch.optim, "Muon")
     assert "train.optimizer='muon' needs torch.optim.Muon, new in torch 2.9" in problems("--train.optimizer=muon")
     assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_the_recipe_trains_with_muon_and_says_how_to_leave_it(monkeypatch):
+    """configs/fashion_mnist.json sets Muon at 1e-2 (docs/benchmarks.md); AdamW alone is refused naming the
+    argument that unsets Muon's LR, and with it the recipe loads on AdamW."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the recipe names its curves from the root
+
+    def load(*extra):
+        return config.load_config(fm.DEFAULTS, ["--config", "configs/fashion_mnist.json", *extra],
+                                  method="flow_matching", schema=fm.CONFIG)
+    assert (load().train.optimizer, load().train.muon_lr) == ("muon", 1e-2)
+    with pytest.raises(config.ConfigError, match=r"train.muon_lr=0.01 is Muon's LR.*--train.muon_lr=null"):
+        load("--train.optimizer=adamw")
+    assert load("--train.optimizer=adamw", "--train.muon_lr=null").train.optimizer == "adamw"
 
 
 @pytest.mark.slow

@@ -47,11 +47,12 @@ def problems(cfg):
     tr = cfg["train"]
     if tr.get("optimizer", "adamw") != "muon":
         return [f"train.muon_lr={tr['muon_lr']} is Muon's LR, and train.optimizer='adamw' has no Muon group: set "
-                f"train.optimizer='muon', or leave train.muon_lr unset"] if tr.get("muon_lr") is not None else []
+                f"train.optimizer='muon', or unset it (--train.muon_lr=null where a recipe sets it)"] if tr.get("muon_lr") is not None else []
     out = []
     if not hasattr(torch.optim, "Muon"):
         out.append(f"train.optimizer='muon' needs torch.optim.Muon, new in torch 2.9, and this torch is "
-                   f"{torch.__version__}: upgrade torch (pip install 'torch>=2.9'), or use train.optimizer='adamw'")
+                   f"{torch.__version__}: upgrade torch (pip install 'torch>=2.9'), or use train.optimizer='adamw' "
+                   f"(--train.optimizer=adamw --train.muon_lr=null where a recipe sets Muon)")
     if tr.get("sharding", "ddp") == "fsdp":
         out.append("train.optimizer='muon' with train.sharding='fsdp': Muon orthogonalises each weight matrix whole, "
                    "and FSDP holds 1/N of it on each GPU; use train.sharding='ddp', or train.optimizer='adamw'")
