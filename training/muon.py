@@ -46,8 +46,10 @@ def problems(cfg):
     """What train.optimizer="muon" cannot do, each naming its keys (handed to config.load_config by the trainers)."""
     tr = cfg["train"]
     if tr.get("optimizer", "adamw") != "muon":
+        if tr.get("muon_lr") is None:
+            return []
         return [f"train.muon_lr={tr['muon_lr']} is Muon's LR, and train.optimizer='adamw' has no Muon group: set "
-                f"train.optimizer='muon', or unset it (--train.muon_lr=null where a recipe sets it)"] if tr.get("muon_lr") is not None else []
+                f"train.optimizer='muon', or unset it (--train.muon_lr=null where a recipe sets it)"]
     out = []
     if not hasattr(torch.optim, "Muon"):
         out.append(f"train.optimizer='muon' needs torch.optim.Muon, new in torch 2.9, and this torch is "
