@@ -119,6 +119,7 @@ def test_muon_is_refused_with_fsdp_on_an_old_torch_and_its_lr_without_it(tmp_pat
 
     message = problems("--train.optimizer=muon", "--train.sharding=fsdp")
     assert "train.optimizer='muon' with train.sharding='fsdp'" in message
+    assert "--train.optimizer=adamw --train.muon_lr=null" in message  # how to leave a recipe's Muon
     assert "train.muon_lr=0.01 is Muon's LR" in problems("--train.muon_lr=0.01")
     monkeypatch.delattr(torch.optim, "Muon")
     assert "train.optimizer='muon' needs torch.optim.Muon, new in torch 2.9" in problems("--train.optimizer=muon")
@@ -133,7 +134,8 @@ def test_the_recipe_trains_with_muon_and_says_how_to_leave_it(monkeypatch):
     def load(*extra):
         return config.load_config(fm.DEFAULTS, ["--config", "configs/fashion_mnist.json", *extra],
                                   method="flow_matching", schema=fm.CONFIG)
-    assert (load().train.optimizer, load().train.muon_lr) == ("muon", 1e-2)
+    recipe = load().train
+    assert (recipe.optimizer, recipe.muon_lr) == ("muon", 1e-2)
     with pytest.raises(config.ConfigError, match=r"train.muon_lr=0.01 is Muon's LR.*--train.muon_lr=null"):
         load("--train.optimizer=adamw")
     assert load("--train.optimizer=adamw", "--train.muon_lr=null").train.optimizer == "adamw"

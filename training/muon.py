@@ -40,6 +40,7 @@ for everything else), and train.sharding="fsdp" (Newton-Schulz needs each matrix
 import torch
 
 BLOCKS = "transformer.transformer_blocks."  # the MMDiT's blocks in a Denoiser's parameter names (training/model.py)
+TO_ADAMW = "train.optimizer='adamw' (--train.optimizer=adamw --train.muon_lr=null where a recipe sets Muon)"
 
 
 def problems(cfg):
@@ -53,11 +54,10 @@ def problems(cfg):
     out = []
     if not hasattr(torch.optim, "Muon"):
         out.append(f"train.optimizer='muon' needs torch.optim.Muon, new in torch 2.9, and this torch is "
-                   f"{torch.__version__}: upgrade torch (pip install 'torch>=2.9'), or use train.optimizer='adamw' "
-                   f"(--train.optimizer=adamw --train.muon_lr=null where a recipe sets Muon)")
+                   f"{torch.__version__}: upgrade torch (pip install 'torch>=2.9'), or use {TO_ADAMW}")
     if tr.get("sharding", "ddp") == "fsdp":
         out.append("train.optimizer='muon' with train.sharding='fsdp': Muon orthogonalises each weight matrix whole, "
-                   "and FSDP holds 1/N of it on each GPU; use train.sharding='ddp', or train.optimizer='adamw'")
+                   f"and FSDP holds 1/N of it on each GPU; use train.sharding='ddp', or {TO_ADAMW}")
     return out
 
 
