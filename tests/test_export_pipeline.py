@@ -1,6 +1,7 @@
 """The export as a diffusers pipeline folder (training/pipeline_export.py): loaded in a fresh process where this
 repository cannot be imported, its samples are sample.py's for the same seeds, classes or prompts and settings
-(flow matching, DDPM with a VAE, a text run); the exported conditioner is the trained one; the model card holds
+(flow matching, DDPM with a VAE, a text run); its sampling loop is the trainer's at DDPM step counts that do not
+divide 1000 and for x-prediction; the exported conditioner is the trained one; the model card holds
 the run's numbers; a push is refused before any work without a repo name, network or token, and goes private."""
 import json
 import subprocess
@@ -114,6 +115,72 @@ def test_the_folder_samples_as_sample_py_where_this_repository_is_not_importable
     again = sample.main(["--run", str(runs["flow"] / "export"), "--classes", ",".join(classes), "--per_class", "1",
                          "--out", str(tmp_path / "from_folder")])
     assert np.array_equal(pngs(again), pngs(tmp_path / "sampled_flow"))
+
+
+def exported_pipeline(trainer, tmp_path, overrides):
+    """A tiny class-conditional model of `trainer` (random weights, large enough to show in the samples), its
+    config with `overrides`, and the pipeline its export folder holds, assembled here as diffusers assembles it
+    (model_index.json's components and settings; pipeline.py is training/exported/pipeline.py): the slow test
+    above loads a folder where this repository cannot be imported, these compare the sampling loops."""
+    from diffusers import SD3Transformer2DModel
+
+    import diffusers
+    from training.exported.pipeline import MinimalDiffusionPipeline
+
+    cfg = config.load_config(trainer.DEFAULTS, [
+        "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16", "--model.patch_size=2",
+        "--data.resolution=8", "--data.num_classes=4", "--run_dir", str(tmp_path / "run"), *overrides])
+    cfg = json.loads(json.dumps(cfg))  # as config.json holds it
+    torch.manual_seed(0)
+    model = build_denoiser(cfg, 3, 8).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # zero-initialised outputs and adaptive norms would make every sampler agree
+            p.add_(0.2 * torch.randn_like(p))
+    (tmp_path / "run").mkdir()
+    folder = pipeline_export.write(model, cfg, tmp_path / "export")
+    index = json.loads((folder / "model_index.json").read_text())
+    settings = {k: v for k, v in index.items() if not k.startswith("_") and k not in ("transformer", "conditioner", "scheduler")}
+    pipe = MinimalDiffusionPipeline(SD3Transformer2DModel.from_pretrained(folder / "transformer"),
+                                    ExportedConditioner.from_pretrained(folder / "conditioner"),
+                                    getattr(diffusers, index["scheduler"][1]).from_pretrained(folder / "scheduler"), **settings)
+    pipe.set_progress_bar_config(disable=True)
+    return model, cfg, pipe
+
+
+def assert_samples_as_the_trainer(trainer, model, cfg, pipe, steps):
+    """The pipeline's latents against the trainer's generate (what sample.py and eval_fid.py call) on the same
+    noise, classes and weights; the ancestral sampler's fresh noise comes from the global RNG in both."""
+    noise = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    ours = trainer.generate(model, noise, {"label": torch.tensor([0, 3]), "drop": torch.zeros(2, dtype=torch.bool)},
+                            cfg, steps=steps)
+    torch.manual_seed(5)
+    theirs = pipe([0, 3], latents=noise, num_inference_steps=steps, output_type="latent").images
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4, msg=lambda m: f"{steps or cfg['val']['steps']} steps: {m}")
+
+
+@pytest.mark.parametrize("sampler,objective", [("ddim", []), ("ddpm", []),
+                                               ("ddim", ["--objective.prediction=eps", "--objective.zero_terminal_snr=false"])])
+def test_the_ddpm_pipeline_steps_on_the_trainers_grid_at_any_step_count(tmp_path, sampler, objective):
+    """The trainer steps to the next point of its exact trailing grid (train_ddpm.timestep_grid). diffusers'
+    DDIMScheduler steps back T // steps instead, which is that point only when steps divides 1000 (30, 32, 48, 61
+    do not), and its trailing spacing rounds a float arange (another grid at 48 and 61): the folder's sampler
+    follows the trainer's grid, guided, for DDIM and the ancestral sampler, v and eps prediction."""
+    model, cfg, pipe = exported_pipeline(ddpm, tmp_path, [f"--val.sampler={sampler}", "--val.guidance_scale=2", *objective])
+    for steps in [20, 30, 32, 48, 61]:
+        assert_samples_as_the_trainer(ddpm, model, cfg, pipe, steps)
+
+
+@pytest.mark.parametrize("trainer,sampler", [(fm, "euler"), (fm, "heun"), (ddpm, "ddim"), (ddpm, "ddpm")])
+def test_an_x0_model_samples_as_its_trainer_samples_it(tmp_path, trainer, sampler):
+    """x-prediction (objective.prediction=x0), the Fashion-MNIST recipe's and so the shipped reference model's, at
+    its 20 steps and guidance 2: flow matching's velocity (x - x0_hat) / max(t, 0.05) (training/xprediction.py;
+    the folder's X0_MIN_T), on Euler's and on both of Heun's evaluations, the last three steps' t below 0.2;
+    DDPM's x0 as diffusers' "sample" prediction."""
+    model, cfg, pipe = exported_pipeline(trainer, tmp_path, ["--objective.prediction=x0", f"--val.sampler={sampler}",
+                                                             "--val.guidance_scale=2", "--val.steps=20"])
+    assert pipe.config.prediction == "x0" and pipe.config.num_inference_steps == 20
+    assert_samples_as_the_trainer(trainer, model, cfg, pipe, None)
 
 
 @pytest.mark.parametrize("mode,text,controls", [("disentangled", False, ["size", "crop", "flip"]), ("both", False, ["size"]),

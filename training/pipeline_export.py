@@ -42,7 +42,9 @@ def make_scheduler(cfg):
     """The diffusers scheduler that steps as the run's sampler does (train_*.sample): flow matching's Euler on
     the time shift a (the pipeline passes sigmas = linspace(1, 0, steps + 1)[:-1], the trainer's grid); DDPM's
     trailing timesteps on the run's betas, rescaled to zero terminal SNR, never clipped. DDPM's resolution
-    shift, which diffusers' schedulers lack, is the pipeline's time_shift."""
+    shift, which diffusers' schedulers lack, is the pipeline's time_shift, and its grid the trainer's exact one at
+    any step count (pipeline.trailing_timesteps: DDPMScheduler's custom timesteps; DDIM by the pipeline's own
+    ddim_step, as DDIMScheduler.step goes back T // steps)."""
     obj = cfg["objective"]
     if curves.method_of(cfg) == "flow_matching":
         return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=common.shift_of(cfg))

@@ -9,7 +9,7 @@ trained the model: torch, diffusers and (text models) transformers are all it ne
 Components: transformer (diffusers' SD3Transformer2DModel), conditioner (conditioner/conditioner.py: classes or
 text tokens into attention, controls into the adaptive norm), scheduler (FlowMatchEulerDiscreteScheduler on the
 run's shift for flow matching; DDIMScheduler or DDPMScheduler with the run's betas, zero terminal SNR and
-prediction type for DDPM); the VAE and the text encoder are named by hub id in model_index.json (vae,
+prediction type for DDPM, stepped on the trainer's exact trailing grid at any step count); the VAE and the text encoder are named by hub id in model_index.json (vae,
 text_encoder) and loaded from there, or passed to from_pretrained. Every sampling setting defaults to the run's
 (model_index.json), and this loop is the trainers' sampler step for step: guidance on the semantic and the
 control condition, only inside the guidance interval, with DDPM's guidance rescale, so the same noise gives the
@@ -20,7 +20,7 @@ import math
 import numpy as np
 import PIL.Image
 import torch
-from diffusers import AutoencoderKL, DiffusionPipeline, FlowMatchEulerDiscreteScheduler, ImagePipelineOutput
+from diffusers import AutoencoderKL, DDPMScheduler, DiffusionPipeline, FlowMatchEulerDiscreteScheduler, ImagePipelineOutput
 from diffusers.utils.torch_utils import randn_tensor
 
 X0_MIN_T = 0.05  # flow matching with x-prediction: the smallest t the velocity conversion divides by (JiT's)
@@ -42,6 +42,12 @@ def ddpm_noise_level(ab):
 def shifted_schedule(alphas_cumprod, shift):
     """DDPM's resolution shift, SNR / a^2 (the run's objective.time_shift): ab / (ab + a^2 (1 - ab))."""
     return alphas_cumprod / (alphas_cumprod + shift ** 2 * (1 - alphas_cumprod))
+
+
+def trailing_timesteps(num_train_timesteps, steps):
+    """The trainer's grid (train_ddpm.timestep_grid): t_i = round(T - i T / steps) - 1, i = 0 .. steps-1, exactly.
+    diffusers' timestep_spacing="trailing" takes a float arange, which differs at some counts (48, 61)."""
+    return [round(num_train_timesteps * (steps - i) / steps) - 1 for i in range(steps)]
 
 
 def time_input(alphas_cumprod, shift):
@@ -210,14 +216,17 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
 
         if self.flow_matching:  # t_i = shift(1 - i / steps), the grid of training's time shift
             self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1], device=device)
-        else:
-            self.scheduler.set_timesteps(steps, device=device)
+            timesteps = self.scheduler.timesteps
+        else:  # the trainer's grid: DDPMScheduler steps to its next point, DDIM takes ddim_step (see there)
+            timesteps = trailing_timesteps(self.scheduler.config.num_train_timesteps, steps)
+            if isinstance(self.scheduler, DDPMScheduler):
+                self.scheduler.set_timesteps(timesteps=timesteps, device=device)
             model_time = torch.arange(self.scheduler.config.num_train_timesteps, dtype=torch.float64)
             if cfg.time_shift != 1:  # the run's resolution shift, which diffusers' DDPM schedulers lack
                 base = type(self.scheduler).from_config(self.scheduler.config).alphas_cumprod  # (each call afresh)
                 model_time = time_input(base, cfg.time_shift)
                 self.scheduler.alphas_cumprod = shifted_schedule(base, cfg.time_shift)
-        for i, t in enumerate(self.progress_bar(self.scheduler.timesteps)):
+        for i, t in enumerate(self.progress_bar(timesteps)):
             if self.flow_matching:
                 sigma, sigma_next = self.scheduler.sigmas[i], self.scheduler.sigmas[i + 1]
                 level, timestep = sigma.item(), (sigma * 1000).to(device).expand(n)
@@ -238,7 +247,10 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
                     out2 = self.guided(x_next, t_next, cond, t_next / 1000, scale if guide else 1.0,
                                        control_scale if guide else 0.0, 0.0)
                     out = (out + self.velocity(out2, x_next, sigma_next)) / 2
-            x = self.scheduler.step(out, t, x, generator=generator, return_dict=False)[0]
+            if self.flow_matching or isinstance(self.scheduler, DDPMScheduler):
+                x = self.scheduler.step(out, t, x, generator=generator, return_dict=False)[0]
+            else:
+                x = self.ddim_step(out, x, t, timesteps[i + 1] if i + 1 < steps else -1)
 
         if output_type != "latent" and self.vae is not None:
             vc = self.vae.config
@@ -255,3 +267,19 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
     def velocity(self, out, x, sigma):
         """Flow matching with prediction "x0" (JiT): the velocity the clean-image estimate implies."""
         return (x - out) / max(float(sigma), X0_MIN_T) if self.config.prediction == "x0" else out
+
+    def ddim_step(self, out, x, t, t_next):
+        """DDIM, eta = 0 (Song et al. 2021, eq. 12), from timestep t to the grid's next one t_next (-1: the data,
+        alpha_bar 1): x_next = sqrt(ab_next) x0 + sqrt(1 - ab_next) eps, with x0 and eps from the prediction.
+        DDIMScheduler.step's formula, on the scheduler's alphas_cumprod; its own step goes back T // steps,
+        which is the trainer's next timestep only when steps divides T."""
+        ab = self.scheduler.alphas_cumprod[t].item()
+        ab_next = self.scheduler.alphas_cumprod[t_next].item() if t_next >= 0 else 1.0
+        a, s, kind = ab ** 0.5, (1 - ab) ** 0.5, self.scheduler.config.prediction_type
+        if kind == "v_prediction":  # x0 = sqrt(ab) x_t - sqrt(1 - ab) v, eps = sqrt(ab) v + sqrt(1 - ab) x_t
+            x0, eps = a * x - s * out, a * out + s * x
+        elif kind == "epsilon":
+            x0, eps = (x - s * out) / a, out
+        else:  # "sample": x0 itself
+            x0, eps = out, (x - a * out) / s
+        return ab_next ** 0.5 * x0 + (1 - ab_next) ** 0.5 * eps
