@@ -1,8 +1,8 @@
 """The export as a diffusers pipeline folder (training/pipeline_export.py): loaded in a fresh process where this
-repository cannot be imported, its samples are sample.py's for the same seeds, classes or prompts and settings
-(flow matching, DDPM with a VAE, a text run); its sampling loop is the trainer's at DDPM step counts that do not
-divide 1000 and for x-prediction; the exported conditioner is the trained one; the model card holds
-the run's numbers; a push is refused before any work without a repo name, network or token, and goes private."""
+repository cannot be imported, its samples are sample.py's for the same seeds, classes or prompts and settings (flow
+matching, DDPM with a VAE, a text run); its sampling loop is the trainer's at DDPM step counts that do not divide
+1000 and for x-prediction; the exported conditioner is the trained one; the model card holds the run's numbers; a
+push is refused before any work without a repo name, network or token, and goes private."""
 import json
 import subprocess
 import sys
@@ -10,7 +10,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import diffusers
 import torch
+from diffusers import SD3Transformer2DModel
 from PIL import Image
 
 import eval_fid
@@ -21,6 +23,7 @@ from conftest import ROOT, tiny_run_args
 from training import config, hub, model_card, pipeline_export
 from training.encoders import encode_text, load_encoders
 from training.exported.conditioner import Conditioner as ExportedConditioner
+from training.exported.pipeline import MinimalDiffusionPipeline
 from training.model import Conditioner, build_denoiser
 
 # Loads each folder with diffusers alone (python -I: no PYTHONPATH, no current folder on sys.path) and samples it
@@ -83,8 +86,9 @@ def test_the_folder_samples_as_sample_py_where_this_repository_is_not_importable
     # the last step unguided (t = 1, 0.8 guided; 0.5 not), control guidance on the size / crop / flip controls.
     runs = {"flow": train(fm, tmp_path, "flow", ["--objective.time_shift=2", "--val.steps=3", "--val.guidance_interval=[0.6,1]",
                                                  "--val.control_guidance_scale=1.5", '--conditioning.controls=["size","crop","flip"]']),
-            # DDPM (v-prediction, zero terminal SNR, DDIM, guidance rescale) in a VAE's latents, with a resolution shift
-            "ddpm": train(ddpm, tmp_path, "ddpm", [f"--encoders.vae={tiny_vae}", "--objective.time_shift=2", "--val.steps=4"]),
+            # DDPM (v-prediction, zero terminal SNR, DDIM, guidance rescale) in a VAE's latents, with a resolution shift,
+            # on 6 steps, which do not divide 1000 (DDIMScheduler's own step would go back 166: 999 -> 833, not 832)
+            "ddpm": train(ddpm, tmp_path, "ddpm", [f"--encoders.vae={tiny_vae}", "--objective.time_shift=2", "--val.steps=6"]),
             "text": train(fm, tmp_path, "text", ["--data.caption_column=caption", "--encoders.max_tokens=8",
                                                  f"--encoders.text_encoder={tiny_text_encoder}"])}
     classes, prompts = ["red circle", "8"], ["a small red circle", "a large blue square"]
@@ -122,11 +126,6 @@ def exported_pipeline(trainer, tmp_path, overrides):
     config with `overrides`, and the pipeline its export folder holds, assembled here as diffusers assembles it
     (model_index.json's components and settings; pipeline.py is training/exported/pipeline.py): the slow test
     above loads a folder where this repository cannot be imported, these compare the sampling loops."""
-    from diffusers import SD3Transformer2DModel
-
-    import diffusers
-    from training.exported.pipeline import MinimalDiffusionPipeline
-
     cfg = config.load_config(trainer.DEFAULTS, [
         "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16", "--model.patch_size=2",
         "--data.resolution=8", "--data.num_classes=4", "--run_dir", str(tmp_path / "run"), *overrides])
