@@ -9,8 +9,9 @@ trained the model: torch, diffusers and (text models) transformers are all it ne
 Components: transformer (diffusers' SD3Transformer2DModel), conditioner (conditioner/conditioner.py: classes or
 text tokens into attention, controls into the adaptive norm), scheduler (FlowMatchEulerDiscreteScheduler on the
 run's shift for flow matching; DDIMScheduler or DDPMScheduler with the run's betas, zero terminal SNR and
-prediction type for DDPM, stepped on the trainer's exact trailing grid at any step count); the VAE and the text encoder are named by hub id in model_index.json (vae,
-text_encoder) and loaded from there, or passed to from_pretrained. Every sampling setting defaults to the run's
+prediction type for DDPM, stepped on the trainer's exact trailing grid at any step count); the VAE and the
+text encoder are named by hub id in model_index.json (vae, text_encoder) and loaded from there, or passed to
+from_pretrained. Every sampling setting defaults to the run's
 (model_index.json), and this loop is the trainers' sampler step for step: guidance on the semantic and the
 control condition, only inside the guidance interval, with DDPM's guidance rescale, so the same noise gives the
 images the repository's sample.py gives.
