@@ -39,8 +39,8 @@ def band(values):
 def make(runs, read_metrics, method):
     """One method's reference from its seed runs: {"runs", "seeds", "settings", "curves": {key: [[step, lo, mean, hi]]}}.
     Training loss: the smoothed loss every 10th logged step; held-out losses at every validation; eval_fid.py's
-    scores (eval/*/report.json) at each checkpoint scored (the export counts as the last step). A step enters a
-    curve only where every run has it, so each band rests on all the seeds."""
+    scores by the protocol (protocol_reports) at each checkpoint scored (the export counts as the last step). A
+    step enters a curve only where every run has it, so each band rests on all the seeds."""
     if len(runs) < 2:
         raise ValueError(f"a reference band needs at least 2 seed runs (their spread is the tolerance); got {len(runs)}")
     cfgs = [json.loads((Path(r) / "config.json").read_text()) for r in runs]
@@ -50,8 +50,9 @@ def make(runs, read_metrics, method):
         for path, report, step in protocol_reports(run, cfg):
             for key, value in report["metrics"].items():
                 if (key, step) in seen:
-                    raise ValueError(f"{seen[key, step]} and {path} both score {key} at step {step} by the protocol "
-                                     f"(the run's settings, not the held-out rows): move one out of {Path(run) / 'eval'}")
+                    raise ValueError(f"{seen[key, step]} and {path} both score {key} at step {step} by the "
+                                     f"protocol (the run's settings, not the held-out rows): move one out of "
+                                     f"{Path(run) / 'eval'}")
                 seen[key, step] = path
                 s.setdefault(key, {})[step] = value
     curves = {}

@@ -55,7 +55,8 @@ def evaluations(cfg, run_dir, phema=None):
     EMA, or the post-hoc EMA of phema's std) and of quality.jsonl (the export's: its rows name their step), and the
     number of reports left out. A report on the held-out rows at a setting or seed other than the run's own chose a
     setting (tools/tune.py's search and its confirmation blocks, seeds 1-5) and does not score the model: it is left
-    out, and counted. Every other row says its setting: the run's own, tune.py's choice (tuned.json), or what differs."""
+    out, and counted. Every other row says its setting: the run's own, tune.py's choice (tuned.json), or what
+    differs."""
     tuned = Path(run_dir) / "tuned.json"
     best = json.loads(tuned.read_text())["best"] if tuned.is_file() else None
     as_tuned = best and {**cfg, "val": {**cfg["val"], **{k: best[k] for k in ("guidance_scale", "guidance_interval",
