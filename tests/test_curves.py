@@ -15,20 +15,30 @@ from training import config, curves, report, runlog  # noqa: E402
 
 
 def fake_run(folder, seed, val_losses, loss=1.0, fd=None, steps=(100, 200, 300)):
-    """A run folder as the trainer writes it: config.json, metrics.jsonl (training rows every 10 steps and a
-    validation row at each of `steps`), and an eval_fid.py report of the export when `fd` is given."""
+    """A run folder as the trainer writes it: config.json (val.guidance_scale 2), metrics.jsonl (training rows every
+    10 steps and a validation row at each of `steps`), and an eval_fid.py report of the export when `fd` is given,
+    sampled by the protocol (the run's settings, seed 0, against the test split)."""
     cfg = config.as_config(json.loads(json.dumps(train_flow_matching.DEFAULTS)))
-    cfg.seed, cfg.train.max_steps = seed, steps[-1]
+    cfg.seed, cfg.train.max_steps, cfg.val.guidance_scale = seed, steps[-1], 2.0
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(cfg))
     rows = [{"step": s, "loss": loss, "loss_smoothed": loss + s / 1000} for s in range(10, steps[-1] + 1, 10)]
     rows += [{"step": s, "val_loss": v, "val_loss_t0": 2 * v} for s, v in zip(steps, val_losses)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if fd is not None:
-        (folder / "eval" / "export").mkdir(parents=True)
-        (folder / "eval" / "export" / "report.json").write_text(json.dumps(
-            {"model": {"weights": "ema (export)"}, "metrics": {"fd_classifier_1k": fd}, "num_samples": 1000}))
+        fake_report(folder, "export", fd)
     return folder
+
+
+def fake_report(run, name, fd, guidance=2.0, split="test", seed=0, model=None):
+    """run/eval/name/report.json with the fields eval_fid.py writes that tell one setting from another; the
+    defaults are the protocol's (fake_run's val settings, seed 0, the test split, the export's EMA)."""
+    (run / "eval" / name).mkdir(parents=True)
+    (run / "eval" / name / "report.json").write_text(json.dumps(
+        {"model": model or {"weights": "ema (export)"}, "metrics": {"fd_classifier_1k": fd}, "num_samples": 1000,
+         "sampler": "euler", "steps": 32, "guidance_scale": guidance, "control_guidance_scale": 0.0,
+         "guidance_interval": [0.0, 1.0], "seeds": {"seed": seed, "batch_size": 64},
+         "reference": {"source": "fashion_mnist", "kind": "dataset", "split": split}}))
 
 
 @pytest.fixture
@@ -54,6 +64,28 @@ def test_only_steps_every_seed_has_enter_the_band(tmp_path):
     a = fake_run(tmp_path / "a", 0, [0.5, 0.4, 0.3])
     b = fake_run(tmp_path / "b", 1, [0.5, 0.4], steps=(100, 200))  # stopped early
     assert [r[0] for r in curves.make([a, b], report.load_metrics, "flow_matching")["curves"]["val_loss"]] == [100, 200]
+
+
+def test_the_band_takes_the_protocols_scores_only(tmp_path):
+    """Issue 57: three seeds scored at the run's guidance 2 on the test split (1.01, 1.02, 1.03) and, in one of them,
+    tools/tune.py's search at guidance 3 on the held-out rows (9.0) made the band [1.01, 9.0]. Each report that
+    is not the protocol's (another guidance, the held-out rows alone, another seed, raw or post-hoc EMA weights)
+    stays out, one at a time; two protocol scores of one point are an error naming both."""
+    runs = [fake_run(tmp_path / f"s{i}", i, [0.5, 0.4, 0.3], fd=1.01 + i / 100) for i in range(3)]
+    fake_report(runs[0], "export-ema-euler32-g3-seed0", 9.0, guidance=3.0, split="heldout")  # the issue's example
+    band = curves.make(runs, report.load_metrics, "flow_matching")["curves"]["fd_classifier_1k"]
+    assert band == [[300, 1.01, 1.02, 1.03]]
+    others = {"test-g3": {"guidance": 3.0}, "heldout-g2": {"split": "heldout"}, "test-seed1": {"seed": 1},
+              "raw": {"model": {"weights": "raw", "step": 300}}, "phema": {"model": {"weights": "post-hoc EMA, std "
+                                                                                   "0.1", "phema": {"phema_std": 0.1}}}}
+    for name, setting in others.items():
+        fake_report(runs[1], name, 9.0, **setting)
+        assert curves.make(runs, report.load_metrics, "flow_matching")["curves"]["fd_classifier_1k"] == band, name
+        assert [v for k, v, _ in curves.scores(runs[1], json.loads((runs[1] / "config.json").read_text()))] == [1.02]
+    fake_report(runs[2], "export-again", 1.5)  # the protocol's score of the export, twice
+    with pytest.raises(ValueError, match=r"s2/eval/export/report.json and .*s2/eval/export-again/report.json both "
+                                         r"score fd_classifier_1k at step 300 by the protocol"):
+        curves.make(runs, report.load_metrics, "flow_matching")
 
 
 def test_the_tool_refuses_runs_that_differ_in_more_than_the_seed(tmp_path):
@@ -90,6 +122,18 @@ def test_off_band_flags_only_beyond_the_seed_spread(reference_file):
                                                     "spread 0.0400")
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_heldout_loss_is_off_the_reference(reference_file, value):
+    """A NaN held-out loss is above and below no bound (every comparison with NaN is false): without its own check
+    it would pass as inside the band. Flagged at any step the reference has, with a line that says so."""
+    ref = reference(reference_file)  # at step 300: val_loss band [0.30, 0.34]
+    [event] = curves.off_band(ref, {"step": 300, "val_loss": value, "val_loss_t0": 0.65})
+    assert (event["key"], event["band"], event["by"]) == ("val_loss", [0.3, 0.34], None)  # by: no distance to give
+    assert curves.describe(event, ref["seeds"]) == (f"step 300: val_loss is {value}, not a finite number: off the "
+                                                    f"reference band [0.3000, 0.3400] (3 seeds): diverged weights, "
+                                                    f"or an overflow at train.mixed_precision")
+
+
 class FakeAccelerator:
     is_main_process = True
 
@@ -119,6 +163,11 @@ def test_a_run_logs_and_prints_when_its_heldout_loss_leaves_the_band(reference_f
     events = [r for r in rows if r.get("event") == "off_reference"]
     assert [(e["step"], e["key"]) for e in events] == [(300, "val_loss")]
     assert acc.lines[-1].startswith("warning: step 300: val_loss 0.4500 is above the reference band [0.3000, 0.3400]")
+    log({"step": 300, "val_loss": float("nan"), "val_loss_t0": 0.64})  # a diverged run: logged and said
+    assert acc.lines[-1] == ("warning: step 300: val_loss is nan, not a finite number: off the reference band "
+                             "[0.3000, 0.3400] (3 seeds): diverged weights, or an overflow at train.mixed_precision")
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["event"] == "off_reference" and rows[-1]["value"] != rows[-1]["value"] and rows[-1]["by"] is None
 
 
 def test_a_missing_reference_file_is_a_config_problem_before_any_work(tmp_path):

@@ -22,6 +22,7 @@ import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 from training import config, hub, model_card, pipeline_export
 from training.encoders import encode_text, load_encoders
+from training.metrics import size_tag
 from training.exported.conditioner import Conditioner as ExportedConditioner
 from training.exported.pipeline import MinimalDiffusionPipeline
 from training.model import Conditioner, build_denoiser
@@ -245,7 +246,7 @@ def test_the_card_holds_the_runs_numbers_and_the_loading_lines(tmp_path):
     header = text.split("---")[1]
     assert all(line in header.splitlines() for line in ["license: other", "library_name: diffusers", "- diffusers"])
     assert "1,000 optimizer steps of 64 images: 64,000 images seen" in text  # 16 per process x 4 processes logged
-    assert "| fid_clean_10k | 12.3456 | 10,000 samples" in text and "99.0" not in text
+    assert "| fid_clean_10k | 12.3456 | the run's own | 10,000 samples" in text and "99.0" not in text
     assert "eval_fid.py --run runs/demo --num_samples 10000" in text and "| class_accuracy | 0.8765 |" in text
     assert f"DiffusionPipeline.from_pretrained({str(folder)!r}, trust_remote_code=True)" in text
     assert "image = pipe('red circle').images[0]" in text and "`python train_flow_matching.py --config config.json`" in text
@@ -262,6 +263,54 @@ def test_the_card_holds_the_runs_numbers_and_the_loading_lines(tmp_path):
     assert "post-hoc EMA of relative std 0.08" in text and "12.3456" not in text and "Not evaluated yet" in text
     assert "from_pretrained('me/demo-phema', trust_remote_code=True)" in text
     assert json.loads((folder / "phema.json").read_text())["phema_std"] == 0.08
+
+
+def test_the_cards_scores_are_the_runs_not_tune_pys_search(tmp_path):
+    """Issue 57: after tools/tune.py the card listed every report in eval/, the search's and the confirmation's
+    blocks among them, with commands naming tune.py. It shows the scores of the model (at the run's own setting; on
+    the test split at tune.py's choice or another setting, each saying which) and counts the held-out reports that
+    chose a setting; the reference band's "this run" is the protocol's score (the test split), not a held-out one."""
+    model, cfg, run = fake_run(tmp_path)  # val: euler, 32 steps, guidance 7; a held-out fid_clean_10k report
+    curves_file = json.loads((tmp_path / "curves.json").read_text())
+    curves_file["flow_matching"]["curves"]["fd_classifier_10k"] = [[1000, 1.4, 1.5, 1.6]]
+    (tmp_path / "curves.json").write_text(json.dumps(curves_file))
+
+    def report(name, program, fd, n, guidance=7.0, steps=32, split="heldout", seed=0):
+        args = (f"--run {run} --untuned --num_samples {n} --seed {seed} --guidance_scale {guidance} --steps {steps} "
+                f"--guidance_interval 0.0,1.0" + (f" --reference_split {split}" if split != "heldout" else ""))
+        (run / "eval" / name).mkdir()
+        (run / "eval" / name / "report.json").write_text(json.dumps({
+            "metrics": {f"fd_classifier_{size_tag(n)}": fd}, "num_samples": n, "model": {"weights": "ema (export)"},
+            "sampler": "euler", "steps": steps, "guidance_scale": guidance, "control_guidance_scale": 0.0,
+            "guidance_interval": [0.0, 1.0], "seeds": {"seed": seed}, "feature_extractor": "classifier",
+            "reference": {"source": "embedded", "kind": "dataset", "split": split}, "command": f"{program} {args}"}))
+
+    for guidance, steps in [(5.0, 32), (7.0, 32), (9.0, 32), (5.0, 16), (7.0, 16), (9.0, 16)]:  # the search
+        report(f"search-euler{steps}-g{guidance:g}-seed0", "tune.py", 3 + guidance / 10, 2000, guidance, steps)
+    for seed in range(1, 6):  # the confirmation of the best (guidance 9, 16 steps) and the runner-up, on fresh seeds
+        report(f"search-euler16-g9-seed{seed}", "tune.py", 3.1, 400, 9.0, 16, seed=seed)
+        report(f"search-euler32-g7-seed{seed}", "tune.py", 3.3, 400, 7.0, 32, seed=seed)
+    (run / "tuned.json").write_text(json.dumps({"best": {"guidance_scale": 9.0, "guidance_interval": [0.0, 1.0],
+                                                         "steps": 16, "phema_std": None}}))
+    report("final-test", "eval_fid.py", 1.55, 10_000, split="test")  # the protocol's final scores: the run's own,
+    report("final-test-tuned", "eval_fid.py", 1.2, 10_000, 9.0, 16, split="test")  # tune.py's choice,
+    report("final-test-g5", "eval_fid.py", 1.3, 10_000, 5.0, split="test")  # another setting
+    report("heldout-10k", "eval_fid.py", 9.0, 10_000)  # the run's own on the held-out rows: shown, but not the band's
+    text = (pipeline_export.write(model, cfg, run / "export", ["red circle"] * 9, run) / "README.md").read_text()
+    table = [line for line in text.split("## Evaluation")[1].split("## Samples")[0].splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[:3] for line in table[2:]] == [
+        ["| fid_clean_10k", "12.3456", "the run's own"],  # fake_run's
+        ["| fd_classifier_10k", "1.5500", "the run's own"],
+        ["| fd_classifier_10k", "1.3000", "guidance_scale 5.0, not 7.0"],
+        ["| fd_classifier_10k", "1.2000", "tools/tune.py's choice (tuned.json)"],
+        ["| fd_classifier_10k", "9.0000", "the run's own"],
+        ["| fd_classifier_2k", "3.7000", "the run's own"],  # the search's point at the run's own setting
+        ["| class_accuracy", "0.8765", "not recorded"]]  # quality.jsonl
+    assert ("15 more evaluations of these weights on the held-out rows at other settings or seeds (tools/tune.py's "
+            "search and confirmation) chose a setting, they do not score it: not shown.") in text
+    assert "`tune.py " not in text and (f"`eval_fid.py --run {run} --untuned --num_samples 2000 --seed 0 "
+                                        f"--guidance_scale 7.0 --steps 32 --guidance_interval 0.0,1.0`") in text
+    assert "| fd_classifier_10k | 1000 | 1.4000 .. 1.6000 | 1.5000 | 1.5500 |" in text  # the test split's, not 9.0
 
 
 @pytest.mark.parametrize("sampler,prediction,expected", [("ddim", "v", ("DDIMScheduler", "v_prediction")),

@@ -3,9 +3,11 @@
     python tools/curves.py --out configs/fashion_mnist.curves.json runs/fm_s0 runs/fm_s1 runs/fm_s2
     python tools/curves.py --out configs/fashion_mnist.curves.json runs/ddpm_s0 runs/ddpm_s1 runs/ddpm_s2
 
-The runs must be one method and one recipe, differing only in their seed; score their checkpoints first
-(eval_fid.py --checkpoint step_N, reports in each run's eval/) so the quality bands are there too. The file keeps
-the other method's curves; the recipe then names it: "val": {"reference_curves": "configs/<recipe>.curves.json"}.
+The runs must be one method and one recipe, differing only in their seed; score their checkpoints first by the
+protocol (eval_fid.py --checkpoint step_N --reference_split test --untuned: the run's own settings, seed 0, reports
+in each run's eval/) so the quality bands are there too; reports on the held-out rows (tools/tune.py's) and at
+other settings are not used (training/curves.py, protocol). The file keeps the other method's curves; the recipe
+then names it: "val": {"reference_curves": "configs/<recipe>.curves.json"}.
 """
 import argparse
 import datetime

@@ -2,8 +2,9 @@
 
 The Hub's metadata header (licence, library, tags, datasets), then what was trained, on what, for how many steps
 and images; how to load and sample it in three lines; the command and the whole resolved config; the run's
-evaluation numbers with their protocol and date (eval_fid.py's eval/*/report.json, the rows of quality.jsonl);
-the last validation grid; the recipe's reference curves (val.reference_curves) against the run's own values.
+evaluation numbers with their setting, protocol and date (eval_fid.py's eval/*/report.json, the rows of
+quality.jsonl; not tools/tune.py's, which chose a setting on the held-out rows); the last validation grid; the
+recipe's reference curves (val.reference_curves) against the run's own protocol scores.
 Everything comes from the run folder as it is at export time: export again (tools/export.py) after evaluating.
 """
 import datetime
@@ -49,27 +50,45 @@ def global_batch(cfg, rows):
     return tr["batch_size"] * tr["grad_accum"] * world
 
 
-def evaluations(run_dir, phema=None):
-    """Table rows (metric, value, protocol, date) of eval_fid.py's reports on these weights (the export's EMA, or
-    the post-hoc EMA of phema's std) and of quality.jsonl (the export's: its rows name their step)."""
-    out = []
+def evaluations(cfg, run_dir, phema=None):
+    """Table rows (metric, value, setting, protocol, date) of eval_fid.py's reports on these weights (the export's
+    EMA, or the post-hoc EMA of phema's std) and of quality.jsonl (the export's: its rows name their step), and the
+    number of reports left out. A report on the held-out rows at a setting or seed other than the run's own chose a
+    setting (tools/tune.py's search and its confirmation blocks, seeds 1-5) and does not score the model: it is left
+    out, and counted. Every other row says its setting: the run's own, tune.py's choice (tuned.json), or what
+    differs."""
+    tuned = Path(run_dir) / "tuned.json"
+    best = json.loads(tuned.read_text())["best"] if tuned.is_file() else None
+    as_tuned = best and {**cfg, "val": {**cfg["val"], **{k: best[k] for k in ("guidance_scale", "guidance_interval",
+                                                                             "steps")}}}  # the run at tune.py's choice
+    out, left_out = [], 0
     for path in sorted(Path(run_dir).glob("eval/*/report.json")):
         r = json.loads(path.read_text())
         std = r["model"].get("phema", {}).get("phema_std")
         if "step" in r["model"] or std != (phema or {}).get("phema_std"):  # a checkpoint's, or other weights'
             continue
+        differs = curves.sampling_differences(r, cfg)
+        if differs and curves.on_heldout_rows(r):
+            left_out += 1
+            continue
+        setting = ("the run's own" if not differs else "tools/tune.py's choice (tuned.json)"
+                   if as_tuned and not curves.sampling_differences(r, as_tuned) else "; ".join(differs))
         ref = r.get("reference") or {}
+        # The command as eval_fid.py's: a report records the program that ran it (tune.py, a benchmark) before
+        # eval_fid.py's own arguments, which alone reproduce the report.
+        command = ("eval_fid.py " + r.get("command", "eval_fid.py").partition(" ")[2]).strip()
+        against = (f"the held-out rows of {ref['source']}" if curves.on_heldout_rows(r) else
+                   f"{ref.get('source', '?')} {ref.get('split', '')}")
         protocol = (f"{r['num_samples']:,} samples ({r['model'].get('weights', '')}), {r['sampler']} {r['steps']} steps, "
                     f"guidance {r['guidance_scale']:g}, interval {r.get('guidance_interval', [0, 1])}, against "
-                    f"{ref.get('source', '?')} {ref.get('split', '')}, {r.get('feature_extractor') or 'inception'} "
-                    f"features; `{r.get('command', 'eval_fid.py')}`")
+                    f"{against}, {r.get('feature_extractor') or 'inception'} features; `{command}`")
         date = datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
-        out += [(k, v, protocol, date) for k, v in r["metrics"].items()]
+        out += [(k, v, setting, protocol, date) for k, v in r["metrics"].items()]
     quality = Path(run_dir) / "quality.jsonl"
     for row in read_rows(quality) if phema is None else []:
         date = datetime.date.fromtimestamp(quality.stat().st_mtime).isoformat()
-        out += [(k, v, f"quality.jsonl, step {row['step']}", date) for k, v in row.items() if k != "step"]
-    return out
+        out += [(k, v, "not recorded", f"quality.jsonl, step {row['step']}", date) for k, v in row.items() if k != "step"]
+    return out, left_out
 
 
 def reference_rows(cfg, run_dir, rows):
@@ -136,19 +155,24 @@ def card(cfg, run_dir, folder, n_params, phema=None, where=None):
            f"resolved config, every key)", ""]
     out += ["<details><summary>config.json</summary>", "", "```json", json.dumps(cfg, indent=1), "```", "", "</details>", ""]
     out += ["## Evaluation", ""]
-    scores = evaluations(run_dir, phema)
+    scores, left_out = evaluations(cfg, run_dir, phema)
     if scores:
-        out += ["| metric | value | protocol | date |", "| --- | --- | --- | --- |"]
-        out += [f"| {k} | {v:.4f} | {protocol} | {date} |" for k, v, protocol, date in scores]
+        out += ["| metric | value | setting | protocol | date |", "| --- | --- | --- | --- | --- |"]
+        out += [f"| {k} | {v:.4f} | {setting} | {protocol} | {date} |" for k, v, setting, protocol, date in scores]
     else:
         out += ["Not evaluated yet: run eval_fid.py on the run, then export again (tools/export.py)."]
+    if left_out:
+        out += ["", f"{left_out} more evaluation{'s' if left_out > 1 else ''} of these weights on the held-out rows at "
+                f"other settings or seeds (tools/tune.py's search and confirmation) chose a setting, "
+                f"{'they do' if left_out > 1 else 'it does'} not score it: not shown."]
     if (Path(folder) / GRID).is_file():
         out += ["", "## Samples", "", f"![the last validation grid]({GRID})", "",
                 f"The run's last validation grid: {val['steps']} {val['sampler']} steps, guidance {val['guidance_scale']:g}."]
     reference = reference_rows(cfg, run_dir, rows)
     if reference:
         out += ["", "## Reference curves", "", f"The recipe's reference runs ({cfg['val']['reference_curves']}) at their "
-                f"last step: the band over their seeds and this run's value.", "",
+                f"last step: the band over their seeds and this run's value (a score only where the run was scored as "
+                f"they were: at its own settings, not on the held-out rows).", "",
                 "| metric | step | band | mean | this run |", "| --- | --- | --- | --- | --- |"]
         out += [f"| {k} | {s} | {lo:.4f} .. {hi:.4f} | {mean:.4f} | {'-' if v is None else f'{v:.4f}'} |"
                 for k, s, lo, hi, mean, v in reference]
