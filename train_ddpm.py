@@ -356,6 +356,8 @@ def main(argv=None):
     cfg = config.load_config(DEFAULTS, argv, method="ddpm", schema=CONFIG)
     runlog.refuse_earlier_run(cfg)  # a run_dir that holds a run continues only with --resume
     config.keep_recorded(cfg, skip=fit.resolved_keys(cfg.train))  # --resume: the values the run started with
+    if done := runlog.finished_run(cfg):  # --resume of a run trained to train.max_steps and exported: says so
+        return done
     data, obj, tr = cfg.data, cfg.objective, cfg.train
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
