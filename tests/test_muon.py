@@ -109,8 +109,8 @@ def test_the_momentum_and_moments_travel_through_state_dict():
     today = {**tr, "muon_lr": 4e-3}  # a resume that changes train.muon_lr
     resumed = muon.MuonAdamW(twin, today)
     resumed.load_state_dict(saved)
-    fit.set_lr(opt, tr, 0.5), fit.set_lr(resumed, today, 0.5)
-    assert resumed.param_groups[0]["lr"] == 2e-3  # today's, not the checkpoint's
+    fit.set_lr(opt, tr, 0.25), fit.set_lr(resumed, today, 0.25)
+    assert resumed.param_groups[0]["lr"] == 1e-3  # today's 4e-3 x 0.25, not the checkpoint's 2e-3
     opt.param_groups[0]["lr"] = resumed.param_groups[0]["lr"]
     for o, m in ((opt, model), (resumed, twin)):
         backward(m, 2)
