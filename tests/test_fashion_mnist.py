@@ -149,7 +149,8 @@ def test_classifier_learns_saves_and_loads_with_its_record(tmp_path):
     assert features.shape == (3, 128) and features.dtype == np.float64
 
 
-def test_the_classifier_trains_on_the_training_split_and_is_measured_on_the_test_split(tmp_path, monkeypatch):
+def test_the_classifier_trains_on_the_training_split_and_is_measured_on_the_test_split(tmp_path, monkeypatch,
+                                                                                      classifier_rows):
     """tools/classifier.py on the recipe, with small IDX files whose splits tell apart: training images dark (one
     grey level a row), test images bright. What classifier.train receives is exactly the training rows, and what
     its accuracy is measured on exactly the test rows (the protocol's class accuracy and FD rest on that)."""
@@ -161,15 +162,10 @@ def test_the_classifier_trains_on_the_training_split_and_is_measured_on_the_test
         write_idx(tmp_path / labels, np.arange(len(levels)) % 10)
     load = fashion_mnist.load
     monkeypatch.setattr(fashion_mnist, "load", lambda split: load(split, tmp_path))
-    seen = {}
-    train, accuracy = classifier.train, classifier.accuracy
-    monkeypatch.setattr(classifier, "train", lambda model, images, labels, *a, **k: seen.setdefault(
-        "trained", images) is None or train(model, images, labels, *a, **k))
-    monkeypatch.setattr(classifier, "accuracy", lambda model, images, labels: seen.setdefault(
-        "measured", images) is None or accuracy(model, images, labels))
     classifier_tool.main(["--config", str(ROOT / "configs/fashion_mnist.json"), "--out", str(tmp_path / "c")])
     grey = lambda images: sorted(images[:, 0, 0, 0].tolist())  # noqa: E731  (every pixel of a row alike)
-    assert grey(seen["trained"]) == list(range(40)) and grey(seen["measured"]) == list(range(200, 220))
+    assert grey(classifier_rows["trained"]) == list(range(40))
+    assert grey(classifier_rows["measured"]) == list(range(200, 220))
     record = json.loads((tmp_path / "c" / classifier.RECORD).read_text())
     assert (record["train_rows"], record["test_split"], record["test_rows"]) == (40, "test", 20)
 

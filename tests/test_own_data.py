@@ -233,27 +233,21 @@ def class_folder(tmp_path, n=60, size=16):
     return tmp_path / "recipe.json"
 
 
-def test_a_folder_without_a_test_split_measures_the_classifier_on_the_trainers_heldout_rows(tmp_path, monkeypatch,
-                                                                                           capsys):
+def test_a_folder_without_a_test_split_measures_the_classifier_on_the_trainers_heldout_rows(tmp_path, capsys,
+                                                                                           classifier_rows):
     """datasets reads the same 60 images as split 'test' of a folder without split folders: tools/classifier.py
     says so, trains on the trainer's 54 training rows and is measured on the 6 it holds out (never trained on),
     and a set smaller than its batch trains (it stopped with `Expected positive integer total_steps, but got 0`)."""
     from tools import classifier as classifier_tool
-    from training import classifier
 
     recipe = class_folder(tmp_path)
-    seen = {}
-    train, accuracy = classifier.train, classifier.accuracy
-    monkeypatch.setattr(classifier, "train", lambda model, images, labels, *a, **k: seen.setdefault(
-        "trained", images) is None or train(model, images, labels, *a, **k))
-    monkeypatch.setattr(classifier, "accuracy", lambda model, images, labels: seen.setdefault(
-        "measured", images) is None or accuracy(model, images, labels))
     classifier_tool.main(["--config", str(recipe), "--out", str(tmp_path / "c")])
     assert "split 'test' of " in capsys.readouterr().out  # said, not silent
     red = lambda images: sorted(images[:, 0, 0, 0].tolist())  # noqa: E731
+    levels = lambda rows: sorted(4 * int(Path(v["path"]).stem) for v in rows["image"])  # noqa: E731  (image i: 4 i)
     kept, held = open_splits(data_cfg(f"--data.source={tmp_path / 'own'}", "--data.resolution=16"), print)
-    assert red(seen["measured"]) == sorted(4 * int(Path(v["path"]).stem) for v in held["image"])  # the 6 held out
-    assert red(seen["trained"]) == sorted(4 * int(Path(v["path"]).stem) for v in kept["image"])  # the other 54
+    assert red(classifier_rows["measured"]) == levels(held)  # the 6 held out
+    assert red(classifier_rows["trained"]) == levels(kept)  # the other 54
     record = json.loads((tmp_path / "c" / "classifier.json").read_text())
     assert (record["train_rows"], record["test_split"], record["test_rows"]) == (54, "heldout", 6)
 

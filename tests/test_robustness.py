@@ -116,7 +116,8 @@ def test_resuming_a_finished_run_says_so_and_how_to_train_longer(tmp_path, capsy
     assert finished() == run
     said = capsys.readouterr().out
     assert said.startswith(f"resume: {run} is done: its checkpoint step_00000004 is at step 4 (train.max_steps=4)")
-    assert "Nothing left to train; nothing was written. To train longer: --resume latest --train.max_steps=N, N > 4" in said
+    assert "Nothing left to train; nothing was written. To train longer: --resume latest --train.max_steps=N, " \
+           "N > 4" in said
     assert finished("--train.max_steps=6") is None
     assert finished("--train.lr_schedule=cosine") == run
     assert "(the cosine LR schedule is then laid over the N steps)" in capsys.readouterr().out
