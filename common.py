@@ -235,16 +235,17 @@ def lr_at(step, base_lr, warmup_steps, schedule="constant", max_steps=1):
     raise ValueError(f"train.lr_schedule must be 'constant', 'cosine' or 'linear', got {schedule!r}")
 
 
-def scaled_lr(tr, global_batch):
-    """train.lr for train.lr_reference_batch, scaled to this run's global batch: "sqrt" (lr ~ sqrt(batch), the
-    rule that keeps Adam's update noise constant; Malladi et al. 2022) or "linear" (Goyal et al. 2017, for
-    SGD); "none" keeps train.lr. Returns the LR and a line saying how it was obtained, printed at start."""
+def lr_scale(tr, global_batch):
+    """The factor that takes train.lr (and train.muon_lr), set for train.lr_reference_batch, to this run's global
+    batch: "sqrt" (lr ~ sqrt(batch), the rule that keeps Adam's update noise constant; Malladi et al. 2022) or
+    "linear" (Goyal et al. 2017, for SGD); "none": 1. Returns it and a line saying how the LR was obtained,
+    printed at start."""
     ratio = global_batch / tr["lr_reference_batch"]
     power = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}[tr["lr_scaling"]]  # the typed config refused other values
-    lr = tr["lr"] * ratio ** power
+    scale = ratio ** power
     how = "" if power == 0 else f" = {tr['lr']:g} x ({global_batch} / {tr['lr_reference_batch']})^{power:g}"
-    return lr, (f"lr {lr:.3g}{how} ({tr['lr_scaling']} scaling rule), {tr['lr_schedule']} schedule, "
-                f"{tr['warmup_steps']} warm-up steps of {tr['max_steps']}")
+    return scale, (f"lr {tr['lr'] * scale:.3g}{how} ({tr['lr_scaling']} scaling rule), {tr['lr_schedule']} schedule, "
+                   f"{tr['warmup_steps']} warm-up steps of {tr['max_steps']}")
 
 
 def shift_of(cfg):

@@ -199,6 +199,8 @@ def main(argv=None):
     cfg = config.load_config(DEFAULTS, argv, method="flow_matching", schema=CONFIG)
     runlog.refuse_earlier_run(cfg)  # a run_dir that holds a run continues only with --resume
     config.keep_recorded(cfg, skip=fit.resolved_keys(cfg.train))  # --resume: the values the run started with
+    if done := runlog.finished_run(cfg):  # --resume of a run trained to train.max_steps and exported: says so
+        return done
     data, obj, tr = cfg.data, cfg.objective, cfg.train
 
     # ---- Accelerator and seeds ----------------------------------------------------------------------------
@@ -232,7 +234,7 @@ def main(argv=None):
     align = repa.Alignment(cfg, device)
     fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt, align)
     model, optimizer = sharding.prepare(model, optimizer, accelerator, tr)  # compiled (train.compile), DDP; or sharded
-    base_lr, lr_rule = common.scaled_lr(tr, tr.batch_size * world * tr.grad_accum)
+    lr_scale, lr_rule = common.lr_scale(tr, tr.batch_size * world * tr.grad_accum)  # the batch rule's factor
     raw_model = accelerator.unwrap_model(model)
     runlog.describe_run(accelerator, cfg, raw_model, train_set, lr_rule, f"time shift a = {shift:g}")
 
@@ -284,8 +286,8 @@ def main(argv=None):
     density = stab.density  # objective.time_sampling="adaptive": times and weights that follow the loss; else None
     model.train()
     while step < tr.max_steps:
-        lr = stab.rollback.lr_factor * common.lr_at(step, base_lr, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
-        fit.set_lr(optimizer, lr)  # (a rollback lowers it from then on)
+        factor = stab.rollback.lr_factor * common.lr_at(step, lr_scale, tr.warmup_steps, tr.lr_schedule, tr.max_steps)
+        lr = fit.set_lr(optimizer, tr, factor)  # train.lr (Muon's group: muon_lr) x factor; a rollback lowers it
         for micro in range(tr.grad_accum):
             # x0 and its conditions, the semantic and control ones dropped independently, for guidance on each
             batch, x0, cond = training_inputs(next(batches), d.text_encoder, cfg.conditioning, accelerator)

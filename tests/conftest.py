@@ -198,3 +198,17 @@ def unrendered_figures(monkeypatch):
     from matplotlib.figure import Figure
 
     monkeypatch.setattr(Figure, "savefig", lambda self, path, *args, **kwargs: Path(path).write_bytes(b""))
+
+
+@pytest.fixture
+def classifier_rows(monkeypatch):
+    """What the evaluation classifier is trained on and measured on: {"trained": the images of the first
+    classifier.train call, "measured": those of the first classifier.accuracy call}, filled as they run."""
+    from training import classifier
+
+    seen, train, accuracy = {}, classifier.train, classifier.accuracy
+    monkeypatch.setattr(classifier, "train", lambda model, images, labels, *a, **k: seen.setdefault(
+        "trained", images) is None or train(model, images, labels, *a, **k))
+    monkeypatch.setattr(classifier, "accuracy", lambda model, images, labels: seen.setdefault(
+        "measured", images) is None or accuracy(model, images, labels))
+    return seen

@@ -293,6 +293,9 @@ def test_tiny_run_resumes_and_exports(tmp_path):
     ddpm.main(args + ["--train.max_steps=2"])
     assert (run_dir / "checkpoints" / "step_00000002" / "state.pt").exists()
     ddpm.main(args + ["--train.max_steps=4", "--resume", "latest"])
+    exported = (run_dir / "export" / "config.json").stat().st_mtime_ns
+    assert ddpm.main(args + ["--resume", "latest"]) == run_dir  # done: nothing trained, nothing exported again
+    assert (run_dir / "export" / "config.json").stat().st_mtime_ns == exported
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_steps = [m["step"] for m in metrics if "loss" in m]

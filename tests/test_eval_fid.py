@@ -348,6 +348,7 @@ def test_offline_a_missing_inception_file_is_one_line_and_no_download_is_tried(t
         assert str(tmp_path / "xdg" / "minimal-diffusion" / "inception-2015-12-05.pt") in message
         assert str(tmp_path / "hf" / "inception-2015-12-05.pt") in message
         assert "--inception_weights" in message and "python tools/prefetch.py" in message
+        assert "tools/classifier.py, then --classifier DIR --features classifier" in message  # the offline route
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "inception-2015-12-05.pt").write_bytes(b"as prefetch.py wrote it")
     monkeypatch.setattr(reference, "INCEPTION_SHA256", reference.sha256_of(tmp_path / "hf" / "inception-2015-12-05.pt"))

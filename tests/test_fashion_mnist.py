@@ -82,12 +82,38 @@ def test_missing_package_names_the_apt_command(tmp_path):
 
 def test_the_splits_come_from_their_own_files(tmp_path):
     for split, (images, labels) in fashion_mnist.FILES.items():
-        write_idx(tmp_path / images, np.full((3, 4, 4), 10 if split == "train" else 200))
+        write_idx(tmp_path / images, np.full((3, 28, 28), 10 if split == "train" else 200))
         write_idx(tmp_path / labels, np.array([0, 1, 2]) + (3 if split == "test" else 0))
     train, test = fashion_mnist.load("train", tmp_path), fashion_mnist.load("test", tmp_path)
     assert train["label"] == [0, 1, 2] and test["label"] == [3, 4, 5]
     assert np.asarray(train[0]["image"]).max() == 10 and np.asarray(test[0]["image"]).min() == 200
     assert train._fingerprint != test._fingerprint
+
+
+def test_files_that_are_not_fashion_mnists_are_refused_naming_the_file(tmp_path):
+    """Image and label files swapped, images of another size, labels outside 0-9: one line each, naming the file
+    (each would otherwise be read: the IDX header is valid)."""
+    images, labels = (tmp_path / name for name in fashion_mnist.FILES["train"])
+
+    def refused(image_array, label_array):
+        write_idx(images, image_array), write_idx(labels, label_array)
+        with pytest.raises(ValueError) as e:
+            fashion_mnist.split_arrays("train", tmp_path)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    good_images, good_labels = np.zeros((3, 28, 28)), np.array([0, 9, 4])
+    write_idx(images, good_images), write_idx(labels, good_labels)
+    assert fashion_mnist.split_arrays("train", tmp_path)[1].tolist() == [0, 9, 4]  # good files are read
+    assert refused(good_labels, good_images).startswith(f"{images}: Fashion-MNIST's images are 28 x 28 (IDX "
+                                                        "dimensions N, 28, 28); this file holds shape (3,) (the "
+                                                        "label file's shape: are the image and label files swapped?)")
+    assert refused(good_images, good_images).startswith(f"{labels}: Fashion-MNIST's labels are one number per image")
+    assert "swapped" in refused(good_images, good_images)
+    assert refused(np.zeros((3, 32, 32)), good_labels) == (f"{images}: Fashion-MNIST's images are 28 x 28 (IDX "
+                                                           "dimensions N, 28, 28); this file holds shape (3, 32, 32)")
+    assert refused(good_images, np.array([0, 10, 255])) == (f"{labels}: Fashion-MNIST's labels run 0-9 (10 classes); "
+                                                            "2 of its 3 labels do not, first row 1 (label 10)")
 
 
 # ---- The evaluation classifier ------------------------------------------------------------------------------
@@ -121,6 +147,27 @@ def test_classifier_learns_saves_and_loads_with_its_record(tmp_path):
                        classifier.logits_and_features(model, test_images[:4])[0])
     features = classifier.feature_fn(again)(list(test_images[:3]))
     assert features.shape == (3, 128) and features.dtype == np.float64
+
+
+def test_the_classifier_trains_on_the_training_split_and_is_measured_on_the_test_split(tmp_path, monkeypatch,
+                                                                                      classifier_rows):
+    """tools/classifier.py on the recipe, with small IDX files whose splits tell apart: training images dark (one
+    grey level a row), test images bright. What classifier.train receives is exactly the training rows, and what
+    its accuracy is measured on exactly the test rows (the protocol's class accuracy and FD rest on that)."""
+    from tools import classifier as classifier_tool
+
+    for split, (images, labels) in fashion_mnist.FILES.items():
+        levels = np.arange(40) if split == "train" else 200 + np.arange(20)
+        write_idx(tmp_path / images, levels[:, None, None].repeat(28, 1).repeat(28, 2))
+        write_idx(tmp_path / labels, np.arange(len(levels)) % 10)
+    load = fashion_mnist.load
+    monkeypatch.setattr(fashion_mnist, "load", lambda split: load(split, tmp_path))
+    classifier_tool.main(["--config", str(ROOT / "configs/fashion_mnist.json"), "--out", str(tmp_path / "c")])
+    grey = lambda images: sorted(images[:, 0, 0, 0].tolist())  # noqa: E731  (every pixel of a row alike)
+    assert grey(classifier_rows["trained"]) == list(range(40))
+    assert grey(classifier_rows["measured"]) == list(range(200, 220))
+    record = json.loads((tmp_path / "c" / classifier.RECORD).read_text())
+    assert (record["train_rows"], record["test_split"], record["test_rows"]) == (40, "test", 20)
 
 
 # ---- A real-image run, scored with the classifier ------------------------------------------------------------

@@ -99,12 +99,12 @@ def test_lr_schedules_and_the_scaling_rule():
     with pytest.raises(ValueError, match="train.lr_schedule"):
         common.lr_at(0, 1.0, 0, "step", 10)
     tr = config.load_config(fm.DEFAULTS, ["--train.lr=1e-4", "--train.lr_scaling=sqrt"]).train
-    lr, line = common.scaled_lr(tr, 512)
-    assert lr == pytest.approx(1e-4 * 0.5) and "sqrt scaling rule" in line and "(512 / 2048)^0.5" in line
+    scale, line = common.lr_scale(tr, 512)
+    assert scale == pytest.approx(0.5) and "lr 5e-05 = 0.0001 x (512 / 2048)^0.5 (sqrt scaling rule)" in line
     tr["lr_scaling"] = "linear"
-    assert common.scaled_lr(tr, 4096)[0] == pytest.approx(2e-4)
+    assert common.lr_scale(tr, 4096)[0] == pytest.approx(2)
     tr["lr_scaling"] = "none"
-    assert common.scaled_lr(tr, 64)[0] == 1e-4
+    assert common.lr_scale(tr, 64)[0] == 1
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ def tiny(muon_lr=None, **train):
     cfg = config.load_config(fm.DEFAULTS, ["--model.num_layers=2", "--model.num_attention_heads=2",
                                            "--model.attention_head_dim=8", "--model.qk_norm=rms_norm",
                                            "--data.num_classes=3"], method="flow_matching")
-    cfg.train.update(optimizer="muon", muon_lr=muon_lr, weight_decay=0.01, **train)
+    cfg.train.update({"optimizer": "muon", "muon_lr": muon_lr, "weight_decay": 0.01, **train})
     torch.manual_seed(0)
     return build_denoiser(cfg, 4, 8), cfg.train
 
@@ -45,24 +45,32 @@ def test_the_blocks_matrices_go_to_muon_and_everything_else_to_adamw():
     assert len(names) + len(rest) == len(list(model.parameters()))
 
 
-def test_a_step_equals_torch_muon_and_adamw_called_directly_on_the_same_groups():
-    model, tr = tiny(muon_lr=3e-3, lr=1e-3)
+@pytest.mark.parametrize("lr", [1e-3, 0.0])  # 0: the AdamW group frozen, the blocks still at train.muon_lr
+def test_a_step_equals_torch_muon_and_adamw_called_directly_on_the_same_groups(lr):
+    """Non-default betas and weight decay (a DiT's (0.9, 0.95), 0.05; torch's defaults are (0.9, 0.999), Muon's
+    0.1, AdamW's 0.01) reach the groups they belong to."""
+    model, tr = tiny(muon_lr=3e-3, lr=lr, betas=[0.9, 0.95], weight_decay=0.05)
     twin = copy.deepcopy(model)
     ours = optimizers.make_optimizer(model, tr)
+    assert [(g["lr"], g["weight_decay"], g.get("betas")) for g in ours.param_groups] == [
+        (3e-3, 0.05, None), (lr, 0.05, (0.9, 0.95))]  # Muon's group has momentum, not betas
     split = muon.split(twin)
-    direct = [torch.optim.Muon([p for _, p in split[0]], lr=3e-3, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"),
-              torch.optim.AdamW([p for _, p in split[1]], lr=1e-3, betas=tuple(tr.betas), weight_decay=0.01, fused=True)]
-    for step, lr in enumerate((1e-3, 5e-4)):  # the schedule's LR: Muon's group at muon_lr / lr times it
-        fit.set_lr(ours, lr)
-        direct[0].param_groups[0]["lr"], direct[1].param_groups[0]["lr"] = 3 * lr, lr
+    direct = [torch.optim.Muon([p for _, p in split[0]], lr=3e-3, weight_decay=0.05, adjust_lr_fn="match_rms_adamw"),
+              torch.optim.AdamW([p for _, p in split[1]], lr=lr, betas=(0.9, 0.95), weight_decay=0.05, fused=True)]
+    for step, factor in enumerate((1.0, 0.5)):  # the schedule's factor multiplies each group's own LR
+        assert fit.set_lr(ours, tr, factor) == factor * lr  # train.lr's, the one logged
+        direct[0].param_groups[0]["lr"], direct[1].param_groups[0]["lr"] = factor * 3e-3, factor * lr
         backward(model, step), backward(twin, step)
         optimizers.skip_update_if_nonfinite(ours, torch.tensor(True))  # the trainers' path: found_inf = 0
         ours.step()
         for opt in direct:
             opt.step()
-        for a, b in zip(model.parameters(), twin.parameters()):
-            assert torch.equal(a, b)
+        for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(a, b), name
         ours.zero_grad(), [opt.zero_grad() for opt in direct]
+    start, blocks = dict(tiny()[0].named_parameters()), dict(split[0])
+    moved = {name for name, p in model.named_parameters() if not torch.equal(p, start[name])}
+    assert moved == (start.keys() if lr else blocks.keys())  # train.lr=0: the blocks train, the rest stays
 
 
 def test_a_nonfinite_step_leaves_weights_and_state_bitwise_unchanged():
@@ -98,10 +106,11 @@ def test_the_momentum_and_moments_travel_through_state_dict():
     saved = copy.deepcopy(opt.state_dict())
     assert {k for v in saved["state"].values() for k in v} == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}
     twin = copy.deepcopy(model)
-    resumed = muon.MuonAdamW(twin, {**tr, "muon_lr": 4e-3})  # a resume that changes train.muon_lr
+    today = {**tr, "muon_lr": 4e-3}  # a resume that changes train.muon_lr
+    resumed = muon.MuonAdamW(twin, today)
     resumed.load_state_dict(saved)
-    assert resumed.param_groups[0]["lr_ratio"] == 4.0  # today's, not the checkpoint's
-    fit.set_lr(opt, 1e-3), fit.set_lr(resumed, 1e-3)
+    fit.set_lr(opt, tr, 0.25), fit.set_lr(resumed, today, 0.25)
+    assert resumed.param_groups[0]["lr"] == 1e-3  # today's 4e-3 x 0.25, not the checkpoint's 2e-3
     opt.param_groups[0]["lr"] = resumed.param_groups[0]["lr"]
     for o, m in ((opt, model), (resumed, twin)):
         backward(m, 2)

@@ -4,6 +4,7 @@ import io
 import json
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -216,6 +217,62 @@ def test_own_folder_trains_with_its_own_class_count(tmp_path, capsys):
     assert json.loads((run / "config.json").read_text())["data"]["num_classes"] == 2
     assert json.loads((run / "export" / "config.json").read_text())["data"]["num_classes"] == 2
     assert "36 rows train from split 'train'; 4 rows held out" in capsys.readouterr().out
+
+
+# ---- Evaluating one's own images offline -----------------------------------------------------------------
+
+
+def class_folder(tmp_path, n=60, size=16):
+    """n images in 3 class folders and no split folders; image i is told apart by its red level, 4 i."""
+    for i in range(n):
+        (tmp_path / "own" / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        pixels = np.zeros((size, size, 3), np.uint8)
+        pixels[..., 0], pixels[..., 1 + i % 2], pixels[: size // 2, :, 2] = 4 * i, 120, 60 * (i % 3)
+        Image.fromarray(pixels).save(tmp_path / "own" / f"c{i % 3}" / f"{i}.png")
+    (tmp_path / "recipe.json").write_text(json.dumps({"data": {"source": str(tmp_path / "own"), "resolution": size}}))
+    return tmp_path / "recipe.json"
+
+
+def test_a_folder_without_a_test_split_measures_the_classifier_on_the_trainers_heldout_rows(tmp_path, capsys,
+                                                                                           classifier_rows):
+    """datasets reads the same 60 images as split 'test' of a folder without split folders: tools/classifier.py
+    says so, trains on the trainer's 54 training rows and is measured on the 6 it holds out (never trained on),
+    and a set smaller than its batch trains (it stopped with `Expected positive integer total_steps, but got 0`)."""
+    from tools import classifier as classifier_tool
+
+    recipe = class_folder(tmp_path)
+    classifier_tool.main(["--config", str(recipe), "--out", str(tmp_path / "c")])
+    assert "split 'test' of " in capsys.readouterr().out  # said, not silent
+    red = lambda images: sorted(images[:, 0, 0, 0].tolist())  # noqa: E731
+    levels = lambda rows: sorted(4 * int(Path(v["path"]).stem) for v in rows["image"])  # noqa: E731  (image i: 4 i)
+    kept, held = open_splits(data_cfg(f"--data.source={tmp_path / 'own'}", "--data.resolution=16"), print)
+    assert red(classifier_rows["measured"]) == levels(held)  # the 6 held out
+    assert red(classifier_rows["trained"]) == levels(kept)  # the other 54
+    record = json.loads((tmp_path / "c" / "classifier.json").read_text())
+    assert (record["train_rows"], record["test_split"], record["test_rows"]) == (54, "heldout", 6)
+
+
+@pytest.mark.slow
+def test_own_images_are_scored_offline_with_the_classifiers_features(tmp_path, monkeypatch):
+    """The README's own-data evaluation without the Inception file: a run on a 60-image folder without a test
+    split, its classifier (tools/classifier.py), then eval_fid.py --classifier --features classifier against the
+    held-out rows; Inception is never asked for."""
+    import eval_fid
+    from tools import classifier as classifier_tool
+
+    recipe = class_folder(tmp_path)
+    run = fm.main(["--config", str(recipe), "--run_dir", str(tmp_path / "run"), "--data.cache_dir",
+                   str(tmp_path / "cache"), "--train.max_steps=1", "--train.batch_size=8", "--val.steps=1",
+                   "--val.num_samples=2", "--val.loss_samples=4", "--log.wandb=off", "--log.report=false",
+                   "--model.num_layers=1"])
+    classifier_tool.main(["--config", str(recipe), "--out", str(tmp_path / "c")])
+    monkeypatch.setattr(eval_fid, "inception_features", lambda *a, **k: pytest.fail("Inception was asked for"))
+    report = eval_fid.main(["--run", str(run), "--num_samples", "12", "--steps", "1", "--batch_size", "6",
+                            "--stats_cache", str(tmp_path / "stats"), "--classifier", str(tmp_path / "c"),
+                            "--features", "classifier"])
+    assert {"fd_classifier_12", "kd_classifier_12", "class_accuracy_12"} <= set(report["metrics"])
+    assert report["reference"]["split"] == "heldout" and report["classifier"]["test_split"] == "heldout"
+    assert report["classifier"]["test_rows"] == 6 and report["classifier"]["train_rows"] == 54
 
 
 # ---- Image modes ----------------------------------------------------------------------------------------

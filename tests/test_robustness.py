@@ -85,6 +85,44 @@ def test_preemption_signal_checkpoints_and_exits_for_requeue_then_resumes(tmp_pa
     assert steps == list(range(1, stopped + 3))
 
 
+def test_resuming_a_finished_run_says_so_and_how_to_train_longer(tmp_path, capsys):
+    """--resume latest of a run whose checkpoint is at train.max_steps, with its export of that step and its report
+    after it: done, said with the flag that trains longer. Not done: more steps asked, no export, the export of a
+    shorter run trained on since, a report missing or older than the export (a run stopped after its export)."""
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    for name in ("model", "ema", "optimizer"):
+        save_file({}, str(ckpt / f"{name}.safetensors"))
+    torch.save({"step": 4, "config": {}}, ckpt / "state.pt")
+
+    def finished(*args):
+        return runlog.finished_run(config.load_config(fm.DEFAULTS, ["--run_dir", str(run), "--resume=latest",
+                                                                    "--train.max_steps=4", *args]))
+
+    def export(max_steps, report_after):
+        (run / "export").mkdir(exist_ok=True)
+        (run / "export" / "config.json").write_text(json.dumps({"train": {"max_steps": max_steps}}))
+        (run / "report.md").write_text("report")
+        os.utime(run / "report.md", (1e9, 1e9) if not report_after else None)  # 2001: before the export
+
+    assert finished() is None  # no export: the resumed run exports
+    export(2, report_after=True)
+    assert finished() is None  # the export and report of the first 2 steps: this one exports step 4
+    export(4, report_after=False)
+    assert finished() is None and finished("--log.report=false") == run  # stopped before its report: writes it
+    export(4, report_after=True)
+    capsys.readouterr()
+    assert finished() == run
+    said = capsys.readouterr().out
+    assert said.startswith(f"resume: {run} is done: its checkpoint step_00000004 is at step 4 (train.max_steps=4)")
+    assert "Nothing left to train; nothing was written. To train longer: --resume latest --train.max_steps=N, " \
+           "N > 4" in said
+    assert finished("--train.max_steps=6") is None
+    assert finished("--train.lr_schedule=cosine") == run
+    assert "(the cosine LR schedule is then laid over the N steps)" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
     run = fm.main(tiny_run_args(tmp_path, "ckpt", steps=4) + ["--ckpt.every=1", "--ckpt.keep=2"])

@@ -47,6 +47,9 @@ def test_tiny_run_writes_everything_and_resumes_exactly(tmp_path):
     # Resume: a second run stops at step 3, then continues to 6 with --resume latest.
     short = fm.main(tiny_run_args(tmp_path, "resumed", steps=3) + ["--ckpt.every=3", "--log.every=1"])
     fm.main(tiny_run_args(tmp_path, "resumed", steps=6) + ["--ckpt.every=3", "--log.every=1", "--resume", "latest"])
+    exported = (short / "export" / "config.json").stat().st_mtime_ns
+    fm.main(tiny_run_args(tmp_path, "resumed", steps=6) + ["--resume", "latest"])  # done: nothing trained or exported
+    assert (short / "export" / "config.json").stat().st_mtime_ns == exported
     resumed = [m for m in read_metrics(short) if "loss" in m]
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]  # continues the step count
     # The continued run is the straight run: the same loss at every step and, bitwise, the same weights.

@@ -42,9 +42,12 @@ def logits_and_features(model, images, device="cpu"):
 
 
 def train(model, images, labels, epochs=3, batch_size=256, lr=2e-3, seed=0, log=print):
-    """AdamW with a cosine decay over `epochs` passes of uint8 images (N, H, W, 3) and int labels (N,)."""
+    """AdamW with a cosine decay over `epochs` passes of uint8 images (N, H, W, 3) and int labels (N,). A set
+    smaller than a batch is one batch a pass (a folder of 60 images: 3 steps)."""
+    batch_size = min(batch_size, len(images))
     g, per_epoch = torch.Generator().manual_seed(seed), len(images) // batch_size
     steps = epochs * per_epoch
+    log(f"classifier: {steps} steps of {batch_size} images ({epochs} epochs of {len(images)} images)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=0.1)
     labels = torch.as_tensor(labels).long()

@@ -40,7 +40,8 @@ def read_idx(path):
 
 def split_arrays(split, folder=FOLDER):
     """(images uint8 (N, 28, 28), labels uint8 (N,)) of split 'train' or 'test'. A missing package is one line
-    naming the apt command; an unknown split names the two there are."""
+    naming the apt command; an unknown split names the two there are; files that are not Fashion-MNIST's (an image
+    file with other dimensions or sizes, labels outside 0-9, image and label files swapped) one line naming the file."""
     if split not in FILES:
         raise ValueError(f"data.source='{SOURCE}' has the splits {sorted(FILES)}, not '{split}'")
     paths = [Path(folder) / name for name in FILES[split]]
@@ -48,6 +49,17 @@ def split_arrays(split, folder=FOLDER):
         raise FileNotFoundError(f"data.source='{SOURCE}': {', '.join(missing)} not found. Install the Debian "
                                 f"package as root: {INSTALL}")
     images, labels = (read_idx(p) for p in paths)
+    swapped = " (the label file's shape: are the image and label files swapped?)" * (images.ndim == 1)
+    if images.shape[1:] != (28, 28):
+        raise ValueError(f"{paths[0]}: Fashion-MNIST's images are 28 x 28 (IDX dimensions N, 28, 28); this file "
+                         f"holds shape {images.shape}{swapped}")
+    if labels.ndim != 1:
+        raise ValueError(f"{paths[1]}: Fashion-MNIST's labels are one number per image (IDX dimensions N); this "
+                         f"file holds shape {labels.shape}" + " (an image file's: are the image and label files "
+                         "swapped?)" * (labels.ndim == 3))
+    if (bad := np.flatnonzero(labels >= len(CLASSES))).size:
+        raise ValueError(f"{paths[1]}: Fashion-MNIST's labels run 0-9 ({len(CLASSES)} classes); {bad.size} of its "
+                         f"{len(labels)} labels do not, first row {bad[0]} (label {labels[bad[0]]})")
     if len(images) != len(labels):
         raise ValueError(f"{paths[0]} holds {len(images)} images but {paths[1]} {len(labels)} labels")
     return images, labels

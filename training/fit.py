@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 import common
-from training import config, contrastive, repa, sharding
+from training import config, contrastive, muon, repa, sharding
 from training.data import COND_FIELDS, images_in
 from training.encoders import text_features
 
@@ -311,10 +311,13 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
 # The EMA: every k steps with the compounded decay, on the training device or offloaded to pinned CPU memory.
 
 
-def set_lr(optimizer, lr):
-    """The step's learning rate, in every parameter group (times its lr_ratio: Muon's group, training/muon.py)."""
+def set_lr(optimizer, tr, factor):
+    """The step's learning rates: train.lr x factor (the schedule, the batch rule, a rollback's cut) in every
+    parameter group, train.muon_lr x factor in Muon's (the group with ns_steps; training/muon.py), both from
+    today's config (a resume that changes either takes it). Returns train.lr's, the LR that is logged."""
     for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_ratio", 1.0)
+        group["lr"] = factor * (muon.lr_of(tr) if "ns_steps" in group else tr["lr"])
+    return factor * tr["lr"]
 
 def decay_at(decay, n):
     """common.ema_update's warm-up: d_n = min(decay, (1 + n) / (10 + n)) for the update after step n."""

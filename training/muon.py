@@ -20,8 +20,9 @@ decay), which is PRX's rms_scale: PRX trains Muon and its AdamW group both at 1e
 AdamW settings (train.lr, train.betas, train.weight_decay), so a Muon run differs from its AdamW run only in how the
 blocks' matrices are updated. Momentum 0.95 with Nesterov and 5 Newton-Schulz steps are torch's defaults, Keller
 Jordan's ("typically work well. Only the learning rate and weight decay must be tuned"). The schedule (warm-up,
-decay, batch scaling, a rollback's cut) multiplies both LRs alike: the Muon group carries lr_ratio = muon_lr / lr,
-which fit.set_lr applies.
+decay, batch scaling, a rollback's cut) multiplies both LRs alike: fit.set_lr sets train.lr x factor in the AdamW
+group and lr_of(train) x factor in Muon's, both from today's config, so train.lr=0 (the AdamW group frozen) still
+trains the blocks at train.muon_lr.
 
 The skip of a non-finite step, on the device (optimizers.skip_update_if_nonfinite sets `found_inf`): the fused AdamW
 skips by itself; torch.optim.Muon has no such input, so its weights and momentum buffers are copied before its step
@@ -61,6 +62,11 @@ def problems(cfg):
     return out
 
 
+def lr_of(tr):
+    """Muon's LR before the schedule: train.muon_lr, or train.lr when it is unset."""
+    return tr["lr"] if tr.get("muon_lr") is None else tr["muon_lr"]
+
+
 def split(model):
     """([(name, parameter)] for Muon, [(name, parameter)] for AdamW): the blocks' 2-D weights, and the rest."""
     muon, adamw = [], []
@@ -76,12 +82,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, model, tr):
         muon, adamw = split(model)
-        muon_lr = tr["lr"] if tr.get("muon_lr") is None else tr["muon_lr"]
-        self.muon = torch.optim.Muon([p for _, p in muon], lr=muon_lr, weight_decay=tr["weight_decay"],
+        self.muon = torch.optim.Muon([p for _, p in muon], lr=lr_of(tr), weight_decay=tr["weight_decay"],
                                      momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW([p for _, p in adamw], lr=tr["lr"], betas=tuple(tr["betas"]),
                                        weight_decay=tr["weight_decay"], fused=True)
-        self.muon.param_groups[0]["lr_ratio"] = muon_lr / tr["lr"] if tr["lr"] else 1.0  # fit.set_lr: lr x this
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})  # the same group dicts
         self.link()
 
@@ -118,7 +122,5 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError("the optimizer state being loaded is not train.optimizer='muon''s (a Muon group and an "
                              "AdamW group): resume the run with the train.optimizer it was started with, or start a "
                              "new run from its weights with init_from")
-        ratio = self.param_groups[0]["lr_ratio"]
-        super().load_state_dict(state_dict)
-        self.param_groups[0]["lr_ratio"] = ratio  # today's train.muon_lr, as today's train.lr, not the checkpoint's
+        super().load_state_dict(state_dict)  # the checkpoint's LRs, until fit.set_lr sets today's
         self.link()

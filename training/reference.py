@@ -59,7 +59,8 @@ def inception_places():
 
 FETCH_IT = (f"On a machine with network run `python tools/prefetch.py --config YOUR_CONFIG` (or download "
             f"{INCEPTION_URL}), copy the file here and pass --inception_weights PATH (to a trainer: "
-            f"--val.inception_weights=PATH)")
+            f"--val.inception_weights=PATH). Without it, eval_fid.py scores a class-conditional run in the "
+            f"features of an evaluation classifier: tools/classifier.py, then --classifier DIR --features classifier")
 
 
 def inception_path(weights=None, timeout=20):

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 import common
-from training import curves
+from training import checkpoints, curves
 from training.config import ConfigError
 from training.data import images_in
 from training.sections import size_warnings
@@ -82,6 +82,33 @@ def refuse_earlier_run(cfg):
         raise ConfigError(f"run_dir={cfg.run_dir!r} already holds a run ({', '.join(found)}): continue it with "
                           f"--resume latest, or give this run a new run_dir (a new run there would mix with the old "
                           f"one's checkpoints and outputs)")
+
+
+def finished_run(cfg):
+    """--resume of a run that is done: its checkpoint at train.max_steps (or past it), its export of that step
+    (export/config.json's train.max_steps) and, with log.report, its report written after that export. Then the
+    run folder, after saying so and how to train longer: the trainer returns it before any work, exporting nothing
+    again. Else None. A run stopped after its last checkpoint but before its export or report is not done: the
+    resumed run writes them."""
+    ckpt = checkpoints.find_checkpoint(cfg.run_dir, cfg.resume) if cfg.resume else None
+    if ckpt is None:
+        return None
+    run_dir, step = Path(cfg.run_dir), checkpoints.read_state(ckpt)["step"]
+    export, report = run_dir / "export" / "config.json", run_dir / "report.md"
+    if step < cfg.train.max_steps or not export.is_file():
+        return None
+    if json.loads(export.read_text())["train"]["max_steps"] != step:  # the export of a shorter run, trained on since
+        return None
+    if cfg.log.report and not (report.is_file() and report.stat().st_mtime >= export.stat().st_mtime):
+        return None
+    schedule = (f" (the {cfg.train.lr_schedule} LR schedule is then laid over the N steps)"
+                if cfg.train.lr_schedule != "constant" else "")
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"resume: {cfg.run_dir} is done: its checkpoint {ckpt.name} is at step {step} (train.max_steps="
+              f"{cfg.train.max_steps}), and its export{' and report are' if cfg.log.report else ' is'} of that step. "
+              f"Nothing left to train; nothing was written. To train longer: --resume latest --train.max_steps=N, "
+              f"N > {step}{schedule}")
+    return run_dir
 
 
 def start_run(cfg, accelerator):
