@@ -36,7 +36,7 @@ import torch
 from PIL import Image
 
 import common
-from training import checkpoints, classifier, config, curves, hub
+from training import checkpoints, classifier, config, curves, hub, tuning
 from training.data import preprocess
 from training.encoders import decode, encode_text, load_encoders
 from training.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores, dinov2_features,
@@ -62,7 +62,7 @@ def parser():
     a("--out_dir", default=None, help="default: <run>/eval/<weights>-<sampler><steps>-g<guidance>-seed<seed>")
     a("--num_samples", type=int, default=50_000)
     a("--batch_size", type=int, default=64, help="per process; stochastic samplers depend on it, noise does not")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="sample i's noise: seed_for(seed, 0, i)")
     a("--sampler", default=None, help="default: the run's val.sampler")
     a("--steps", type=int, default=None, help="default: the run's val.steps")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
@@ -98,30 +98,37 @@ def parser():
     return p
 
 
-TUNED = ("guidance_scale", "guidance_interval", "steps", "phema_std")  # what tools/tune.py chooses
+def passed_on(mine, when):
+    """--help's list (an epilog) of the eval_fid.py options that a tool calling eval_fid.py passes on as they are:
+    all but the tool's own `mine` (and --help)."""
+    rows = [(", ".join(a.option_strings), (a.help or "").replace("%%", "%")) for a in parser()._actions
+            if a.option_strings and not (mine | {"-h"}) & set(a.option_strings)]
+    return f"passed on to eval_fid.py {when}, as they are:\n" + "\n".join(f"  {o:26} {h}" for o, h in rows)
 
 
 def tuned_defaults(args):
     """`args` with RUN/tuned.json's chosen setting ("best", tools/tune.py) in each of TUNED that no flag sets, when
-    the file was chosen for the model being sampled (--checkpoint, --weights) and --untuned is not given; prints
-    where each setting comes from (eval_fid.py and sample.py call it first)."""
-    path, sampled = Path(args.run) / "tuned.json", {"checkpoint": args.checkpoint, "weights": args.weights}
-    tuned = json.loads(path.read_text()) if path.is_file() and not args.untuned else None
-    note = ""
-    if tuned is not None and tuned["model"] != sampled:
-        tuned, note = None, f" ({path} was chosen for {tuned['model']}, not this {sampled})"
+    the file was chosen for the model being sampled, by what it is (its weights' digest, EMA or raw) and the sampler
+    (training/tuning.py), and --untuned is not given; prints where each setting comes from (eval_fid.py and
+    sample.py call it first). A run folder that does not exist stops here, before any work (hub.local_folder)."""
+    run = hub.local_folder(args.run)  # a folder, or the hub id of an exported pipeline folder
+    path, tuned, note = run / "tuned.json", None, ""
+    if path.is_file() and not args.untuned:
+        model = tuning.model_identity(run, args.checkpoint, args.weights)
+        tuned, why = tuning.read_choice(path, model, args.sampler or model["sampler"])
+        note = f" ({path} {why}: its settings are not used)" if why else ""
     where = {}
-    for key in TUNED:
+    for key in tuning.TUNED:
         if getattr(args, key) is not None:
             where[key] = f"--{key}"
-        elif tuned is not None:
+        elif tuned is not None and tuned["best"][key] is not None:
             setattr(args, key, tuned["best"][key])
             where[key] = str(path)
         else:
             where[key] = "the run's config" if key != "phema_std" else "the model's own EMA"
     if int(os.environ.get("RANK", 0)) == 0:
         print("sampling settings: " + "; ".join(f"{key} {getattr(args, key)} ({where[key]})" if getattr(args, key)
-                                                is not None else f"{key} from {where[key]}" for key in TUNED) + note)
+                                                is not None else f"{key} from {where[key]}" for key in tuning.TUNED) + note)
     return args
 
 
@@ -387,11 +394,11 @@ def main(argv=None, feature_fn=None):
     if args.dino and not args.generate_only:  # as early: a missing DINOv2 or a reference it cannot use
         check_dino_reference(args.reference or "")
         dino_fn = dinov2_features(args.dino, device, accelerator)
-    warnings = []  # FID's covariances against the feature dimension, before any sampling
+    warnings = []  # the Frechet distance's covariances against the feature dimension, before any sampling
     if feature_fn is not None:
         dim = feature_fn([np.zeros((cfg["data"]["resolution"],) * 2 + (3,), np.uint8)]).shape[1]
         n_ref = reference_size(args, cfg, getattr(feature_fn, "name", "custom"))
-        warnings += [w for w in [fid_size_warning(n_ref, args.num_samples, dim)] if w]
+        warnings += [w for w in [fid_size_warning(n_ref, args.num_samples, dim, feature_tag(feature_fn))] if w]
         for w in warnings:
             accelerator.print(f"warning: {w}")
     samples_dir.mkdir(parents=True, exist_ok=True)  # only now: a run stopped above leaves no empty folder

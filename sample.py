@@ -200,4 +200,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, config.ConfigError) as e:  # a missing run, file or source: its one line, no traceback
+        raise SystemExit(f"sample.py: {e}")

@@ -361,6 +361,11 @@ def test_what_a_fid_on_few_images_can_mean_is_said_and_a_failed_sqrtm_loses_noth
     assert "more dimensions (2048) than images (the reference has 18 and the samples 1000)" in text
     assert "KID" in text and "--reference FOLDER" in text and "cannot be compared with other FIDs" in text
     assert "(the samples 16)" in metrics.fid_size_warning(None, 16, 16)
+    # The classifier's distances are named as the report names them, never FID; too few samples ask for more samples.
+    text = metrics.fid_size_warning(5000, 100, 128, "classifier")
+    assert text.startswith("fd_classifier's covariances have more dimensions (128) than images (the samples 100)")
+    assert "kd_classifier, reported beside it" in text and "FID" not in text and "KID" not in text
+    assert text.endswith("score more than 128 samples (--num_samples).") and "--reference" not in text
     with pytest.raises(ValueError, match="the FID reference has 1 image"):
         metrics.fid_size_warning(1, 1000, 2048)
     # clean-fid's sqrtm failing ('Imaginary component') on singular covariances: the eigenvalue trace instead,
@@ -435,6 +440,28 @@ class FakeInceptionLayers(torch.nn.Module):
 
     def forward(self, x, return_features: bool = False):
         return self.layers(x / 255)
+
+
+@pytest.mark.parametrize("script", ["eval_fid", "sample"])
+def test_a_mistyped_run_folder_is_named_before_any_work_and_the_hub_is_not_asked(tmp_path, monkeypatch, capsys, script):
+    """runs/flow_matcing_demo beside runs/ is a local path that does not exist, not a Hub id: said in one line, with
+    the folder meant, before the sampling settings are read; a name that can only be local alike."""
+    import sample
+    from training import hub
+
+    (tmp_path / "runs" / "flow_matching_demo").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hub.huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("asked the Hub"))
+    main = {"eval_fid": eval_fid, "sample": sample}[script].main
+    with pytest.raises(FileNotFoundError, match=r"^runs/flow_matcing_demo: no such folder \(read as a local path, not "
+                                                r"a Hub model id: runs/ is a folder here\); did you mean "
+                                                r"runs/flow_matching_demo\?$"):
+        main(["--run", "runs/flow_matcing_demo"])
+    with pytest.raises(FileNotFoundError, match=r"^run: no such folder; did you mean runs\?$"):
+        main(["--run", "run"])
+    with pytest.raises(FileNotFoundError, match=r"^\./elsewhere/run: no such folder; \. holds no folder 'elsewhere'$"):
+        main(["--run", "./elsewhere/run"])
+    assert capsys.readouterr().out == ""  # no "sampling settings ... from the run's config"
 
 
 @pytest.mark.slow

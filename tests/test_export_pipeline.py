@@ -20,7 +20,7 @@ import sample
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
-from training import config, hub, model_card, pipeline_export
+from training import config, hub, model_card, pipeline_export, tuning
 from training.encoders import encode_text, load_encoders
 from training.metrics import size_tag
 from training.exported.conditioner import Conditioner as ExportedConditioner
@@ -248,7 +248,8 @@ def test_the_card_holds_the_runs_numbers_and_the_loading_lines(tmp_path):
     assert "1,000 optimizer steps of 64 images: 64,000 images seen" in text  # 16 per process x 4 processes logged
     assert "| fid_clean_10k | 12.3456 | the run's own | 10,000 samples" in text and "99.0" not in text
     assert "eval_fid.py --run runs/demo --num_samples 10000" in text and "| class_accuracy | 0.8765 |" in text
-    assert f"DiffusionPipeline.from_pretrained({str(folder)!r}, trust_remote_code=True)" in text
+    assert "DiffusionPipeline.from_pretrained('OWNER/NAME', trust_remote_code=True)" in text  # not pushed: a placeholder
+    assert f"its path loads it the same way: `DiffusionPipeline.from_pretrained({str(folder)!r}, trust_remote_code=True)`" in text
     assert "image = pipe('red circle').images[0]" in text and "`python train_flow_matching.py --config config.json`" in text
     assert "| val_loss | 1000 | 0.4100 .. 0.4400 | 0.4250 | 0.4321 |" in text  # the reference band and this run
     assert (folder / model_card.GRID).is_file() and json.loads((folder / "config.json").read_text()) == json.loads(json.dumps(cfg))
@@ -311,6 +312,75 @@ def test_the_cards_scores_are_the_runs_not_tune_pys_search(tmp_path):
     assert "`tune.py " not in text and (f"`eval_fid.py --run {run} --untuned --num_samples 2000 --seed 0 "
                                         f"--guidance_scale 7.0 --steps 32 --guidance_interval 0.0,1.0`") in text
     assert "| fd_classifier_10k | 1000 | 1.4000 .. 1.6000 | 1.5000 | 1.5500 |" in text  # the test split's, not 9.0
+
+
+def test_the_card_publishes_no_local_path_and_no_task_a_class_model_does_not_do(tmp_path):
+    """No pipeline_tag for a class-conditional model (text-to-image for a text one); own data named by its folder's
+    name, never its path, and a Hub dataset by its id; the loading lines name the Hub id when there is one."""
+    model, cfg, run = fake_run(tmp_path)
+    own = tmp_path / "home" / "me" / "my_photos"
+    own.mkdir(parents=True)
+    cfg["data"]["source"] = str(own)
+    text = (pipeline_export.write(model, cfg, run / "export", None, run, repo="me/demo") / "README.md").read_text()
+    header, prose = text.split("---")[1], text.split("<details>")[0]
+    assert "pipeline_tag" not in header and "- class-conditional" in header and "datasets:" not in header
+    assert "on the trainer's own data (a local image folder, `my_photos`) at" in prose and str(own) not in prose
+    assert "from_pretrained('me/demo', trust_remote_code=True)" in prose and "OWNER/NAME" not in prose
+    assert "pipeline_tag: text-to-image" in model_card.metadata(cfg, True)
+    assert model_card.data_name("/data/cc12m/{00000..01242}.tar") == "the trainer's own data (local webdataset shards, `cc12m`)"
+    cfg["data"]["source"] = "someone/their-data"  # a Hub dataset: by its id, and in the header
+    text = (pipeline_export.write(model, cfg, run / "export", None, run) / "README.md").read_text()
+    assert "datasets:\n- someone/their-data" in text and "on `someone/their-data` at" in text
+
+
+def test_the_export_takes_tune_pys_choice_made_for_its_weights_and_no_other(tmp_path):
+    """tuned.json chosen for the export's weights (their digest) becomes the pipeline's defaults, the card says what
+    was searched and how it was scored, and the folder keeps the record (eval_fid.py / sample.py on the folder use it);
+    other weights (the run trained on), or a choice of post-hoc EMA, leave the run's own settings, the card saying why;
+    the post-hoc EMA export of the chosen std takes it."""
+    model, cfg, run = fake_run(tmp_path)
+    val = cfg["val"]
+    folder = pipeline_export.write(model, cfg, run / "export", ["red circle"] * 9, run)
+    rows = [{"guidance_scale": g, "guidance_interval": [0.1, 0.9], "steps": 12, "phema_std": None, "fd_classifier_2k": g}
+            for g in (1.5, 3.0)]
+    confirm = {"metric": "fd_classifier_2k", "blocks": 5, "best": {"mean": 4.5, "low": 4.25, "high": 4.75}}
+    tuned = {"best": rows[0], "rows": rows, "num_samples": 2000, "confirm_samples": 10000, "confirm": confirm,
+             "metric": "fd_classifier_2k", "model": tuning.model_identity(run), "sampler": val["sampler"]}
+    (run / "tuned.json").write_text(json.dumps(tuned))
+
+    def exported(target=run / "export", phema=None):
+        folder = pipeline_export.write(model, cfg, target, ["red circle"] * 9, run, phema)
+        index = json.loads((folder / "model_index.json").read_text())
+        return (index["num_inference_steps"], index["guidance_scale"], index["guidance_interval"]), \
+            (folder / "README.md").read_text(), folder
+
+    settings, text, folder = exported()  # the same weights, written again
+    assert settings == (12, 1.5, [0.1, 0.9])
+    assert ("`num_inference_steps=12`, `guidance_scale=1.5`, `guidance_interval=(0.1, 0.9)`, chosen for these weights "
+            "by tools/tune.py on the held-out rows of the training split") in text
+    assert "(searched: guidance_scale 1.5, 3, at guidance_interval (0.1, 0.9) and num_inference_steps 12: 2 settings" in text
+    assert "fd_classifier_2k 4.5000 (95% interval [4.2500, 4.7500])" in text
+    args = eval_fid.tuned_defaults(eval_fid.parse_args(["--run", str(folder)]))  # the folder's own record
+    assert (args.steps, args.guidance_scale) == (12, 1.5)
+    with torch.no_grad():  # the run trained on: other weights
+        next(model.parameters()).add_(1.0)
+    settings, text, folder = exported()
+    assert settings == (val["steps"], val["guidance_scale"], list(val["guidance_interval"]))
+    assert "the run's own sampling settings (its config's val.*, not tuned; the run's tuned.json was chosen for other " \
+           "weights" in text and not (folder / "tuned.json").exists()
+    # A post-hoc EMA chosen: not the export's weights, but the post-hoc EMA export of that std.
+    tuned.update(model=tuning.model_identity(run), best={**rows[0], "phema_std": 0.08})
+    (run / "tuned.json").write_text(json.dumps(tuned))
+    settings, text, _ = exported()
+    assert settings[0] == val["steps"] and "chose its settings for the post-hoc EMA of std 0.08" in text
+    phema = {"phema_std": 0.08, "gamma": 11.9, "profile_fit_error": 1e-3}
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # reconstructed weights: not the export's
+    settings, text, folder = exported(tmp_path / "phema" / "export", phema)
+    assert settings == (12, 1.5, [0.1, 0.9]) and "chosen for these weights by tools/tune.py" in text
+    assert json.loads((folder / "tuned.json").read_text())["best"]["phema_std"] is None  # these weights are that EMA
+    phema["phema_std"] = 0.1
+    assert exported(tmp_path / "phema" / "export", phema)[0][0] == val["steps"]
 
 
 @pytest.mark.parametrize("sampler,prediction,expected", [("ddim", "v", ("DDIMScheduler", "v_prediction")),

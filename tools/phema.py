@@ -46,17 +46,9 @@ def export_std(run, std, out=None, push_to_hub=None):
     return folder, desc["phema"]
 
 
-def passed_on():
-    """--help's list of the eval_fid.py options a sweep passes on as they are (its own parser's)."""
-    mine = {"--run", "--phema_std", "--num_samples", "-h"}
-    rows = [(", ".join(a.option_strings), (a.help or "").replace("%%", "%")) for a in eval_fid.parser()._actions
-            if a.option_strings and not mine & set(a.option_strings)]
-    return "passed on to eval_fid.py in a sweep, as they are:\n" + "\n".join(f"  {o:26} {h}" for o, h in rows)
-
-
 def main(argv=None, feature_fn=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=passed_on())
+                                epilog=eval_fid.passed_on({"--run", "--phema_std", "--num_samples"}, "in a sweep"))
     p.add_argument("--run", required=True, help="a run folder trained with ckpt.phema_every > 0")
     p.add_argument("--std", type=stds_arg, default=None, help="export the EMA of these relative stds, in (0, 0.28]")
     p.add_argument("--out", default=None, help="with one --std: the folder to write export/ into")

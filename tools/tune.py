@@ -16,24 +16,33 @@ block scores with a 95% Student-t interval over the blocks, and the difference b
 with its paired t-interval (tools/compare.py's statistics: exact coverage for normal block scores at any number
 of blocks, where a percentile bootstrap of 5 values cannot be). Fresh seeds, so the winner's luck in the search
 does not carry into its confirmed score. A block's score is a distance at N / 5 samples, biased upward against
-one at N (FID's bias falls as 1 / n), the same for both settings: compare it with distances at that count. The
-one with the lower confirmed mean is chosen; the output says whether the interval of the difference settles it.
+one at N (FID's bias falls as 1 / n), the same for both settings: it is named with that count (10,000 in 5 blocks:
+fd_classifier_2k), and compared with distances at that count. The one with the lower confirmed mean is chosen; the output says whether the interval of the difference settles it.
 
 The reference is always the run's held-out rows (eval_fid.py's default): --reference and --reference_split are
 refused, and so is a run whose held-out rows are a test split (training/reference.py, check_selection), so no
 setting is ever chosen on the images that report the final score. The score is the first distance in
 eval_fid.py's report (FID, or fd_classifier with --features classifier); lower wins. Writes RUN/tuned.json: the
-search table, the confirmation, the chosen setting ("best") and the runner-up, the model they were chosen for
-(--checkpoint, --weights) and "at_edge": a note for each setting searched at three or more values whose chosen
-value is the smallest or largest of them (printed too: the best may lie beyond the grid). eval_fid.py and sample.py
-then sample that model with "best" wherever no flag sets a setting (eval_fid.tuned_defaults; --untuned: the run's
-own settings). Any other argument goes to eval_fid.py as is (--classifier, --features, --batch_size, --checkpoint,
-...).
+search table, the confirmation, the chosen setting ("best") and the runner-up, the model they were chosen for (what
+it is: the digest of its weights, where they were, its step, EMA or raw; --checkpoint latest is resolved to the
+checkpoint it names when the search starts) and the sampler, and "at_edge": a note for each setting searched at
+three or more values whose chosen value is the smallest or largest of them (printed too: the best may lie beyond
+the grid). eval_fid.py and sample.py then sample that model, with that sampler, with "best" wherever no flag sets a
+setting (eval_fid.tuned_defaults, training/tuning.py; --untuned: the run's own settings), and the export takes it
+as its pipeline's defaults (tools/export.py). Any other argument goes to eval_fid.py as is (--help lists them:
+--classifier, --features, --checkpoint, --batch_size, ...).
+
+Output: one line per evaluation (eval_fid.py's own lines are kept back, and shown only if it fails), each warning
+once, the confirmation by block, the table, the choice.
 """
 import argparse
+import contextlib
+import io
 import itertools
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,6 +50,7 @@ import torch  # noqa: E402
 
 import eval_fid  # noqa: E402
 from tools.compare import paired_comparison, t_interval  # noqa: E402
+from training import tuning  # noqa: E402
 from training.reference import check_selection  # noqa: E402
 
 
@@ -78,9 +88,28 @@ def at_edge(best, rows):
     return notes
 
 
+OWN = {"--run", "--num_samples", "--guidance_scale", "--guidance_interval", "--steps", "--phema_std", "--untuned",
+       "--reference", "--reference_split", "--out_dir", "--generate_only"}  # set per evaluation, or refused
+
+
+def evaluate(argv, feature_fn):
+    """eval_fid.main(argv) with its own lines kept back (tune prints one per evaluation); they are printed if it
+    fails, so nothing it said is lost."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(held):
+            return eval_fid.main(argv, feature_fn=feature_fn)
+    except BaseException:
+        sys.stdout.write(held.getvalue())
+        raise
+
+
 def main(argv=None, feature_fn=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", required=True)
+    p = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=eval_fid.passed_on(OWN, "in every evaluation"))
+    p.add_argument("--run", required=True, help="the run folder: its export, or the checkpoint that --checkpoint "
+                   "names; tuned.json is written there")
     p.add_argument("--guidance", type=floats, default=None, help="guidance scales; default: the run's val.guidance_scale")
     p.add_argument("--guidance_interval", type=eval_fid.interval_arg, nargs="+", default=None, help="'lo,hi' "
                    "intervals (flow-matching t, 1 = noise), e.g. 0,1 0.1,0.9; default: the run's val.guidance_interval")
@@ -98,31 +127,47 @@ def main(argv=None, feature_fn=None):
         else eval_fid.load_model(args.run)[1]
     given = eval_fid.parse_args(["--run", args.run, *eval_args])
     check_selection(given, cfg)
+    # The model, by what it is: 'latest' is the checkpoint it names now, for every evaluation and in tuned.json.
+    model = tuning.model_identity(args.run, given.checkpoint, given.weights)
+    sampler = given.sampler or model["sampler"]
+    pinned = ["--checkpoint", str(Path(args.run) / model["model"])] if given.checkpoint else []
     grid = list(itertools.product(args.guidance or [cfg["val"]["guidance_scale"]],
                                   args.guidance_interval or [list(cfg["val"].get("guidance_interval", [0.0, 1.0]))],
                                   [int(s) for s in args.steps or [cfg["val"]["steps"]]], args.phema_std or [None]))
+    warned = set()
 
     def score(row, num_samples, seed):
         """eval_fid.py at `row`'s settings, every one given (--untuned: an earlier tuned.json never fills one in):
-        (distance name, value, the report's class accuracies), or None off the main process."""
-        report = eval_fid.main(["--run", args.run, *eval_args, "--untuned", "--num_samples", str(num_samples),
-                                "--seed", str(seed), "--guidance_scale", str(row["guidance_scale"]), "--steps",
-                                str(row["steps"]), "--guidance_interval", ",".join(map(str, row["guidance_interval"])),
-                                *(["--phema_std", str(row["phema_std"])] if row["phema_std"] else [])],
-                               feature_fn=feature_fn)
+        (distance name, value, the report's class accuracies, seconds), or None off the main process. Each of its
+        warnings is printed the first time it comes."""
+        t0 = time.perf_counter()
+        report = evaluate(["--run", args.run, *eval_args, *pinned, "--untuned", "--num_samples", str(num_samples),
+                           "--seed", str(seed), "--guidance_scale", str(row["guidance_scale"]), "--steps",
+                           str(row["steps"]), "--guidance_interval", ",".join(map(str, row["guidance_interval"])),
+                           *(["--phema_std", str(row["phema_std"])] if row["phema_std"] else [])], feature_fn)
         if report is None:  # not the main process (accelerate launch): it only helps sample
             return None
-        return (*distance(report["metrics"]), {k: v for k, v in report["metrics"].items() if k.startswith("class_accuracy")})
+        for w in report["warnings"]:
+            if w not in warned:
+                warned.add(w)
+                print(f"warning: {w}", flush=True)
+        accuracy = {k: v for k, v in report["metrics"].items() if k.startswith("class_accuracy")}
+        return (*distance(report["metrics"]), accuracy, time.perf_counter() - t0)
 
+    if int(os.environ.get("RANK", 0)) == 0:
+        confirming = (f"the best two in {CONFIRM_BLOCKS} blocks of {args.confirm_samples // CONFIRM_BLOCKS:,} fresh "
+                      f"samples" if args.confirm_samples else "no confirmation")
+        print(f"tune: {len(grid)} settings at {args.num_samples:,} samples each, then {confirming}; "
+              f"{tuning.describe(model)}, {sampler} sampler, against the run's held-out rows", flush=True)
     rows = []
     for i, (guidance, interval, steps, std) in enumerate(grid):
         row = {"guidance_scale": guidance, "guidance_interval": list(interval), "steps": steps, "phema_std": std}
         scored = score(row, args.num_samples, given.seed)
         if scored is None:
             continue
-        name, value, accuracy = scored
+        name, value, accuracy, seconds = scored
         rows.append({**row, name: value, **accuracy})
-        print(f"tune {i + 1}/{len(grid)}: {label(row)}: {name} {value:.4f}", flush=True)
+        print(f"tune {i + 1}/{len(grid)}: {label(row)}: {name} {value:.4f} ({seconds:.0f} s)", flush=True)
     # The search's best two, on every process (accelerate launch: only the main one has the scores).
     ranked = sorted(rows, key=lambda r: r[distance(r)[0]])
     top = [ranked[:2]]
@@ -132,7 +177,15 @@ def main(argv=None, feature_fn=None):
     blocks = None
     if args.confirm_samples and len(top) > 1:
         n = args.confirm_samples // CONFIRM_BLOCKS
-        blocks = [[score(row, n, given.seed + 1 + b) for b in range(CONFIRM_BLOCKS)] for row in top]
+        blocks = [[], []]  # per setting, its block scores; block by block, so a stopped run leaves paired blocks
+        for b in range(CONFIRM_BLOCKS):
+            scored = [score(row, n, given.seed + 1 + b) for row in top]
+            blocks[0].append(scored[0])
+            blocks[1].append(scored[1])
+            if scored[0] is not None:
+                print(f"confirm block {b + 1}/{CONFIRM_BLOCKS} (seed {given.seed + 1 + b}, {n:,} samples each): "
+                      f"{scored[0][0]} {scored[0][1]:.4f} (the search's best), {scored[1][1]:.4f} (its runner-up)",
+                      flush=True)
     if not rows:
         return None
     name = distance(rows[0])[0]
@@ -143,27 +196,29 @@ def main(argv=None, feature_fn=None):
         for r in rows))
     confirm = None
     if blocks is not None:
-        blocks = [[value for _, value, _ in scored] for scored in blocks]
+        metric = blocks[0][0][0]  # the distance at the block's sample count (fd_classifier_2k), not the search's
+        blocks = [[value for _, value, _, _ in scored] for scored in blocks]
         stats = [dict(zip(("mean", "low", "high"), t_interval(v)), blocks=v) for v in blocks]
         if stats[1]["mean"] < stats[0]["mean"]:  # the search's runner-up wins on fresh noise
             ranked[:2], stats, blocks = ranked[1::-1], stats[::-1], blocks[::-1]
         diff = paired_comparison(blocks[0], blocks[1], higher_is_better=False)
-        confirm = {"samples_per_block": args.confirm_samples // CONFIRM_BLOCKS, "blocks": CONFIRM_BLOCKS,
-                   "seeds": [given.seed + 1 + b for b in range(CONFIRM_BLOCKS)], "best": stats[0],
-                   "runner_up": stats[1], "difference": {k: diff[k] for k in ("mean", "low", "high")}}
-        ranked[0], ranked[1] = {**ranked[0], "confirmed": stats[0]}, {**ranked[1], "confirmed": stats[1]}
+        confirm = {"metric": metric, "samples_per_block": args.confirm_samples // CONFIRM_BLOCKS,
+                   "blocks": CONFIRM_BLOCKS, "seeds": [given.seed + 1 + b for b in range(CONFIRM_BLOCKS)],
+                   "best": stats[0], "runner_up": stats[1], "difference": {k: diff[k] for k in ("mean", "low", "high")}}
+        ranked[0] = {**ranked[0], "confirmed": {"metric": metric, **stats[0]}}
+        ranked[1] = {**ranked[1], "confirmed": {"metric": metric, **stats[1]}}
     best, runner_up = ranked[0], ranked[1] if len(ranked) > 1 else None
     edge = at_edge(best, rows)
     out = Path(args.run) / "tuned.json"
     out.write_text(json.dumps({"best": best, "runner_up": runner_up, "rows": rows, "confirm": confirm, "at_edge": edge,
                                "num_samples": args.num_samples, "confirm_samples": args.confirm_samples,
-                               "model": {"checkpoint": given.checkpoint, "weights": given.weights},
+                               "model": model, "sampler": sampler, "metric": name,
                                "reference": "held-out rows of the training split", "eval_args": eval_args}, indent=1))
     print(f"\nchosen: {label(best)}: " + (f"{name} {best[name]:.4f} at {args.num_samples} samples (not confirmed)"
-                                          if confirm is None else confirmed_text(name, confirm, "best")))
+                                          if confirm is None else confirmed_text(confirm, "best")))
     if runner_up is not None:
         print(f"runner-up: {label(runner_up)}: " + (f"{name} {runner_up[name]:.4f}" if confirm is None
-                                                    else confirmed_text(name, confirm, "runner_up")))
+                                                    else confirmed_text(confirm, "runner_up")))
     if confirm is not None:
         d = confirm["difference"]
         settled = d["high"] < 0
@@ -172,15 +227,15 @@ def main(argv=None, feature_fn=None):
                                          "the two cannot be told apart at this count; either will do"))
     for note in edge:
         print(f"at the grid's edge: {note}")
-    print(f"written to {out}: eval_fid.py and sample.py use the chosen setting by default for "
-          f"{given.checkpoint or 'the export'} ({given.weights}); --untuned or a flag overrides it")
+    print(f"written to {out}: eval_fid.py and sample.py use the chosen setting by default for {tuning.describe(model)} "
+          f"with the {sampler} sampler, and so does its export (tools/export.py); --untuned or a flag overrides it")
     return ranked
 
 
-def confirmed_text(name, confirm, which):
+def confirmed_text(confirm, which):
     s = confirm[which]
-    return (f"{name} {s['mean']:.4f} (95% interval [{s['low']:.4f}, {s['high']:.4f}]; the mean of {confirm['blocks']} "
-            f"blocks of {confirm['samples_per_block']} fresh samples)")
+    return (f"{confirm['metric']} {s['mean']:.4f} (95% interval [{s['low']:.4f}, {s['high']:.4f}]; the mean of "
+            f"{confirm['blocks']} blocks of {confirm['samples_per_block']:,} fresh samples)")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ A push is checked before any work (problems: a malformed repo name, offline, no 
 EMA export never finishes only to fail at the upload. The repository is created private; make it public on
 the Hub once the card reads right.
 """
+import difflib
 import re
 from pathlib import Path
 
@@ -49,15 +50,29 @@ def push(folder, repo, message="minimal-diffusion export"):
 
 def local_folder(source):
     """A local folder as given; a hub id (owner/name that is no local path) as its snapshot in the Hugging Face
-    cache, downloaded if need be (offline: the cache alone)."""
-    path = Path(source)
-    if path.exists() or not REPO_ID.fullmatch(str(source)):
+    cache, downloaded if need be (offline: the cache alone). A path that does not exist is refused here, in one
+    line and before the Hub is asked, where it can only be a local one: not owner/name, starting with '.', '/' or
+    '~', or with a first part that is a folder here (runs/flow_matcing_demo beside runs/: a mistyped run, not a
+    Hub model); the line names the nearest folders that do exist."""
+    path = Path(source).expanduser()
+    if path.exists():
         return path
+    text = str(source)
+    first = text.split("/")[0]
+    local = not REPO_ID.fullmatch(text) or text.startswith((".", "/", "~"))
+    shadowed = not local and Path(first).expanduser().is_dir()  # owner/name in form, but owner is a folder here
+    if local or shadowed:
+        parent = next(p for p in path.parents if p.is_dir())  # '.' at worst
+        missing = path.relative_to(parent).parts[0]
+        near = difflib.get_close_matches(missing, [p.name for p in parent.iterdir() if p.is_dir()], n=3)
+        why = f" (read as a local path, not a Hub model id: {first}/ is a folder here)" if shadowed else ""
+        hint = f"; did you mean {' or '.join(str(parent / n) for n in near)}?" if near else \
+            f"; {parent} holds no folder {missing!r}"
+        raise FileNotFoundError(f"{source}: no such folder{why}{hint}")
     try:
-        return Path(huggingface_hub.snapshot_download(str(source), repo_type="model"))
+        return Path(huggingface_hub.snapshot_download(text, repo_type="model"))
     except Exception as e:  # offline and not cached, unknown, gated: one line, not a traceback of the hub client
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
         raise FileNotFoundError(f"{source}: no such folder, and no Hub model of that name can be read{offline}: "
                                 f"{why}") from None
-

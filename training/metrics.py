@@ -128,24 +128,32 @@ def size_tag(n):
     return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
 
 
-def fid_size_warning(n_ref, n_samples, dim):
+def fid_size_warning(n_ref, n_samples, dim, tag=None):
     """What a FID can and cannot mean when its covariances have fewer images than feature dimensions (then they
     are singular and FID is mostly the estimator's bias), with what fits instead; None when both sets are
-    larger. Fewer than 2 reference images give no covariance at all: a ValueError."""
+    larger. Named as the distances are (all_scores): fd_classifier and kd_classifier for the classifier's features
+    (tag 'classifier'), FID and KID otherwise. Fewer than 2 reference images give no covariance at all: a
+    ValueError."""
+    fd, kd = ("fd_classifier", "kd_classifier") if tag == "classifier" else ("FID", "KID")
     if n_ref is not None and n_ref < 2:
-        raise ValueError(f"the FID reference has {n_ref} image(s): a covariance needs at least 2. Score against "
+        raise ValueError(f"the {fd} reference has {n_ref} image(s): a covariance needs at least 2. Score against "
                          f"more real images: --reference FOLDER, or more held-out rows (data.val_holdout)")
-    small = ([f"the reference has {n_ref}"] if n_ref is not None and n_ref <= dim else []) + \
-        ([f"the samples {n_samples}"] if n_samples <= dim else [])
-    if not small:
+    few_ref, few_samples = n_ref is not None and n_ref <= dim, n_samples <= dim
+    if not (few_ref or few_samples):
         return None
-    return (f"FID's covariances have more dimensions ({dim}) than images ({' and '.join(small)}): they are "
-            f"singular, so this FID is mostly the estimator's bias and noise. It can rank models scored against "
-            f"the same reference with the same --num_samples, roughly; it cannot be compared with other FIDs "
-            f"(papers, other references) nor read as a distance. KID, reported beside it, is unbiased at any size "
-            f"and fits small sets. For a FID that means more, score more than {dim} samples against more than {dim} "
-            f"real images: --reference FOLDER (a larger folder of real images), a dataset split (--reference "
-            f"SOURCE --reference_split SPLIT) or clean-fid's statistics (--reference cleanfid:NAME:RES:SPLIT).")
+    small = [f"the reference has {n_ref}"] * few_ref + [f"the samples {n_samples}"] * few_samples
+    more = [f"more than {dim} samples (--num_samples)"] * few_samples + [
+        f"more than {dim} real images: --reference FOLDER (a larger folder of real images), a dataset split "
+        f"(--reference SOURCE --reference_split SPLIT)" + (" or clean-fid's statistics (--reference "
+                                                          "cleanfid:NAME:RES:SPLIT)" if fd == "FID" else "")] * few_ref
+    return (f"{fd}'s covariances have more dimensions ({dim}) than images ({' and '.join(small)}): they are singular, "
+            f"so this {fd} is mostly the estimator's bias and noise. It can rank models scored against the same "
+            f"reference with the same --num_samples, roughly; it cannot be compared with other "
+            + ("FIDs (papers, other references, other sample counts)" if fd == "FID" else
+               f"{fd} values (other references, other sample counts, another classifier)")
+            + f" nor read as a distance. {kd}, reported beside it, is unbiased at any size and fits small sets. "
+            f"For {'a' if fd == 'FID' else 'an'} {fd} that means more, score "
+            f"{' against '.join(more) if few_samples else 'against ' + more[0]}.")
 
 
 def frechet(mu1, sigma1, mu2, sigma2):

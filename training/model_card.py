@@ -11,22 +11,84 @@ import datetime
 import json
 from pathlib import Path
 
-from training import curves
+from training import curves, fashion_mnist, hub
 
 GRID = "samples.png"  # the run's last validation grid, copied beside the card
 
 
+def on_hub(source):
+    """Whether data.source names a Hub dataset: owner/name, and no local path on this machine."""
+    return bool(hub.REPO_ID.fullmatch(source)) and not Path(source).expanduser().exists()
+
+
+def data_name(source):
+    """The training data as the card names it: a Hub dataset or a named source as it is; the user's own files by
+    their folder's or file's name and what they are, never by their path on the machine that trained (the card is
+    published)."""
+    if source in ("embedded", fashion_mnist.SOURCE) or on_hub(source):
+        return f"`{source}`"
+    local = Path(source.split("{")[0].rstrip("/") or "/").expanduser()  # a shard pattern: its folder
+    kind = ("local webdataset shards" if ".tar" in source else "local parquet files" if ".parquet" in source
+            else "a local image folder")
+    return f"the trainer's own data ({kind}, `{local.name}`)"
+
+
 def metadata(cfg, text):
     """The YAML header the Hub reads. The licence is "other": the weights' terms follow the training data's and
-    the referenced VAE's / text encoder's, which the card names."""
+    the referenced VAE's / text encoder's, which the card names. A class-conditional model has no pipeline_tag:
+    the Hub has no class-conditional task, and unconditional-image-generation would say it needs no input."""
     source = cfg["data"]["source"]
-    on_hub = "/" in source and not Path(source).exists() and not any(c in source for c in "{*")
     tags = ["diffusers", "minimal-diffusion", "mmdit", curves.method_of(cfg).replace("_", "-"),
             "text-to-image" if text else "class-conditional"]
-    lines = ["---", "license: other", "library_name: diffusers", f"pipeline_tag: {'text-to-image' if text else 'unconditional-image-generation'}",
+    lines = ["---", "license: other", "library_name: diffusers", *(["pipeline_tag: text-to-image"] if text else []),
              "tags:", *[f"- {t}" for t in tags]]
-    lines += ["datasets:", f"- {source}"] if on_hub else []
+    lines += ["datasets:", f"- {source}"] if on_hub(source) else []
     return "\n".join(lines + ["---"])
+
+
+def loading_lines(repo, local, example):
+    """The Use section's code and the line after it: the Hub id when the folder is pushed (or to be), else a
+    placeholder for it, with the local folder as the way to load it on this machine."""
+    code = ["```python", "from diffusers import DiffusionPipeline",
+            f"pipe = DiffusionPipeline.from_pretrained({repo or 'OWNER/NAME'!r}, trust_remote_code=True)",
+            f"image = pipe({example!r}).images[0]", "```", ""]
+    if repo:
+        return code + [f"`{repo}` is the Hub repository of this folder; a local copy of the folder loads the same way.", ""]
+    return code + [f"`OWNER/NAME` stands for the Hub repository this folder is pushed to (`python tools/export.py --run "
+                   f"RUN --push_to_hub OWNER/NAME` writes its id here); where the folder is local, its path loads it "
+                   f"the same way: `DiffusionPipeline.from_pretrained({local!r}, trust_remote_code=True)`.", ""]
+
+
+def sampling_text(val, method, tuned, untuned):
+    """The pipeline's sampling defaults and where each comes from: tools/tune.py's choice for these weights
+    (tuning.export_choice: steps, guidance and its interval, with what was searched and how it was scored), or the
+    run's own val.* settings, saying why a tuned.json of the run was not used."""
+    best = tuned["best"] if tuned else {}
+    steps, guidance = best.get("steps", val["steps"]), best.get("guidance_scale", val["guidance_scale"])
+    interval = tuple(best.get("guidance_interval", val["guidance_interval"]))
+    chosen = f"`num_inference_steps={steps}`, `guidance_scale={guidance:g}`, `guidance_interval={interval}`"
+    own = f"`control_guidance_scale={val['control_guidance_scale']:g}`" + (
+        f", `guidance_rescale={val['guidance_rescale']:g}`" if method == "ddpm" else "")
+    if tuned is None:
+        why = f"; the run's tuned.json {untuned}" if untuned else ""
+        return f"the run's own sampling settings (its config's val.*, not tuned{why}): {chosen}, {own}"
+    names = {"guidance_scale": "guidance_scale", "guidance_interval": "guidance_interval", "steps": "num_inference_steps",
+             "phema_std": "post-hoc EMA std"}
+    searched, fixed = [], []
+    for key, name in names.items():
+        values = sorted({tuple(r[key]) if key == "guidance_interval" else r[key] for r in tuned["rows"]} - {None})
+        if values:
+            (searched if len(values) > 1 else fixed).append(
+                f"{name} {', '.join(str(v) if key == 'guidance_interval' else f'{v:g}' for v in values)}")
+    c = tuned.get("confirm")
+    confirmed = "" if not c else (
+        f"; the best two confirmed on {tuned['confirm_samples']:,} fresh samples each in {c['blocks']} blocks: "
+        f"{c['metric']} {c['best']['mean']:.4f} (95% interval [{c['best']['low']:.4f}, {c['best']['high']:.4f}])")
+    return (f"{chosen}, chosen for these weights by tools/tune.py on the held-out rows of the training split, never "
+            f"the test images (searched: {'; '.join(searched) or 'one setting'}"
+            f"{', at ' + ' and '.join(fixed) if fixed else ''}: {len(tuned['rows'])} settings at "
+            f"{tuned['num_samples']:,} samples each, scored by {tuned['metric']}{confirmed}; the folder's tuned.json "
+            f"holds the whole search), and the run's own {own}")
 
 
 def read_rows(path):
@@ -107,10 +169,11 @@ def reference_rows(cfg, run_dir, rows):
             for key, band in sorted(ref["curves"].items()) if band]
 
 
-def card(cfg, run_dir, folder, n_params, phema=None, where=None):
+def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tuned=None, untuned=None):
     """README.md's text for the pipeline folder `folder` of the run in `run_dir` (phema: the post-hoc EMA's
-    record, when the weights are one; where: what the loading lines give from_pretrained, the hub id it is
-    pushed to or the folder's final path)."""
+    record, when the weights are one; repo: the hub id it is pushed to, if any; local: the folder's final path;
+    tuned: the folder's tuned.json, when tools/tune.py chose the pipeline's defaults for these weights, else
+    untuned: why the run's tuned.json was not used, if it has one; tuning.export_choice)."""
     d, enc, m, c, val = cfg["data"], cfg["encoders"], cfg["model"], cfg["conditioning"], cfg["val"]
     method, text = curves.method_of(cfg), bool(enc["text_encoder"])
     rows = read_rows(Path(run_dir) / "metrics.jsonl")
@@ -118,7 +181,6 @@ def card(cfg, run_dir, folder, n_params, phema=None, where=None):
     batch = global_batch(cfg, rows)
     names = json.loads((Path(folder) / "conditioner" / "config.json").read_text()).get("class_names") or []
     example = "a small red circle" if text else (names[0] if names else "0")
-    where = where or str(folder)
     objective = cfg["objective"]
     if method == "flow_matching":
         what = (f"flow matching (rectified flow, {objective['prediction']}-prediction, {objective['time_sampling']} "
@@ -134,18 +196,14 @@ def card(cfg, run_dir, folder, n_params, phema=None, where=None):
     out = [metadata(cfg, text), "", f"# {Path(cfg['run_dir']).name}", "",
            f"A {n_params / 1e6:.1f}M-parameter MMDiT (diffusers' SD3Transformer2DModel: {m['num_layers']} layers, "
            f"{m['num_attention_heads']} heads of {m['attention_head_dim']}, patch {m['patch_size']}) trained by "
-           f"minimal-diffusion with {what} on `{d['source']}` at {d['resolution']} px in {space}, "
+           f"minimal-diffusion with {what} on {data_name(d['source'])} at {d['resolution']} px in {space}, "
            f"conditioned on {conditioning} ({c['mode']} conditioning"
            f"{'; controls ' + ', '.join(c['controls']) if c['controls'] else ''}). The weights are {weights}. "
            f"Licence: the terms of the training data and of the referenced VAE and text encoder apply.", "",
-           "## Use", "", "```python", "from diffusers import DiffusionPipeline",
-           f"pipe = DiffusionPipeline.from_pretrained({where!r}, trust_remote_code=True)",
-           f"image = pipe({example!r}).images[0]", "```", "",
-           f"The first argument is {'a prompt' if text else 'a class name, id or index'} (or a list); the run's "
-           f"sampling settings are the defaults: `num_inference_steps={val['steps']}`, `guidance_scale="
-           f"{val['guidance_scale']:g}`, `control_guidance_scale={val['control_guidance_scale']:g}`, `guidance_interval="
-           f"{tuple(val['guidance_interval'])}`" + (f", `guidance_rescale={val['guidance_rescale']:g}`" if method == "ddpm" else "")
-           + (", and the controls `original_size=(h, w)`, `crop_box=(top, left, height, width)` in the original's pixels (the model reads it relative to the short side: "
+           "## Use", "", *loading_lines(repo, str(local or folder), example),
+           f"The first argument is {'a prompt' if text else 'a class name, id or index'} (or a list). The defaults are "
+           + sampling_text(val, method, tuned, untuned)
+           + ("; the controls are the arguments `original_size=(h, w)`, `crop_box=(top, left, height, width)` in the original's pixels (the model reads it relative to the short side: "
               "where and how much is shown, never the size), `flip`" if c["controls"] else "")
            + ". `generator=` (one per image) and `latents=` fix the noise; the VAE and text encoder are loaded by "
            "their hub ids (model_index.json), or pass `vae=` / `text_encoder=` and `tokenizer=`.", "",

@@ -5,8 +5,9 @@
     pipe("red circle").images[0]
 
 The folder (docs/evaluation.md, Sharing a model):
-    model_index.json        the pipeline: its class (pipeline.py), components, the run's sampling settings as
-                            defaults, and the VAE and text encoder by hub id (referenced, not copied)
+    model_index.json        the pipeline: its class (pipeline.py), components, the sampling defaults (the run's
+                            settings, or tools/tune.py's choice for these weights: training/tuning.py), and the VAE
+                            and text encoder by hub id (referenced, not copied)
     pipeline.py             the sampling code (training/exported/pipeline.py): diffusers loads it for custom pipelines
     transformer/            diffusers' SD3Transformer2DModel (also loadable on its own with from_pretrained)
     conditioner/            the conditioner as a diffusers ModelMixin: conditioner.py (training/exported/), its
@@ -15,6 +16,7 @@ The folder (docs/evaluation.md, Sharing a model):
                             matching); DDIMScheduler or DDPMScheduler with the run's betas, zero terminal SNR and
                             prediction type (DDPM)
     README.md, samples.png  the model card (training/model_card.py) and the run's last validation grid
+    tuned.json              where tools/tune.py chose the sampling defaults for these weights: its record
     config.json             the run's resolved config: what this repository's tools (sample.py, eval_fid.py,
                             init_from) read besides the weights
     class_ids.json          the class ids, for init_from's mapping of classes between runs
@@ -29,7 +31,7 @@ import diffusers
 from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
 import common
-from training import curves, hub, model_card
+from training import curves, hub, model_card, tuning
 from training.classes import readable_names
 from training.exported.conditioner import Conditioner as ExportedConditioner
 
@@ -70,17 +72,22 @@ def exported_conditioner(conditioner, transformer, class_ids):
     return out
 
 
-def model_index(cfg, scheduler):
-    """model_index.json: the pipeline class in pipeline.py, its components, and the run's sampling settings."""
+def model_index(cfg, scheduler, best=None):
+    """model_index.json: the pipeline class in pipeline.py, its components, and the sampling defaults: the run's
+    settings, with steps, guidance and its interval from `best` (tools/tune.py's choice for the exported weights:
+    tuning.export_choice) when given."""
     val, obj = cfg["val"], cfg["objective"]
+    best = best or {}
     flow = curves.method_of(cfg) == "flow_matching"
     return {"_class_name": ["pipeline", "MinimalDiffusionPipeline"], "_diffusers_version": diffusers.__version__,
             "transformer": ["diffusers", "SD3Transformer2DModel"], "conditioner": ["conditioner", "Conditioner"],
             "scheduler": ["diffusers", type(scheduler).__name__],
             "vae_id": cfg["encoders"]["vae"], "text_encoder_id": cfg["encoders"]["text_encoder"],
-            "max_tokens": cfg["encoders"]["max_tokens"], "num_inference_steps": val["steps"],
-            "guidance_scale": val["guidance_scale"], "control_guidance_scale": val["control_guidance_scale"],
-            "guidance_interval": list(val["guidance_interval"]), "guidance_rescale": 0.0 if flow else val["guidance_rescale"],
+            "max_tokens": cfg["encoders"]["max_tokens"], "num_inference_steps": best.get("steps", val["steps"]),
+            "guidance_scale": best.get("guidance_scale", val["guidance_scale"]),
+            "control_guidance_scale": val["control_guidance_scale"],
+            "guidance_interval": list(best.get("guidance_interval", val["guidance_interval"])),
+            "guidance_rescale": 0.0 if flow else val["guidance_rescale"],
             "sampler": val["sampler"], "prediction": obj.get("prediction", "v"),
             "time_shift": common.shift_of(cfg), "resolution": cfg["data"]["resolution"]}
 
@@ -100,8 +107,16 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     shutil.copy(SOURCES / "pipeline.py", part / "pipeline.py")
     scheduler = make_scheduler(cfg)
     scheduler.save_pretrained(part / "scheduler")
-    (part / "model_index.json").write_text(json.dumps(model_index(cfg, scheduler), indent=2))
     (part / "config.json").write_text(json.dumps(cfg, indent=2))
+    # tools/tune.py's choice, only where it was made for these weights (their digest) and the pipeline's sampler.
+    tuned, untuned = tuning.export_choice(run_dir, part, cfg["val"]["sampler"], phema)
+    if tuned is not None:
+        tuned["model"]["model"] = folder.name  # the folder's own record: eval_fid.py / sample.py on it use it too
+        (part / "tuned.json").write_text(json.dumps(tuned, indent=1))
+        print(f"the pipeline's sampling defaults are tools/tune.py's choice for these weights ({run_dir / 'tuned.json'})")
+    elif untuned:
+        print(f"the pipeline's sampling defaults are the run's own: {run_dir / 'tuned.json'} {untuned}")
+    (part / "model_index.json").write_text(json.dumps(model_index(cfg, scheduler, tuned and tuned["best"]), indent=2))
     if class_ids:
         (part / "class_ids.json").write_text(json.dumps(class_ids))
     if phema is not None:
@@ -110,7 +125,7 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     if grids:
         shutil.copy(grids[-1], part / model_card.GRID)
     n_params = sum(p.numel() for p in [*ema.transformer.parameters(), *ema.conditioner.parameters()])
-    (part / "README.md").write_text(model_card.card(cfg, run_dir, part, n_params, phema, repo or str(folder)))
+    (part / "README.md").write_text(model_card.card(cfg, run_dir, part, n_params, phema, repo, folder, tuned, untuned))
     if folder.exists():
         shutil.rmtree(folder)
     part.rename(folder)
