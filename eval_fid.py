@@ -128,7 +128,8 @@ def tuned_defaults(args):
             where[key] = "the run's config" if key != "phema_std" else "the model's own EMA"
     if int(os.environ.get("RANK", 0)) == 0:
         print("sampling settings: " + "; ".join(f"{key} {getattr(args, key)} ({where[key]})" if getattr(args, key)
-                                                is not None else f"{key} from {where[key]}" for key in tuning.TUNED) + note)
+                                                is not None else f"{key} from {where[key]}" for key in tuning.TUNED)
+              + note)
     return args
 
 

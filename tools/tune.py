@@ -17,7 +17,8 @@ with its paired t-interval (tools/compare.py's statistics: exact coverage for no
 of blocks, where a percentile bootstrap of 5 values cannot be). Fresh seeds, so the winner's luck in the search
 does not carry into its confirmed score. A block's score is a distance at N / 5 samples, biased upward against
 one at N (FID's bias falls as 1 / n), the same for both settings: it is named with that count (10,000 in 5 blocks:
-fd_classifier_2k), and compared with distances at that count. The one with the lower confirmed mean is chosen; the output says whether the interval of the difference settles it.
+fd_classifier_2k), and compared with distances at that count. The one with the lower confirmed mean is chosen;
+the output says whether the interval of the difference settles it.
 
 The reference is always the run's held-out rows (eval_fid.py's default): --reference and --reference_split are
 refused, and so is a run whose held-out rows are a test split (training/reference.py, check_selection), so no
@@ -228,7 +229,8 @@ def main(argv=None, feature_fn=None):
     for note in edge:
         print(f"at the grid's edge: {note}")
     print(f"written to {out}: eval_fid.py and sample.py use the chosen setting by default for {tuning.describe(model)} "
-          f"with the {sampler} sampler, and so does its export (tools/export.py); --untuned or a flag overrides it")
+          f"with the {sampler} sampler" + ("" if given.checkpoint else ", and so does its export (tools/export.py)")
+          + "; --untuned or a flag overrides it")
     return ranked
 
 

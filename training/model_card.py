@@ -53,10 +53,12 @@ def loading_lines(repo, local, example):
             f"pipe = DiffusionPipeline.from_pretrained({repo or 'OWNER/NAME'!r}, trust_remote_code=True)",
             f"image = pipe({example!r}).images[0]", "```", ""]
     if repo:
-        return code + [f"`{repo}` is the Hub repository of this folder; a local copy of the folder loads the same way.", ""]
-    return code + [f"`OWNER/NAME` stands for the Hub repository this folder is pushed to (`python tools/export.py --run "
-                   f"RUN --push_to_hub OWNER/NAME` writes its id here); where the folder is local, its path loads it "
-                   f"the same way: `DiffusionPipeline.from_pretrained({local!r}, trust_remote_code=True)`.", ""]
+        return code + [f"`{repo}` is the Hub repository of this folder; a local copy of the folder loads the same "
+                       f"way.", ""]
+    return code + [f"`OWNER/NAME` stands for the Hub repository this folder is pushed to (`python tools/export.py "
+                   f"--run RUN --push_to_hub OWNER/NAME` writes its id here); where the folder is local, its path "
+                   f"loads it the same way: `DiffusionPipeline.from_pretrained({local!r}, trust_remote_code=True)`.",
+                   ""]
 
 
 def sampling_text(val, method, tuned, untuned):
@@ -72,8 +74,8 @@ def sampling_text(val, method, tuned, untuned):
     if tuned is None:
         why = f"; the run's tuned.json {untuned}" if untuned else ""
         return f"the run's own sampling settings (its config's val.*, not tuned{why}): {chosen}, {own}"
-    names = {"guidance_scale": "guidance_scale", "guidance_interval": "guidance_interval", "steps": "num_inference_steps",
-             "phema_std": "post-hoc EMA std"}
+    names = {"guidance_scale": "guidance_scale", "guidance_interval": "guidance_interval",
+             "steps": "num_inference_steps", "phema_std": "post-hoc EMA std"}
     searched, fixed = [], []
     for key, name in names.items():
         values = sorted({tuple(r[key]) if key == "guidance_interval" else r[key] for r in tuned["rows"]} - {None})
@@ -203,8 +205,9 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
            "## Use", "", *loading_lines(repo, str(local or folder), example),
            f"The first argument is {'a prompt' if text else 'a class name, id or index'} (or a list). The defaults are "
            + sampling_text(val, method, tuned, untuned)
-           + ("; the controls are the arguments `original_size=(h, w)`, `crop_box=(top, left, height, width)` in the original's pixels (the model reads it relative to the short side: "
-              "where and how much is shown, never the size), `flip`" if c["controls"] else "")
+           + ("; the controls are the arguments `original_size=(h, w)`, `crop_box=(top, left, height, width)` in the "
+              "original's pixels (the model reads it relative to the short side: where and how much is shown, never "
+              "the size), `flip`" if c["controls"] else "")
            + ". `generator=` (one per image) and `latents=` fix the noise; the VAE and text encoder are loaded by "
            "their hub ids (model_index.json), or pass `vae=` / `text_encoder=` and `tokenizer=`.", "",
            "## Training", "",

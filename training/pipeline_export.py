@@ -113,7 +113,8 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     if tuned is not None:
         tuned["model"]["model"] = folder.name  # the folder's own record: eval_fid.py / sample.py on it use it too
         (part / "tuned.json").write_text(json.dumps(tuned, indent=1))
-        print(f"the pipeline's sampling defaults are tools/tune.py's choice for these weights ({run_dir / 'tuned.json'})")
+        print(f"the pipeline's sampling defaults are tools/tune.py's choice for these weights "
+              f"({run_dir / 'tuned.json'})")
     elif untuned:
         print(f"the pipeline's sampling defaults are the run's own: {run_dir / 'tuned.json'} {untuned}")
     (part / "model_index.json").write_text(json.dumps(model_index(cfg, scheduler, tuned and tuned["best"]), indent=2))

@@ -77,11 +77,11 @@ def read_choice(path, model, sampler):
 
 
 def export_choice(run_dir, folder, sampler, phema=None):
-    """(record, why not: as read_choice's) of RUN/tuned.json for the weights exported to `folder` (already written there): the choice when
-    it was made for them, i.e. for the run's export sampled as it is (no post-hoc EMA chosen), or for the export
-    whose post-hoc EMA of the chosen std `phema` reconstructs. The record is the folder's own tuned.json: its
-    model is the folder's weights, and 'phema_std' is None in "best" (they are that EMA already); "chosen_for" keeps
-    the model it was chosen for. (None, None) where the run has no tuned.json."""
+    """(record, why not: as read_choice's) of RUN/tuned.json for the weights exported to `folder` (already written
+    there): the choice when it was made for them, i.e. for the run's export sampled as it is (no post-hoc EMA
+    chosen), or for the export whose post-hoc EMA of the chosen std `phema` reconstructs. The record is the
+    folder's own tuned.json: its model is the folder's weights, and 'phema_std' is None in "best" (they are that
+    EMA already); "chosen_for" keeps the model it was chosen for. (None, None) where the run has no tuned.json."""
     path = Path(run_dir) / "tuned.json"
     if not path.is_file():
         return None, None
