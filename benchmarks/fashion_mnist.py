@@ -9,7 +9,8 @@ its result is already there, so the whole thing resumes.
     python tools/compare.py runs/fashion_mnist_bench/flow_matching_s* runs/fashion_mnist_bench/ddpm_s* ...
     python tools/curves.py --out configs/fashion_mnist.curves.json runs/fashion_mnist_bench/flow_matching_s*
 
-Scores (eval_fid.py --classifier --features classifier --reference_split test): fd_classifier and kd_classifier
+Scores (eval_fid.py --classifier --features classifier --reference_split test --untuned: the recipe's sampling
+settings, whatever tuned.json a run holds; --eval_args gives others): fd_classifier and kd_classifier
 (the Frechet and kernel distances in the evaluation classifier's features: clean-fid's Inception file cannot
 be fetched here; with it, add --inception_weights and the same command gives FID), precision and recall, class
 accuracy. Each run's scores are also written as rows of its quality.jsonl, which tools/compare.py reads. CPU time
@@ -46,8 +47,12 @@ def cpu_seconds(who=resource.RUSAGE_SELF):
 
 
 def score_args(args, num_samples):
+    """The protocol's eval_fid.py arguments. --untuned: a benchmark scores the recipe's sampling settings, never a
+    tuned.json that tools/tune.py left in the run (it would apply to the export and not to the checkpoints, or
+    meet samples made without it); a setting of its own goes in --eval_args."""
     return ["--num_samples", str(num_samples), "--reference_split", "test", "--classifier", args.classifier,
-            "--features", "classifier", "--batch_size", "250", "--stats_cache", str(Path(args.out) / "fid_stats")]
+            "--features", "classifier", "--batch_size", "250", "--stats_cache", str(Path(args.out) / "fid_stats"),
+            "--untuned"]
 
 
 def ours(args):

@@ -129,3 +129,34 @@ def test_every_arm_starts_from_the_v_prediction_recipe_the_campaign_measured(tmp
     ro.campaign(args, {"base": [], "x0": ro.ARMS["x0"]})
     assert json.loads(ro.fashion_mnist.RECIPE.read_text())["objective"]["prediction"] == "x0"
     assert got == {"base": "v", "x0": "x0"}
+
+
+def test_the_benchmark_scores_the_recipes_settings_whatever_tuned_json_the_run_holds(tmp_path, monkeypatch):
+    """A trained run (export and checkpoints) holding a tuned.json that tools/tune.py wrote for its export
+    (guidance 3): every score benchmarks/fashion_mnist.py asks of eval_fid.py, the export's and the 25 / 50%
+    checkpoints', samples at the run's own settings (eval_fid.py's argument parser and tuned_defaults decide)."""
+    import eval_fid
+
+    run = tmp_path / "flow_matching_s0"
+    (run / "export").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"train": {"max_steps": 8}}))
+    (run / "tuned.json").write_text(json.dumps({"best": {"guidance_scale": 3.0, "guidance_interval": [0, 1],
+                                                         "steps": 40, "phema_std": None},
+                                                "model": {"checkpoint": None, "weights": "ema"}}))
+    settings = []
+
+    def scored(argv):  # eval_fid.main as far as the settings go, then a report where it writes one
+        args = eval_fid.tuned_defaults(eval_fid.parse_args(argv))
+        settings.append((args.checkpoint, args.guidance_scale, args.steps))
+        step = int(Path(args.checkpoint).name.split("_")[1]) if args.checkpoint else 8
+        Path(args.out_dir).mkdir(parents=True)
+        (Path(args.out_dir) / "report.json").write_text(json.dumps({"model": {"step": step},
+                                                                    "metrics": {"fd_classifier_1k": 1.0}}))
+
+    monkeypatch.setattr(ro.fashion_mnist.eval_fid, "main", scored)
+    ro.fashion_mnist.ours(argparse.Namespace(trainer="flow_matching", seed=0, out=str(tmp_path), classifier="c",
+                                             num_samples=100, curve_samples=100, fractions=[0.25, 0.5],
+                                             eval_args=[], extra=[]))
+    assert settings == [(None, None, None), (str(run / "checkpoints" / "step_00000002"), None, None),
+                        (str(run / "checkpoints" / "step_00000004"), None, None)]  # None: the run's config's
+    assert [json.loads(r)["step"] for r in (run / "quality.jsonl").read_text().splitlines()] == [2, 4, 8]
