@@ -5,16 +5,18 @@ its result is already there, so the whole thing resumes.
 
     python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist   # once
     python benchmarks/fashion_mnist.py ours --trainer flow_matching --seed 0   # train, then score at 25/50/100%
-    python benchmarks/fashion_mnist.py peer --seed 0 --cpu_seconds 1500        # torchcfm, the same CPU time
+    python benchmarks/fashion_mnist.py peer --seed 0 --cpu_seconds 1400        # torchcfm, ours' "steps" CPU
     python tools/compare.py runs/fashion_mnist_bench/flow_matching_s* runs/fashion_mnist_bench/ddpm_s* ...
     python tools/curves.py --out configs/fashion_mnist.curves.json runs/fashion_mnist_bench/flow_matching_s*
 
-Scores (eval_fid.py --classifier --features classifier --reference_split test): fd_classifier and kd_classifier
+Scores (eval_fid.py --classifier --features classifier --reference_split test --untuned: the recipe's sampling
+settings, whatever tuned.json a run holds; --eval_args gives others): fd_classifier and kd_classifier
 (the Frechet and kernel distances in the evaluation classifier's features: clean-fid's Inception file cannot
 be fetched here; with it, add --inception_weights and the same command gives FID), precision and recall, class
 accuracy. Each run's scores are also written as rows of its quality.jsonl, which tools/compare.py reads. CPU time
-is the trainer process's own (user + system, children included), measured the same way for the peer, so
-machine load from elsewhere does not count against either.
+is the process's own (user + system), so machine load from elsewhere does not count against either: ours in
+cpu_seconds.json, "train" the trainer processes' (every one a resumed run took) and "steps" its training steps'
+alone (the trainer's cpu_s_per_step), which is what the peer's --cpu_seconds matches (its training loop's).
 """
 import argparse
 import json
@@ -46,8 +48,12 @@ def cpu_seconds(who=resource.RUSAGE_SELF):
 
 
 def score_args(args, num_samples):
+    """The protocol's eval_fid.py arguments. --untuned: a benchmark scores the recipe's sampling settings, never a
+    tuned.json that tools/tune.py left in the run (it would apply to the export and not to the checkpoints, or
+    meet samples made without it); a setting of its own goes in --eval_args."""
     return ["--num_samples", str(num_samples), "--reference_split", "test", "--classifier", args.classifier,
-            "--features", "classifier", "--batch_size", "250", "--stats_cache", str(Path(args.out) / "fid_stats")]
+            "--features", "classifier", "--batch_size", "250", "--stats_cache", str(Path(args.out) / "fid_stats"),
+            "--untuned"]
 
 
 def ours(args):
@@ -56,10 +62,16 @@ def ours(args):
     run = Path(args.out) / f"{args.trainer}_s{args.seed}"
     if not (run / "export").is_dir():
         before = cpu_seconds(resource.RUSAGE_CHILDREN)
-        subprocess.run([sys.executable, str(ROOT / f"train_{args.trainer}.py"), "--config", str(RECIPE),
-                        f"--seed={args.seed}", f"--run_dir={run}", "--log.wandb=off", "--resume=latest", *args.extra],
-                       check=True)  # --resume latest: an interrupted run continues, a new one starts fresh
-        (run / "cpu_seconds.json").write_text(json.dumps({"train": cpu_seconds(resource.RUSAGE_CHILDREN) - before}))
+        try:
+            subprocess.run([sys.executable, str(ROOT / f"train_{args.trainer}.py"), "--config", str(RECIPE),
+                            f"--seed={args.seed}", f"--run_dir={run}", "--log.wandb=off", "--resume=latest",
+                            *args.extra], check=True)  # --resume latest: an interrupted run continues
+        finally:  # an interrupted process's CPU too: a resumed run's is the sum over its processes
+            record = add_cpu(run, cpu_seconds(resource.RUSAGE_CHILDREN) - before)
+        record["steps"] = step_cpu(run) * json.loads((run / "config.json").read_text())["train"]["max_steps"]
+        (run / "cpu_seconds.json").write_text(json.dumps(record))  # the steps' own CPU: the peer's equal CPU
+        print(f"{run.name}: {record['train']:.0f} CPU s in {len(record['processes'])} trainer process(es), "
+              f"{record['steps']:.0f} of them in the training steps (the peer's --cpu_seconds at equal CPU)")
     cfg = json.loads((run / "config.json").read_text())
     steps = cfg["train"]["max_steps"]
     final = run / "eval" / f"test-step{steps}"
@@ -78,6 +90,31 @@ def ours(args):
         rows.append({"step": report["model"].get("step", steps), **report["metrics"]})
         print(f"{run.name} step {rows[-1]['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in report["metrics"].items()))
     (run / "quality.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["step"])))
+
+
+def add_cpu(run, seconds):
+    """One trainer process's CPU seconds into run/cpu_seconds.json: "processes" each one's, "train" their sum."""
+    path = run / "cpu_seconds.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    record["processes"] = [*record.get("processes", []), seconds]
+    record["train"] = sum(record["processes"])
+    run.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+    return record
+
+
+def step_cpu(run):
+    """A run's CPU seconds per training step: the trainer's logged intervals (cpu_s_per_step: its process's CPU
+    in the steps alone), weighted by their steps; every process of a resumed run is in metrics.jsonl, each step
+    once. Not the process's CPU over the steps: start-up, validations and the export, the same in every arm, would
+    raise each arm's cost by the same amount, and an equal-CPU budget would give a slower arm more (issue 57)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "images_per_s" in r]  # the training rows (not validation's, not events)
+    if not rows or any("cpu_s_per_step" not in r for r in rows):
+        sys.exit(f"{run / 'metrics.jsonl'}: training rows without cpu_s_per_step (a run from before the trainer "
+                 f"logged it): train it again for its CPU per step")
+    steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}, *rows], rows)]
+    return sum(r["cpu_s_per_step"] * n for r, n in zip(rows, steps)) / sum(steps)
 
 
 def first_samples(final, out, args):
@@ -214,7 +251,7 @@ def main(argv=None):
     p.add_argument("--eval_args", nargs="*", default=[], help="more eval_fid.py arguments (--guidance_scale ...)")
     args, args.extra = p.parse_known_args(argv)
     if args.what == "peer" and args.cpu_seconds is None:
-        p.error("peer needs --cpu_seconds: ours' (a run's cpu_seconds.json) for equal CPU time")
+        p.error("peer needs --cpu_seconds: ours' training steps' (\"steps\" in a run's cpu_seconds.json) for equal CPU")
     started = time.time()
     (ours if args.what == "ours" else peer)(args)
     print(f"done in {time.time() - started:.0f} s")

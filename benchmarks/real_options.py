@@ -15,10 +15,12 @@ has the commands and the numbers.
 Every other argument (e.g. --data.cache_dir=/tmp/fm/cache) goes to every trainer run. Budgets: "steps" trains
 every arm --steps (default: the recipe's train.max_steps); "cpu" trains each arm for the steps the base arm's CPU
 time buys at that arm's CPU seconds per step (`cost`, OUT/cost.json: read from the equal-steps runs, each the
-training process's own CPU time, so load from other processes does not count; short timing runs measured the
-same arm 25% apart here, three whole runs agree within a few per cent). An arm within COST_TIE of base's CPU per step trains base's steps
-at equal CPU too (the difference is below what `cost` can tell), sharing its equal-steps runs. A run is named by
-what decides it: OUT/steps<N>/<arm>/<trainer>_s<seed> (the combination's arm: combo_<a>+<b>), so runs of equal steps from either budget are one run.
+CPU of the training steps alone, as the trainer logs it (cpu_s_per_step: its process's own, so load from other
+processes does not count; start-up, validations and the export, the same in every arm, left out); short timing
+runs measured the same arm 25% apart here, three whole runs agree within a few per cent). An arm within COST_TIE
+of base's CPU per step trains base's steps at equal CPU too (the difference is below what `cost` can tell),
+sharing its equal-steps runs. A run is named by what decides it: OUT/steps<N>/<arm>/<trainer>_s<seed> (the
+combination's arm: combo_<a>+<b>), so runs of equal steps from either budget are one run.
 Peak memory is the trainer process's peak RSS (the kernel's, as the trainer logs on CPU). Each step is skipped
 when its result is already in OUT, so a stopped campaign resumes; progress is one plain line per run.
 """
@@ -81,18 +83,17 @@ def check_encoders(table):
 
 def cost(args, table):
     """CPU seconds per step and peak memory of every arm and trainer, from its equal-steps runs (--steps, every
-    seed of --seeds): a run's CPU is its training process's own (benchmarks/fashion_mnist.py's cpu_seconds.json,
-    start-up, validation and export included: what an equal-CPU run spends), its memory the largest
-    peak_memory_gb the trainer logged (on CPU, the process's peak RSS). Into OUT/cost.json."""
+    seed of --seeds): a run's CPU per step is its training steps' own (fashion_mnist.step_cpu), its memory the
+    largest peak_memory_gb the trainer logged (on CPU, the process's peak RSS). Into OUT/cost.json."""
     path = Path(args.out) / "cost.json"
     result = json.loads(path.read_text()) if path.is_file() else {}  # other trainers' and arms' rows stay
     for trainer in args.trainers:
         for arm in [a for a in table if applies(a, trainer, args.combo)]:
             runs = [run_dir(args, trainer, arm, "steps", seed, args.steps)[0] for seed in args.seeds]
-            if missing := [str(r) for r in runs if not (r / "cpu_seconds.json").is_file()]:
+            if missing := [str(r) for r in runs if not (r / "export").is_dir()]:
                 print(f"cost {trainer} {arm}: not yet trained: {', '.join(missing)}")
                 continue
-            cpu = [json.loads((r / "cpu_seconds.json").read_text())["train"] / args.steps for r in runs]
+            cpu = [fashion_mnist.step_cpu(r) for r in runs]
             logs = [(r / "metrics.jsonl").read_text().splitlines() for r in runs]
             peak = [max(json.loads(line).get("peak_memory_gb", 0) for line in log) for log in logs]
             result.setdefault(trainer, {})[name(args, arm)] = {"cpu_s_per_step": sum(cpu) / len(cpu), "cpu_s_per_step_runs": cpu,

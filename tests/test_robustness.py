@@ -496,7 +496,7 @@ def test_killed_run_resumes_with_the_metrics_of_an_uninterrupted_one(tmp_path, m
     killed = fm.main(tiny_run_args(tmp_path, "killed", steps=4) + args + ["--resume=latest"])
 
     def rows(path):
-        timing = ("images_per_s", "images_per_s_per_device", "data_wait_share", "peak_memory_gb")
+        timing = ("images_per_s", "images_per_s_per_device", "data_wait_share", "peak_memory_gb", "cpu_s_per_step")
         return [{k: v for k, v in r.items() if k not in timing} for r in map(json.loads, path.read_text().splitlines())]
 
     assert [r["step"] for r in rows(killed / "metrics.jsonl")] == [2, 4, 4]  # two loss rows and the val_loss row

@@ -30,7 +30,7 @@ def test_tiny_run_writes_everything_and_resumes_exactly(tmp_path):
     train_logs = [m for m in metrics if "loss" in m]
     assert [m["step"] for m in train_logs] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "loss_smoothed", "lr", "grad_norm", "images_per_s", "data_wait_share", "peak_memory_gb",
-                "loss_t0", "loss_t4"):
+                "cpu_s_per_step", "loss_t0", "loss_t4"):
         assert all(torch.isfinite(torch.tensor(m[key])) for m in train_logs), key
     assert [m["step"] for m in metrics if "val_loss" in m] == [3, 6]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]

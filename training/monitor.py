@@ -164,6 +164,7 @@ class Monitor:
                           for k, v in interval.get("terms", {}).items()}
             self.since_log, self.waited = interval["steps"], interval["waited"]
             self.t_last -= interval["seconds"]
+            self.cpu_last -= interval.get("cpu_seconds", 0.0)  # (absent in checkpoints from before issue 57)
 
     def state_dict(self):
         """What a checkpoint keeps: counters, the smoothed-loss statistics and the log interval in progress (its
@@ -173,6 +174,7 @@ class Monitor:
         return {"skipped_steps": self.skipped, "bad_in_row": self.bad_in_row, "loss_state": self.loss_state,
                 "interval": {"steps": self.since_log, "totals": totals[:n].tolist(), "waited": self.waited,
                              "seconds": time.perf_counter() - self.t_last,
+                             "cpu_seconds": time.process_time() - self.cpu_last,
                              "terms": dict(zip(sorted(self.terms), totals[n:].tolist()))}}
 
     def term_sums(self):
@@ -180,8 +182,8 @@ class Monitor:
         return [self.terms[k].view(1) for k in sorted(self.terms)]
 
     def restart_clock(self):
-        """Throughput counts training only: called after validation, FID and checkpoints."""
-        self.waited, self.t_last = 0.0, time.perf_counter()
+        """Throughput and CPU per step count training only: the clocks start at each interval (and at start)."""
+        self.waited, self.t_last, self.cpu_last = 0.0, time.perf_counter(), time.process_time()
 
     def batches(self, loader, device):
         """The micro-batches of `loader` on the device; the host's wait for each (the loader, then the copy, which
@@ -278,7 +280,10 @@ class Monitor:
                    "grad_norm": sum(n for n in norms if math.isfinite(n)) / n_steps, "skipped_steps": self.skipped,
                    "clip_share": len(clipped) / n_steps, "loss_spikes": self.loss_state["spikes"],
                    "images_per_s": n_steps * tr.batch_size * tr.grad_accum * self.world / elapsed,
-                   "data_wait_share": self.waited / elapsed, "peak_memory_gb": peak}
+                   "data_wait_share": self.waited / elapsed, "peak_memory_gb": peak,
+                   # this process's CPU (all its threads; not data.num_workers' loader processes) per training step:
+                   # what an equal-CPU comparison divides by, start-up, validation, checkpoints and export left out
+                   "cpu_s_per_step": (time.process_time() - self.cpu_last) / n_steps}
         counts = totals[k_bins:len(self.stats)].clamp(min=1)
         metrics.update({f"loss_t{k}": (totals[k] / counts[k]).item() for k in range(k_bins)})
         metrics["images_per_s_per_device"] = metrics["images_per_s"] / self.world
@@ -314,12 +319,13 @@ class Monitor:
         """Validation, FID or a checkpoint at `step`: `work(step)` on every rank, announced in the log when named,
         kept out of the training throughput and timed for the ETA (its kind: the name's first word, else the
         work's name)."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with self.phase(name, step) if name else contextlib.nullcontext():
             work(step)
         kind = self.pauses.setdefault(name.split()[0] if name else work.__name__, [0.0, 0])
         kind[0], kind[1] = kind[0] + time.perf_counter() - t0, kind[1] + 1
-        self.restart_clock()
+        # The interval's clocks skip the pause: its steps before the pause keep their time, its own is not counted
+        self.t_last, self.cpu_last = self.t_last + time.perf_counter() - t0, self.cpu_last + time.process_time() - cpu0
 
     def phase(self, name, step):
         """A pause of training (validation, FID) announced in the log, with its duration when done."""
