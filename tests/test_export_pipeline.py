@@ -291,8 +291,11 @@ def test_the_cards_scores_are_the_runs_not_tune_pys_search(tmp_path):
     for seed in range(1, 6):  # the confirmation of the best (guidance 9, 16 steps) and the runner-up, on fresh seeds
         report(f"search-euler16-g9-seed{seed}", "tune.py", 3.1, 400, 9.0, 16, seed=seed)
         report(f"search-euler32-g7-seed{seed}", "tune.py", 3.3, 400, 7.0, 32, seed=seed)
-    (run / "tuned.json").write_text(json.dumps({"best": {"guidance_scale": 9.0, "guidance_interval": [0.0, 1.0],
-                                                         "steps": 16, "phema_std": None}}))
+    pipeline_export.write(model, cfg, run / "export", ["red circle"] * 9, run)  # tune.py chose for these weights:
+    best = {"guidance_scale": 9.0, "guidance_interval": [0.0, 1.0], "steps": 16, "phema_std": None}
+    (run / "tuned.json").write_text(json.dumps({"best": best, "rows": [best], "num_samples": 2000, "metric":
+                                                "fd_classifier_2k", "model": tuning.model_identity(run),
+                                                "sampler": cfg["val"]["sampler"]}))
     report("final-test", "eval_fid.py", 1.55, 10_000, split="test")  # the protocol's final scores: the run's own,
     report("final-test-tuned", "eval_fid.py", 1.2, 10_000, 9.0, 16, split="test")  # tune.py's choice,
     report("final-test-g5", "eval_fid.py", 1.3, 10_000, 5.0, split="test")  # another setting
@@ -312,6 +315,10 @@ def test_the_cards_scores_are_the_runs_not_tune_pys_search(tmp_path):
     assert "`tune.py " not in text and (f"`eval_fid.py --run {run} --untuned --num_samples 2000 --seed 0 "
                                         f"--guidance_scale 7.0 --steps 32 --guidance_interval 0.0,1.0`") in text
     assert "| fd_classifier_10k | 1000 | 1.4000 .. 1.6000 | 1.5000 | 1.5500 |" in text  # the test split's, not 9.0
+    with torch.no_grad():  # other weights: the run's tuned.json was not chosen for them, and labels no row
+        next(model.parameters()).add_(1.0)
+    text = (pipeline_export.write(model, cfg, run / "export", ["red circle"] * 9, run) / "README.md").read_text()
+    assert "| fd_classifier_10k | 1.2000 | steps 16, not 32; guidance_scale 9.0, not 7.0 |" in text
 
 
 def test_the_card_publishes_no_local_path_and_no_task_a_class_model_does_not_do(tmp_path):

@@ -114,15 +114,15 @@ def global_batch(cfg, rows):
     return tr["batch_size"] * tr["grad_accum"] * world
 
 
-def evaluations(cfg, run_dir, phema=None):
+def evaluations(cfg, run_dir, phema=None, tuned=None):
     """Table rows (metric, value, setting, protocol, date) of eval_fid.py's reports on these weights (the export's
     EMA, or the post-hoc EMA of phema's std) and of quality.jsonl (the export's: its rows name their step), and the
     number of reports left out. A report on the held-out rows at a setting or seed other than the run's own chose a
     setting (tools/tune.py's search and its confirmation blocks, seeds 1-5) and does not score the model: it is left
-    out, and counted. Every other row says its setting: the run's own, tune.py's choice (tuned.json), or what
+    out, and counted. Every other row says its setting: the run's own, tune.py's choice (`tuned`: the tuned.json
+    chosen for these weights, tuning.export_choice; a choice made for other weights labels nothing), or what
     differs."""
-    tuned = Path(run_dir) / "tuned.json"
-    best = json.loads(tuned.read_text())["best"] if tuned.is_file() else None
+    best = tuned["best"] if tuned else None
     as_tuned = best and {**cfg, "val": {**cfg["val"], **{k: best[k] for k in ("guidance_scale", "guidance_interval",
                                                                              "steps")}}}  # the run at tune.py's choice
     out, left_out = [], 0
@@ -216,7 +216,7 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
            f"resolved config, every key)", ""]
     out += ["<details><summary>config.json</summary>", "", "```json", json.dumps(cfg, indent=1), "```", "", "</details>", ""]
     out += ["## Evaluation", ""]
-    scores, left_out = evaluations(cfg, run_dir, phema)
+    scores, left_out = evaluations(cfg, run_dir, phema, tuned)
     if scores:
         out += ["| metric | value | setting | protocol | date |", "| --- | --- | --- | --- | --- |"]
         out += [f"| {k} | {v:.4f} | {setting} | {protocol} | {date} |" for k, v, setting, protocol, date in scores]
