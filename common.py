@@ -1,10 +1,11 @@
-"""Small run helpers that both trainers call the same way (the config is config.py's): accelerator and
-ranks, stop signals, EMA, the LR schedule and its scaling rule, the resolution time shift.
+"""Small run helpers that both trainers call the same way (the config is training/config/'s): accelerator and
+ranks, whether the output is a terminal, stop signals, EMA and sharded tensors, the LR schedule and its scaling
+rule, the resolution time shift.
 
 The ground floor: nothing here imports from the package (training/, tools/), and nothing knows about an
-objective, a sampler, the data or the model: those live in the trainers, data.py and model.py. Checkpoints are
-training/checkpoints.py's; what a training step measures is monitor.py's; what a run writes (config.json,
-metrics.jsonl, sample grids, wandb, the report) is runlog.py's.
+objective, a sampler, the data or the model: those live in the trainers, training/data/ and training/model/.
+Checkpoints are training/run/checkpoints.py's; what a training step measures is training/run/monitor.py's; what a
+run writes (config.json, metrics.jsonl, sample grids, wandb, the report) is training/record/'s.
 """
 import contextlib
 import math
@@ -82,6 +83,12 @@ def gathered(pairs):
     from accelerate.utils import gather_object
 
     return np.stack([row for _, row in sorted(gather_object(pairs), key=lambda p: p[0])])
+
+
+def interactive():
+    """Whether both output streams are a terminal (tqdm draws on stderr, the lines go to stdout); not in SLURM's
+    or nohup's log files, nor with `> log.txt`."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -194,6 +201,11 @@ def local(tensors):
     """This rank's shards of sharded tensors (train.sharding="fsdp": views, so an in-place update of a shard updates
     the DTensor), plain tensors as they are: the EMA and post-hoc EMA update shard by shard, with no communication."""
     return [t.to_local() if is_dtensor(t) else t for t in tensors]
+
+
+def full(tensor):
+    """A DTensor gathered whole (a collective: every rank calls it); a plain tensor as it is."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 def is_dtensor(tensor):

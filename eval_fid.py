@@ -1,6 +1,6 @@
 """Sample a trained run at scale and score it: FID and KID (clean-fid), precision, recall, density and
 coverage on the same features, FD-DINOv2 (--dino), CLIP score. What it scores against (the Inception network,
-reference statistics) is training/reference.py's; the scores themselves are training/metrics.py's.
+reference statistics) is training/evaluation/reference.py's; the scores themselves are training/evaluation/metrics.py's.
 
     python eval_fid.py --run runs/flow_matching_demo --num_samples 1000 --inception_weights inception-2015-12-05.pt
     accelerate launch eval_fid.py --run runs/flow_matching_imagenet256 --reference ILSVRC/imagenet-1k --reference_split validation
@@ -36,15 +36,18 @@ import torch
 from PIL import Image
 
 import common
-from training import checkpoints, classifier, config, curves, hub, tuning
-from training.data import preprocess
-from training.encoders import decode, encode_text, load_encoders
-from training.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores, dinov2_features,
-                              feature_tag, fid_size_warning, size_tag)
-from training.reference import heldout, inception_features, reference_for, reference_size, to_uint8
-from training.model import build_denoiser, load_exported
-from training.monitor import progress
-from training.phema import apply_reconstruction
+from training.config import config
+from training.data.encoders import decode, encode_text, load_encoders
+from training.data.sources import preprocess
+from training.run import checkpoints, hub
+from training.evaluation import classifier, tuning
+from training.record import curves
+from training.evaluation.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores,
+                                         dinov2_features, feature_tag, fid_size_warning, size_tag)
+from training.model.mmdit import build_denoiser, load_exported
+from training.run.monitor import progress
+from training.run.phema import apply_reconstruction
+from training.evaluation.reference import heldout, inception_features, reference_for, reference_size, to_uint8
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. Every default is here; None means "as the run was configured". Reported numbers: 50k samples.
@@ -109,7 +112,7 @@ def passed_on(mine, when):
 def tuned_defaults(args):
     """`args` with RUN/tuned.json's chosen setting ("best", tools/tune.py) in each of TUNED that no flag sets, when
     the file was chosen for the model being sampled, by what it is (its weights' digest, EMA or raw) and the sampler
-    (training/tuning.py), and --untuned is not given; prints where each setting comes from (eval_fid.py and
+    (training/evaluation/tuning.py), and --untuned is not given; prints where each setting comes from (eval_fid.py and
     sample.py call it first). A run folder that does not exist stops here, before any work (hub.local_folder)."""
     run = hub.local_folder(args.run)  # a folder, or the hub id of an exported pipeline folder
     path, tuned, note = run / "tuned.json", None, ""
@@ -301,7 +304,7 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
     reference: one of our statistics .npz files, a --reference source (folder, dataset, 'embedded',
     cleanfid:NAME:RES:SPLIT), or None for the run's own held-out rows. vae: on the device, for latent runs.
     conditions: None for balanced class labels (and held-out controls), else a dict of per-sample tensors
-    named as in data.COND_FIELDS (e.g. the held-out cache's rows), sample i taking row i % len; text runs
+    named as in batching.COND_FIELDS (e.g. the held-out cache's rows), sample i taking row i % len; text runs
     must pass it. Same seeds as eval_fid.py's CLI, so the numbers of successive calls are comparable."""
     device = accelerator.device
     feature_fn = feature_fn or inception_features(mode, inception_weights, device, accelerator)

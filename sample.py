@@ -21,11 +21,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from training import checkpoints, config, hub
+from training.config import config
+from training.run import checkpoints, hub
 import eval_fid
-from training import runlog
-from training.classes import readable_names
-from training.encoders import encode_text, load_encoders
+from training.data.classes import readable_names
+from training.data.encoders import encode_text, load_encoders
+from training.record import runlog
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. None means "as the run was configured".

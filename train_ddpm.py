@@ -33,17 +33,21 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import cache, checkpoints, config, encoders, fit, hub, muon, repa, runlog, sharding, stability, validation
-from training.data import iterate_batches, loader_options, open_splits, training_inputs
-from training.encoders import decode, place_encoders
-from training.model import export, guided, prepare_model
-from training.monitor import Monitor
-from training.optimizers import make_optimizer, skip_update_if_nonfinite
-from training.phema import PowerEMA
+from training.config import config
+from training.data import batching, cache, encoders, sources
+from training.model import mmdit
+from training.objectives import repa
+from training.optimisation import muon, optimizers
+from training.run import checkpoints, fit, hub, sharding, stability, start
+from training.run.monitor import Monitor
+from training.run.phema import PowerEMA
+from training.evaluation import validation
+from training.record import runlog
+from training.sharing import pipeline_export
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. The shared sections (data, encoders, model, conditioning, train, val, log, ckpt) are typed once in
-# training/sections.py; this method adds its objective section and its sampler keys. A recipe
+# training/config/sections.py; this method adds its objective section and its sampler keys. A recipe
 # (configs/*.json) names only what it changes; --help lists every key, its type, default and use.
 
 
@@ -248,7 +252,7 @@ def ddpm_loss(model, x0, cond, t, noise, alphas_cumprod, prediction, loss_weight
 
 
 def training_loss(model, x0, cond, t, noise, alphas_cumprod, prediction, loss_weight=None, time_input=None, align=None):
-    """(ddpm_loss, {name: per-sample term}): REPA's alignment term (training/repa.py; `align`: its targets and
+    """(ddpm_loss, {name: per-sample term}): REPA's alignment term (training/objectives/repa.py; `align`: its targets and
     weight, or None), added to what is trained and logged on its own."""
     ab = alphas_cumprod.to(x0.device)[t]
     timestep = t.float() if time_input is None else time_input.to(x0.device, torch.float32)[t]
@@ -315,13 +319,14 @@ def sample(model, noise, cond, alphas_cumprod, steps, prediction="v", guidance_s
     for i, t in enumerate(ts):
         ab = alphas_cumprod[t].item()
         ab_prev = alphas_cumprod[ts[i + 1]].item() if i + 1 < len(ts) else 1.0  # past the grid: data, ab = 1
-        # Guidance on semantics and controls (model.guided), then the rescale (Lin et al. 2024, sec. 3.4).
+        # Guidance on semantics and controls (mmdit.guided), then the rescale (Lin et al. 2024, sec. 3.4).
         timestep = float(t) if time_input is None else time_input[t].item()
         level = noise_level(torch.tensor(ab, dtype=torch.float64)).item()  # host values: no device sync
         guide = guidance_interval[0] <= level <= guidance_interval[1]
-        out = guided(model, x, torch.full((n,), timestep, device=x.device), cond, guidance_scale if guide else 1.0,
-                     control_guidance_scale if guide else 0.0, noise_level(torch.full((n,), ab, device=x.device)),
-                     rescale=guidance_rescale if guide else 0.0)
+        out = mmdit.guided(model, x, torch.full((n,), timestep, device=x.device), cond,
+                           guidance_scale if guide else 1.0, control_guidance_scale if guide else 0.0,
+                           noise_level(torch.full((n,), ab, device=x.device)),
+                           rescale=guidance_rescale if guide else 0.0)
         x0, eps = predict_x0_eps(out, x, ab, prediction)
         if method == "ddim":
             x = ddim_step(x0, eps, ab_prev)
@@ -352,10 +357,9 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 
 def main(argv=None):
     signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
-    # Every config problem is reported here, all at once, before any work (the shared sections and this method's).
-    cfg = config.load_config(DEFAULTS, argv, method="ddpm", schema=CONFIG)
+    cfg = config.load_config(DEFAULTS, argv, method="ddpm", schema=CONFIG)  # all problems at once, before work
     runlog.refuse_earlier_run(cfg)  # a run_dir that holds a run continues only with --resume
-    config.keep_recorded(cfg, skip=fit.resolved_keys(cfg.train))  # --resume: the values the run started with
+    checkpoints.keep_recorded(cfg, skip=fit.resolved_keys(cfg.train))  # --resume: the values the run started with
     if done := runlog.finished_run(cfg):  # --resume of a run trained to train.max_steps and exported: says so
         return done
     data, obj, tr = cfg.data, cfg.objective, cfg.train
@@ -370,28 +374,26 @@ def main(argv=None):
     T = obj.num_timesteps
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
-    train_ds, val_ds = open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
+    train_ds, val_ds = sources.open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
     run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
     cache.check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids
     train_set, val_set = (cache.cached_split(cfg, part, ds, d.encode, accelerator, signals)  # key, check, hit/miss
                           for part, ds in (("train", train_ds), ("val", val_ds)))  # memory-mapped, read lazily
-    place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off the GPU, till needed
+    encoders.place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off GPU till needed
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
     x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
     # fp32 EMA; the checkpoint to resume, else another run's weights when init_from names one
-    model, ema, ckpt = prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
-    # rank 0's weights on every rank; train.sharding="fsdp": model and EMA sharded block by block (training/sharding.py)
-    model, ema = sharding.shard(model, ema, cfg, accelerator)
-    optimizer = make_optimizer(model, tr)  # fused AdamW (weight_decay 0 = Adam, the paper's), or Muon + AdamW
+    model, ema, ckpt = start.prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
+    model, ema = sharding.shard(model, ema, cfg, accelerator)  # rank 0's weights everywhere; fsdp: block by block
+    optimizer = optimizers.make_optimizer(model, tr)  # fused AdamW (weight_decay 0: Adam, the paper's), or Muon + AdamW
     ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
     # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe
     phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or
                      tr.batch_size * world * tr.grad_accum, run_dir, accelerator.is_main_process)
     # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
-    # REPA's targets and weight per step (objective.repa_*; off: None), its encoder on the device before the probe
-    align = repa.Alignment(cfg, device)
+    align = repa.Alignment(cfg, device)  # REPA's targets and weight per step (off: None); its encoder on the device
     fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt, align)
     model, optimizer = sharding.prepare(model, optimizer, accelerator, tr)  # compiled (train.compile), DDP; or sharded
     lr_scale, lr_rule = common.lr_scale(tr, tr.batch_size * world * tr.grad_accum)  # the batch rule's factor
@@ -421,7 +423,7 @@ def main(argv=None):
         ema.eval()  # val.sampler=ddpm: fresh noise per rank's share of the grid (it depends on the process count)
         torch.manual_seed(cfg.seed + rank)  # the ancestral sampler's noise: fixed, and the training RNG untouched
         x, nfe = validation.sample_grid(generate, ema, val_noise, val_cond, cfg, accelerator)
-        path = log.samples(decode(d.vae, x, device), step, d.val_prompts) if accelerator.is_main_process else None
+        path = accelerator.is_main_process and log.samples(encoders.decode(d.vae, x, device), step, d.val_prompts)
         # Validation loss: every held-out sample at every t_k = floor((k + 0.5) T / K), with fixed noise.
         losses = validation.heldout_loss(val_set, cfg, accelerator, lambda x0, cond, noise, k: ddpm_loss(
             ema, x0, cond, torch.full((len(x0),), int((k + 0.5) * T / obj.loss_bins), device=device), noise,
@@ -441,8 +443,9 @@ def main(argv=None):
 
     # ---- Training loop --------------------------------------------------------------------------------------
     def batches_from(step):  # on the device, wait timed; after a rollback without the window it skipped
-        return monitor.batches(iterate_batches(train_set, stab.rollback.data_position(step), tr.batch_size,
-                                               cfg.seed, rank, world, loader_options(data, device)), device)
+        return monitor.batches(batching.iterate_batches(train_set, stab.rollback.data_position(step), tr.batch_size,
+                                                        cfg.seed, rank, world, batching.loader_options(data, device)),
+                               device)
 
     batches = batches_from(step)
     density = stab.density  # objective.timestep_sampling="adaptive": timesteps and weights that follow the loss
@@ -452,7 +455,7 @@ def main(argv=None):
         lr = fit.set_lr(optimizer, tr, factor)  # train.lr (Muon's group: muon_lr) x factor; a rollback lowers it
         for micro in range(tr.grad_accum):
             # x0 and its conditions, the semantic and control ones dropped independently, for guidance on each
-            batch, x0, cond = training_inputs(next(batches), d.text_encoder, cfg.conditioning, accelerator)
+            batch, x0, cond = batching.training_inputs(next(batches), d.text_encoder, cfg.conditioning, accelerator)
             noise = torch.randn_like(x0)
             # t uniform over the T timesteps (Ho et al. 2020), or the adaptive density's with its weights
             t, weight = density.draw(len(x0)) if density else (torch.randint(0, T, (len(x0),), device=device), 1.0)
@@ -473,7 +476,7 @@ def main(argv=None):
         # the device so the host never waits for it. The norm is of the all-reduced gradients, so every rank
         # decides the same. The step still counts: the data position and the LR stay pure functions of it.
         finite = torch.isfinite(grad_norm)
-        skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
+        optimizers.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.step()
         monitor.optimizer_step(grad_norm, finite, stab.clip.threshold)  # on analysis steps it reads the gradients
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay views of DDP's buckets, one copy
@@ -510,7 +513,7 @@ def main(argv=None):
     # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
     whole = sharding.full_copy(ema, to_cpu=True)  # sharded: gathered into the main process's CPU memory
     if accelerator.is_main_process:
-        accelerator.print(f"exported EMA model to {export(whole, cfg, run_dir, d.class_ids)}")
+        print(f"exported EMA model to {pipeline_export.export(whole, cfg, run_dir / 'export', d.class_ids, run_dir)}")
     signals.exit_if_agreed(accelerator, "the export, which is complete (the requeued run writes the report)")
     log.finish(cfg, accelerator)  # report.md and plots, wandb
     return run_dir

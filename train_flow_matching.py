@@ -28,18 +28,21 @@ from pydantic import BaseModel, Field
 
 import common
 import eval_fid
-from training import (cache, checkpoints, config, contrastive, encoders, fit, hub, muon, repa, runlog, sharding,
-                      stability, validation, xprediction)
-from training.data import iterate_batches, loader_options, open_splits, training_inputs
-from training.encoders import decode, place_encoders
-from training.model import export, guided, prepare_model
-from training.monitor import Monitor
-from training.optimizers import make_optimizer, skip_update_if_nonfinite
-from training.phema import PowerEMA
+from training.config import config
+from training.data import batching, cache, encoders, sources
+from training.model import mmdit
+from training.objectives import contrastive, repa, xprediction
+from training.optimisation import muon, optimizers
+from training.run import checkpoints, fit, hub, sharding, stability, start
+from training.run.monitor import Monitor
+from training.run.phema import PowerEMA
+from training.evaluation import validation
+from training.record import runlog
+from training.sharing import pipeline_export
 
 # ----------------------------------------------------------------------------------------------------------
 # Config. The shared sections (data, encoders, model, conditioning, train, val, log, ckpt) are typed once in
-# training/sections.py; this method adds its objective section and its sampler key, and changes a few defaults.
+# training/config/sections.py; this method adds its objective section and its sampler key, and changes a few defaults.
 # A recipe (configs/*.json) names only what it changes; --help lists every key, its type, default and use.
 
 
@@ -57,9 +60,9 @@ class Objective(BaseModel, extra="forbid", strict=True):
     ot_coupling: bool = Field(False, description="minibatch OT pairing of noise and data (Tong et al. 2023)")
     loss_bins: int = Field(5, ge=1, description="the loss is also logged per time bin [k/K, (k+1)/K)")
     prediction: Literal["v", "x0"] = Field("v", description="what the network outputs: the velocity, or x0 (JiT; "
-                                           "the loss stays on the velocity: training/xprediction.py)")
+                                           "the loss stays on the velocity: training/objectives/xprediction.py)")
     contrastive_weight: float = Field(0.0, ge=0, lt=1, description="contrastive flow matching's lambda (DeltaFM: "
-                                      "0.05; training/contrastive.py); 0: off")
+                                      "0.05; training/objectives/contrastive.py); 0: off")
 
 
 class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in the val section
@@ -95,7 +98,7 @@ def sample_time(n, obj, shift, device):
 
 def time_quantile(u, obj, shift):
     """The base density's inverse CDF t = F^-1(u) (objective.adaptive_base; u ~ U[0, 1) gives sample_time's
-    density), shifted: what the adaptive time density (training/time_density.py) maps its draws through.
+    density), shifted: what the adaptive time density (training/optimisation/time_density.py) maps its draws through.
     Logit-normal: F^-1(u) = sigmoid(m + s Phi^-1(u)), Phi^-1(u) = sqrt(2) erfinv(2u - 1)."""
     if obj.adaptive_base == "logit_normal":
         u = torch.sigmoid(obj.logit_mean + obj.logit_std * math.sqrt(2) * torch.erfinv(2 * u - 1))
@@ -128,9 +131,9 @@ def flow_matching_loss(model, x0, cond, t, noise, prediction="v"):
 
 def training_loss(model, x0, cond, t, noise, prediction="v", contrastive_weight=0.0, align=None):
     """(flow_matching_loss, {name: per-sample term}): the terms the options add to what is trained, each logged
-    on its own: contrastive flow matching's (training/contrastive.py) and REPA's alignment (training/repa.py;
+    on its own: contrastive flow matching's (training/objectives/contrastive.py) and REPA's alignment (training/objectives/repa.py;
     `align`: its targets and weight, or None). With prediction "x0" the network outputs the clean image and
-    the loss stays on the velocity it implies (training/xprediction.py)."""
+    the loss stays on the velocity it implies (training/objectives/xprediction.py)."""
     t_ = t.view(-1, *([1] * (x0.dim() - 1)))
     x_t = (1 - t_) * x0 + t_ * noise
     out, tokens = repa.forward(model, align, x_t, t * 1000, cond)
@@ -153,11 +156,11 @@ def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, control_gui
            guidance_interval=(0.0, 1.0), prediction="v"):
     """The grid is t_i = shift(1 - i / steps), the same shift as training (it equals diffusers'
     FlowMatchEulerDiscreteScheduler with `sigmas=linspace(1, 0, steps + 1)[:-1]` and `shift`). Guidance on
-    the semantic and the control condition (model.guided): with control_guidance_scale = 0 it is
+    the semantic and the control condition (mmdit.guided): with control_guidance_scale = 0 it is
     classifier-free guidance, v = v(x, null) + w (v(x, c) - v(x, null)) (Ho & Salimans 2022), applied only
     on steps whose t_i lies in guidance_interval [lo, hi] (Kynkaanniemi et al. 2024; both Heun evaluations of
     a step, as their sampler); the other steps take the conditional velocity alone, one network pass.
-    prediction "x0": the network's clean-image estimate becomes the velocity it implies (training/xprediction.py;
+    prediction "x0": the network's clean-image estimate becomes the velocity it implies (training/objectives/xprediction.py;
     guidance is linear, so guiding the estimates is guiding the velocities)."""
     if method not in ("euler", "heun"):
         raise ValueError(f"val.sampler must be 'euler' or 'heun', got {method!r}")
@@ -165,8 +168,8 @@ def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, control_gui
     lo, hi = guidance_interval
 
     def velocity(x, t, guide):
-        out = guided(model, x, (t * 1000).expand(len(x)), cond, guidance_scale if guide else 1.0,
-                     control_guidance_scale if guide else 0.0)
+        out = mmdit.guided(model, x, (t * 1000).expand(len(x)), cond, guidance_scale if guide else 1.0,
+                           control_guidance_scale if guide else 0.0)
         return xprediction.velocity(out, x, t) if prediction == "x0" else out
 
     x = noise.float()
@@ -195,10 +198,9 @@ def generate(model, noise, cond, cfg, steps=None, guidance_scale=None, sampler=N
 
 def main(argv=None):
     signals = common.StopSignals()  # first: from here on a stop signal ends the run with exit code 75
-    # Every config problem is reported here, all at once, before any work (the shared sections and this method's).
-    cfg = config.load_config(DEFAULTS, argv, method="flow_matching", schema=CONFIG)
+    cfg = config.load_config(DEFAULTS, argv, method="flow_matching", schema=CONFIG)  # all problems at once, before work
     runlog.refuse_earlier_run(cfg)  # a run_dir that holds a run continues only with --resume
-    config.keep_recorded(cfg, skip=fit.resolved_keys(cfg.train))  # --resume: the values the run started with
+    checkpoints.keep_recorded(cfg, skip=fit.resolved_keys(cfg.train))  # --resume: the values the run started with
     if done := runlog.finished_run(cfg):  # --resume of a run trained to train.max_steps and exported: says so
         return done
     data, obj, tr = cfg.data, cfg.objective, cfg.train
@@ -210,28 +212,26 @@ def main(argv=None):
     shift = common.shift_of(cfg)
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
-    train_ds, val_ds = open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
+    train_ds, val_ds = sources.open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
     run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
     cache.check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids
     train_set, val_set = (cache.cached_split(cfg, part, ds, d.encode, accelerator, signals)  # key, check, hit/miss
                           for part, ds in (("train", train_ds), ("val", val_ds)))  # memory-mapped, read lazily
-    place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off the GPU, till needed
+    encoders.place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off GPU till needed
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
     x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
     # fp32 EMA; the checkpoint to resume, else another run's weights when init_from names one
-    model, ema, ckpt = prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
-    # rank 0's weights on every rank; train.sharding="fsdp": model and EMA sharded block by block (training/sharding.py)
-    model, ema = sharding.shard(model, ema, cfg, accelerator)
-    optimizer = make_optimizer(model, tr)  # fused AdamW (weight_decay 0 = Adam, the paper's), or Muon + AdamW
+    model, ema, ckpt = start.prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
+    model, ema = sharding.shard(model, ema, cfg, accelerator)  # rank 0's weights everywhere; fsdp: block by block
+    optimizer = optimizers.make_optimizer(model, tr)  # fused AdamW (weight_decay 0: Adam, the paper's), or Muon + AdamW
     ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
     # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe
     phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or
                      tr.batch_size * world * tr.grad_accum, run_dir, accelerator.is_main_process)
     # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
-    # REPA's targets and weight per step (objective.repa_*; off: None), its encoder on the device before the probe
-    align = repa.Alignment(cfg, device)
+    align = repa.Alignment(cfg, device)  # REPA's targets and weight per step (off: None); its encoder on the device
     fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt, align)
     model, optimizer = sharding.prepare(model, optimizer, accelerator, tr)  # compiled (train.compile), DDP; or sharded
     lr_scale, lr_rule = common.lr_scale(tr, tr.batch_size * world * tr.grad_accum)  # the batch rule's factor
@@ -260,7 +260,7 @@ def main(argv=None):
     def validate(step, ema):                                                   # (padding noise): exact resume
         ema.eval()  # the grid split over the ranks, gathered: a one-process run's
         x, nfe = validation.sample_grid(generate, ema, val_noise, val_cond, cfg, accelerator)
-        path = log.samples(decode(d.vae, x, device), step, d.val_prompts) if accelerator.is_main_process else None
+        path = accelerator.is_main_process and log.samples(encoders.decode(d.vae, x, device), step, d.val_prompts)
         # Validation loss: every held-out sample at every t_k = (k + 0.5) / K, with fixed noise.
         losses = validation.heldout_loss(val_set, cfg, accelerator, lambda x0, cond, noise, k: flow_matching_loss(
             ema, x0, cond, torch.full((len(x0),), (k + 0.5) / obj.loss_bins, device=device), noise, obj.prediction))
@@ -279,8 +279,9 @@ def main(argv=None):
 
     # ---- Training loop --------------------------------------------------------------------------------------
     def batches_from(step):  # on the device, wait timed; after a rollback without the window it skipped
-        return monitor.batches(iterate_batches(train_set, stab.rollback.data_position(step), tr.batch_size,
-                                               cfg.seed, rank, world, loader_options(data, device)), device)
+        return monitor.batches(batching.iterate_batches(train_set, stab.rollback.data_position(step), tr.batch_size,
+                                                        cfg.seed, rank, world, batching.loader_options(data, device)),
+                               device)
 
     batches = batches_from(step)
     density = stab.density  # objective.time_sampling="adaptive": times and weights that follow the loss; else None
@@ -290,7 +291,7 @@ def main(argv=None):
         lr = fit.set_lr(optimizer, tr, factor)  # train.lr (Muon's group: muon_lr) x factor; a rollback lowers it
         for micro in range(tr.grad_accum):
             # x0 and its conditions, the semantic and control ones dropped independently, for guidance on each
-            batch, x0, cond = training_inputs(next(batches), d.text_encoder, cfg.conditioning, accelerator)
+            batch, x0, cond = batching.training_inputs(next(batches), d.text_encoder, cfg.conditioning, accelerator)
             noise = torch.randn_like(x0)
             if obj.ot_coupling:
                 noise = ot_pair(x0, noise, batch.get("label"))
@@ -312,7 +313,7 @@ def main(argv=None):
         # the device so the host never waits for it. The norm is of the all-reduced gradients, so every rank
         # decides the same. The step still counts: the data position and the LR stay pure functions of it.
         finite = torch.isfinite(grad_norm)
-        skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
+        optimizers.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.step()
         monitor.optimizer_step(grad_norm, finite, stab.clip.threshold)  # on analysis steps it reads the gradients
         optimizer.zero_grad(set_to_none=False)  # in place: the gradients stay views of DDP's buckets, one copy
@@ -349,7 +350,7 @@ def main(argv=None):
     # ---- Export: the fp32 EMA weights, loadable with SD3Transformer2DModel.from_pretrained ------------------
     whole = sharding.full_copy(ema, to_cpu=True)  # sharded: gathered into the main process's CPU memory
     if accelerator.is_main_process:
-        accelerator.print(f"exported EMA model to {export(whole, cfg, run_dir, d.class_ids)}")
+        print(f"exported EMA model to {pipeline_export.export(whole, cfg, run_dir / 'export', d.class_ids, run_dir)}")
     signals.exit_if_agreed(accelerator, "the export, which is complete (the requeued run writes the report)")
     log.finish(cfg, accelerator)  # report.md and plots, wandb
     return run_dir

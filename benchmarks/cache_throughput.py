@@ -25,13 +25,13 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training import config  # noqa: E402
+from training.config import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
-from training.cache import CachedDataset, build_cache  # noqa: E402
-from training.encoding import cache_size, human_bytes  # noqa: E402
-from training.data import open_splits  # noqa: E402
-from training.encoders import make_encode  # noqa: E402
-from training.model import build_denoiser  # noqa: E402
+from training.data.cache import CachedDataset, build_cache  # noqa: E402
+from training.data.encoders import make_encode  # noqa: E402
+from training.data.encoding import cache_size, human_bytes  # noqa: E402
+from training.data.sources import open_splits  # noqa: E402
+from training.model.mmdit import build_denoiser  # noqa: E402
 
 WORDS = ["a", "photo", "of", "the", "red", "green", "blue", "dog", "cat", "house", "tree", "on", "in", "street"]
 RECIPE_SAMPLES = {"CC12M": 12_423_374, "ImageNet-1k": 1_281_167, "ImageNet-22k": 14_197_122}

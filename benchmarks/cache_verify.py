@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training.cache import shard_damage, tensors_sha256  # noqa: E402
+from training.data.cache import shard_damage, tensors_sha256  # noqa: E402
 
 
 def main():

@@ -55,8 +55,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 import eval_fid  # noqa: E402
 from compare import t_interval  # noqa: E402
-from training.data import DEMO_CLASSES, DEMO_COLORS  # noqa: E402
-from training.model import load_exported  # noqa: E402
+from training.data.sources import DEMO_CLASSES, DEMO_COLORS  # noqa: E402
+from training.model.mmdit import load_exported  # noqa: E402
 
 STAGES = ("positive_control", "main", "switch_time", "real")
 # Every demo run: size the only control, the whole image (centre crop), guidance 1 in training's validation.
@@ -391,7 +391,7 @@ def real_images(folder):
     side (class folders of PNGs), so that orig_hw is the image's true size. Written once."""
     from PIL import Image
 
-    from training import fashion_mnist
+    from training.data import fashion_mnist
 
     if (folder / "done").is_file():
         return folder

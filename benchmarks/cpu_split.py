@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
-from training import monitor  # noqa: E402
+from training.run import monitor  # noqa: E402
 
 RECIPE = ROOT / "configs" / "fashion_mnist.json"
 MEASURED = ["--train.max_steps=40", "--log.every=10", "--val.every=20", "--ckpt.every=20", "--log.wandb=off",

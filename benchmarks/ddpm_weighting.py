@@ -72,7 +72,7 @@ def samples(run, n, seed=0):
     """n samples of the run's EMA export, classes 0..9 in turn, guidance 1, 50 DDIM steps, fixed noise;
     as grey pixels in [0, 1] quantised like a saved PNG, with their requested labels."""
     import train_ddpm
-    from training.model import load_exported
+    from training.model.mmdit import load_exported
 
     model, cfg = load_exported(Path(run) / "export")
     labels = torch.arange(n) % 10

@@ -35,9 +35,11 @@ sys.path.insert(0, str(ROOT))
 import eval_fid  # noqa: E402
 import train_flow_matching  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from training import classifier, config, fashion_mnist  # noqa: E402
-from training.metrics import all_scores, size_tag  # noqa: E402
-from training.reference import reference_for  # noqa: E402
+from training.config import config  # noqa: E402
+from training.data import fashion_mnist  # noqa: E402
+from training.evaluation import classifier  # noqa: E402
+from training.evaluation.metrics import all_scores, size_tag  # noqa: E402
+from training.evaluation.reference import reference_for  # noqa: E402
 
 RECIPE = ROOT / "configs" / "fashion_mnist.json"
 

@@ -67,8 +67,10 @@ import gpu_throughput  # noqa: E402
 import sizing  # noqa: E402
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
-from training import checkpoints, config, optimizers, sharding  # noqa: E402
-from training.model import build_denoiser  # noqa: E402
+from training.config import config  # noqa: E402
+from training.model.mmdit import build_denoiser  # noqa: E402
+from training.optimisation import optimizers  # noqa: E402
+from training.run import checkpoints, sharding  # noqa: E402
 
 TRAINERS = {"flow_matching": train_flow_matching, "ddpm": train_ddpm}
 COMPILE_LOGS = collections.Counter()  # records of dynamo's graph_breaks and recompiles loggers (TORCH_LOGS)
@@ -111,7 +113,7 @@ def reset_peak(device):
 
 
 def check(name, args, overrides):
-    """One trainer's check ("flow_matching:fsdp": sharded, training/sharding.py); returns its row of results."""
+    """One trainer's check ("flow_matching:fsdp": sharded, training/run/sharding.py); returns its row of results."""
     trainer, sharded = TRAINERS[name.split(":")[0]], name.endswith(":fsdp")
     cfg = config.load_config(trainer.DEFAULTS, ["--config", args.config, *overrides,
                                                 f"--train.sharding={'fsdp' if sharded else 'ddp'}", "--train.compile=false"])
@@ -145,7 +147,7 @@ def check(name, args, overrides):
                 with accelerator.autocast():
                     loss = loss_of(model, x0, cond, t, noise)
                 accelerator.backward(loss.mean() / tr.grad_accum)
-        grad_norm = sharding.full(accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip))
+        grad_norm = common.full(accelerator.clip_grad_norm_(model.parameters(), tr.grad_clip))
         finite = torch.isfinite(grad_norm)
         optimizers.skip_update_if_nonfinite(optimizer, finite, tr.mixed_precision == "fp16")
         optimizer.step()

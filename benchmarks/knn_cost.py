@@ -29,7 +29,7 @@ def chunked_estimate(real, fake, chunks, device):
     """Seconds (wall, CPU) of `chunks` radius chunks and fake-real chunks, scaled to a whole prdc call."""
     import torch
 
-    from training import metrics
+    from training.evaluation import metrics
 
     x, y = (torch.as_tensor(f, dtype=torch.float64, device=device) for f in (real, fake))
     rows = metrics.row_chunks(len(y), len(x), 2 ** 25)
@@ -56,7 +56,7 @@ def chunked_estimate(real, fake, chunks, device):
 def one(n, dim, impl, device, chunks=None):
     import torch
 
-    from training import metrics
+    from training.evaluation import metrics
 
     # Features on a 32-dimensional manifold (a random linear map) plus noise, so the k-NN balls mean something;
     # the fakes are a wider, shifted copy. The cost depends only on N and D.

@@ -13,7 +13,7 @@ activations that one step keeps for its backward pass under bf16 autocast, witho
 would allocate a second copy (4 more bytes per parameter, 5.3 GB for the XL recipes). benchmarks/gpu_throughput.py
 and benchmarks/gpu_check.py measure the real peak on a GPU.
 
---gpu_memory: what train.batch_size="auto" (training/fit.py) would choose for each recipe's global batch on
+--gpu_memory: what train.batch_size="auto" (training/run/fit.py) would choose for each recipe's global batch on
 each GPU, by this memory model instead of a probe: the largest divisor of global batch / GPUs whose memory stays
 under fit.FIT_MARGIN of the card, without and with gradient checkpointing, with the EMA on the GPU and
 offloaded (train.ema_device="cpu": 16 bytes per parameter). Checkpointed activations = what the step saves
@@ -36,10 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from training import config  # noqa: E402
+from training.config import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 from gpu_throughput import build, count_flops, model_inputs  # noqa: E402
-from training import fit  # noqa: E402
+from training.run import fit  # noqa: E402
 
 RECIPES = ["imagenet256", "imagenet512", "imagenet22k_256", "imagenet256_from22k", "imagenet22k_captions_256",
            "cc12m", "cc12m_512", "cc12m_from22k"]

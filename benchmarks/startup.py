@@ -9,7 +9,7 @@ does before its first step, each part on its own, in wall and CPU seconds (the f
 for the open, which is unchanged), with the file system's caches warm, as on a requeued node (a network file
 system is slower per metadata call):
 
-  1. open: `data.open_splits` on the warm `datasets` cache (datasets lists and stats the files itself)
+  1. open: `sources.open_splits` on the warm `datasets` cache (datasets lists and stats the files itself)
   2. the source fingerprint: the former one (path, size and modification time of every file, reproduced
      here) against `cache.source_fingerprint` now
   3. the cache check of the training split: the former one (every shard's contents verified at every start,
@@ -34,10 +34,10 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training import config  # noqa: E402
+from training.config import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
-from training import cache  # noqa: E402
-from training.data import open_splits  # noqa: E402
+from training.data import cache  # noqa: E402
+from training.data.sources import open_splits  # noqa: E402
 
 
 class OneProcess:

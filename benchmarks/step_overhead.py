@@ -21,9 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from training import config  # noqa: E402
-from training import monitor, optimizers  # noqa: E402
-from training.model import build_denoiser  # noqa: E402
+from training.config import config  # noqa: E402
+from training.model.mmdit import build_denoiser  # noqa: E402
+from training.optimisation import optimizers  # noqa: E402
+from training.run import monitor  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
 
 
@@ -56,7 +57,7 @@ def parts(cfg, train_set, repeats=20):
     import copy
 
     from accelerate import Accelerator
-    from training.data import iterate_batches
+    from training.data.batching import iterate_batches
 
     model, opt, x0, noise, cond = same_model_and_batch(cfg)
     ema, b, tr, finite = copy.deepcopy(model), len(x0), cfg.train, torch.tensor(True)
@@ -118,7 +119,7 @@ if __name__ == "__main__":
         fm.main(overrides)
         logs = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
         monitor.Monitor.optimizer_step, monitor.Monitor.log_interval = optimizer_step, log_interval  # unpatched
-        from training.cache import CachedDataset
+        from training.data.cache import CachedDataset
         ms = parts(cfg, CachedDataset(next(Path(tmp, "cache").glob("*-train-*"))))
         trainer = [m["images_per_s"] for m in logs if "images_per_s" in m][1:]
         wait = statistics.median(m["data_wait_share"] for m in logs if "images_per_s" in m)

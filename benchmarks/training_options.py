@@ -65,7 +65,7 @@ def samples(run, n, seed=0):
     """n samples of the run's EMA export, classes 0..9 in turn, guidance 1, 32 Euler steps, fixed noise; as grey
     pixels in [0, 1] quantised like a saved PNG, with their requested labels."""
     import train_flow_matching
-    from training.model import load_exported
+    from training.model.mmdit import load_exported
 
     model, cfg = load_exported(Path(run) / "export")
     labels = torch.arange(n) % 10

@@ -204,7 +204,7 @@ def unrendered_figures(monkeypatch):
 def classifier_rows(monkeypatch):
     """What the evaluation classifier is trained on and measured on: {"trained": the images of the first
     classifier.train call, "measured": those of the first classifier.accuracy call}, filled as they run."""
-    from training import classifier
+    from training.evaluation import classifier
 
     seen, train, accuracy = {}, classifier.train, classifier.accuracy
     monkeypatch.setattr(classifier, "train", lambda model, images, labels, *a, **k: seen.setdefault(

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
-from training import checkpoints
+from training.run import checkpoints
 import train_ddpm as ddpm
 import train_flow_matching as fm
 import conftest

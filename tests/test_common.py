@@ -9,10 +9,12 @@ from accelerate import Accelerator
 from PIL import Image
 
 import common
-from training import checkpoints, config
-from training.cache import CachedDataset, build_cache
-from training.data import DEMO_COLORS, iterate_batches, load_image, make_demo_dataset, open_splits, preprocess
-from training.encoders import encode_text, load_encoders
+from training.config import config
+from training.data.batching import iterate_batches
+from training.data.cache import CachedDataset, build_cache
+from training.data.encoders import encode_text, load_encoders
+from training.data.sources import DEMO_COLORS, load_image, make_demo_dataset, open_splits, preprocess
+from training.run import checkpoints
 import train_flow_matching as fm
 
 
@@ -168,7 +170,7 @@ class RecordingAccelerator:
 def test_a_run_ends_with_a_barrier_before_the_process_group_closes(tmp_path):
     """The barrier before end_training is what keeps a gloo run from aborting at exit (common.end_processes):
     both ways a run ends, the finished run and the requeue, go through it."""
-    from training.runlog import RunLog
+    from training.record.runlog import RunLog
 
     finished, requeued = RecordingAccelerator(), RecordingAccelerator()
     cfg = config.load_config(fm.DEFAULTS, ["--log.wandb=off"])
@@ -317,7 +319,7 @@ def test_every_rank_must_pick_the_same_checkpoint_at_resume_and_at_every_load(tm
     """Each rank picks its checkpoint from the file system alone (a resume's latest, a rollback's last good one).
     One all-gather of the picks (two ranks here: the other rank's pick injected into gather_object) turns a
     file system that shows one rank a checkpoint late into an error naming each rank's pick, before any load."""
-    from training.model import prepare_model
+    from training.run.start import prepare_model
 
     folder, model, _ = tiny_checkpoint(tmp_path)
     two_ranks, other = type("TwoRanks", (OneProcess,), {"num_processes": 2})(), []

@@ -6,9 +6,10 @@ import pytest
 import torch
 from PIL import Image
 
-from training import config
-from training.data import drop_conditions, preprocess
-from training.model import build_denoiser, control_weight, guided, load_exported, replicate_padding
+from training.config import config
+from training.data.batching import drop_conditions
+from training.data.sources import preprocess
+from training.model.mmdit import build_denoiser, control_weight, guided, load_exported, replicate_padding
 import train_flow_matching as fm
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import common
-from training import cache
-from training import config
+from training.config import config
+from training.data import cache
+from training.run import checkpoints
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
@@ -111,7 +112,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (ddpm, ["--val.guidance_rescale=2"], r"val.guidance_rescale=2.0 must be in \[0, 1\]"),
     (fm, ["--val.prompts={tmp}/no_prompts.txt"], r"val.prompts=.*no_prompts.txt.*: no such file"),
     (fm, ["--data.val_shards=[-1]"], r"data.val_shards=\[-1\] must be 2 values, each a whole number or null"),
-    # stability (training/stability.py)
+    # stability (training/run/stability.py)
     (fm, ["--objective.time_sampling=adaptve"], r"objective.time_sampling='adaptve' must be 'logit_normal' or 'uniform' or 'adaptive'"),
     (ddpm, ["--objective.timestep_sampling=adaptive_"], r"objective.timestep_sampling='adaptive_' must be 'uniform' or 'adaptive'"),
     (ddpm, ["--objective.min_snr_form=floored"], r"objective.min_snr_form='floored' must be 'plus_one' or 'paper' or 'floor'"),
@@ -122,7 +123,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--train.on_divergence=restart"], r"train.on_divergence='restart' must be 'stop' or 'rollback'"),
     (ddpm, ["--train.rollback_lr_factor=2"], r"train.rollback_lr_factor=2.0 must be in \(0, 1\]"),
     (fm, ["--val.slope_window=2"], r"val.slope_window=2 must be a number >= 3"),
-    # the training options (training/xprediction.py, contrastive.py, repa.py)
+    # the training options (training/objectives/xprediction.py, contrastive.py, repa.py)
     (fm, ["--objective.prediction=eps"], r"objective.prediction='eps' must be 'v' or 'x0'"),
     (fm, ["--objective.contrastive_weight=1"], r"objective.contrastive_weight=1.0 must be in \[0, 1\)"),
     (fm, ["--objective.contrastive_weight=0.05", "--train.batch_size=1"], r"train.batch_size=1 has none"),
@@ -298,9 +299,9 @@ def test_a_resumed_run_keeps_the_values_it_started_with(tmp_path, no_work, capsy
                      "0.0; set it to change it)", "resume: conditioning.pooled_text=True, as the run started "
                      "(step_00000004; today's default: None; set it to change it)"]
     cfg = config.load_config(trainer.DEFAULTS, args + ["--resume", "latest"], method, schema=trainer.CONFIG)
-    assert set(config.keep_recorded(cfg, log=lambda line: None)) == {"conditioning.control_power.crop",
-                                                                     "conditioning.control_power.flip",
-                                                                     "conditioning.pooled_text"}
+    assert set(checkpoints.keep_recorded(cfg, log=lambda line: None)) == {"conditioning.control_power.crop",
+                                                                          "conditioning.control_power.flip",
+                                                                          "conditioning.pooled_text"}
     assert cfg.conditioning.control_power == {"size": 1.0, "crop": 1.0, "flip": 1.0} and cfg.conditioning.pooled_text
 
 

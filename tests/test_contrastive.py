@@ -1,9 +1,9 @@
-"""Contrastive flow matching (training/contrastive.py): the term's form (DeltaFM), its optimum in closed form,
+"""Contrastive flow matching (training/objectives/contrastive.py): the term's form (DeltaFM), its optimum in closed form,
 and its own logged loss."""
 import torch
 
 import train_flow_matching as fm
-from training import contrastive
+from training.objectives import contrastive
 
 
 def test_the_term_is_minus_lambda_times_the_error_against_the_previous_samples_target():

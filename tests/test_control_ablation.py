@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import ROOT
-from training import config
-from training.data import (COLOUR_SIDES, DEMO_CLASSES, SUPERSAMPLE, demo_scene, make_demo_dataset, native_side,
-                           preprocess, render_scene)
+from training.config import config
+from training.data.sources import (COLOUR_SIDES, DEMO_CLASSES, SUPERSAMPLE, demo_scene, make_demo_dataset, native_side,
+                                   preprocess, render_scene)
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import control_ablation as ca  # noqa: E402

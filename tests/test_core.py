@@ -14,11 +14,11 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
-from training import config
-from training import model as model_module
 import train_ddpm as ddpm
 import train_flow_matching as fm
-from training.model import build_denoiser
+from training.config import config
+from training.model.mmdit import build_denoiser
+from training.run import start
 
 T = 1000
 
@@ -299,14 +299,14 @@ def test_a_shifted_ddpm_run_feeds_the_time_of_the_noise_in_training_and_validati
     input, read on the unshifted schedule, names the noise level that the conditioner is given."""
     from conftest import tiny_run_args
 
-    seen, build = [], model_module.build_for_run
+    seen, build = [], start.build_for_run
 
     def recording_build(*args, **kwargs):
         model = build(*args, **kwargs)  # the EMA is a deep copy: it records too
         model.register_forward_pre_hook(lambda module, inputs: seen.append((inputs[1].detach(), inputs[3].detach())))
         return model
 
-    monkeypatch.setattr(model_module, "build_for_run", recording_build)  # called by model.prepare_model
+    monkeypatch.setattr(start, "build_for_run", recording_build)  # called by start.prepare_model
     ddpm.main(tiny_run_args(tmp_path, "shifted", steps=1) + ["--objective.time_shift=2", "--log.report=false"])
     assert len(seen) > 3  # a training step, the sampler's steps, the validation loss bins
     for timestep, noise_level in seen:

@@ -1,4 +1,4 @@
-"""A recipe's reference curves (training/curves.py, tools/curves.py): the band over seeds, the check of a new run's
+"""A recipe's reference curves (training/record/curves.py, tools/curves.py): the band over seeds, the check of a new run's
 held-out loss against it (the log line and the event), and the report's plot over the band."""
 import json
 import sys
@@ -11,7 +11,8 @@ sys.path.insert(0, str(ROOT))
 
 import train_flow_matching  # noqa: E402
 from tools import curves as curves_tool  # noqa: E402
-from training import config, curves, report, runlog  # noqa: E402
+from training.config import config  # noqa: E402
+from training.record import curves, report, runlog  # noqa: E402
 
 
 def fake_run(folder, seed, val_losses, loss=1.0, fd=None, steps=(100, 200, 300)):

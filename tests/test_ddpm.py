@@ -13,8 +13,8 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import resca
 from diffusers.training_utils import compute_snr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training import config  # noqa: E402
-from training.model import guided, load_exported, rescale_guidance  # noqa: E402
+from training.config import config  # noqa: E402
+from training.model.mmdit import guided, load_exported, rescale_guidance  # noqa: E402
 import train_ddpm as ddpm  # noqa: E402
 
 T = 1000

@@ -20,7 +20,8 @@ sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
 import eval_fid  # noqa: E402
-from training import config, metrics, reference  # noqa: E402
+from training.config import config  # noqa: E402
+from training.evaluation import metrics, reference  # noqa: E402
 import train_flow_matching  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))  # conftest's helpers, also when accelerate launch imports this file
@@ -167,7 +168,7 @@ def test_a_class_folder_runs_heldout_reference_is_the_rows_the_trainer_held_out(
     """Class folders (no metadata.jsonl) as the run's data.source, --reference_split heldout (the default): the
     reference is the trainer's held-out rows (open_splits), as with metadata.jsonl, not every image it trained on.
     A folder passed as another --reference is still scored as it is."""
-    from training.data import open_splits
+    from training.data.sources import open_splits
 
     for i in range(30):  # 30 flat colours in 2 class folders: each image is known by its colour
         (tmp_path / "pets" / "ab"[i % 2]).mkdir(parents=True, exist_ok=True)
@@ -447,7 +448,7 @@ def test_a_mistyped_run_folder_is_named_before_any_work_and_the_hub_is_not_asked
     """runs/flow_matcing_demo beside runs/ is a local path that does not exist, not a Hub id: said in one line, with
     the folder meant, before the sampling settings are read; a name that can only be local alike."""
     import sample
-    from training import hub
+    from training.run import hub
 
     (tmp_path / "runs" / "flow_matching_demo").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
@@ -529,7 +530,7 @@ def make_tiny_clip(folder):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, PreTrainedTokenizerFast
 
-    from training.data import DEMO_CLASSES
+    from training.data.sources import DEMO_CLASSES
 
     words = sorted({w for c in DEMO_CLASSES for w in c.split()} | {"a", "small", "large"})
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]", *words])}

@@ -1,4 +1,4 @@
-"""The export as a diffusers pipeline folder (training/pipeline_export.py): loaded in a fresh process where this
+"""The export as a diffusers pipeline folder (training/sharing/pipeline_export.py): loaded in a fresh process where this
 repository cannot be imported, its samples are sample.py's for the same seeds, classes or prompts and settings (flow
 matching, DDPM with a VAE, a text run); its sampling loop is the trainer's at DDPM step counts that do not divide
 1000 and for x-prediction; the exported conditioner is the trained one; the model card holds the run's numbers; a
@@ -20,12 +20,15 @@ import sample
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
-from training import config, hub, model_card, pipeline_export, tuning
-from training.encoders import encode_text, load_encoders
-from training.metrics import size_tag
-from training.exported.conditioner import Conditioner as ExportedConditioner
-from training.exported.pipeline import MinimalDiffusionPipeline
-from training.model import Conditioner, build_denoiser
+from training.config import config
+from training.data.encoders import encode_text, load_encoders
+from training.model.mmdit import Conditioner, build_denoiser
+from training.run import hub
+from training.evaluation import tuning
+from training.evaluation.metrics import size_tag
+from training.sharing import model_card, pipeline_export
+from training.sharing.exported.conditioner import Conditioner as ExportedConditioner
+from training.sharing.exported.pipeline import MinimalDiffusionPipeline
 
 # Loads each folder with diffusers alone (python -I: no PYTHONPATH, no current folder on sys.path) and samples it
 # twice, the sampler's output ("latent") and the images, each image's noise from its own seeded generator.
@@ -125,7 +128,7 @@ def test_the_folder_samples_as_sample_py_where_this_repository_is_not_importable
 def exported_pipeline(trainer, tmp_path, overrides):
     """A tiny class-conditional model of `trainer` (random weights, large enough to show in the samples), its
     config with `overrides`, and the pipeline its export folder holds, assembled here as diffusers assembles it
-    (model_index.json's components and settings; pipeline.py is training/exported/pipeline.py): the slow test
+    (model_index.json's components and settings; pipeline.py is training/sharing/exported/pipeline.py): the slow test
     above loads a folder where this repository cannot be imported, these compare the sampling loops."""
     cfg = config.load_config(trainer.DEFAULTS, [
         "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16", "--model.patch_size=2",
@@ -174,7 +177,7 @@ def test_the_ddpm_pipeline_steps_on_the_trainers_grid_at_any_step_count(tmp_path
 @pytest.mark.parametrize("trainer,sampler", [(fm, "euler"), (fm, "heun"), (ddpm, "ddim"), (ddpm, "ddpm")])
 def test_an_x0_model_samples_as_its_trainer_samples_it(tmp_path, trainer, sampler):
     """x-prediction (objective.prediction=x0), the Fashion-MNIST recipe's and so the shipped reference model's, at
-    its 20 steps and guidance 2: flow matching's velocity (x - x0_hat) / max(t, 0.05) (training/xprediction.py;
+    its 20 steps and guidance 2: flow matching's velocity (x - x0_hat) / max(t, 0.05) (training/objectives/xprediction.py;
     the folder's X0_MIN_T), on Euler's and on both of Heun's evaluations, the last three steps' t below 0.2;
     DDPM's x0 as diffusers' "sample" prediction."""
     model, cfg, pipe = exported_pipeline(trainer, tmp_path, ["--objective.prediction=x0", f"--val.sampler={sampler}",
@@ -186,7 +189,7 @@ def test_an_x0_model_samples_as_its_trainer_samples_it(tmp_path, trainer, sample
 @pytest.mark.parametrize("mode,text,controls", [("disentangled", False, ["size", "crop", "flip"]), ("both", False, ["size"]),
                                                 ("adanorm", False, ["crop", "flip"]), ("disentangled", True, ["size"])])
 def test_the_exported_conditioner_is_the_trained_one(mode, text, controls):
-    """The folder's conditioner.py (no import from here) gives what training/model.py's Conditioner gives, in eval
+    """The folder's conditioner.py (no import from here) gives what training/model/mmdit.py's Conditioner gives, in eval
     mode, for every mode, text with replicate padding, and each control, dropped or not; same weights, strictly."""
     torch.manual_seed(0)
     trained = Conditioner(5, 2, 24, 24, 32, text_tokens=6 if text else 0, controls={c: 1.0 for c in controls},

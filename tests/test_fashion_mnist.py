@@ -17,8 +17,10 @@ sys.path.insert(0, str(ROOT))
 
 import eval_fid  # noqa: E402
 import train_flow_matching  # noqa: E402
-from training import classifier, config, fashion_mnist  # noqa: E402
-from training.data import open_dataset, open_splits  # noqa: E402
+from training.config import config  # noqa: E402
+from training.data import fashion_mnist  # noqa: E402
+from training.data.sources import open_dataset, open_splits  # noqa: E402
+from training.evaluation import classifier  # noqa: E402
 
 installed = pytest.mark.skipif(not (fashion_mnist.FOLDER / fashion_mnist.FILES["train"][0]).is_file(),
                                reason=f"Fashion-MNIST is not installed: {fashion_mnist.INSTALL} (as root)")

@@ -1,4 +1,4 @@
-"""Fitting a run to its GPU (training/fit.py), on CPU: the micro-batch probe under an injected out-of-memory error
+"""Fitting a run to its GPU (training/run/fit.py), on CPU: the micro-batch probe under an injected out-of-memory error
 (torch.cuda.OutOfMemoryError above micro-batch k), the choice of gradient checkpointing by measured speed, the
 EMA every k steps (against today's EMA and a closed form) and offloaded, the encoders' places after the cache
 stage, and the config keys. The end-to-end runs (bitwise equal to a run configured by hand, exact resume, two
@@ -19,8 +19,12 @@ import common
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 from test_config import no_work  # noqa: F401  (fixture)
-from training import config, encoders, fit, optimizers
-from training.model import Denoiser, build_for_run
+from training.config import config
+from training.data import encoders
+from training.model.mmdit import Denoiser
+from training.optimisation import optimizers
+from training.run import fit
+from training.run.start import build_for_run
 
 
 def oom_above(monkeypatch, limit, limit_checkpointed=None):
@@ -162,7 +166,7 @@ class Views(Rows):
 def test_images_not_cached_views_bound_the_micro_batch_and_count_in_the_warnings(tmp_path, monkeypatch, capsys):
     """64 rows are 16 images: iterate_batches refuses a micro-batch above 16, so the probe never tries one, and
     the memorisation warnings count epochs and parameters per image of the 16."""
-    from training import runlog
+    from training.record import runlog
 
     oom_above(monkeypatch, 100)
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=24", "--train.batch_size=auto")
@@ -208,16 +212,17 @@ def test_nothing_fits_stops_naming_the_keys(tmp_path, monkeypatch):
 def test_the_probe_runs_repas_encoder_and_projector(tmp_path, monkeypatch, tiny_dino):
     """REPA's projector pass and, with targets on the fly, its frozen encoder take memory in every step of the run:
     the probe's step has them. Injected: a GPU that fits 8 samples without the projector's pass, 4 with it."""
-    from training import repa
+    from training.data import repa_targets
+    from training.objectives import repa
 
-    forward, encoded, targets = Denoiser.forward, [], repa.encoder_targets
+    forward, encoded, targets = Denoiser.forward, [], repa_targets.encoder_targets
 
     def limited(self, x, *args, align=False, **kwargs):
         if torch.is_grad_enabled() and len(x) > (4 if align else 8):
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: {len(x)}, align={align})")
         return forward(self, x, *args, align=align, **kwargs)
     monkeypatch.setattr(Denoiser, "forward", limited)
-    monkeypatch.setattr(repa, "encoder_targets", lambda encoder, x, grid: encoded.append(len(x)) or targets(encoder, x, grid))
+    monkeypatch.setattr(repa_targets, "encoder_targets", lambda encoder, x, grid: encoded.append(len(x)) or targets(encoder, x, grid))
     cfg, accelerator, model, optimizer = tiny_run(
         tmp_path, "--train.global_batch=8", "--train.batch_size=auto", "--objective.repa_weight=0.5",
         f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=1", "--objective.repa_targets=on_the_fly")
@@ -466,7 +471,7 @@ def test_the_batch_probe_runs_with_the_post_hoc_ema_profiles_allocated(tmp_path,
     runs out of memory at the first step; with them it picks 4 and the run trains."""
     import importlib
 
-    from training import phema
+    from training.run import phema
 
     trainer, live, init = importlib.import_module(f"train_{method}"), [], phema.PowerEMA.__init__
     monkeypatch.setattr(phema.PowerEMA, "__init__", lambda self, *args: init(self, *args) or live.append(self))

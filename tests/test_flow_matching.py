@@ -9,7 +9,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from scipy import stats
 
 import common
-from training import config
+from training.config import config
 import train_flow_matching as fm
 
 

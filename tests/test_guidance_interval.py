@@ -8,7 +8,7 @@ from diffusers import DDIMScheduler
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 
 import common
-from training import config
+from training.config import config
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from test_ddpm import ToyModel, schedule, scheduler

@@ -1,28 +1,35 @@
 """The layout's rules, read from the source (nothing is imported): the modules outside tests/ import one way, with
-no import circle, and common.py, the ground floor, imports nothing from the repository. An import inside a
-function counts like one at the top: deferring an import hides a circle from Python, not from this test."""
+no import circle, and common.py, the ground floor, imports nothing from the repository. The package's folders
+follow a run's stages, ground to top, in ORDER (README.md's folder table lists them in this order): a module
+imports from its own folder and the folders below it, never from one above, so no circle runs between folders
+either. An import inside a function counts like one at the top: deferring an import hides a circle from Python,
+not from this test."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("", "training", "tools", "benchmarks")  # the repository root's scripts and the three packages
+FOLDERS = ("", "tools", "benchmarks")  # the repository root's scripts and the two script folders; training/: below
+# The package's folders, ground to top: the order of a run, written here and in README.md's folder table alone.
+ORDER = ("config", "data", "model", "objectives", "optimisation", "run", "evaluation", "record", "sharing")
 
 
 def modules(root=ROOT):
-    """{dotted name: path} of every non-test module ("training" is training/__init__.py)."""
+    """{dotted name: path} of every non-test module ("training.data" is training/data/__init__.py)."""
+    paths = [*(path for folder in FOLDERS for path in (root / folder).glob("*.py")), *(root / "training").rglob("*.py")]
     out = {}
-    for folder in FOLDERS:
-        for path in sorted((root / folder).glob("*.py")):
-            name = ".".join(path.relative_to(root).with_suffix("").parts)
-            out[name.removesuffix(".__init__")] = path
+    for path in sorted(paths):
+        name = ".".join(path.relative_to(root).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
     return out
 
 
 def imports(path, known):
-    """The modules of `known` that the file at `path` imports, anywhere in it. `from training import data` is an
-    import of training.data (the package's __init__ holds nothing); `from training.data import x` of training.data."""
+    """The modules of `known` that the file at `path` imports, anywhere in it. `from training.data import cache` is
+    an import of training.data.cache; `from training.data.cache import x` of training.data.cache; `from training
+    import data` of the folder's __init__ (which holds nothing)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -40,7 +47,7 @@ def graph(root=ROOT):
 
 
 def circles(g):
-    """Every import circle, each once, as a list of modules that starts and ends with the same one."""
+    """Every import circle, each once, as a list of nodes that starts and ends with the same one."""
     found, state = [], {}
 
     def visit(node, path):
@@ -62,11 +69,89 @@ def file_of(name, root=ROOT):
     return str(modules(root)[name].relative_to(root))
 
 
+def folder_of(name):
+    """The package folder a module lives in ("training.data.cache" -> "data"); None outside one."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "training" and len(parts) > 1 else None
+
+
+def folder_graph(g):
+    """{folder: {folder it imports from: [(importing module, imported module), ...]}}, between different folders."""
+    out = {}
+    for name, targets in g.items():
+        for target in targets:
+            a, b = folder_of(name), folder_of(target)
+            if a and b and a != b:
+                out.setdefault(a, {}).setdefault(b, []).append((name, target))
+    return out
+
+
+def against_the_order(g, root=ROOT):
+    """Each import that runs up the folders' order, or from the package to a module outside it other than
+    common.py, as 'importing file -> imported file: why'."""
+    found = []
+    for name, targets in sorted(g.items()):
+        if not name.startswith("training"):
+            continue
+        for target in sorted(targets):
+            a, b = folder_of(name), folder_of(target)
+            if not target.startswith("training") and target != "common":
+                why = "the package imports only itself and common.py"
+            elif a and b and ORDER.index(a) < ORDER.index(b):
+                why = f"{a}/ sits below {b}/ (ground to top: {', '.join(ORDER)})"
+            else:
+                continue
+            found.append(f"{file_of(name, root)} -> {file_of(target, root)}: {why}")
+    return found
+
+
+def folder_circles(g, root=ROOT):
+    """Every circle between folders, from its lowest folder on, each step named by the imports that make it."""
+    edges = folder_graph(g)
+    named = []
+    for circle in circles({a: set(b) for a, b in edges.items()}):
+        start = circle.index(min(circle[:-1], key=ORDER.index))
+        circle = circle[start:-1] + circle[:start + 1]
+        named.append("; ".join(f"{a}/ -> {b}/ (" + ", ".join(f"{file_of(m, root)} -> {file_of(t, root)}"
+                                                            for m, t in sorted(edges[a][b])) + ")"
+                               for a, b in zip(circle, circle[1:])))
+    return named
+
+
 def test_the_modules_import_one_way_with_no_circle():
     g = graph()
-    assert {"common", "training.checkpoints", "training.data", "training.encoders"} <= g.keys()  # the graph was read
+    assert {"common", "training.run.checkpoints", "training.data.sources", "training.data.encoders"} <= g.keys()
     found = circles(g)
     assert not found, "import circles:\n  " + "\n  ".join(" -> ".join(map(file_of, c)) for c in found)
+
+
+def test_the_folders_import_down_the_order_of_a_run_with_no_circle():
+    g = graph()
+    assert "config" in folder_graph(g)["data"]  # the graph was read
+    found = folder_circles(g)
+    assert not found, "circles between the package's folders:\n  " + "\n  ".join(found)
+    found = against_the_order(g)
+    assert not found, "imports against the folders' order:\n  " + "\n  ".join(found)
+
+
+def test_each_folder_is_a_stage_that_says_what_it_holds_and_re_exports_nothing():
+    """On disk: training/ holds the folders of ORDER and no loose module; each folder's __init__.py is a docstring
+    alone (what the folder holds and what it may import; nothing re-exported hides where a thing lives) and it
+    holds at least two modules (a stage of one module would be that module). README.md's folder table names the
+    folders in ORDER."""
+    package = ROOT / "training"
+    assert sorted(p.name for p in package.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(ORDER)
+    assert [p.name for p in package.glob("*.py")] == ["__init__.py"]
+    for folder in ("", *ORDER):
+        body = ast.parse((package / folder / "__init__.py").read_text()).body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), \
+            f"training/{folder}/__init__.py: a docstring and nothing else"
+        if folder:
+            assert len(list((package / folder).glob("*.py"))) >= 3, f"training/{folder}/ holds one module"
+    readme = (ROOT / "README.md").read_text()
+    rows = readme[readme.index("| folder (`training/`)"):].split("\n\n")[0]  # the table, to its blank line
+    table = re.findall(r"^\| `(\w+)/` \|", rows, re.MULTILINE)
+    assert tuple(table) == ORDER, f"README.md's folder table: {table}, not the order {ORDER}"
 
 
 def test_common_imports_nothing_from_the_repository():
@@ -77,24 +162,57 @@ def test_common_imports_nothing_from_the_repository():
 def test_the_config_schema_imports_none_of_the_options_it_describes():
     """sections.py types the keys; each option's start-up check lives in the option's module, handed over by the
     trainer (sections.schema's checks)."""
-    assert graph()["training.sections"] == set()
+    assert graph()["training.config.sections"] == set()
 
 
-@pytest.mark.parametrize("planted", ["circle", "upward"])
-def test_a_planted_circle_or_upward_import_is_caught_naming_the_files(tmp_path, planted):
-    """The checks on a copy of the modules with one import added: a circle (sharding.py importing the checkpoints
-    module that imports it, deferred inside a function) or common.py importing from the package (a module that
-    imports nothing back: no circle, only the wrong direction)."""
-    for folder in FOLDERS:
-        (tmp_path / folder).mkdir(exist_ok=True)
-        for path in (ROOT / folder).glob("*.py"):
-            (tmp_path / folder / path.name).write_text(path.read_text())
-    target, line = {"circle": ("training/sharding.py", "\n\ndef planted():\n    from training import checkpoints\n"),
-                    "upward": ("common.py", "\n\ndef planted():\n    from training import curves\n")}[planted]
-    (tmp_path / target).write_text((tmp_path / target).read_text() + line)
+def test_the_exported_code_imports_nothing_from_the_repository():
+    """training/sharing/exported/ is copied into every export folder, which loads with torch and diffusers alone."""
+    g = graph()
+    exported = {name: targets for name, targets in g.items() if name.startswith("training.sharing.exported.")}
+    assert len(exported) == 2 and not set().union(*exported.values()), exported
+
+
+PLANTS = {  # what is added, in a function, to one module of a copy of the repository
+    "circle": ("training/run/sharding.py", "training.run", "checkpoints"),  # checkpoints.py imports sharding.py
+    "upward": ("common.py", "training.record", "curves"),  # the package imports common.py: no circle
+    # the two imports this layout took out: model.py's of REPA's projector, clipping's of the sharded norm
+    "against the order": ("training/model/mmdit.py", "training.objectives", "repa"),
+    "folder circle": ("training/optimisation/clipping.py", "training.run", "sharding"),
+}
+
+
+@pytest.mark.parametrize("planted", PLANTS)
+def test_a_planted_import_is_caught_naming_the_files(tmp_path, planted):
+    """The checks on a copy of the modules with one import added inside a function: a circle between modules
+    (sharding.py importing the checkpoints module that imports it); common.py importing from the package (a module
+    that imports nothing back: no circle, only the wrong direction); an import up the folders' order that makes no
+    circle (model/mmdit.py importing objectives/repa.py, which imports nothing from model/); and one that also makes
+    a circle between folders but none between modules (optimisation/clipping.py importing run/sharding.py, while
+    run/ imports from optimisation/)."""
+    for path in modules().values():
+        copy = tmp_path / path.relative_to(ROOT)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(path.read_text())
+    target, package, name = PLANTS[planted]
+    planted_import = f"\n\ndef planted():\n    from {package} import {name}\n"
+    (tmp_path / target).write_text((tmp_path / target).read_text() + planted_import)
     g = graph(tmp_path)
+    named = [" -> ".join(file_of(m, tmp_path) for m in c) for c in circles(g)]
+    up = f" (ground to top: {', '.join(ORDER)})"
     if planted == "circle":
-        named = [" -> ".join(file_of(m, tmp_path) for m in c) for c in circles(g)]
-        assert named == ["training/checkpoints.py -> training/sharding.py -> training/checkpoints.py"]
+        assert named == ["training/run/checkpoints.py -> training/run/sharding.py -> training/run/checkpoints.py"]
+    elif planted == "upward":
+        assert g["common"] == {"training.record.curves"} and not named
+    elif planted == "against the order":
+        assert not named and not folder_circles(g, tmp_path)
+        assert against_the_order(g, tmp_path) == [
+            "training/model/mmdit.py -> training/objectives/repa.py: model/ sits below objectives/" + up]
     else:
-        assert g["common"] == {"training.curves"} and not circles(g)
+        assert not named and against_the_order(g, tmp_path) == [
+            "training/optimisation/clipping.py -> training/run/sharding.py: optimisation/ sits below run/" + up]
+        assert folder_circles(g, tmp_path) == [
+            "optimisation/ -> run/ (training/optimisation/clipping.py -> training/run/sharding.py); "
+            "run/ -> optimisation/ "
+            "(training/run/fit.py -> training/optimisation/muon.py, training/run/stability.py -> "
+            "training/optimisation/clipping.py, training/run/stability.py -> training/optimisation/convergence.py, "
+            "training/run/stability.py -> training/optimisation/time_density.py)"]

@@ -1,10 +1,10 @@
-"""training/metrics.py: precision, recall, density and coverage against the `prdc` package and closed forms,
+"""training/evaluation/metrics.py: precision, recall, density and coverage against the `prdc` package and closed forms,
 chunked and not; DINOv2 features through a tiny random Dinov2Model saved with save_pretrained (no network)."""
 import numpy as np
 import pytest
 import torch
 
-from training import metrics
+from training.evaluation import metrics
 
 
 def two_sets(n_real=240, n_fake=180, dim=12, seed=0):

@@ -9,9 +9,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import common
-from training import config
-from training.model import build_denoiser, load_exported
-from training.monitor import find_spikes, gradient_flags, group_grad_norms, group_update_ratios, layer_groups
+from training.config import config
+from training.model.mmdit import build_denoiser, load_exported
+from training.run.monitor import find_spikes, gradient_flags, group_grad_norms, group_update_ratios, layer_groups
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import tiny_run_args
@@ -171,7 +171,7 @@ def test_update_ratio_is_logged_for_real_optimizer_steps_only(tmp_path):
 def test_peak_memory_is_the_peak_of_each_log_interval(monkeypatch):
     """On CUDA each log reports its interval's allocator peak (the statistics reset after each read), so a
     large first interval does not mask the later ones; on the CPU, the process's peak RSS (no reset exists)."""
-    from training.monitor import peak_memory
+    from training.run.monitor import peak_memory
 
     allocator = {"peak": 0}
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocator["peak"])

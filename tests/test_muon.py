@@ -1,4 +1,4 @@
-"""train.optimizer="muon" (training/muon.py): which parameters go to Muon, a step equal to torch.optim.Muon and
+"""train.optimizer="muon" (training/optimisation/muon.py): which parameters go to Muon, a step equal to torch.optim.Muon and
 AdamW called directly on the same groups, a non-finite step that changes nothing, the state through state_dict,
 exact resume of a trainer run, and the start-up refusals."""
 import copy
@@ -9,8 +9,10 @@ import torch
 
 import train_flow_matching as fm
 from conftest import tiny_run_args
-from training import config, fit, muon, optimizers
-from training.model import build_denoiser
+from training.config import config
+from training.model.mmdit import build_denoiser
+from training.optimisation import muon, optimizers
+from training.run import fit
 
 
 def tiny(muon_lr=None, **train):

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from training import config, reference
+from training.config import config
+from training.evaluation import reference
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))

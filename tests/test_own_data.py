@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from training import config
+from training.config import config
 import train_flow_matching as fm
-from training.data import load_image, make_demo_dataset, open_splits
+from training.data.sources import load_image, make_demo_dataset, open_splits
 
 
 def parquet_source(tmp_path, n, labels=None, class_label=True):
@@ -119,7 +119,7 @@ def test_an_imagefolder_opens_as_datasets_infers_it_without_its_split_search(tmp
     from data_dir: the same rows, labels and metadata columns (datasets is the oracle)."""
     import datasets
 
-    from training.data import imagefolder_files, open_dataset
+    from training.data.sources import imagefolder_files, open_dataset
 
     for i, name in enumerate(LAYOUTS[layout]):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -148,7 +148,7 @@ def test_a_wrong_data_source_names_the_key_what_was_tried_and_why(tmp_path, monk
     it failed; a path (./, absolute) never reaches the hub; no datasets traceback."""
     import datasets
 
-    from training.data import open_dataset
+    from training.data.sources import open_dataset
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mydata").mkdir()
@@ -174,7 +174,7 @@ def test_a_wrong_data_source_names_the_key_what_was_tried_and_why(tmp_path, monk
 def test_a_local_folder_opens_without_datasets_download_bars(tmp_path, capfd):
     from datasets.utils.tqdm import are_progress_bars_disabled
 
-    from training.data import open_dataset
+    from training.data.sources import open_dataset
 
     for i in range(20):
         (tmp_path / "pets" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,9 @@ from accelerate import Accelerator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
-from training import config
-from training import monitor, optimizers
+from training.config import config
+from training.optimisation import optimizers
+from training.run import monitor
 from conftest import tiny_run_args
 
 
@@ -79,13 +80,13 @@ STABILITY = ["--train.grad_clip_mode=adaptive", "--train.grad_clip_history=4", "
                                            pytest.param("train_flow_matching", [  # fit.py: probe, EMA in a thread
                                                "--train.global_batch=16", "--train.batch_size=auto",
                                                "--train.ema_device=cpu", "--train.ema_every=2"], marks=pytest.mark.slow),
-                                           # every stability option on (training/stability.py), the noise scale
+                                           # every stability option on (training/run/stability.py), the noise scale
                                            # measured on the gradient-analysis steps
                                            pytest.param("train_flow_matching", ["--train.grad_accum=2", *STABILITY,
                                                         "--objective.time_sampling=adaptive"], marks=pytest.mark.slow),
                                            pytest.param("train_ddpm", ["--train.grad_accum=2", *STABILITY,
                                                         "--objective.timestep_sampling=adaptive"], marks=pytest.mark.slow),
-                                           # sharded (training/sharding.py), a group of one process
+                                           # sharded (training/run/sharding.py), a group of one process
                                            pytest.param("train_flow_matching", ["--train.sharding=fsdp",
                                                         "--train.grad_accum=2", "--ckpt.phema_every=64"],
                                                         marks=pytest.mark.slow),
@@ -157,7 +158,7 @@ def tiny_model_and_batch(checkpointing=False, layers=2):
     cfg = config.load_config(__import__("train_flow_matching").DEFAULTS,
                              ["--data.num_classes=9", f"--model.num_layers={layers}", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
                               '--conditioning.controls=["size", "crop", "flip"]', f"--train.gradient_checkpointing={str(checkpointing).lower()}"])
-    from training.model import build_for_run
+    from training.run.start import build_for_run
     torch.manual_seed(0)
     model = build_for_run(cfg, (3, 16, 16)).train()
     g = torch.Generator().manual_seed(1)
@@ -235,8 +236,8 @@ def training_forward(trainer, text, options=()):
     cfg = config.load_config(module.DEFAULTS, ["--data.num_classes=9", "--model.num_layers=2", "--model.num_attention_heads=2",
                                                "--model.attention_head_dim=16", '--conditioning.controls=["size", "crop", "flip"]',
                                                *options])
-    from training import repa
-    from training.model import build_denoiser
+    from training.model.mmdit import build_denoiser
+    from training.objectives import repa
     torch.manual_seed(0)
     model = repa.attach(build_denoiser(cfg, 3, 16, (6, 24, 20) if text else None), cfg).train()
     accelerator = common.make_accelerator("bf16")

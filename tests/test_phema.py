@@ -1,4 +1,4 @@
-"""Post-hoc EMA (training/phema.py, tools/phema.py): the profile formulas against numerical integration, the
+"""Post-hoc EMA (training/run/phema.py, tools/phema.py): the profile formulas against numerical integration, the
 tracked EMA against the closed-form profile integral, the reconstruction against a third power EMA tracked
 exactly, snapshots that a kill cuts off never read, and the profiles resumed bitwise in a real run."""
 import json
@@ -15,7 +15,7 @@ import torch
 from scipy import integrate
 from safetensors.torch import load_file
 
-from training import phema
+from training.run import phema
 from conftest import ROOT, tiny_run_args
 
 STEPS, BATCH, DIM = 400, 8, 64
@@ -163,7 +163,8 @@ def test_a_repa_runs_profiles_load_into_the_model_that_consumers_rebuild(tmp_pat
     from safetensors.torch import save_file
 
     from test_repa import run_config
-    from training.model import build_denoiser, build_for_run
+    from training.model.mmdit import build_denoiser
+    from training.run.start import build_for_run
 
     cfg = run_config(tiny_dino)
     trained = build_for_run(cfg, (3, 16, 16))
@@ -241,7 +242,7 @@ def test_a_sharded_snapshot_is_kept_in_cpu_memory_by_the_main_process_only(tmp_p
     process, which writes the snapshot, makes CPU copies (2.7 GB per rank for the XL recipes with two profiles)."""
     gathered, copied = [], []
 
-    class Whole:  # what sharding.full returns on the device: its conversion is the CPU copy
+    class Whole:  # what common.full returns on the device: its conversion is the CPU copy
         def __init__(self, tensor):
             self.tensor = tensor
 
@@ -353,7 +354,7 @@ def test_profiles_resume_bitwise_and_the_tool_exports_a_reconstruction(tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     export = tmp_path / "straight" / "phema" / "exports" / "std_0.08" / "export"
     assert json.loads((export / "phema.json").read_text())["phema_std"] == 0.08
-    from training.model import load_exported
+    from training.model.mmdit import load_exported
     model, _ = load_exported(export)
     weights, _ = phema.reconstruct(tmp_path / "straight" / "phema", 0.08)
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())

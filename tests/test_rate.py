@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import rate  # noqa: E402
-from training import ratings  # noqa: E402
+from training.evaluation import ratings  # noqa: E402
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
 

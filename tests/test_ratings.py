@@ -1,4 +1,4 @@
-"""training/ratings.py: win rates, Bradley-Terry, star ratings and the vote count, against closed forms, an
+"""training/evaluation/ratings.py: win rates, Bradley-Terry, star ratings and the vote count, against closed forms, an
 independent likelihood maximisation (scipy) and the exact binomial distribution."""
 import json
 import math
@@ -8,7 +8,7 @@ import pytest
 import scipy.optimize
 import scipy.stats
 
-from training import ratings
+from training.evaluation import ratings
 
 
 def pair_votes(results, a="A", b="B"):

@@ -115,7 +115,7 @@ def test_every_arm_starts_from_the_v_prediction_recipe_the_campaign_measured(tmp
     """The recipe now predicts x0; the campaign's base stays v-prediction (what its documented runs are), and the
     x0 arm's own argument wins: the trainer's config, resolved from the arguments each run gets."""
     import train_flow_matching
-    from training import config
+    from training.config import config
 
     got = {}
 
@@ -213,8 +213,9 @@ def test_the_cpu_per_step_is_the_training_steps_own_without_start_up_validation_
     from accelerate import Accelerator
 
     import train_flow_matching as fm
-    from training import config, monitor
-    from training.model import build_denoiser
+    from training.config import config
+    from training.model.mmdit import build_denoiser
+    from training.run import monitor
 
     clock = [0.0]
     monkeypatch.setattr(monitor.time, "process_time", lambda: clock[0])

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from training import config
+from training.config import config
 import train_ddpm
 import train_flow_matching
 from conftest import ROOT

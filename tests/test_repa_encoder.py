@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tools import repa_encoder
-from training import fashion_mnist, repa
+from training.data import fashion_mnist, repa_targets
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +45,13 @@ def test_it_trains_on_the_training_split_alone_and_holds_rows_out_for_the_probes
 def test_both_folders_load_through_the_hub_id_path_with_the_training_normalisation(made):
     _, out, record, _ = made
     for name in ("trained", "random"):
-        encoder = repa.load_encoder(str(out / name), torch.device("cpu"))
+        encoder = repa_targets.load_encoder(str(out / name), torch.device("cpu"))
         assert (encoder.patch, encoder.dim) == (4, 16)
         torch.testing.assert_close(encoder.mean.flatten(), torch.full((3,), record["pixel_mean"]))
         torch.testing.assert_close(encoder.std.flatten(), torch.full((3,), record["pixel_std"]))
         pixels = torch.rand(2, 3, 28, 28) * 2 - 1
-        assert repa.encoder_targets(encoder, pixels, 7).shape == (2, 49, 16)  # the recipe's 7 x 7 grid
-        assert repa.encoder_config(str(out / name)).hidden_size == 16  # what attach() sizes the projector by
+        assert repa_targets.encoder_targets(encoder, pixels, 7).shape == (2, 49, 16)  # the recipe's 7 x 7 grid
+        assert repa_targets.encoder_config(str(out / name)).hidden_size == 16  # what attach() sizes the projector by
 
 
 def test_the_control_is_the_same_network_at_the_weights_training_started_from(made):

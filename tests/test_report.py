@@ -6,7 +6,7 @@ import statistics
 
 from PIL import Image
 
-from training import report
+from training.record import report
 
 GROUPS = ["patch_embed"] + [f"block_{i:02d}" for i in range(6)] + ["final_layer", "conditioning"]
 VAL_LOSS = {100: 0.30, 200: 0.21, 300: 0.24}  # the best is not the last

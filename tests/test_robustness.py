@@ -16,9 +16,11 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import common
-from training import checkpoints, config, runlog
-from training.cache import CachedDataset, build_cache
-from training.data import open_splits
+from training.config import config
+from training.data.cache import CachedDataset, build_cache
+from training.data.sources import open_splits
+from training.run import checkpoints
+from training.record import runlog
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 
@@ -257,7 +259,7 @@ def test_damaged_shard_contents_are_detected_and_rebuilt(tmp_path, capsys):
         assert f"{shard} is damaged ({reason}" in out and "1 (re)built" in out and sum(calls) == 32 + 1  # + the size estimate's probe
         assert all(torch.equal(original[k], v) for k, v in load_file(str(shard)).items())
     # NaNs written with a matching checksum, in a folder whose manifest was lost: damage too.
-    from training.cache import tensors_sha256
+    from training.data.cache import tensors_sha256
 
     poisoned = {k: v.clone() for k, v in original.items()}
     poisoned["x"][3] = float("nan")
@@ -284,7 +286,7 @@ def test_damaged_shard_contents_are_detected_and_rebuilt(tmp_path, capsys):
 def test_a_warm_start_reads_headers_and_reverifies_only_changed_shards(tmp_path, capsys, monkeypatch):
     """Contents are verified when a shard is written (read back) and whenever its file changed since; an
     unchanged cache is checked from headers alone, so a start does not read the whole cache."""
-    from training import cache
+    from training.data import cache
 
     hashed, real_sha = [], cache.tensors_sha256
     monkeypatch.setattr(cache, "tensors_sha256", lambda tensors: hashed.append(1) or real_sha(tensors))
@@ -329,7 +331,7 @@ def test_the_source_fingerprint_of_a_folder_stats_no_file(tmp_path, monkeypatch)
     """A local image folder's fingerprint is `datasets`' own, which already covers each file's modification
     time: no second pass over a million files (an edit in place is still a miss:
     test_image_edited_in_place_is_a_miss_that_names_the_source)."""
-    from training.cache import source_fingerprint
+    from training.data.cache import source_fingerprint
 
     folder = tmp_path / "images" / "train"
     folder.mkdir(parents=True)

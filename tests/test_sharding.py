@@ -1,4 +1,4 @@
-"""Sharded training (train.sharding="fsdp", training/sharding.py) on two CPU processes over gloo, checked against
+"""Sharded training (train.sharding="fsdp", training/run/sharding.py) on two CPU processes over gloo, checked against
 the DDP run as the oracle: the same steps give the same weights, EMA and post-hoc EMA profiles; a run stopped by a
 signal and resumed is the uninterrupted run bitwise; a two-process checkpoint resumes on one process; the export
 is the DDP run's format. Plus what a sharded run refuses at start-up, and the full copy and norms it relies on."""
@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 from test_bookkeeping import killed_at_exit, signal_rank_one, train_rows
-from training import checkpoints, config, sharding
+from training.config import config
+from training.run import checkpoints, sharding
 
 # accumulation (no reduce-scatter on the first micro-batch), the post-hoc EMA, the gradient analysis and a
 # checkpoint at every step; fp32, so the sharded sums differ from DDP's only by fp32 rounding
@@ -174,7 +175,7 @@ def test_evaluation_sampling_and_init_from_read_a_sharded_checkpoint_whole(runs)
     """eval_fid.py / sample.py --checkpoint (EMA, raw, post-hoc EMA of any std) and init_from read a sharded
     checkpoint in one process, no group: the DDP run's checkpoint read the same way is the oracle."""
     import eval_fid
-    from training.model import read_weights
+    from training.run.start import read_weights
 
     tmp, _ = runs
     saved = sharded_checkpoint(tmp / "fsdp", STEPS)

@@ -1,4 +1,4 @@
-"""The stability parts (training/time_density.py, clipping.py, convergence.py, rollback.py) and the smoothing in monitor.py, against closed forms and known answers: the adaptive
+"""The stability parts (training/optimisation/time_density.py, clipping.py, convergence.py, rollback.py) and the smoothing in monitor.py, against closed forms and known answers: the adaptive
 time density's importance weights (unbiased), its update rule, the percentile clip on a planted spike, the
 gradient noise scale on synthetic gradients of known noise and signal, the bias-corrected smoothed loss on a
 falling curve, the validation slopes; end to end (slow): a planted NaN rolls back to the last good checkpoint
@@ -20,7 +20,9 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from training import checkpoints, clipping, config, convergence, monitor, smoothing, stability, time_density
+from training.config import config
+from training.optimisation import clipping, convergence, smoothing, time_density
+from training.run import checkpoints, monitor, stability
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 
@@ -675,7 +677,7 @@ def test_every_new_state_resumes_bitwise(tmp_path):
 
 
 def test_report_shows_the_density_the_indicators_and_the_rollbacks(tmp_path):
-    from training import report
+    from training.record import report
 
     rows = [{"step": s, "loss": 1 / s, "lr": 1e-3} for s in range(10, 110, 10)]
     rows += [{"step": s, **{f"time_density/{k}": 1 + 0.01 * k * s / 100 for k in range(8)}} for s in range(10, 110, 10)]

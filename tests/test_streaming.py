@@ -13,16 +13,16 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from training import cache
-from training import config
-from training import encoders
+from training.config import config
+from training.data import cache
+from training.data import encoders
 import eval_fid
 import train_flow_matching as fm
 from conftest import DEMO_WORDS, tiny_run_args
-from training.cache import CachedDataset, build_cache
-from training.encoding import cache_size, samples_per_shard
-from training.data import open_splits
-from training.encoders import encode_text, make_encode
+from training.data.cache import CachedDataset, build_cache
+from training.data.encoders import encode_text, make_encode
+from training.data.encoding import cache_size, samples_per_shard
+from training.data.sources import open_splits
 
 SHARDS, PER_SHARD = 8, 32  # 256 samples
 BROKEN = {(1, 5): "jpg", (2, 9): "txt", (4, 0): "empty", (6, 31): "jpg"}  # (shard, index) -> what is wrong

@@ -179,8 +179,8 @@ def test_a_rerun_resumes_runs_whose_batch_the_trainer_resolved_from_global_batch
     import torch
 
     import common
-    from training import fit
-    from training.model import build_for_run
+    from training.run import fit
+    from training.run.start import build_for_run
 
     fixed = {"train.global_batch": 32, "train.max_steps": 5, "data.num_classes": 9, "model.num_layers": 2,
              "model.num_attention_heads": 2, "model.attention_head_dim": 16}

@@ -9,10 +9,12 @@ from diffusers.models.embeddings import get_1d_sincos_pos_embed_from_grid, get_2
 from safetensors.torch import load_file
 
 import common
-from training import checkpoints, config
-from training.classes import class_names, read_class_ids
-from training.data import DEMO_CLASSES, draw_shape, make_demo_dataset, preprocess
-from training.model import adapt_state, grid_positions, load_exported, map_classes, resample_pos_embed
+from training.config import config
+from training.data.classes import class_names, read_class_ids
+from training.data.sources import DEMO_CLASSES, draw_shape, make_demo_dataset, preprocess
+from training.model.mmdit import load_exported
+from training.model.transfer import adapt_state, grid_positions, map_classes, resample_pos_embed
+from training.run import checkpoints
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
@@ -163,8 +165,8 @@ def source_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_init_from_starts_fresh_and_resume_continues(source_run, tmp_path, capsys):
-    """The choice between init_from and resume, the resampled grid and the fresh optimizer are model.prepare_model's
-    and model.init_from's, which both trainers call: one trainer here; DDPM's init_from runs in its chain below."""
+    """The choice between init_from and resume, the resampled grid and the fresh optimizer are start.prepare_model's
+    and start.init_from's, which both trainers call: one trainer here; DDPM's init_from runs in its chain below."""
     trainer, low = fm, source_run
     capsys.readouterr()  # the source's own output, when this test trained it
     high_args = tiny_run_args(tmp_path, "high", steps=3) + TINY_MODEL + [
@@ -288,7 +290,7 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
             assert full.model.pos_embed_transfer == "resample"
         if "22k" in recipe and not recipe.endswith("from22k"):
             assert full.data.num_classes == len(read_class_ids(full.data, None)) == 21841
-        if (trainer is ddpm) == (recipe in TEXT_CHAIN):  # init_from is model.py's, shared by both trainers: each
+        if (trainer is ddpm) == (recipe in TEXT_CHAIN):  # init_from is run/start.py's, shared by both trainers: each
             continue  # runs one chain (flow matching the text chain, DDPM the class chain 22k -> 1k -> 512 px)
         # The tiny version: embedded data, tiny encoders, initialised from the previous tiny run of the chain.
         tiny = ["--config", recipe_file, *tiny_run_args(tmp_path, recipe, steps=2), *TINY_MODEL,

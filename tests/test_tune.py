@@ -16,8 +16,8 @@ import eval_fid  # noqa: E402
 import sample  # noqa: E402
 from tools import phema as phema_tool  # noqa: E402
 from tools import tune  # noqa: E402
-from training import tuning  # noqa: E402
-from training.metrics import size_tag  # noqa: E402
+from training.evaluation import tuning  # noqa: E402
+from training.evaluation.metrics import size_tag  # noqa: E402
 
 CFG = {"data": {"val_split": None}, "val": {"guidance_scale": 3.0, "steps": 32, "guidance_interval": [0.0, 1.0],
                                             "sampler": "euler"}}

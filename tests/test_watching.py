@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import common
-from training import config
-from training import monitor
-from training import runlog
+from training.config import config
+from training.run import monitor
+from training.record import runlog
 import train_flow_matching as fm
-from training.model import build_denoiser
+from training.model.mmdit import build_denoiser
 
 LINE = re.compile(r"^step 2/4 \(50%\) \| loss (\d\.\d{4}) \| smoothed loss (\d\.\d{4}) \| lr 5\.00e-04 \| "
                   r"(\d+\.\d) images/s \| ETA (\d+:\d\d:\d\d.*)$")
@@ -23,7 +23,7 @@ def two_logged_steps(interactive, monkeypatch):
     """A Monitor driven through two optimizer steps and one log interval, as the loop drives it."""
     from accelerate import Accelerator
 
-    monkeypatch.setattr(monitor, "interactive", lambda: interactive)
+    monkeypatch.setattr(common, "interactive", lambda: interactive)
     cfg = config.load_config(fm.DEFAULTS, ["--train.max_steps=4", "--log.every=2", "--log.grad_every=0",
                                            "--model.num_layers=1", "--data.num_classes=3"])
     rows = []
@@ -197,9 +197,9 @@ def test_a_grid_of_one_image_is_padded_and_labelled_like_any_other(tmp_path):
 
 
 def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_path):
-    from training.classes import readable_names
-    from training.data import DEMO_CLASSES, make_demo_dataset
-    from training.validation import validation_prompts
+    from training.data.classes import readable_names
+    from training.data.classes import validation_prompts
+    from training.data.sources import DEMO_CLASSES, make_demo_dataset
     import datasets
 
     demo = make_demo_dataset(12, seed=0, resolution=8)
@@ -224,8 +224,8 @@ def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_pat
 
 
 def test_validation_conditions_are_the_encoded_prompts(tiny_text_encoder):
-    from training.encoders import encode_text, load_encoders
-    from training.validation import validation_inputs
+    from training.data.encoders import encode_text, load_encoders
+    from training.evaluation.validation import validation_inputs
 
     _, tokenizer, encoder = load_encoders(config.Config(vae=None, text_encoder=tiny_text_encoder), "cpu")
     text = encode_text(tokenizer, encoder, ["a red circle", "a blue square", "a green triangle"], 8)

@@ -1,10 +1,10 @@
-"""x-prediction for flow matching (training/xprediction.py): the same weights give the same loss and the same
+"""x-prediction for flow matching (training/objectives/xprediction.py): the same weights give the same loss and the same
 samples as the v-prediction path, and the loss is on the velocity with t clamped at T_MIN (JiT)."""
 import pytest
 import torch
 
 import train_flow_matching as fm
-from training import xprediction
+from training.objectives import xprediction
 
 
 class Velocity(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""Train the evaluation classifier of a class-conditional recipe on its training split alone (training/classifier.py).
+"""Train the evaluation classifier of a class-conditional recipe on its training split alone (training/evaluation/classifier.py).
 
     python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist
     python eval_fid.py --run runs/flow_matching_fashion_mnist --classifier classifiers/fashion_mnist ...
@@ -10,7 +10,7 @@ eval_fid.py prints beside the class accuracy of samples. Fashion-MNIST: 3 epochs
 
 A source whose test split reads the very images of its training split (a folder of class folders without a test
 folder: datasets gives its one set of images under any split name) would score training images as test images.
-Then the rows are split as the trainer splits them (data.open_splits): the classifier trains on the trainer's
+Then the rows are split as the trainer splits them (sources.open_splits): the classifier trains on the trainer's
 training rows and is measured on the rows the trainer holds out (test_split "heldout" in classifier.json, the rows
 eval_fid.py's default --reference_split scores against), and says so.
 """
@@ -25,10 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_flow_matching  # noqa: E402
-from training import classifier, config  # noqa: E402
-from training.data import load_image, open_dataset, open_splits, preprocess  # noqa: E402
-from training.monitor import progress  # noqa: E402
-from training.reference import to_uint8  # noqa: E402
+from training.config import config  # noqa: E402
+from training.data.sources import load_image, open_dataset, open_splits, preprocess  # noqa: E402
+from training.run.monitor import progress  # noqa: E402
+from training.evaluation import classifier  # noqa: E402
+from training.evaluation.reference import to_uint8  # noqa: E402
 
 
 def split_images(data, ds, split):

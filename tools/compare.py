@@ -43,9 +43,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from training import config  # noqa: E402
-from training.curves import method_of  # noqa: E402
-from training.report import fmt, last, load_metrics, style_axis, table, xy  # noqa: E402
+from training.config import config  # noqa: E402
+from training.record.curves import method_of  # noqa: E402
+from training.record.report import fmt, last, load_metrics, style_axis, table, xy  # noqa: E402
 
 NOT_ARMS = {"seed", "run_dir", "resume"}  # differ between runs of one arm, or say nothing about the method
 QUALITY = re.compile(r"^(fid|kid|fd|precision|recall|density|coverage|clip_score|class_accuracy|colour_accuracy|shape_accuracy)")
@@ -245,7 +245,7 @@ def correlation_points(runs, quality):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Plots (Agg canvas on Figure objects, as training/report.py: no global backend, no display).
+# Plots (Agg canvas on Figure objects, as training/record/report.py: no global backend, no display).
 
 
 def figure(rows=1, cols=1, width=9):

@@ -1,4 +1,4 @@
-"""Make a recipe's reference curves from its seed runs (training/curves.py), to ship beside the recipe.
+"""Make a recipe's reference curves from its seed runs (training/record/curves.py), to ship beside the recipe.
 
     python tools/curves.py --out configs/fashion_mnist.curves.json runs/fm_s0 runs/fm_s1 runs/fm_s2
     python tools/curves.py --out configs/fashion_mnist.curves.json runs/ddpm_s0 runs/ddpm_s1 runs/ddpm_s2
@@ -6,7 +6,7 @@
 The runs must be one method and one recipe, differing only in their seed; score their checkpoints first by the
 protocol (eval_fid.py --checkpoint step_N --reference_split test --untuned: the run's own settings, seed 0, reports
 in each run's eval/) so the quality bands are there too; reports on the held-out rows (tools/tune.py's) and at
-other settings are not used (training/curves.py, protocol). The file keeps the other method's curves; the recipe
+other settings are not used (training/record/curves.py, protocol). The file keeps the other method's curves; the recipe
 then names it: "val": {"reference_curves": "configs/<recipe>.curves.json"}.
 """
 import argparse
@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training import curves  # noqa: E402
-from training.report import load_metrics  # noqa: E402
+from training.record import curves  # noqa: E402
+from training.record.report import load_metrics  # noqa: E402
 
 
 def main(argv=None):

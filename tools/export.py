@@ -5,7 +5,7 @@ the model card holds the evaluation numbers, or to turn an export written before
     python tools/export.py --run runs/flow_matching_demo --push_to_hub me/demo    # and uploads it, private
 
 The weights are the run's export (its EMA); the folder is written whole beside the old one, then put in its
-place (training/pipeline_export.py). A post-hoc EMA is exported and pushed by tools/phema.py --std S --push_to_hub.
+place (training/sharing/pipeline_export.py). A post-hoc EMA is exported and pushed by tools/phema.py --std S --push_to_hub.
 """
 import argparse
 import json
@@ -14,7 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval_fid  # noqa: E402
-from training import hub, pipeline_export  # noqa: E402
+from training.run import hub  # noqa: E402
+from training.sharing import pipeline_export  # noqa: E402
 
 
 def main(argv=None):

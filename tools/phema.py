@@ -5,7 +5,7 @@
     python tools/phema.py --run runs/flow_matching_demo --sweep 0.03,0.05,0.08,0.12,0.18 --num_samples 1000 \\
         --inception_weights inception-2015-12-05.pt                   # FID of each std, the best one named
 
-The reconstruction (training/phema.py; Karras et al. 2024, sec. 3 and appendix C) is the least-squares mix of
+The reconstruction (training/run/phema.py; Karras et al. 2024, sec. 3 and appendix C) is the least-squares mix of
 the snapshots' power-EMA profiles closest to the target profile, at the time of the last snapshot. An export
 is a copy of the run's export (its config, buffers, class ids) with the reconstructed weights: eval_fid.py,
 sample.py and init_from read it like any export, and eval_fid.py / sample.py also take --phema_std directly.
@@ -20,9 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval_fid  # noqa: E402
-from training import hub, pipeline_export  # noqa: E402
-from training.phema import list_snapshots, snapshot_folder  # noqa: E402
-from training.reference import check_selection  # noqa: E402
+from training.run import hub  # noqa: E402
+from training.run.phema import list_snapshots, snapshot_folder  # noqa: E402
+from training.evaluation.reference import check_selection  # noqa: E402
+from training.sharing import pipeline_export  # noqa: E402
 
 
 def stds_arg(text):

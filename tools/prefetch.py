@@ -25,12 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the trainers and the package
 
-from training import config  # noqa: E402
-from training import data  # noqa: E402
-from training import encoders  # noqa: E402
-from training import metrics  # noqa: E402
-from training import reference  # noqa: E402
-from training import repa  # noqa: E402
+from training.config import config  # noqa: E402
+from training.data import encoders, repa_targets, sources  # noqa: E402
+from training.evaluation import metrics, reference  # noqa: E402
 import eval_fid  # noqa: E402
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
@@ -72,17 +69,17 @@ def plan(cfg, dino=None):
 def fetch(item, cfg, inception_file):
     """Fetch one item through the call that training or evaluation makes; returns what it got, in words."""
     key, name = item["key"], item["name"]
-    if key == "data.source" and data.is_stream(cfg.data):  # nothing to download: shards stream at cache time
-        return f"streamed, {data.open_stream(cfg.data, item['split']).num_shards} shards (read when the cache is built)"
+    if key == "data.source" and sources.is_stream(cfg.data):  # nothing to download: shards stream at cache time
+        return f"streamed, {sources.open_stream(cfg.data, item['split']).num_shards} shards (read when the cache is built)"
     if key == "data.source":
-        return f"{len(data.open_dataset(cfg.data, item['split'])):,} rows"  # downloaded and prepared
+        return f"{len(sources.open_dataset(cfg.data, item['split'])):,} rows"  # downloaded and prepared
     if key.startswith("encoders."):
         only = config.Config({"vae": None, "text_encoder": None, "max_tokens": cfg.encoders.max_tokens})
         only[key.split(".")[1]] = name
         encoders.load_encoders(only, "cpu")
         return "loaded"
     if key == "objective.repa_encoder":
-        repa.load_encoder(name, "cpu")  # the model and its image processor, as training loads them
+        repa_targets.load_encoder(name, "cpu")  # the model and its image processor, as training loads them
         return "loaded"
     if key == "eval_fid.py --clip_model":
         from PIL import Image

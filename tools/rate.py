@@ -13,7 +13,7 @@ and samples/), whose PNGs are reused as they are. Runs and checkpoints are sampl
 The page (Python's http.server, bound to 127.0.0.1 only; no external assets) shows one sample index at a time:
 two sides in random left/right order with the condition named, buttons and keys a / b / t / s (or the arrow
 keys and space); in one-run mode 1-5 and s. Every vote is appended (under a lock, one write per line) to
-ratings.jsonl in the run folder of each side it involves (format: training/ratings.py). A vote must name a
+ratings.jsonl in the run folder of each side it involves (format: training/evaluation/ratings.py). A vote must name a
 token the server issued for a pair it showed, once; anything else is HTTP 400 and writes nothing. A pair shown
 but not voted on (a reload, a closed tab) is shown again once the queue is empty; the page says done only when
 every pair has a vote. Restarting the same study skips what was already voted on. When the study is done, and
@@ -34,8 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: eval_fid, sample, the package
 
-from training import ratings  # noqa: E402
-from training.classes import readable_names  # noqa: E402
+from training.data.classes import readable_names  # noqa: E402
+from training.evaluation import ratings  # noqa: E402
 
 PAIR_CHOICES = ("left", "right", "tie", "skip")
 STAR_CHOICES = (1, 2, 3, 4, 5, "skip")
@@ -246,7 +246,7 @@ class Study:
     def write_reports(self):
         """Rewrite report.md of each side's run (a training run folder: metrics.jsonl) when votes came since the
         last time, so the votes reach the report (its "Human ratings" section) without a command by hand."""
-        from training.report import write_report  # (matplotlib: once votes came)
+        from training.record.report import write_report  # (matplotlib: once votes came)
 
         with self.lock:
             if self.voted == self.reported:

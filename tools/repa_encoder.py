@@ -11,7 +11,7 @@ here, on the 60,000 training images (never the test split, which the evaluation 
 classifier of the 10 classes: transformers' Dinov2ForImageClassification, whose head reads the class token and the
 mean patch token, so the patch tokens REPA aligns to are trained too. Its patch size 4 makes the recipe's 28 px
 exactly its 7 x 7 token grid, the MMDiT's at model.patch_size 4 (another grid: repa.py resizes the image and
-DINOv2 interpolates its position embeddings). It is not the evaluation classifier (training/classifier.py, a
+DINOv2 interpolates its position embeddings). It is not the evaluation classifier (training/evaluation/classifier.py, a
 ResNet): eval_fid.py's FD is computed in that classifier's features, and aligning the model to them would
 optimise the metric itself. It does share that classifier's supervision (the same labels), which DINOv2's
 self-supervised features do not.
@@ -19,7 +19,7 @@ self-supervised features do not.
 Written to --out:
   trained/  the backbone (Dinov2Model, save_pretrained) and its image processor config (BitImageProcessor) whose
             image_mean and image_std are the training images' own pixel mean and std, the normalisation it was
-            trained with; repa.load_encoder reads both through AutoModel / AutoImageProcessor, as for a hub id
+            trained with; repa_targets.load_encoder reads both through AutoModel / AutoImageProcessor, as for a hub id
   random/   the same config and processor, the weights it started from (the control: only training differs)
   encoder.json  rows trained on and held out, the CPU time, and for both: k-NN and linear-probe accuracy on the
             held-out rows of the training split (features: the mean patch token) and the mean cosine between the
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training import fashion_mnist  # noqa: E402
+from training.data import fashion_mnist  # noqa: E402
 
 # The architecture: 4 blocks of width 64 (4 heads), patch 4 at 28 px; 142k parameters, about 90 CPU-s an epoch
 # (one thread). Module constants rather than flags: the tests shrink them.
@@ -58,7 +58,7 @@ def build(num_classes, seed):
 
 
 def to_input(images, mean, std):
-    """uint8 grey (N, 28, 28) -> what repa.encoder_targets hands the encoder for the same image: RGB in [0, 1]
+    """uint8 grey (N, 28, 28) -> what repa_targets.encoder_targets hands the encoder for the same image: RGB in [0, 1]
     (the trainer's pixels (x + 1) / 2), normalised by the processor's mean and std."""
     x = torch.from_numpy(np.asarray(images)).float().div(255).unsqueeze(1).expand(-1, 3, -1, -1)
     return (x - mean) / std

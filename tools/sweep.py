@@ -49,7 +49,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from training import config, fit  # noqa: E402
+from training.config import config  # noqa: E402
+from training.run import fit  # noqa: E402
 
 REQUEUE_EXIT_CODE = common.REQUEUE_EXIT_CODE
 METHODS = ("flow_matching", "ddpm")

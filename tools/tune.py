@@ -21,7 +21,7 @@ fd_classifier_2k), and compared with distances at that count. The one with the l
 the output says whether the interval of the difference settles it.
 
 The reference is always the run's held-out rows (eval_fid.py's default): --reference and --reference_split are
-refused, and so is a run whose held-out rows are a test split (training/reference.py, check_selection), so no
+refused, and so is a run whose held-out rows are a test split (training/evaluation/reference.py, check_selection), so no
 setting is ever chosen on the images that report the final score. The score is the first distance in
 eval_fid.py's report (FID, or fd_classifier with --features classifier); lower wins. Writes RUN/tuned.json: the
 search table, the confirmation, the chosen setting ("best") and the runner-up, the model they were chosen for (what
@@ -29,7 +29,7 @@ it is: the digest of its weights, where they were, its step, EMA or raw; --check
 checkpoint it names when the search starts) and the sampler, and "at_edge": a note for each setting searched at
 three or more values whose chosen value is the smallest or largest of them (printed too: the best may lie beyond
 the grid). eval_fid.py and sample.py then sample that model, with that sampler, with "best" wherever no flag sets a
-setting (eval_fid.tuned_defaults, training/tuning.py; --untuned: the run's own settings), and the export takes it
+setting (eval_fid.tuned_defaults, training/evaluation/tuning.py; --untuned: the run's own settings), and the export takes it
 as its pipeline's defaults (tools/export.py). Any other argument goes to eval_fid.py as is (--help lists them:
 --classifier, --features, --checkpoint, --batch_size, ...).
 
@@ -51,8 +51,8 @@ import torch  # noqa: E402
 
 import eval_fid  # noqa: E402
 from tools.compare import paired_comparison, t_interval  # noqa: E402
-from training import tuning  # noqa: E402
-from training.reference import check_selection  # noqa: E402
+from training.evaluation import tuning  # noqa: E402
+from training.evaluation.reference import check_selection  # noqa: E402
 
 
 def floats(text):

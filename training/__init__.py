@@ -1,6 +1,6 @@
-"""The modules the trainers import, one concern each: `config` (the typed config), `data` (sources,
-preprocessing and batches), `encoders` (the frozen VAE and text encoder), `classes` (labels and class ids),
-`cache` (the latent / text cache), `checkpoints` (save, find, load), `model` (the conditioned MMDiT and
-guidance), `monitor` (what a step measures), `runlog` and `report` (what a run writes); the README's table has
-them all. Imports run one way, with no circle: nothing here imports from tools/, and common.py imports nothing
-from here (tests/test_layout.py)."""
+"""The library the commands import (the trainers, eval_fid.py, sample.py, tools/, benchmarks/), in folders by
+stage of a run, ground to top as README.md's folder table lists them (tests/test_layout.py holds the order). A
+module imports from its own folder and the folders below it, never from one above, so imports run one way with no
+circle, between modules and between folders. Nothing is re-exported: neither this file nor a folder's __init__.py
+holds code, so an import names the module a thing lives in (`from training.data import cache`). Nothing here
+imports from tools/, benchmarks/ or the commands; common.py, under everything, imports nothing from here."""

@@ -1,6 +1,6 @@
 """The run's config: a trainer's DEFAULTS <- --config file.json <- --section.key=value, checked at start-up.
 
-The keys are typed in training/sections.py (pydantic models: each key's type, its range or allowed values and
+The keys are typed in training/config/sections.py (pydantic models: each key's type, its range or allowed values and
 its one-line description); a trainer adds its objective section, its sampler keys and the start-up checks of the
 options it runs (schema), and names the defaults it changes (defaults). Every problem is reported at once, one line each, in one ConfigError, before
 any data is opened or any model is built. `--help` lists every key with its type, default and description from
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from training.sections import budget_warnings, combination_problems, schema, size_warnings  # noqa: F401 (the trainers' API)
+from training.config.sections import budget_warnings, combination_problems, schema, size_warnings  # noqa: F401 (the trainers' API)
 
 
 class ConfigError(ValueError):
@@ -199,42 +199,12 @@ def load_config(defaults, argv=None, method="run", schema=None):
 # A key added since a run started whose default does not do what that run did: its value from before the key.
 # (conditioning.pooled_text: the pooled text vector reached the adaptive norm in every mode before it existed.)
 BEFORE_THE_KEY = {"conditioning.pooled_text": True}
-TRAINER_FILLS = {"data.num_classes"}  # left None, the trainer reads it from the data at every start (data.open_splits)
+TRAINER_FILLS = {"data.num_classes"}  # left None, the trainer reads it from the data at every start (sources.open_splits)
 
 
 def recorded(then, key, default):
     """A key's value in a run's recorded config (flattened), what it did before the key existed, else `default`."""
     return then[key] if key in then else BEFORE_THE_KEY.get(key, default)
-
-
-def keep_recorded(cfg, skip=(), log=print):
-    """--resume: the run goes on with the values it started with. Every key that neither a --config file nor the
-    command line sets now takes the value of the checkpoint's recorded config (or its value from before the key,
-    BEFORE_THE_KEY) where today's default differs: a default changed since would otherwise resume another model
-    without a word. What is set now wins (a change on purpose); `skip` and TRAINER_FILLS: keys the trainer resolves
-    itself. Each key taken is printed. Reads only the checkpoint's config (memory-mapped state.pt); no checkpoint:
-    nothing."""
-    import torch  # here, not at the top: --help, --print_config and the config tools answer without loading torch
-
-    from training import checkpoints  # (torch with it)
-
-    ckpt = checkpoints.find_checkpoint(cfg.run_dir, cfg.resume) if cfg.resume else None
-    if ckpt is None:
-        return {}
-    then = flatten(torch.load(Path(ckpt) / "state.pt", mmap=True, weights_only=True, map_location="cpu")["config"])
-    taken, kept = {}, {*cfg.explicit, *skip, "resume"}
-    for key, now in flatten(cfg).items():
-        old = json.loads(json.dumps(recorded(then, key, now)))  # as recorded (JSON): a tuple and its list are equal
-        if key in kept or (now is None and key in TRAINER_FILLS) or old == json.loads(json.dumps(now)):
-            continue
-        *sections, leaf = key.split(".")
-        section = cfg
-        for name in sections:
-            section = section[name]
-        section[leaf], taken[key] = old, (old, now)
-    for key, (old, now) in taken.items() if int(os.environ.get("RANK", 0)) == 0 else ():
-        log(f"resume: {key}={old!r}, as the run started ({ckpt.name}; today's default: {now!r}; set it to change it)")
-    return taken
 
 
 def help_text(defaults, method, schema):

@@ -1,6 +1,6 @@
 """The config's keys: the shared sections typed once (pydantic models: each key's type, its range or allowed
 values, and its one-line description), a trainer's whole schema from them, and the combinations of values that
-cannot work. training/config.py reads a config against these; a trainer adds its own section (schema).
+cannot work. training/config/config.py reads a config against these; a trainer adds its own section (schema).
 """
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal
@@ -104,7 +104,7 @@ class Train(BaseModel, extra="forbid", strict=True):
     lr: float = Field(1e-3, ge=0, description="the paper: 1e-4 at batch 2048; the tiny demo model likes more "
                       "(train.optimizer='muon': the AdamW group's)")
     optimizer: Literal["adamw", "muon"] = Field("adamw", description='"muon": torch.optim.Muon for the blocks\' 2-D '
-                                                'weights, AdamW for the rest (training/muon.py; torch >= 2.9)')
+                                                'weights, AdamW for the rest (training/optimisation/muon.py; torch >= 2.9)')
     muon_lr: float | None = Field(None, ge=0, description="Muon's LR, on AdamW's scale (update RMS matched: Liu et al. "
                                   "2025; PRX: 1e-4, as its AdamW group); None: train.lr")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="after warm-up (decay to 0)")
@@ -128,11 +128,11 @@ class Train(BaseModel, extra="forbid", strict=True):
     mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="autocast (fp32 master weights and EMA)")
     ema_decay: float = Field(0.999, ge=0, le=1, description="EMA of the weights, per optimizer step")
     ema_device: Literal["same", "cpu"] = Field("same", description='"cpu": the fp32 EMA in pinned CPU memory (4 B/param off the GPU)')
-    ema_every: int = Field(1, ge=1, description="update the EMA every k steps, the k decays compounded (training/fit.py)")
+    ema_every: int = Field(1, ge=1, description="update the EMA every k steps, the k decays compounded (training/run/fit.py)")
     gradient_checkpointing: bool = Field(False, description="recompute activations: far less memory, ~1/3 more FLOPs")
     compile: bool = Field(False, description="torch.compile the model (on in the recipes; docs/performance.md)")
     sharding: Literal["ddp", "fsdp"] = Field("ddp", description='"fsdp": weights, gradients, Adam and EMA sharded '
-                                             'over the GPUs, for models DDP cannot fit (training/sharding.py)')
+                                             'over the GPUs, for models DDP cannot fit (training/run/sharding.py)')
     timeout_minutes: float = Field(30.0, gt=0, description="how long a collective waits for a slow rank (NCCL's own: 10)")
 
 
@@ -161,7 +161,7 @@ class Log(BaseModel, extra="forbid", strict=True):
     grad_every: int = Field(50, ge=0, description="gradient norm and update / weight ratio per layer group (0: off)")
     grad_flag_ratio: float = Field(100.0, gt=1, description="flag a group this far below / above the median group")
     spike_threshold: float = Field(6.0, gt=0, description="a loss spike: this many running stds above the mean")
-    report: bool = Field(True, description="report.md and plots in run_dir at the end (python -m training.report)")
+    report: bool = Field(True, description="report.md and plots in run_dir at the end (python -m training.record.report)")
     wandb: Literal["auto", "online", "offline", "off"] = Field("auto", description="auto: online if logged in")
     project: str = Field("minimal-diffusion", description="the wandb project")
 
@@ -175,7 +175,7 @@ class Ckpt(BaseModel, extra="forbid", strict=True):
 
 class Repa(BaseModel, extra="forbid", strict=True):  # both trainers' objective keys (schema adds them)
     repa_weight: float = Field(0.0, ge=0, description="REPA: weight of the representation-alignment term "
-                               "(the paper: 0.5; training/repa.py); 0: off")
+                               "(the paper: 0.5; training/objectives/repa.py); 0: off")
     repa_encoder: str = Field("facebook/dinov2-base", description="REPA: the frozen transformers image model "
                               "(hub id or folder) whose patch tokens are the targets (DINOv2-B: the paper's)")
     repa_block: int = Field(4, ge=1, description="REPA: the block (1-based) whose output tokens are aligned "

@@ -6,8 +6,9 @@ load / miss: process -> cache results"), which both trainers spell out:
       DecodedShards (decode, crop in DataLoader workers) -> encode here -> write_shards (atomic, checksummed,
       read back) -> manifest -> CachedDataset; then encoders.place_encoders
 
-Where the rows come from (sources, streams, preprocessing, encoders) is data.py's; how a row is decoded and
-encoded, and the size estimate, encoding.py's.
+Where the rows come from (sources, streams, preprocessing) is sources.py's, the frozen encoders encoders.py's and
+REPA's targets repa_targets.py's; how a row is decoded and encoded, and the size estimate, encoding.py's; the
+batches read from the cache, batching.py's.
 """
 import glob
 import hashlib
@@ -24,13 +25,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from training import repa
-from training.classes import class_names, read_class_ids
-from training.data import expand_braces, is_stream, loader_options, stream_shards, views_of
-from training.encoders import encode_text, load_encoders, make_encode
-from training.encoding import DecodedShards, cache_size, encoded_rows, human_bytes, samples_per_shard
-from training.monitor import interactive
-from training.validation import validation_prompts
+import common
+from training.data import repa_targets
+from training.data.batching import loader_options, views_of
+from training.data.classes import class_names, read_class_ids, validation_prompts
+from training.data.encoders import encode_text, load_encoders, make_encode
+from training.data.encoding import DecodedShards, cache_size, encoded_rows, human_bytes, samples_per_shard
+from training.data.sources import expand_braces, is_stream, stream_shards
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -87,7 +88,7 @@ def cache_key(cfg, part, ds, rows):
         key["views"] = [data.cache_views, data.random_flip]
     if part == "train" and not data.cache_text and enc.text_encoder:
         key["cache_text"] = False  # token ids, not features
-    key.update(repa.cache_key(cfg))  # REPA's targets, when stored with the rows
+    key.update(repa_targets.cache_key(cfg))  # REPA's targets, when stored with the rows
     return key
 
 
@@ -179,7 +180,7 @@ def write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator
                                          **loader_options(data, torch.device("cpu")))
     rank = accelerator.process_index
     bar = tqdm(total=sum(rows[k] for k in todo), unit="img", desc=f"cache {part} (rank {rank})",
-               disable=not accelerator.is_local_main_process, mininterval=0.1 if interactive() else 60)
+               disable=not accelerator.is_local_main_process, mininterval=0.1 if common.interactive() else 60)
     pending, done, encoded, skipped, start = {}, 0, 0, 0, time.perf_counter()
 
     def agree():
@@ -471,9 +472,9 @@ def frozen_encoders(cfg, train_ds, val_ds, accelerator):
 
     data, device = cfg.data, accelerator.device
     vae, tokenizer, text_encoder = load_encoders(cfg.encoders, device)
+    encode = make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens)
     out = SimpleNamespace(vae=vae, text_encoder=text_encoder, null_text=None, val_text=None,
-                          encode=repa.with_targets(make_encode(vae, tokenizer, text_encoder, cfg.encoders.max_tokens),
-                                                   cfg, vae, device, accelerator.print),  # REPA's targets too
+                          encode=repa_targets.with_targets(encode, cfg, vae, device, accelerator.print),  # REPA's too
                           val_prompts=validation_prompts(cfg, train_ds, val_ds),  # what each grid cell shows
                           class_ids=read_class_ids(data, train_ds) if data.label_column else None)
     if text_encoder is not None:

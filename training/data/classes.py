@@ -1,12 +1,13 @@
 """Labels and classes: which labels a run conditions on, checking them (every label a class 0 .. num_classes - 1),
 counting classes when data.num_classes is unset, and the classes' ids (WordNet ids, ClassLabel names, a file)
-and readable names, kept with the model and written under the validation grids."""
+and readable names, kept with the model and written under the validation grids, and what each cell of a
+validation grid shows (its class name, or a prompt)."""
 import re
 from pathlib import Path
 
 import numpy as np
 
-from training.config import ConfigError
+from training.config.config import ConfigError
 
 
 def labels_are_the_condition(data):
@@ -142,3 +143,30 @@ def readable_names(ids):
     info = ImageNetInfo("imagenet-22k")
     known = set(info.label_names())
     return [info.label_name_to_description(i) if i in known else i for i in ids]
+
+
+def validation_prompts(cfg, train_ds, val_ds):
+    """What each cell of the validation grid shows, in grid order (also written beside the grid). Text runs:
+    the lines of the file val.prompts, else the first held-out captions (label_captions: the held-out rows'
+    class names). Class runs: the names of classes 0, 1, 2, ... (cycled), from the data's class names
+    (ClassLabel, class folders, data.class_ids), else "class k"."""
+    data, n = cfg.data, cfg.val.num_samples
+    if cfg.val.prompts is not None:
+        if not cfg.encoders.text_encoder:
+            raise ValueError(f"val.prompts={cfg.val.prompts!r} is for text-to-image runs (encoders.text_encoder); "
+                             f"a class-conditional run's grid shows its classes in order")
+        path = Path(cfg.val.prompts)
+        if not path.is_file():
+            raise FileNotFoundError(f"val.prompts={cfg.val.prompts!r}: no such file (a text file, one prompt per line)")
+        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"val.prompts={cfg.val.prompts!r} holds no prompts (one per line)")
+        return prompts[:n]
+    if data.label_captions:
+        names = class_names(data, train_ds)
+        return [names[label] for label in val_ds[:n][data.label_column]]
+    if data.caption_column:
+        return [str(caption) for caption in val_ds[:n][data.caption_column]]
+    ids = read_class_ids(data, train_ds)
+    names = readable_names(ids) if ids else [f"class {k}" for k in range(data.num_classes)]
+    return [names[k % data.num_classes] for k in range(n)]

@@ -1,7 +1,7 @@
 """Rows -> the tensors a cache shard holds, for streams and map-style sources alike: the rows of each source
 shard, decoding and cropping in DataLoader workers (DecodedShards; a damaged or mislabelled image is reported and
 skipped, never trained on), the encoding of a decoded batch, and the size estimate of a cache before it is built.
-training/cache.py writes, checks and reads the shards.
+training/data/cache.py writes, checks and reads the shards.
 """
 import functools
 import random
@@ -9,8 +9,8 @@ import random
 import torch
 from PIL import Image
 
-from training.classes import label_problem, labels_are_the_condition
-from training.data import is_stream, load_image, preprocess, shard_of, tag_shard
+from training.data.classes import label_problem, labels_are_the_condition
+from training.data.sources import is_stream, load_image, preprocess, shard_of, tag_shard
 
 
 def samples_per_shard(ds, shards, size):

@@ -17,9 +17,9 @@ import torch
 from PIL import Image
 
 import common
-from training import config
-from training.data import is_stream, load_image, open_dataset, open_splits, preprocess, stream_heldout
-from training.monitor import progress
+from training.config import config
+from training.data.sources import is_stream, load_image, open_dataset, open_splits, preprocess, stream_heldout
+from training.run.monitor import progress
 
 INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
 INCEPTION_FILE = "inception-2015-12-05.pt"

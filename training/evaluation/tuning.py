@@ -5,7 +5,7 @@ checkpoint named 'latest', or an export written again after more training, is an
 records what the model is, not how it was named: the SHA-256 of its weight files (an export's transformer and
 conditioner, a checkpoint's ema or model file, or its shards), beside where they were, the step and EMA or raw,
 and the sampler it was searched with. eval_fid.py and sample.py (eval_fid.tuned_defaults) and the export
-(training/pipeline_export.py) use the choice only for a model whose weights have that digest, with that sampler;
+(training/sharing/pipeline_export.py) use the choice only for a model whose weights have that digest, with that sampler;
 the same checkpoint named by its path or by 'latest' is the same model.
 """
 import hashlib
@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from training import checkpoints, sharding
+from training.run import checkpoints, sharding
 
 TUNED = ("guidance_scale", "guidance_interval", "steps", "phema_std")  # what tools/tune.py chooses
 

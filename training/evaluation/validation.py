@@ -1,44 +1,15 @@
 """What both trainers' validation does around the method's own sampler and loss: its fixed inputs (the grid's
-prompts, conditions and noise; the held-out batches with their noise), the sample grid split over the ranks (with
-its network evaluations counted), the held-out loss on a fixed time grid, and the row and line that report them.
-Every rank calls each; the results are a one-process run's."""
-from pathlib import Path
-
+conditions and noise; the held-out batches with their noise), the sample grid split over the ranks (with its
+network evaluations counted), the held-out loss on a fixed time grid, and the row and line that report them.
+Every rank calls each; the results are a one-process run's. What each cell shows (a class name or a prompt) is
+chosen with the data, when the cache stage encodes the prompts: data/classes.py, validation_prompts."""
 import torch
 
 import common
-from training.classes import class_names, read_class_ids, readable_names
-from training.data import conditions_of
+from training.data.batching import conditions_of
 
 # ----------------------------------------------------------------------------------------------------------
-# Fixed inputs: what the grid shows, its conditions and noise, and the held-out batches.
-
-
-def validation_prompts(cfg, train_ds, val_ds):
-    """What each cell of the validation grid shows, in grid order (also written beside the grid). Text runs:
-    the lines of the file val.prompts, else the first held-out captions (label_captions: the held-out rows'
-    class names). Class runs: the names of classes 0, 1, 2, ... (cycled), from the data's class names
-    (ClassLabel, class folders, data.class_ids), else "class k"."""
-    data, n = cfg.data, cfg.val.num_samples
-    if cfg.val.prompts is not None:
-        if not cfg.encoders.text_encoder:
-            raise ValueError(f"val.prompts={cfg.val.prompts!r} is for text-to-image runs (encoders.text_encoder); "
-                             f"a class-conditional run's grid shows its classes in order")
-        path = Path(cfg.val.prompts)
-        if not path.is_file():
-            raise FileNotFoundError(f"val.prompts={cfg.val.prompts!r}: no such file (a text file, one prompt per line)")
-        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-        if not prompts:
-            raise ValueError(f"val.prompts={cfg.val.prompts!r} holds no prompts (one per line)")
-        return prompts[:n]
-    if data.label_captions:
-        names = class_names(data, train_ds)
-        return [names[label] for label in val_ds[:n][data.label_column]]
-    if data.caption_column:
-        return [str(caption) for caption in val_ds[:n][data.caption_column]]
-    ids = read_class_ids(data, train_ds)
-    names = readable_names(ids) if ids else [f"class {k}" for k in range(data.num_classes)]
-    return [names[k % data.num_classes] for k in range(n)]
+# Fixed inputs: the grid's conditions and noise, and the held-out batches.
 
 
 def validation_inputs(val_set, num_samples, num_classes, x_shape, seed, device, text=None):

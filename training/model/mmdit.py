@@ -1,5 +1,6 @@
-"""The conditioned MMDiT: diffusers' SD3Transformer2DModel plus the paper's conditioner, guidance, build /
-export / load, and the transfer of weights between runs (init_from).
+"""The conditioned MMDiT: diffusers' SD3Transformer2DModel plus the paper's conditioner, guidance, its build, and
+the model an export holds read back (load_exported). The run's model at its start (REPA's projector, the EMA,
+resume or init_from) is training/run/start.py's; what init_from does to the tensors, transfer.py's.
 
 Conditioning (Berrada et al. 2024, our reading): semantic conditions (class tokens or text tokens) enter the
 MMDiT's context stream, i.e. act through attention; control metadata (size, crop, flip) is embedded and added
@@ -15,8 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-import common
-from training import checkpoints, config, hub, pipeline_export, repa
+from training.config import config
 
 # ----------------------------------------------------------------------------------------------------------
 # Conditioning: class tokens or text tokens go to the MMDiT's context stream (attention); the pooled
@@ -164,7 +164,7 @@ class Denoiser(nn.Module):
     added, in plain sight, to the vector every block's AdaLayerNorm reads. Nothing is kept on the module
     between calls (torch.compile sees one pure function), and the transformer stays a stock diffusers model:
     its weights, state-dict keys and export are diffusers'. tests/test_core.py checks this forward against
-    diffusers' own. With REPA on (training/repa.py attaches `projector` and `align_block`), align=True also
+    diffusers' own. With REPA on (training/objectives/repa.py attaches `projector` and `align_block`), align=True also
     returns the projected tokens after block `align_block`, from the same pass.
     """
 
@@ -198,7 +198,7 @@ class Denoiser(nn.Module):
         return (out, self.projector(aligned)) if align else out
 
 
-TRAINING_ONLY = ("projector.",)  # parts of the trained Denoiser that export() leaves out: REPA's projector
+TRAINING_ONLY = ("projector.",)  # parts of the trained Denoiser that the export leaves out: REPA's projector
 
 
 def exported_parameters(model):
@@ -251,7 +251,7 @@ def make_conditioner(cfg, width, context_dim, pooled_dim, text_tokens=0):
     if unknown:
         raise ValueError(f"conditioning.controls: unknown {sorted(unknown)}; choose from {sorted(CONTROL_FIELDS)}")
     num_classes = cfg["data"]["num_classes"] if cfg["data"]["label_column"] and not text_tokens else 0
-    if num_classes is None:  # the trainers read it from the data (data.open_splits) before building the model
+    if num_classes is None:  # the trainers read it from the data (sources.open_splits) before building the model
         raise ValueError("data.num_classes is unset: set it to build a class-conditional model outside a trainer")
     return Conditioner(num_classes, cfg["model"]["class_tokens"], context_dim, pooled_dim, width, text_tokens,
                        {name: c["control_power"][name] for name in c["controls"]}, c["mode"],
@@ -281,42 +281,6 @@ def build_denoiser(cfg, channels, size, text_dims=None):
     return Denoiser(transformer, make_conditioner(cfg, width, context_dim, pooled_dim, tokens))
 
 
-def build_for_run(cfg, x_shape, null_text=None):
-    """The run's Denoiser for data of shape (channels, size, size) in model space; text runs pass the empty
-    prompt's encoding (null_text), which is the dropped condition of guidance and fixes the text dims."""
-    text_dims = None if null_text is None else (*null_text["text_tokens"].shape[1:], null_text["text_pooled"].shape[-1])
-    model = repa.attach(build_denoiser(cfg, x_shape[0], x_shape[-1], text_dims), cfg)  # REPA: its projector
-    if null_text is not None:
-        for name in ("tokens", "mask", "pooled"):
-            getattr(model.conditioner, f"null_{name}").copy_(null_text[f"text_{name}"][0])
-    if cfg.train.gradient_checkpointing:
-        model.transformer.enable_gradient_checkpointing()
-    return model
-
-
-def prepare_model(cfg, x_shape, null_text, class_ids, run_dir, accelerator):
-    """The run's model and its fp32 EMA (also on the GPU), and the checkpoint to resume, if any. Resume (same
-    run) continues a checkpoint of run_dir; init_from (a new run) only takes another run's weights, so a
-    preempted fine-tuning run resumes its own checkpoint and init_from applies to a fresh start only."""
-    import copy
-
-    model = build_for_run(cfg, x_shape, null_text)
-    ema = copy.deepcopy(model).requires_grad_(False).float()
-    ema.inherited = set()  # names of EMA tensors init_from takes from another run's EMA (common.ema_update)
-    ckpt = checkpoints.same_checkpoint(checkpoints.find_checkpoint(run_dir, cfg.resume), accelerator) if cfg.resume else None
-    if cfg.init_from and ckpt is None:
-        report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print)
-        if accelerator.is_main_process:
-            (Path(run_dir) / "init_from.json").write_text(json.dumps(report, indent=1))
-    return model, ema, ckpt
-
-
-def export(ema, cfg, run_dir, class_ids=None):
-    """The fp32 EMA model as a diffusers pipeline folder, run_dir/export (training/pipeline_export.py), pushed to
-    the Hub when the config's push_to_hub names a repository."""
-    return pipeline_export.export(ema, cfg, Path(run_dir) / "export", class_ids, run_dir)
-
-
 def load_exported(folder):
     """The EMA model that a run exported: transformer via `from_pretrained`, the conditioner's weights, the
     run's config.json."""
@@ -326,7 +290,7 @@ def load_exported(folder):
     folder = Path(folder)
     cfg = config.Config(json.loads((folder / "config.json").read_text()))
     transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer", use_safetensors=True)
-    state = load_file(str(pipeline_export.conditioner_weights(folder)))
+    state = load_file(str(conditioner_weights(folder)))
     tc = transformer.config
     conditioner = make_conditioner(cfg, tc.num_attention_heads * tc.attention_head_dim, tc.joint_attention_dim,
                                    tc.pooled_projection_dim, len(state.get("null_tokens", ())))
@@ -338,133 +302,9 @@ def load_exported(folder):
     conditioner.load_state_dict(state)
     return Denoiser(transformer, conditioner).eval(), cfg
 
-# ----------------------------------------------------------------------------------------------------------
-# Transfer (init_from): a new run starts from another run's weights, at another resolution (256 -> 512 px) or
-# on other data (ImageNet-22k -> 1k, or -> text-to-image). Unlike resume, optimizer, step and data position
-# start fresh.
 
-TEXT_BUFFERS = ("conditioner.null_tokens", "conditioner.null_mask", "conditioner.null_pooled")  # this run's encoder
-
-
-def grid_positions(pos_embed):
-    """The positions along one axis that a square 2-D sin-cos grid encodes, read back from its lowest
-    frequency (diffusers' layout: [sin, cos] of the column, then of the row, D/4 frequencies each). A grid
-    built by diffusers gives 0, 1, ..., g-1; a grid resampled before gives its fractional positions."""
-    g, q = math.isqrt(pos_embed.shape[-2]), pos_embed.shape[-1] // 4
-    lowest = pos_embed.reshape(g, g, 4, q)[0, :, :2, -1].double()  # row 0: sin, cos of the column position
-    pos = torch.atan2(lowest[:, 0], lowest[:, 1]) / (1 / 10000 ** ((q - 1) / q))
-    return pos.round() if (pos - pos.round()).abs().max() < 1e-3 else pos  # integers are exact
-
-
-def resample_pos_embed(pos_embed, new_grid, mode="resample"):
-    """The (1, new_grid^2, D) sin-cos grid for a new token grid, from an old one (1, g^2, D).
-    resample (Berrada et al. 2024, Pseudocode 1, "rectified grid sampling"): new token i sits at old position
-    p_i = (i + 0.5) g / new_grid - 0.5, so the new grid spans the positions the model was trained on (corners
-    align, centres coincide) and the sin-cos features are evaluated there exactly.
-    extend (diffusers' default): positions continue at the old spacing, centred (SD3 crops the centre of a
-    larger grid), so a 2x grid reaches positions the model never saw."""
-    from diffusers.models.embeddings import get_2d_sincos_pos_embed_from_grid
-
-    old = grid_positions(pos_embed)
-    g, spacing = len(old), (old[-1] - old[0]) / max(len(old) - 1, 1)
-    i = torch.arange(new_grid, dtype=torch.float64)
-    index = (i + 0.5) * g / new_grid - 0.5 if mode == "resample" else i - (new_grid - g) / 2
-    pos = (old[0] + index * spacing).float()  # float32 positions, as diffusers builds its grid
-    grid = torch.stack(torch.meshgrid(pos, pos, indexing="xy")).reshape(2, 1, new_grid, new_grid)
-    return get_2d_sincos_pos_embed_from_grid(pos_embed.shape[-1], grid).float()[None]
-
-
-def map_classes(source, target, source_ids, target_ids):
-    """Class-embedding rows of the target's classes, taken from the source class with the same id (WordNet
-    id for ImageNet-22k -> 1k); the last row, the null class of guidance, from the source's null class.
-    Classes the source lacks keep their fresh initialisation. Each class may own several rows (class tokens)."""
-    tokens = source.shape[0] // (len(source_ids) + 1)
-    if target.shape[0] != (len(target_ids) + 1) * tokens or source.shape[0] != (len(source_ids) + 1) * tokens:
-        raise ValueError(f"class embeddings {tuple(source.shape)} -> {tuple(target.shape)} do not fit "
-                         f"{len(source_ids)} -> {len(target_ids)} classes with {tokens} tokens each")
-    where = {c: i for i, c in enumerate(source_ids)}
-    pairs = [(j, where[c]) for j, c in enumerate(target_ids) if c in where] + [(len(target_ids), len(source_ids))]
-    out = target.clone().view(len(target_ids) + 1, tokens, -1)
-    rows = torch.tensor(pairs, dtype=torch.long)
-    out[rows[:, 0]] = source.view(len(source_ids) + 1, tokens, -1)[rows[:, 1]].to(out.dtype)
-    return out.view_as(target), [c for c in target_ids if c not in where]
-
-
-def adapt_state(source, target, source_ids=None, target_ids=None, pos_embed_mode="resample"):
-    """The target model's state dict filled from a source state dict, and a report of what happened.
-    Same-shaped tensors load; the positional grid is resampled (or extended) to the new token grid; class
-    embeddings are mapped by id when both runs know their class ids; any other shape change, missing or
-    unexpected tensor keeps the target's fresh value and is reported."""
-    out, report = dict(target), {"loaded": 0, "adapted": [], "missing": [], "unexpected": [], "reshaped": []}
-    report["taken"] = set()  # the keys whose value came from the source (loaded or adapted)
-    for key, value in target.items():
-        if key in TEXT_BUFFERS:
-            continue  # the empty prompt of this run's own text encoder, set by the trainer
-        if key not in source:
-            report["missing"].append(key)
-            continue
-        src = source[key]
-        if key.endswith("pos_embed.pos_embed") and src.shape != value.shape:
-            out[key] = resample_pos_embed(src, math.isqrt(value.shape[1]), pos_embed_mode)
-            report["taken"].add(key)
-            report["adapted"].append(f"{key}: {pos_embed_mode} {math.isqrt(src.shape[1])}^2 -> "
-                                     f"{math.isqrt(value.shape[1])}^2 positions")
-        elif key.endswith(("class_embed.weight", "class_vector.weight")) and source_ids and target_ids:
-            out[key], unmatched = map_classes(src, value, source_ids, target_ids)
-            report["taken"].add(key)
-            hint = "" if len(unmatched) < len(target_ids) else (
-                f" (no id in common: the source's look like {source_ids[:2]}, this run's like {target_ids[:2]};"
-                f" set data.class_ids so both name classes the same way)")
-            report["adapted"].append(f"{key}: {len(target_ids) - len(unmatched)} of {len(target_ids)} classes "
-                                     f"mapped by id from {len(source_ids)}; unmatched (fresh): {unmatched[:20]}{hint}")
-        elif src.shape != value.shape:
-            report["reshaped"].append(f"{key}: {tuple(src.shape)} -> {tuple(value.shape)}")
-        else:
-            out[key], report["loaded"] = src.to(value.dtype), report["loaded"] + 1
-            report["taken"].add(key)
-    report["unexpected"] = sorted(k for k in source if k not in target)
-    return out, report
-
-
-def read_weights(source):
-    """(model state, EMA state, class ids, folder) of an init_from source: a run folder (its newest intact
-    checkpoint), a checkpoint folder, or an export folder (whose EMA weights serve as both)."""
-    from safetensors.torch import load_file
-
-    folder = hub.local_folder(source)  # a folder, or the hub id of an exported pipeline folder
-    if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").exists():
-        folder = checkpoints.find_checkpoint(folder, "latest") or folder / "checkpoints"
-    if checkpoints.checkpoint_ok(folder):  # on the CPU, and never the optimizer
-        return (checkpoints.read_tensors(folder, "model"), checkpoints.read_tensors(folder, "ema"),
-                checkpoints.read_state(folder).get("class_ids"), folder)
-    if (folder / "transformer").is_dir() and pipeline_export.conditioner_weights(folder).exists():
-        weights = {f"transformer.{k}": v for f in sorted((folder / "transformer").glob("*.safetensors"))
-                   for k, v in load_file(str(f), device="cpu").items()}
-        weights.update({f"conditioner.{k}": v
-                        for k, v in load_file(str(pipeline_export.conditioner_weights(folder)), device="cpu").items()})
-        ids = folder / "class_ids.json"
-        return weights, weights, json.loads(ids.read_text()) if ids.exists() else None, folder
-    raise FileNotFoundError(f"init_from: {source} is not a run folder with an intact checkpoint, a checkpoint "
-                            f"(model.safetensors, state.pt) or an export (transformer/, conditioner/)")
-
-
-def init_from(source, model, ema, class_ids=None, pos_embed_mode="resample", log=print):
-    """Load another run's weights into `model` and its EMA into `ema` (see adapt_state); log every adapted,
-    missing, unexpected and reshaped tensor and return the report. The EMA tensors taken from the source are
-    named in `ema.inherited`: they keep averaging from the source's EMA, with no warm-up (common.ema_update)."""
-    model_state, ema_state, source_ids, folder = read_weights(source)
-    reports = []
-    for module, state in ((model, model_state), (ema, ema_state)):
-        adapted, report = adapt_state(state, module.state_dict(), source_ids, class_ids, pos_embed_mode)
-        module.load_state_dict(adapted)
-        reports.append(report)
-    ema.inherited = {name for name, _ in ema.named_parameters() if name in reports[1]["taken"]}
-    report = {"source": str(folder), **{k: v for k, v in reports[0].items() if k != "taken"}}
-    log(f"init_from {folder}: {report['loaded']} tensors loaded (weights and EMA); optimizer, step and data "
-        f"position start fresh")
-    for kind in ("adapted", "missing", "unexpected", "reshaped"):
-        if report[kind]:
-            log(f"init_from {kind} ({len(report[kind])}{', kept at fresh init' if kind in ('missing', 'reshaped') else ''}"
-                f"{', ignored' if kind == 'unexpected' else ''}): " + "; ".join(report[kind]))
-    return report
-
+def conditioner_weights(folder):
+    """The conditioner's weights in an export: conditioner/ (a pipeline folder), or conditioner.safetensors (an
+    export written before the pipeline folder)."""
+    new = Path(folder) / "conditioner" / "diffusion_pytorch_model.safetensors"
+    return new if new.is_file() else Path(folder) / "conditioner.safetensors"

@@ -3,7 +3,6 @@ AdaptiveGradClipper). Its history stays on the device: an ordinary step adds no 
 import torch
 
 import common
-from training import sharding
 
 
 class GradClipper:
@@ -38,10 +37,10 @@ class GradClipper:
         the limit this step clipped to."""
         parameters = list(parameters)
         if self.mode == "norm":  # (sharded, train.sharding="fsdp": the norm of the whole gradient, on every rank)
-            return sharding.full(self.accelerator.clip_grad_norm_(parameters, self.cap))
+            return common.full(self.accelerator.clip_grad_norm_(parameters, self.cap))
         self.accelerator.unscale_gradients()  # fp16: the norm of the true gradients
         grads = [p.grad for p in parameters if p.grad is not None]
-        total = sharding.full(torch.nn.utils.get_total_norm(grads))
+        total = common.full(torch.nn.utils.get_total_norm(grads))
         self.threshold = self.current_threshold()
         torch._foreach_mul_(common.local(grads), (self.threshold / (total + 1e-6)).clamp(max=1.0))  # torch's clip coefficient
         slot = (self.seen % len(self.history)).view(1)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from training.smoothing import BiasCorrectedEMA
+from training.optimisation.smoothing import BiasCorrectedEMA
 
 
 class NoiseScale:

@@ -1,15 +1,15 @@
 """The optimizer of a run: fused AdamW (the paper's Adam), or Muon for the blocks' matrices with AdamW for the rest
-(train.optimizer, training/muon.py), and the device-side skip of a non-finite step that both take."""
+(train.optimizer, training/optimisation/muon.py), and the device-side skip of a non-finite step that both take."""
 import torch
 
-from training import muon
+from training.optimisation import muon
 
 
 def make_optimizer(model, tr):
     """Adam(W) (weight_decay 0 = Adam, as in the paper), fused: one kernel for all weights per step on CUDA, and
     the kernel that takes a skip decision on the device (skip_update_if_nonfinite). Fused runs on CPU too, so the
     tests exercise the same optimizer as a GPU run. train.optimizer="muon": Muon for the blocks' matrices and this
-    AdamW for the rest (training/muon.py)."""
+    AdamW for the rest (training/optimisation/muon.py)."""
     if tr.get("optimizer", "adamw") == "muon":
         return muon.MuonAdamW(model, tr)
     return torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay,

@@ -5,7 +5,7 @@ chooses it once before the loop (`adaptive_density`); its tensors stay on the de
 no host sync, and its statistics are all-reduced at log steps."""
 import torch
 
-from training.smoothing import BiasCorrectedEMA
+from training.optimisation.smoothing import BiasCorrectedEMA
 
 
 def adaptive_density(cfg, accelerator, quantile):

@@ -17,7 +17,7 @@ setting rather than score the recipe: tools/tune.py's search and confirmation (o
 During a run (RunLog passes every row to off_band) each held-out loss at a step the reference has is compared with
 its band [lo, hi]: more than the seed-to-seed spread (hi - lo) outside it, or not finite, the run logs an
 `off_reference` event and prints one plain line with the step, the value, the band and by how much. At the end the
-report draws the run's curves over the bands (training/report.py).
+report draws the run's curves over the bands (training/record/report.py).
 """
 import json
 import math

@@ -1,6 +1,6 @@
 """Run summary: report.md and PNG plots for any run folder, written after training or on demand.
 
-    python -m training.report runs/flow_matching_demo [runs/ddpm_demo ...]     # prints the paths of the reports
+    python -m training.record.report runs/flow_matching_demo [runs/ddpm_demo ...]     # prints the paths of the reports
 
 Reads run_dir/config.json and run_dir/metrics.jsonl (the trainers' log(): training, gradient-analysis,
 validation, quality and event rows), eval_fid.py's reports (run_dir/eval/*/report.json) and human votes
@@ -26,10 +26,11 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
-from training import curves, ratings
+from training.evaluation import ratings
+from training.record import curves
 
 MAX_EVENT_ROWS = 20
-MANIFOLD = ("precision_", "recall_", "density_", "coverage_")  # training/metrics.py, on Inception or DINOv2 features
+MANIFOLD = ("precision_", "recall_", "density_", "coverage_")  # training/evaluation/metrics.py, on Inception or DINOv2 features
 QUALITY = ("fid_", "kid_", "fd_", *MANIFOLD)
 
 
@@ -220,7 +221,7 @@ def plot_all(series, events, cfg, out):
 
 def plot_reference(series, cfg, run_dir, out):
     """The run's training loss, held-out loss and eval_fid.py scores over the reference run's bands
-    (val.reference_curves, training/curves.py); [] when the recipe has none or its file is gone."""
+    (val.reference_curves, training/record/curves.py); [] when the recipe has none or its file is gone."""
     path = cfg.get("val", {}).get("reference_curves")
     if not path or not Path(path).is_file():
         return []

@@ -11,10 +11,11 @@ import torch
 from PIL import Image
 
 import common
-from training import checkpoints, curves
-from training.config import ConfigError
-from training.data import images_in
-from training.sections import size_warnings
+from training.config.config import ConfigError
+from training.config.sections import size_warnings
+from training.data.batching import images_in
+from training.run import checkpoints
+from training.record import curves
 
 # ----------------------------------------------------------------------------------------------------------
 # Image grids: validation samples and sample.py's output, each cell labelled with its class name or prompt.
@@ -211,11 +212,11 @@ class RunLog:
         """The run report (a plotting problem must not fail a finished run), then close the sinks."""
         if self.main and cfg.log.report:
             try:
-                from training import report  # here, not at the top: matplotlib takes seconds, and most starts end no run
+                from training.record import report  # here, not at the top: matplotlib takes seconds, and most starts end no run
 
                 accelerator.print(f"report: {report.write_report(self.run_dir)}")
             except Exception as e:
-                accelerator.print(f"warning: the run report failed ({type(e).__name__}: {e}); python -m training.report {self.run_dir}")
+                accelerator.print(f"warning: the run report failed ({type(e).__name__}: {e}); python -m training.record.report {self.run_dir}")
         if self.wandb is not None:
             self.wandb.finish()
         common.end_processes(accelerator)

@@ -1,7 +1,7 @@
 """Checkpoints: a run's RNG state, save (atomic, the last K kept), find (the newest intact one), the intact
 check, load, and the every-rank agreement on which one to load; the DDP layout (whole tensors in safetensors
 files, written by the main process) and the sharded one (train.sharding="fsdp": every rank writes its shards
-through training/sharding.py).
+through training/run/sharding.py).
 
 A checkpoint folder step_N holds model.safetensors and ema.safetensors (the weights), optimizer.safetensors
 (Adam's moments: the largest file, twice the weights), state.pt (the small part: step, config, class ids,
@@ -22,7 +22,8 @@ from accelerate.utils import gather_object
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from training import sharding
+from training.config import config
+from training.run import sharding
 
 # ----------------------------------------------------------------------------------------------------------
 # RNG state: one file per rank.
@@ -156,7 +157,7 @@ def save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, keep,
     accelerator.wait_for_everyone()
     torch.save(rng_state(), tmp / f"rng_{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
-    if sharded:  # train.sharding="fsdp": every rank writes its shards (training/sharding.py)
+    if sharded:  # train.sharding="fsdp": every rank writes its shards (training/run/sharding.py)
         sharding.save(tmp, tensors, model, optimizer)
     if accelerator.is_main_process:
         for name, sd in tensors.items() if not sharded else ():
@@ -206,3 +207,34 @@ def load_checkpoint(ckpt, model, ema, optimizer, accelerator):
     restore_rng(ckpt, accelerator.process_index, accelerator.num_processes)
     accelerator.print(f"resumed from {ckpt} at step {state['step']}")
     return state
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Resume: the values the run started with.
+
+
+def keep_recorded(cfg, skip=(), log=print):
+    """--resume: the run goes on with the values it started with. Every key that neither a --config file nor the
+    command line sets now takes the value of the checkpoint's recorded config (or its value from before the key,
+    config.BEFORE_THE_KEY) where today's default differs: a default changed since would otherwise resume another
+    model without a word. What is set now wins (a change on purpose); `skip` and config.TRAINER_FILLS: keys the
+    trainer resolves itself. Each key taken is printed. Reads only the checkpoint's config (memory-mapped
+    state.pt); no checkpoint: nothing."""
+    ckpt = find_checkpoint(cfg.run_dir, cfg.resume) if cfg.resume else None
+    if ckpt is None:
+        return {}
+    state = torch.load(Path(ckpt) / "state.pt", mmap=True, weights_only=True, map_location="cpu")  # (not its optimizer)
+    then = config.flatten(state["config"])
+    taken, kept = {}, {*cfg.explicit, *skip, "resume"}
+    for key, now in config.flatten(cfg).items():
+        old = json.loads(json.dumps(config.recorded(then, key, now)))  # as recorded (JSON): a tuple, its list equal
+        if key in kept or (now is None and key in config.TRAINER_FILLS) or old == json.loads(json.dumps(now)):
+            continue
+        *sections, leaf = key.split(".")
+        section = cfg
+        for name in sections:
+            section = section[name]
+        section[leaf], taken[key] = old, (old, now)
+    for key, (old, now) in taken.items() if int(os.environ.get("RANK", 0)) == 0 else ():
+        log(f"resume: {key}={old!r}, as the run started ({ckpt.name}; today's default: {now!r}; set it to change it)")
+    return taken

@@ -21,9 +21,12 @@ from types import SimpleNamespace
 import torch
 
 import common
-from training import config, contrastive, muon, repa, sharding
-from training.data import COND_FIELDS, images_in
-from training.encoders import text_features
+from training.config import config
+from training.data.batching import COND_FIELDS, images_in
+from training.data.encoders import text_features
+from training.objectives import contrastive, repa
+from training.optimisation import muon
+from training.run import sharding
 
 # A micro-batch fits when its probe step succeeds and the memory the allocator reserved at the peak stays under
 # this share of the GPU: the rest is for fragmentation over a long run, validation and the CUDA context.
@@ -313,7 +316,7 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
 
 def set_lr(optimizer, tr, factor):
     """The step's learning rates: train.lr x factor (the schedule, the batch rule, a rollback's cut) in every
-    parameter group, train.muon_lr x factor in Muon's (the group with ns_steps; training/muon.py), both from
+    parameter group, train.muon_lr x factor in Muon's (the group with ns_steps; training/optimisation/muon.py), both from
     today's config (a resume that changes either takes it). Returns train.lr's, the LR that is logged."""
     for group in optimizer.param_groups:
         group["lr"] = factor * (muon.lr_of(tr) if "ns_steps" in group else tr["lr"])

@@ -136,7 +136,7 @@ class Monitor:
         # there log_interval prints one plain line per interval instead.
         self.start_step, self.t_start = state.get("step", 0), time.perf_counter()
         self.pauses = {}  # kind -> [seconds, count] of validation, FID and checkpoints in this process, for the ETA
-        self.show_lines = accelerator.is_local_main_process and not interactive()
+        self.show_lines = accelerator.is_local_main_process and not common.interactive()
         self.progress = tqdm(total=cfg.train.max_steps, initial=self.start_step, desc="train",
                              disable=not accelerator.is_local_main_process or self.show_lines)
         peak_memory(device)  # CUDA: the first interval's peak counts from here (not the cache build's encoders)
@@ -145,7 +145,7 @@ class Monitor:
 
     def load_state_dict(self, state):
         """A checkpoint's counters, smoothed-loss statistics and interval in progress (at start, and on a
-        rollback: training/stability.py)."""
+        rollback: training/run/stability.py)."""
         self.skipped, self.bad_in_row = state.get("skipped_steps", 0), state.get("bad_in_row", 0)
         self.loss_state = state.get("loss_state", {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0})  # smoothed loss, spikes
         self.since_log, self.micro_batches, self.before = 0, 0, None  # `before`: weights kept for the update ratio
@@ -335,12 +335,6 @@ class Monitor:
         self.progress.close()
 
 
-def interactive():
-    """Whether both output streams are a terminal (tqdm draws on stderr, the lines go to stdout); not in SLURM's
-    or nohup's log files, nor with `> log.txt`."""
-    return sys.stdout.isatty() and sys.stderr.isatty()
-
-
 def eta_of(step, total, per_step, pauses, every):
     """Time left at `step` of `total`, in words: the training steps left at `per_step` seconds (training only),
     plus each periodic pause still to come (every[kind] steps, and at the last step, as common.due; those of
@@ -376,7 +370,7 @@ class Phase:
 
 def progress(iterable, desc, enabled=True, total=None):
     """tqdm on a terminal; in a log file, a plain line at every tenth of the way (FID, sampling at scale)."""
-    if not enabled or interactive():
+    if not enabled or common.interactive():
         yield from tqdm(iterable, desc=desc, total=total, disable=not enabled)
         return
     total = len(iterable) if total is None else total

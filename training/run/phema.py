@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 import common
-from training import checkpoints, sharding
-from training.model import TRAINING_ONLY, exported_parameters
+from training.model.mmdit import TRAINING_ONLY, exported_parameters
+from training.run import checkpoints, sharding
 
 MAX_STD = 0.28  # reconstruction targets: sigma_rel in (0, MAX_STD]; the profile family ends at 12^-1/2 = 0.2887
 SNAPSHOT_DTYPE = torch.float16  # the paper's storage: half the disk of fp32, and errors of ~1e-3 relative at most
@@ -128,7 +128,7 @@ class PowerEMA:
         tensors = {}
         for std, profile in zip(self.stds, self.profiles):
             for name, p in zip(self.names, profile):
-                whole = sharding.full(p)
+                whole = common.full(p)
                 if self.main:
                     tensors[f"{std:g}/{name}"] = whole.to(SNAPSHOT_DTYPE).cpu()
         if not self.main:

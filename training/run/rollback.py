@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from training import checkpoints
+from training.run import checkpoints
 
 
 def step_of(folder):

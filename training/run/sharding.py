@@ -35,7 +35,6 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import common
 
@@ -60,11 +59,6 @@ def problems(cfg):
 def is_sharded(module):
     """Whether `module`'s parameters are sharded (train.sharding="fsdp")."""
     return any(map(common.is_dtensor, module.parameters()))
-
-
-def full(tensor):
-    """A DTensor gathered whole (a collective: every rank calls it); a plain tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ Parts builds them from the config and keeps their state in the checkpoint, under
 is bitwise the uninterrupted one. Their tensors stay on the device: an ordinary step adds no host sync. With
 every option off the loop trains exactly as without them (weights 1.0, the fixed norm clip, LR factor 1).
 """
-from training import clipping, convergence, rollback, time_density
+from training.optimisation import clipping, convergence, time_density
+from training.run import rollback
 
 
 class Parts:

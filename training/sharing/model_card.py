@@ -11,7 +11,9 @@ import datetime
 import json
 from pathlib import Path
 
-from training import curves, fashion_mnist, hub
+from training.data import fashion_mnist
+from training.run import hub
+from training.record import curves
 
 GRID = "samples.png"  # the run's last validation grid, copied beside the card
 

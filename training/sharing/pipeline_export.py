@@ -6,22 +6,22 @@
 
 The folder (docs/evaluation.md, Sharing a model):
     model_index.json        the pipeline: its class (pipeline.py), components, the sampling defaults (the run's
-                            settings, or tools/tune.py's choice for these weights: training/tuning.py), and the VAE
+                            settings, or tools/tune.py's choice for these weights: training/evaluation/tuning.py), and the VAE
                             and text encoder by hub id (referenced, not copied)
-    pipeline.py             the sampling code (training/exported/pipeline.py): diffusers loads it for custom pipelines
+    pipeline.py             the sampling code (training/sharing/exported/pipeline.py): diffusers loads it for custom pipelines
     transformer/            diffusers' SD3Transformer2DModel (also loadable on its own with from_pretrained)
-    conditioner/            the conditioner as a diffusers ModelMixin: conditioner.py (training/exported/), its
+    conditioner/            the conditioner as a diffusers ModelMixin: conditioner.py (training/sharing/exported/), its
                             config (classes and their names, controls, mode) and weights
     scheduler/              the sampler's schedule: FlowMatchEulerDiscreteScheduler on the run's shift (flow
                             matching); DDIMScheduler or DDPMScheduler with the run's betas, zero terminal SNR and
                             prediction type (DDPM)
-    README.md, samples.png  the model card (training/model_card.py) and the run's last validation grid
+    README.md, samples.png  the model card (training/sharing/model_card.py) and the run's last validation grid
     tuned.json              where tools/tune.py chose the sampling defaults for these weights: its record
     config.json             the run's resolved config: what this repository's tools (sample.py, eval_fid.py,
                             init_from) read besides the weights
     class_ids.json          the class ids, for init_from's mapping of classes between runs
     phema.json              for a post-hoc EMA export (tools/phema.py): its reconstruction
-Nothing from this repository is needed to load it: the two files of training/exported/ import torch and diffusers only.
+Nothing from this repository is needed to load it: the two files of training/sharing/exported/ import torch and diffusers only.
 """
 import json
 import shutil
@@ -31,9 +31,12 @@ import diffusers
 from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
 import common
-from training import curves, hub, model_card, tuning
-from training.classes import readable_names
-from training.exported.conditioner import Conditioner as ExportedConditioner
+from training.data.classes import readable_names
+from training.run import hub
+from training.evaluation import tuning
+from training.record import curves
+from training.sharing import model_card
+from training.sharing.exported.conditioner import Conditioner as ExportedConditioner
 
 SOURCES = Path(__file__).resolve().parent / "exported"  # the files copied into every folder
 BETAS = {"quadratic": "scaled_linear", "linear": "linear", "cosine": "squaredcos_cap_v2"}  # ours -> diffusers'
@@ -140,10 +143,3 @@ def export(ema, cfg, folder, class_ids=None, run_dir=None, phema=None):
     if repo:
         print(f"pushed {folder} to {hub.push(folder, repo)} (private)")
     return folder
-
-
-def conditioner_weights(folder):
-    """The conditioner's weights in an export: conditioner/ (a pipeline folder), or conditioner.safetensors (an
-    export written before the pipeline folder)."""
-    new = Path(folder) / "conditioner" / "diffusion_pytorch_model.safetensors"
-    return new if new.is_file() else Path(folder) / "conditioner.safetensors"

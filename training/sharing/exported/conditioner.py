@@ -2,7 +2,7 @@
 folder holds in conditioner/ (diffusers loads it from there; trust_remote_code=True). It imports nothing from the
 repository that trained it, so the folder samples where only torch and diffusers are installed.
 
-It is training/model.py's Conditioner in inference form (no condition dropout drawn, padding copies without
+It is training/model/mmdit.py's Conditioner in inference form (no condition dropout drawn, padding copies without
 noise), with the same parameter names, so the trained weights load one to one; tests/test_export_pipeline.py
 holds the two equal. It maps a batch's conditions to (context tokens, pooled vector, adaptive-norm addition):
 classes (or the text encoder's tokens) go to the MMDiT's context stream, the controls (size, crop, flip) to the

@@ -1,0 +1,85 @@
+"""The run's model at its start: built for the data in model space (with REPA's projector when it is on), its fp32
+EMA, and its weights: this run's checkpoint to resume, else another run's when init_from names one (a run
+folder's newest intact checkpoint, a checkpoint folder, or an export folder; local, or a Hub id). What init_from
+does to the tensors (the positional grid resampled, classes mapped by id) is training/model/transfer.py's; the
+checkpoint itself is loaded later, once the optimizer exists (checkpoints.load_checkpoint).
+"""
+import copy
+import json
+from pathlib import Path
+
+from training.model import mmdit, transfer
+from training.objectives import repa
+from training.run import checkpoints, hub
+
+
+def build_for_run(cfg, x_shape, null_text=None):
+    """The run's Denoiser for data of shape (channels, size, size) in model space; text runs pass the empty
+    prompt's encoding (null_text), which is the dropped condition of guidance and fixes the text dims."""
+    text_dims = None if null_text is None else (*null_text["text_tokens"].shape[1:], null_text["text_pooled"].shape[-1])
+    model = repa.attach(mmdit.build_denoiser(cfg, x_shape[0], x_shape[-1], text_dims), cfg)  # REPA: its projector
+    if null_text is not None:
+        for name in ("tokens", "mask", "pooled"):
+            getattr(model.conditioner, f"null_{name}").copy_(null_text[f"text_{name}"][0])
+    if cfg.train.gradient_checkpointing:
+        model.transformer.enable_gradient_checkpointing()
+    return model
+
+
+def prepare_model(cfg, x_shape, null_text, class_ids, run_dir, accelerator):
+    """The run's model and its fp32 EMA (also on the GPU), and the checkpoint to resume, if any. Resume (same
+    run) continues a checkpoint of run_dir; init_from (a new run) only takes another run's weights, so a
+    preempted fine-tuning run resumes its own checkpoint and init_from applies to a fresh start only."""
+    model = build_for_run(cfg, x_shape, null_text)
+    ema = copy.deepcopy(model).requires_grad_(False).float()
+    ema.inherited = set()  # names of EMA tensors init_from takes from another run's EMA (common.ema_update)
+    ckpt = checkpoints.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
+    ckpt = checkpoints.same_checkpoint(ckpt, accelerator) if cfg.resume else None
+    if cfg.init_from and ckpt is None:
+        report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print)
+        if accelerator.is_main_process:
+            (Path(run_dir) / "init_from.json").write_text(json.dumps(report, indent=1))
+    return model, ema, ckpt
+
+
+def read_weights(source):
+    """(model state, EMA state, class ids, folder) of an init_from source: a run folder (its newest intact
+    checkpoint), a checkpoint folder, or an export folder (whose EMA weights serve as both)."""
+    from safetensors.torch import load_file
+
+    folder = hub.local_folder(source)  # a folder, or the hub id of an exported pipeline folder
+    if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").exists():
+        folder = checkpoints.find_checkpoint(folder, "latest") or folder / "checkpoints"
+    if checkpoints.checkpoint_ok(folder):  # on the CPU, and never the optimizer
+        return (checkpoints.read_tensors(folder, "model"), checkpoints.read_tensors(folder, "ema"),
+                checkpoints.read_state(folder).get("class_ids"), folder)
+    if (folder / "transformer").is_dir() and mmdit.conditioner_weights(folder).exists():
+        weights = {f"transformer.{k}": v for f in sorted((folder / "transformer").glob("*.safetensors"))
+                   for k, v in load_file(str(f), device="cpu").items()}
+        weights.update({f"conditioner.{k}": v
+                        for k, v in load_file(str(mmdit.conditioner_weights(folder)), device="cpu").items()})
+        ids = folder / "class_ids.json"
+        return weights, weights, json.loads(ids.read_text()) if ids.exists() else None, folder
+    raise FileNotFoundError(f"init_from: {source} is not a run folder with an intact checkpoint, a checkpoint "
+                            f"(model.safetensors, state.pt) or an export (transformer/, conditioner/)")
+
+
+def init_from(source, model, ema, class_ids=None, pos_embed_mode="resample", log=print):
+    """Load another run's weights into `model` and its EMA into `ema` (see adapt_state); log every adapted,
+    missing, unexpected and reshaped tensor and return the report. The EMA tensors taken from the source are
+    named in `ema.inherited`: they keep averaging from the source's EMA, with no warm-up (common.ema_update)."""
+    model_state, ema_state, source_ids, folder = read_weights(source)
+    reports = []
+    for module, state in ((model, model_state), (ema, ema_state)):
+        adapted, report = transfer.adapt_state(state, module.state_dict(), source_ids, class_ids, pos_embed_mode)
+        module.load_state_dict(adapted)
+        reports.append(report)
+    ema.inherited = {name for name, _ in ema.named_parameters() if name in reports[1]["taken"]}
+    report = {"source": str(folder), **{k: v for k, v in reports[0].items() if k != "taken"}}
+    log(f"init_from {folder}: {report['loaded']} tensors loaded (weights and EMA); optimizer, step and data "
+        f"position start fresh")
+    for kind in ("adapted", "missing", "unexpected", "reshaped"):
+        if report[kind]:
+            log(f"init_from {kind} ({len(report[kind])}{', kept at fresh init' if kind in ('missing', 'reshaped') else ''}"
+                f"{', ignored' if kind == 'unexpected' else ''}): " + "; ".join(report[kind]))
+    return report
