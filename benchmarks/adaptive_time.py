@@ -1,4 +1,6 @@
-"""Adaptive time density against the base density, both trainers, on the embedded demo at equal steps.
+"""Feeds docs/benchmarks.md, "Numbers kept in other docs": docs/training.md.
+
+Adaptive time density against the base density, both trainers, on the embedded demo at equal steps.
 
 For each trainer, two runs that differ only in objective.time_sampling (flow matching: logit_normal vs
 adaptive) or objective.timestep_sampling (DDPM: uniform vs adaptive), same seed, data and model. Printed:

@@ -1,4 +1,6 @@
-"""How fast is the cache built from local webdataset shards, and how big is it? (docs/data.md)
+"""Feeds docs/benchmarks.md, "Numbers kept in other docs": docs/data.md.
+
+How fast is the cache built from local webdataset shards, and how big is it? (docs/data.md)
 
     python benchmarks/cache_throughput.py [--shards 8] [--per_shard 64] [--workers 0 2 4]
 

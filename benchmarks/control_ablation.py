@@ -1,4 +1,6 @@
-"""The paper's Fig. 2, tested (issue 42): does changing only a low-level control (the image's original size) move
+"""Feeds docs/benchmarks.md, "The conditioning ablation".
+
+The paper's Fig. 2, tested (issue 42): does changing only a low-level control (the image's original size) move
 what the image shows, and does the paper's conditioning (the class through attention, the size control gated
 late by w(t) = cos(pi t / 2)^p) keep it in place? The analysis, written before any run, is docs/benchmarks.md
 ("The conditioning ablation"); this script runs it in four stages, each resumable (finished runs and scores are

@@ -1,4 +1,6 @@
-"""Where a training run's CPU goes: start-up, the training steps, validations, checkpoints and the export (issue
+"""Feeds docs/benchmarks.md, "The training options on the real-image recipe" (where a run's CPU goes).
+
+Where a training run's CPU goes: start-up, the training steps, validations, checkpoints and the export (issue
 57). An equal-CPU comparison divides by the training steps' own CPU (the trainer's `cpu_s_per_step`); dividing a
 whole run's CPU by its steps spreads the rest over the steps, which raises every arm's cost per step by the same
 amount and moves the slower arm's equal-CPU step count towards base's. This measures by how much, on one short run

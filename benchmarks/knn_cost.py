@@ -1,4 +1,6 @@
-"""What the k-NN part of precision/recall/density/coverage costs: training.metrics.prdc (chunked, float64) on
+"""Feeds docs/benchmarks.md, "Numbers kept in other docs": docs/evaluation.md.
+
+What the k-NN part of precision/recall/density/coverage costs: training.metrics.prdc (chunked, float64) on
 random features of Inception's width, N real against N fake, at each N; optionally the `prdc` package too.
 
     python benchmarks/knn_cost.py --n 10000 50000             # ours, each N in a fresh process (clean peak memory)

@@ -1,4 +1,6 @@
-"""The training options on the real-image recipe (issue 43, item 3): Muon, x-prediction, contrastive flow matching
+"""Feeds docs/benchmarks.md, "The training options on the real-image recipe".
+
+The training options on the real-image recipe (issue 43, item 3): Muon, x-prediction, contrastive flow matching
 and REPA (in-domain encoder, and its random control) against the baseline, and a combination, on
 configs/fashion_mnist.json, for both trainers where an option applies; at equal steps and at equal CPU time; scored
 by docs/evaluation.md's protocol (benchmarks/fashion_mnist.py: eval_fid.py --classifier --features classifier

@@ -1,4 +1,6 @@
-"""Resolution transfer on the embedded data: pre-train at a low resolution, fine-tune at twice the resolution.
+"""Feeds docs/benchmarks.md, "The embedded demo" (resolution transfer).
+
+Resolution transfer on the embedded data: pre-train at a low resolution, fine-tune at twice the resolution.
 
 One flow-matching model is pre-trained at 8 px (4 x 4 tokens), then fine-tuned at 16 px (8 x 8 tokens) for the
 same budget in each variant of the paper's two mechanisms (Berrada et al. 2024, sec. 3 / Pseudocode 1):

@@ -1,4 +1,6 @@
-"""What a paper recipe costs before you rent the GPUs: tokens per image, training FLOPs per image and per
+"""Feeds docs/benchmarks.md, "Numbers kept in other docs": docs/performance.md.
+
+What a paper recipe costs before you rent the GPUs: tokens per image, training FLOPs per image and per
 step (counted with torch.utils.flop_counter on the recipe's model, built on the meta device: no memory, no
 GPU), A100 GPU-hours for the whole run at a stated MFU, and memory per GPU at the recipe's per-GPU batch.
 

@@ -1,4 +1,6 @@
-"""What does a start with a warm cache cost, at scale? (docs/performance.md, "Start-up with a warm cache")
+"""Feeds docs/benchmarks.md, "Numbers kept in other docs": docs/performance.md.
+
+What does a start with a warm cache cost, at scale? (docs/performance.md, "Start-up with a warm cache")
 
     python benchmarks/startup.py [--files 100000] [--cache_gb 2] [--shard_size 4096] [--dir /big/disk]
 

@@ -1,4 +1,6 @@
-"""What does the trainer's bookkeeping cost? Ratio of train_flow_matching.py's images/s to a bare
+"""Feeds docs/benchmarks.md, "The embedded demo" (step overhead).
+
+What does the trainer's bookkeeping cost? Ratio of train_flow_matching.py's images/s to a bare
 forward-backward-optimizer loop on the same model, batch size and optimizer (fused AdamW), in one process, one run.
 
     python benchmarks/step_overhead.py [--steps 60] [--batch_size 64] [extra --key=value trainer overrides]

@@ -1,4 +1,6 @@
-"""Do contrastive flow matching, x-prediction and REPA help? Measured on real images that ship inside scikit-learn.
+"""Feeds docs/benchmarks.md, "Training options on real images".
+
+Do contrastive flow matching, x-prediction and REPA help? Measured on real images that ship inside scikit-learn.
 
 The 1,797 handwritten digits of sklearn.datasets.load_digits (8 x 8 grey scans, 10 classes), split as in
 benchmarks/ddpm_weighting.py: 300 held out as the reference, the rest an image folder that train_flow_matching.py

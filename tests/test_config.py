@@ -10,7 +10,7 @@ import torch
 
 import common
 from training.config import config
-from training.data import cache
+from training.data import cache, sources
 from training.run import checkpoints
 import train_ddpm as ddpm
 import train_flow_matching as fm
@@ -145,8 +145,7 @@ def no_work(monkeypatch):
     def work(*args, **kwargs):
         raise AssertionError("work started before the config was refused")
 
-    for trainer in (fm, ddpm):
-        monkeypatch.setattr(trainer, "open_splits", work)
+    monkeypatch.setattr(sources, "open_splits", work)  # what both trainers call first
     monkeypatch.setattr(cache, "load_encoders", work)  # what cache.frozen_encoders calls
     monkeypatch.setattr(common, "make_accelerator", work)
 

@@ -216,3 +216,16 @@ def test_a_planted_import_is_caught_naming_the_files(tmp_path, planted):
             "(training/run/fit.py -> training/optimisation/muon.py, training/run/stability.py -> "
             "training/optimisation/clipping.py, training/run/stability.py -> training/optimisation/convergence.py, "
             "training/run/stability.py -> training/optimisation/time_density.py)"]
+
+
+def test_each_benchmark_names_the_section_of_docs_benchmarks_it_feeds():
+    """A benchmark's docstring opens with 'Feeds docs/benchmarks.md, "<a section's title, or its start>"'; one whose
+    numbers stand in another doc feeds "Numbers kept in other docs", whose table names it."""
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    sections = re.findall(r"^#{2,3} (.+)$", doc, re.MULTILINE)
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        first = ast.get_docstring(ast.parse(path.read_text())).splitlines()[0]
+        named = re.match(r'Feeds docs/benchmarks\.md, "([^"]+)"', first)
+        assert named and any(s.startswith(named[1]) for s in sections), f"{path.name}: {first!r}"
+        if named[1] == "Numbers kept in other docs":
+            assert f"| `{path.name}` |" in doc, f"{path.name}: not in the table of docs/benchmarks.md's last section"

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import common
 from training.config import config
 from training.optimisation import optimizers
-from training.run import monitor
+from training.run import monitor, start
 from conftest import tiny_run_args
 
 
@@ -326,8 +326,8 @@ def test_bf16_reaches_the_denoisers_linear_layers_in_training_validation_and_eva
                 layer.register_forward_pre_hook(record)
         return model
 
-    prepare_model, pause, load_model = module.prepare_model, monitor.Monitor.pause, eval_fid.load_model
-    monkeypatch.setattr(module, "prepare_model", lambda *a: (lambda m, e, c: (hooked(m), hooked(e), c))(*prepare_model(*a)))
+    prepare_model, pause, load_model = start.prepare_model, monitor.Monitor.pause, eval_fid.load_model
+    monkeypatch.setattr(start, "prepare_model", lambda *a: (lambda m, e, c: (hooked(m), hooked(e), c))(*prepare_model(*a)))
 
     def named_pause(self, work, step, name=None):  # validation, FID or a checkpoint: its own phase
         phase[0] = (name or "checkpoint").split(" ")[0]
