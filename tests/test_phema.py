@@ -250,7 +250,7 @@ def test_a_sharded_snapshot_is_kept_in_cpu_memory_by_the_main_process_only(tmp_p
             copied.append(dtype)
             return self.tensor.to(dtype)
 
-    monkeypatch.setattr(phema.sharding, "full", lambda p: gathered.append(p) or Whole(p))
+    monkeypatch.setattr(phema.common, "full", lambda p: gathered.append(p) or Whole(p))
     for main in (False, True):
         ema = phema.PowerEMA(Weights(), [0.05, 0.10], BATCH, BATCH, tmp_path / str(main), main_process=True)
         ema.main = main  # a sharded rank: profiles on every rank, the main one writes
