@@ -39,15 +39,15 @@ import common
 from training.config import config
 from training.data.encoders import decode, encode_text, load_encoders
 from training.data.sources import preprocess
-from training.run import checkpoints, hub
-from training.evaluation import classifier, tuning
-from training.record import curves
-from training.evaluation.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores,
-                                         dinov2_features, feature_tag, fid_size_warning, size_tag)
 from training.model.mmdit import build_denoiser, load_exported
+from training.run import checkpoints, hub
 from training.run.monitor import progress
 from training.run.phema import apply_reconstruction
+from training.evaluation import classifier, tuning
+from training.evaluation.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores,
+                                         dinov2_features, feature_tag, fid_size_warning, size_tag)
 from training.evaluation.reference import heldout, inception_features, reference_for, reference_size, to_uint8
+from training.record import curves
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. Every default is here; None means "as the run was configured". Reported numbers: 50k samples.

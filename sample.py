@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from training.config import config
-from training.run import checkpoints, hub
 import eval_fid
+from training.config import config
 from training.data.classes import readable_names
 from training.data.encoders import encode_text, load_encoders
+from training.run import checkpoints, hub
 from training.record import runlog
 
 # ----------------------------------------------------------------------------------------------------------

@@ -252,8 +252,8 @@ def ddpm_loss(model, x0, cond, t, noise, alphas_cumprod, prediction, loss_weight
 
 
 def training_loss(model, x0, cond, t, noise, alphas_cumprod, prediction, loss_weight=None, time_input=None, align=None):
-    """(ddpm_loss, {name: per-sample term}): REPA's alignment term (training/objectives/repa.py; `align`: its targets and
-    weight, or None), added to what is trained and logged on its own."""
+    """(ddpm_loss, {name: per-sample term}): REPA's alignment term (training/objectives/repa.py; `align`: its
+    targets and weight, or None), added to what is trained and logged on its own."""
     ab = alphas_cumprod.to(x0.device)[t]
     timestep = t.float() if time_input is None else time_input.to(x0.device, torch.float32)[t]
     out, tokens = repa.forward(model, align, add_noise(x0, noise, t, alphas_cumprod), timestep, cond,

@@ -131,9 +131,9 @@ def flow_matching_loss(model, x0, cond, t, noise, prediction="v"):
 
 def training_loss(model, x0, cond, t, noise, prediction="v", contrastive_weight=0.0, align=None):
     """(flow_matching_loss, {name: per-sample term}): the terms the options add to what is trained, each logged
-    on its own: contrastive flow matching's (training/objectives/contrastive.py) and REPA's alignment (training/objectives/repa.py;
-    `align`: its targets and weight, or None). With prediction "x0" the network outputs the clean image and
-    the loss stays on the velocity it implies (training/objectives/xprediction.py)."""
+    on its own: contrastive flow matching's (training/objectives/contrastive.py) and REPA's alignment
+    (training/objectives/repa.py; `align`: its targets and weight, or None). With prediction "x0" the network
+    outputs the clean image and the loss stays on the velocity it implies (training/objectives/xprediction.py)."""
     t_ = t.view(-1, *([1] * (x0.dim() - 1)))
     x_t = (1 - t_) * x0 + t_ * noise
     out, tokens = repa.forward(model, align, x_t, t * 1000, cond)
@@ -160,8 +160,8 @@ def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, control_gui
     classifier-free guidance, v = v(x, null) + w (v(x, c) - v(x, null)) (Ho & Salimans 2022), applied only
     on steps whose t_i lies in guidance_interval [lo, hi] (Kynkaanniemi et al. 2024; both Heun evaluations of
     a step, as their sampler); the other steps take the conditional velocity alone, one network pass.
-    prediction "x0": the network's clean-image estimate becomes the velocity it implies (training/objectives/xprediction.py;
-    guidance is linear, so guiding the estimates is guiding the velocities)."""
+    prediction "x0": the network's clean-image estimate becomes the velocity it implies
+    (training/objectives/xprediction.py; guidance is linear, so guiding the estimates is guiding the velocities)."""
     if method not in ("euler", "heun"):
         raise ValueError(f"val.sampler must be 'euler' or 'heun', got {method!r}")
     ts = common.time_shift(torch.linspace(1, 0, steps + 1, device=noise.device), shift)

@@ -32,10 +32,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from training.config import config  # noqa: E402
-from training.optimisation import optimizers  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
+from training.config import config  # noqa: E402
 from training.model.mmdit import build_denoiser, guided  # noqa: E402
+from training.optimisation import optimizers  # noqa: E402
 
 # Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets (SXM parts; the sparse figures are 2x).
 PEAK_BF16_TFLOPS = {"A100": 312.0, "H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0}
@@ -156,8 +156,8 @@ def main(argv=None):
     train_flops = count_flops(forward_backward)
     guidance = cfg.val.guidance_scale
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        sample_flops = args.sample_steps * count_flops(lambda: guided(probe, x0, torch.full((batch,), 500.0, device=device),
-                                                                      cond, guidance))
+        sample_flops = args.sample_steps * count_flops(
+            lambda: guided(probe, x0, torch.full((batch,), 500.0, device=device), cond, guidance))
     del probe
 
     result = {"config": args.config, "overrides": overrides,

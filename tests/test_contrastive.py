@@ -1,5 +1,5 @@
-"""Contrastive flow matching (training/objectives/contrastive.py): the term's form (DeltaFM), its optimum in closed form,
-and its own logged loss."""
+"""Contrastive flow matching (training/objectives/contrastive.py): the term's form (DeltaFM), its optimum in closed
+form, and its own logged loss."""
 import torch
 
 import train_flow_matching as fm

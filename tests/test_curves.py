@@ -1,5 +1,5 @@
-"""A recipe's reference curves (training/record/curves.py, tools/curves.py): the band over seeds, the check of a new run's
-held-out loss against it (the log line and the event), and the report's plot over the band."""
+"""A recipe's reference curves (training/record/curves.py, tools/curves.py): the band over seeds, the check of a new
+run's held-out loss against it (the log line and the event), and the report's plot over the band."""
 import json
 import sys
 from pathlib import Path

@@ -177,8 +177,8 @@ def test_the_ddpm_pipeline_steps_on_the_trainers_grid_at_any_step_count(tmp_path
 @pytest.mark.parametrize("trainer,sampler", [(fm, "euler"), (fm, "heun"), (ddpm, "ddim"), (ddpm, "ddpm")])
 def test_an_x0_model_samples_as_its_trainer_samples_it(tmp_path, trainer, sampler):
     """x-prediction (objective.prediction=x0), the Fashion-MNIST recipe's and so the shipped reference model's, at
-    its 20 steps and guidance 2: flow matching's velocity (x - x0_hat) / max(t, 0.05) (training/objectives/xprediction.py;
-    the folder's X0_MIN_T), on Euler's and on both of Heun's evaluations, the last three steps' t below 0.2;
+    its 20 steps and guidance 2: flow matching's velocity (x - x0_hat) / max(t, 0.05)
+    (training/objectives/xprediction.py; the folder's X0_MIN_T), on Euler's and on both of Heun's evaluations, the last three steps' t below 0.2;
     DDPM's x0 as diffusers' "sample" prediction."""
     model, cfg, pipe = exported_pipeline(trainer, tmp_path, ["--objective.prediction=x0", f"--val.sampler={sampler}",
                                                              "--val.guidance_scale=2", "--val.steps=20"])

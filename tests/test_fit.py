@@ -222,7 +222,8 @@ def test_the_probe_runs_repas_encoder_and_projector(tmp_path, monkeypatch, tiny_
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: {len(x)}, align={align})")
         return forward(self, x, *args, align=align, **kwargs)
     monkeypatch.setattr(Denoiser, "forward", limited)
-    monkeypatch.setattr(repa_targets, "encoder_targets", lambda encoder, x, grid: encoded.append(len(x)) or targets(encoder, x, grid))
+    monkeypatch.setattr(repa_targets, "encoder_targets",
+                        lambda encoder, x, grid: encoded.append(len(x)) or targets(encoder, x, grid))
     cfg, accelerator, model, optimizer = tiny_run(
         tmp_path, "--train.global_batch=8", "--train.batch_size=auto", "--objective.repa_weight=0.5",
         f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=1", "--objective.repa_targets=on_the_fly")

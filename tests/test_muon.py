@@ -1,5 +1,5 @@
-"""train.optimizer="muon" (training/optimisation/muon.py): which parameters go to Muon, a step equal to torch.optim.Muon and
-AdamW called directly on the same groups, a non-finite step that changes nothing, the state through state_dict,
+"""train.optimizer="muon" (training/optimisation/muon.py): which parameters go to Muon, a step equal to
+torch.optim.Muon and AdamW called directly on the same groups, a non-finite step that changes nothing, the state through state_dict,
 exact resume of a trainer run, and the start-up refusals."""
 import copy
 from pathlib import Path

@@ -327,7 +327,8 @@ def test_bf16_reaches_the_denoisers_linear_layers_in_training_validation_and_eva
         return model
 
     prepare_model, pause, load_model = start.prepare_model, monitor.Monitor.pause, eval_fid.load_model
-    monkeypatch.setattr(start, "prepare_model", lambda *a: (lambda m, e, c: (hooked(m), hooked(e), c))(*prepare_model(*a)))
+    monkeypatch.setattr(start, "prepare_model",
+                        lambda *a: (lambda m, e, c: (hooked(m), hooked(e), c))(*prepare_model(*a)))
 
     def named_pause(self, work, step, name=None):  # validation, FID or a checkpoint: its own phase
         phase[0] = (name or "checkpoint").split(" ")[0]

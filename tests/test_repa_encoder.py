@@ -1,5 +1,5 @@
 """tools/repa_encoder.py: REPA's in-domain encoder is trained on the training split alone, and its folder, and the
-random control's, load through repa.py's hub-id path (AutoModel / AutoImageProcessor) with the training
+random control's, load through repa_targets.py's hub-id path (AutoModel / AutoImageProcessor) with the training
 normalisation; the control holds the weights training started from. Tiny sizes: a 1-block width-16 DINOv2 on
 96 fake images."""
 import json

@@ -1,5 +1,5 @@
-"""The stability parts (training/optimisation/time_density.py, clipping.py, convergence.py, rollback.py) and the smoothing in monitor.py, against closed forms and known answers: the adaptive
-time density's importance weights (unbiased), its update rule, the percentile clip on a planted spike, the
+"""The stability parts (training/optimisation/time_density.py, clipping.py, convergence.py; training/run/rollback.py)
+and the smoothing in monitor.py, against closed forms and known answers: the adaptive time density's importance weights (unbiased), its update rule, the percentile clip on a planted spike, the
 gradient noise scale on synthetic gradients of known noise and signal, the bias-corrected smoothed loss on a
 falling curve, the validation slopes; end to end (slow): a planted NaN rolls back to the last good checkpoint
 with a lower LR and past the data window, on one and on two processes, and a run with every new state

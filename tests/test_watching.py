@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import common
+import train_flow_matching as fm
 from training.config import config
+from training.model.mmdit import build_denoiser
 from training.run import monitor
 from training.record import runlog
-import train_flow_matching as fm
-from training.model.mmdit import build_denoiser
 
 LINE = re.compile(r"^step 2/4 \(50%\) \| loss (\d\.\d{4}) \| smoothed loss (\d\.\d{4}) \| lr 5\.00e-04 \| "
                   r"(\d+\.\d) images/s \| ETA (\d+:\d\d:\d\d.*)$")

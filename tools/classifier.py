@@ -1,4 +1,5 @@
-"""Train the evaluation classifier of a class-conditional recipe on its training split alone (training/evaluation/classifier.py).
+"""Train the evaluation classifier of a class-conditional recipe on its training split alone
+(training/evaluation/classifier.py).
 
     python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist
     python eval_fid.py --run runs/flow_matching_fashion_mnist --classifier classifiers/fashion_mnist ...

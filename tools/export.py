@@ -5,7 +5,8 @@ the model card holds the evaluation numbers, or to turn an export written before
     python tools/export.py --run runs/flow_matching_demo --push_to_hub me/demo    # and uploads it, private
 
 The weights are the run's export (its EMA); the folder is written whole beside the old one, then put in its
-place (training/sharing/pipeline_export.py). A post-hoc EMA is exported and pushed by tools/phema.py --std S --push_to_hub.
+place (training/sharing/pipeline_export.py). A post-hoc EMA is exported and pushed by tools/phema.py --std S
+--push_to_hub.
 """
 import argparse
 import json

@@ -70,7 +70,8 @@ def fetch(item, cfg, inception_file):
     """Fetch one item through the call that training or evaluation makes; returns what it got, in words."""
     key, name = item["key"], item["name"]
     if key == "data.source" and sources.is_stream(cfg.data):  # nothing to download: shards stream at cache time
-        return f"streamed, {sources.open_stream(cfg.data, item['split']).num_shards} shards (read when the cache is built)"
+        shards = sources.open_stream(cfg.data, item["split"]).num_shards
+        return f"streamed, {shards} shards (read when the cache is built)"
     if key == "data.source":
         return f"{len(sources.open_dataset(cfg.data, item['split'])):,} rows"  # downloaded and prepared
     if key.startswith("encoders."):

@@ -10,7 +10,7 @@ be downloaded on these machines, and at 28 px an ImageNet encoder would see litt
 here, on the 60,000 training images (never the test split, which the evaluation protocol scores against), as a
 classifier of the 10 classes: transformers' Dinov2ForImageClassification, whose head reads the class token and the
 mean patch token, so the patch tokens REPA aligns to are trained too. Its patch size 4 makes the recipe's 28 px
-exactly its 7 x 7 token grid, the MMDiT's at model.patch_size 4 (another grid: repa.py resizes the image and
+exactly its 7 x 7 token grid, the MMDiT's at model.patch_size 4 (another grid: repa_targets.py resizes the image and
 DINOv2 interpolates its position embeddings). It is not the evaluation classifier (training/evaluation/classifier.py, a
 ResNet): eval_fid.py's FD is computed in that classifier's features, and aligning the model to them would
 optimise the metric itself. It does share that classifier's supervision (the same labels), which DINOv2's

@@ -29,8 +29,8 @@ it is: the digest of its weights, where they were, its step, EMA or raw; --check
 checkpoint it names when the search starts) and the sampler, and "at_edge": a note for each setting searched at
 three or more values whose chosen value is the smallest or largest of them (printed too: the best may lie beyond
 the grid). eval_fid.py and sample.py then sample that model, with that sampler, with "best" wherever no flag sets a
-setting (eval_fid.tuned_defaults, training/evaluation/tuning.py; --untuned: the run's own settings), and the export takes it
-as its pipeline's defaults (tools/export.py). Any other argument goes to eval_fid.py as is (--help lists them:
+setting (eval_fid.tuned_defaults, training/evaluation/tuning.py; --untuned: the run's own settings), and the export
+takes it as its pipeline's defaults (tools/export.py). Any other argument goes to eval_fid.py as is (--help lists them:
 --classifier, --features, --checkpoint, --batch_size, ...).
 
 Output: one line per evaluation (eval_fid.py's own lines are kept back, and shown only if it fails), each warning

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from training.config.sections import budget_warnings, combination_problems, schema, size_warnings  # noqa: F401 (the trainers' API)
+from training.config.sections import (budget_warnings, combination_problems, schema,  # noqa: F401 (the trainers' API)
+                                      size_warnings)
 
 
 class ConfigError(ValueError):
@@ -199,7 +200,7 @@ def load_config(defaults, argv=None, method="run", schema=None):
 # A key added since a run started whose default does not do what that run did: its value from before the key.
 # (conditioning.pooled_text: the pooled text vector reached the adaptive norm in every mode before it existed.)
 BEFORE_THE_KEY = {"conditioning.pooled_text": True}
-TRAINER_FILLS = {"data.num_classes"}  # left None, the trainer reads it from the data at every start (sources.open_splits)
+TRAINER_FILLS = {"data.num_classes"}  # None: the trainer reads it from the data at every start (sources.open_splits)
 
 
 def recorded(then, key, default):

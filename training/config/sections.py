@@ -104,7 +104,8 @@ class Train(BaseModel, extra="forbid", strict=True):
     lr: float = Field(1e-3, ge=0, description="the paper: 1e-4 at batch 2048; the tiny demo model likes more "
                       "(train.optimizer='muon': the AdamW group's)")
     optimizer: Literal["adamw", "muon"] = Field("adamw", description='"muon": torch.optim.Muon for the blocks\' 2-D '
-                                                'weights, AdamW for the rest (training/optimisation/muon.py; torch >= 2.9)')
+                                                'weights, AdamW for the rest (training/optimisation/muon.py; '
+                                                'torch >= 2.9)')
     muon_lr: float | None = Field(None, ge=0, description="Muon's LR, on AdamW's scale (update RMS matched: Liu et al. "
                                   "2025; PRX: 1e-4, as its AdamW group); None: train.lr")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="after warm-up (decay to 0)")
@@ -128,7 +129,8 @@ class Train(BaseModel, extra="forbid", strict=True):
     mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="autocast (fp32 master weights and EMA)")
     ema_decay: float = Field(0.999, ge=0, le=1, description="EMA of the weights, per optimizer step")
     ema_device: Literal["same", "cpu"] = Field("same", description='"cpu": the fp32 EMA in pinned CPU memory (4 B/param off the GPU)')
-    ema_every: int = Field(1, ge=1, description="update the EMA every k steps, the k decays compounded (training/run/fit.py)")
+    ema_every: int = Field(1, ge=1, description="update the EMA every k steps, the k decays compounded "
+                                                "(training/run/fit.py)")
     gradient_checkpointing: bool = Field(False, description="recompute activations: far less memory, ~1/3 more FLOPs")
     compile: bool = Field(False, description="torch.compile the model (on in the recipes; docs/performance.md)")
     sharding: Literal["ddp", "fsdp"] = Field("ddp", description='"fsdp": weights, gradients, Adam and EMA sharded '
@@ -161,7 +163,8 @@ class Log(BaseModel, extra="forbid", strict=True):
     grad_every: int = Field(50, ge=0, description="gradient norm and update / weight ratio per layer group (0: off)")
     grad_flag_ratio: float = Field(100.0, gt=1, description="flag a group this far below / above the median group")
     spike_threshold: float = Field(6.0, gt=0, description="a loss spike: this many running stds above the mean")
-    report: bool = Field(True, description="report.md and plots in run_dir at the end (python -m training.record.report)")
+    report: bool = Field(True, description="report.md and plots in run_dir at the end "
+                                           "(python -m training.record.report)")
     wandb: Literal["auto", "online", "offline", "off"] = Field("auto", description="auto: online if logged in")
     project: str = Field("minimal-diffusion", description="the wandb project")
 

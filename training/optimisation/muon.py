@@ -40,7 +40,7 @@ for everything else), and train.sharding="fsdp" (Newton-Schulz needs each matrix
 """
 import torch
 
-BLOCKS = "transformer.transformer_blocks."  # the MMDiT's blocks in a Denoiser's parameter names (training/model/mmdit.py)
+BLOCKS = "transformer.transformer_blocks."  # the MMDiT's blocks in a Denoiser's parameter names (model/mmdit.py)
 TO_ADAMW = "train.optimizer='adamw' (--train.optimizer=adamw --train.muon_lr=null where a recipe sets Muon)"
 
 

@@ -30,7 +30,7 @@ from training.evaluation import ratings
 from training.record import curves
 
 MAX_EVENT_ROWS = 20
-MANIFOLD = ("precision_", "recall_", "density_", "coverage_")  # training/evaluation/metrics.py, on Inception or DINOv2 features
+MANIFOLD = ("precision_", "recall_", "density_", "coverage_")  # evaluation/metrics.py, on Inception or DINOv2 features
 QUALITY = ("fid_", "kid_", "fd_", *MANIFOLD)
 
 

@@ -212,11 +212,12 @@ class RunLog:
         """The run report (a plotting problem must not fail a finished run), then close the sinks."""
         if self.main and cfg.log.report:
             try:
-                from training.record import report  # here, not at the top: matplotlib takes seconds, and most starts end no run
+                from training.record import report  # here: matplotlib takes seconds, and most starts end no run
 
                 accelerator.print(f"report: {report.write_report(self.run_dir)}")
             except Exception as e:
-                accelerator.print(f"warning: the run report failed ({type(e).__name__}: {e}); python -m training.record.report {self.run_dir}")
+                accelerator.print(f"warning: the run report failed ({type(e).__name__}: {e}); "
+                                  f"python -m training.record.report {self.run_dir}")
         if self.wandb is not None:
             self.wandb.finish()
         common.end_processes(accelerator)

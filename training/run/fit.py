@@ -316,8 +316,8 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
 
 def set_lr(optimizer, tr, factor):
     """The step's learning rates: train.lr x factor (the schedule, the batch rule, a rollback's cut) in every
-    parameter group, train.muon_lr x factor in Muon's (the group with ns_steps; training/optimisation/muon.py), both from
-    today's config (a resume that changes either takes it). Returns train.lr's, the LR that is logged."""
+    parameter group, train.muon_lr x factor in Muon's (the group with ns_steps; training/optimisation/muon.py),
+    both from today's config (a resume that changes either takes it). Returns train.lr's, the LR that is logged."""
     for group in optimizer.param_groups:
         group["lr"] = factor * (muon.lr_of(tr) if "ns_steps" in group else tr["lr"])
     return factor * tr["lr"]

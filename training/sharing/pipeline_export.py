@@ -6,9 +6,10 @@
 
 The folder (docs/evaluation.md, Sharing a model):
     model_index.json        the pipeline: its class (pipeline.py), components, the sampling defaults (the run's
-                            settings, or tools/tune.py's choice for these weights: training/evaluation/tuning.py), and the VAE
-                            and text encoder by hub id (referenced, not copied)
-    pipeline.py             the sampling code (training/sharing/exported/pipeline.py): diffusers loads it for custom pipelines
+                            settings, or tools/tune.py's choice for these weights: training/evaluation/tuning.py),
+                            and the VAE and text encoder by hub id (referenced, not copied)
+    pipeline.py             the sampling code (training/sharing/exported/pipeline.py): diffusers loads it for
+                            custom pipelines
     transformer/            diffusers' SD3Transformer2DModel (also loadable on its own with from_pretrained)
     conditioner/            the conditioner as a diffusers ModelMixin: conditioner.py (training/sharing/exported/), its
                             config (classes and their names, controls, mode) and weights
@@ -21,7 +22,8 @@ The folder (docs/evaluation.md, Sharing a model):
                             init_from) read besides the weights
     class_ids.json          the class ids, for init_from's mapping of classes between runs
     phema.json              for a post-hoc EMA export (tools/phema.py): its reconstruction
-Nothing from this repository is needed to load it: the two files of training/sharing/exported/ import torch and diffusers only.
+Nothing from this repository is needed to load it: the two files of training/sharing/exported/ import torch and
+diffusers only.
 """
 import json
 import shutil
