@@ -108,8 +108,9 @@ def test_a_model_that_cannot_be_loaded_is_one_line_naming_the_key():
 
 @pytest.mark.slow
 def test_a_missing_text_encoder_offline_is_one_line_naming_the_key(tmp_path):
-    done = run_offline("from training import config, encoders\nencoders.load_encoders(config.Config(vae=None, "
-                       "text_encoder='nonexistent-org/no-such-encoder', max_tokens=8), 'cpu')", tmp_path)
+    done = run_offline("from training.config import config\nfrom training.data import encoders\n"
+                       "encoders.load_encoders(config.Config(vae=None, text_encoder='nonexistent-org/no-such-encoder', "
+                       "max_tokens=8), 'cpu')", tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if "nonexistent-org" in line]
     assert len(lines) == 1 and lines[0].startswith("encoders.text_encoder='nonexistent-org/no-such-encoder' "

@@ -359,7 +359,7 @@ NODE_LOCAL = '''
 import os, sys
 sys.path.insert(0, sys.argv[1])
 import common, train_flow_matching
-from training import cache
+from training.data import cache
 accelerator = common.make_accelerator("no")
 cache.check_cache_shared(sys.argv[2], accelerator)  # one folder that both ranks see: passes
 print(f"rank {accelerator.process_index}: shared cache seen", flush=True)

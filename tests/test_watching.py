@@ -135,8 +135,9 @@ import sys
 from types import SimpleNamespace
 sys.path.insert(0, sys.argv[1])
 import common
-from training import config, runlog
 import train_flow_matching as fm
+from training.config import config
+from training.record import runlog
 
 cfg = config.load_config(fm.DEFAULTS, ["--run_dir", sys.argv[2], "--log.wandb=auto"])  # WANDB_MODE=offline
 two = SimpleNamespace(num_processes=2, is_main_process=True, wait_for_everyone=lambda: None, end_training=lambda: None,
