@@ -388,18 +388,19 @@ def main(argv=None):
     print("\n".join(lines))
 
 
-def real_images(folder):
-    """Fashion-MNIST training images, each box-downsampled to a native side drawn in REAL_SIDES and saved at that
-    side (class folders of PNGs), so that orig_hw is the image's true size. Written once."""
+def real_images(folder, split="train", count=REAL_IMAGES, seed=0):
+    """`count` Fashion-MNIST images of `split` (None: all), each box-downsampled to a native side drawn in
+    REAL_SIDES and saved at that side (class folders of PNGs), so that orig_hw is the image's true size. Written
+    once. benchmarks/paper_claims.py writes both splits whole, with another seed for the test split."""
     from PIL import Image
 
     from training.data import fashion_mnist
 
     if (folder / "done").is_file():
         return folder
-    images, labels = fashion_mnist.split_arrays("train")
-    rng = np.random.default_rng(0)
-    for i in rng.permutation(len(images))[:REAL_IMAGES]:
+    images, labels = fashion_mnist.split_arrays(split)
+    rng = np.random.default_rng(seed)
+    for i in rng.permutation(len(images))[:count]:
         side = int(rng.integers(REAL_SIDES[0], REAL_SIDES[1] + 1))
         target = folder / f"{labels[i]}" / f"{i}.png"
         target.parent.mkdir(parents=True, exist_ok=True)
