@@ -66,3 +66,12 @@ def test_the_sign_verdict():
     assert pc.sign_verdict(np.array([-1.0, -1.2, -0.9]), "x").startswith("supports: x")
     assert pc.sign_verdict(np.array([1.0, 1.2, 0.9]), "x").startswith("contradicts")
     assert pc.sign_verdict(np.array([-1.0, 1.2, 0.1]), "x").startswith("cannot tell")
+
+
+def test_the_floor_draws_every_class_alike_from_rows_listed_class_by_class():
+    """A class-folder source lists its rows class by class: the first 20 of 100 would be classes 0 and 1 only."""
+    import datasets
+
+    rows = datasets.Dataset.from_dict({"label": np.repeat(np.arange(10), 10), "i": np.arange(100)})
+    picked = pc.balanced(rows, 20)
+    assert np.bincount(picked["label"], minlength=10).tolist() == [2] * 10 and len(set(picked["i"])) == 20
