@@ -1,4 +1,6 @@
-"""The paper's FD claims on real images, with seeds (issue 62): docs/benchmarks.md, "The paper's claims on real images".
+"""Feeds docs/benchmarks.md, "The paper's claims on real images".
+
+The paper's FD claims on real images, with seeds (issue 62).
 
 Two claims, on Fashion-MNIST by the real-image protocol (docs/evaluation.md: the evaluation classifier's FD, KD,
 precision, recall and class accuracy), flow matching, the recipe's model (configs/fashion_mnist.json). The
@@ -50,8 +52,8 @@ sys.path.insert(0, str(ROOT))
 import eval_fid  # noqa: E402
 from benchmarks import control_ablation, fashion_mnist  # noqa: E402
 from tools.compare import compare, paired_comparison, t_interval  # noqa: E402
-from training.metrics import size_tag  # noqa: E402
-from training.model import load_exported  # noqa: E402
+from training.evaluation.metrics import size_tag  # noqa: E402
+from training.model.mmdit import load_exported  # noqa: E402
 
 COND_STEPS, FINETUNE_STEPS = 1200, 400  # docs/benchmarks.md: why these lengths (1,200: the recipe's)
 LOW, HIGH = 12, 28  # pre-training and recipe resolution: 3 x 3 and 7 x 7 tokens at the recipe's patch 4
@@ -138,8 +140,9 @@ def reference(run, extra, args):
     scores RUN against with `extra`), computed once into the stats cache."""
     from accelerate import Accelerator
 
-    from training import classifier, config
-    from training.reference import reference_for
+    from training.config import config
+    from training.evaluation import classifier
+    from training.evaluation.reference import reference_for
 
     cfg = config.Config(json.loads((run / "config.json").read_text()))
     judge, _ = classifier.load(args.classifier)
@@ -376,10 +379,11 @@ def floors(args):
     balanced over classes), preprocessed as in training, against each reference, plain and mixed-size; and the
     evaluation classifier's accuracy on each test split (class accuracy's ceiling)."""
     from tools.classifier import split_images
-    from training import classifier, config
-    from training.data import load_image, preprocess
-    from training.metrics import all_scores
-    from training.reference import heldout, to_uint8
+    from training.config import config
+    from training.data.sources import load_image, open_dataset, preprocess
+    from training.evaluation import classifier
+    from training.evaluation.metrics import all_scores
+    from training.evaluation.reference import heldout, to_uint8
 
     lines, out = [], Path(args.out)
     for name, runs in (("plain (transfer)", sorted(out.glob("transfer/s*/scratch/config.json"))),
@@ -391,7 +395,7 @@ def floors(args):
         images = [to_uint8(preprocess(load_image(row[data.image_column]), data.resolution, data, flip=False)[0][None])[0]
                   for row in balanced(heldout(data), SAMPLES)]
         s = {k.rsplit("_", 1)[0]: v for k, v in all_scores(feature_fn(images), ref, "clean", SAMPLES, "classifier").items()}
-        test, labels, _ = split_images(data, "test")
+        test, labels, _ = split_images(data, open_dataset(data, "test"), "test")
         lines.append(f"- {name}: FD {s['fd_classifier']:.3f}, KD {s['kd_classifier']:.4f}, precision "
                      f"{s['precision_classifier']:.3f}, recall {s['recall_classifier']:.3f}; the classifier's "
                      f"accuracy on its test split {classifier.accuracy(judge, test, labels):.4f}")
