@@ -72,7 +72,8 @@ def exported_conditioner(conditioner, transformer, class_ids):
         pooled_dim=conditioner.pooled_dim, width=tc.num_attention_heads * tc.attention_head_dim,
         text_tokens=len(getattr(conditioner, "null_tokens", ())), controls=conditioner.controls, mode=conditioner.mode,
         replicate_padding=conditioner.padding_noise is not None, pooled_text=conditioner.pooled_text,
-        class_ids=class_ids, class_names=names if conditioner.num_classes else None)
+        class_ids=class_ids, class_names=names if conditioner.num_classes else None,
+        interval=conditioner.interval_embed is not None)
     out.load_state_dict({k: v.detach().float().cpu() for k, v in conditioner.state_dict().items()})
     return out
 

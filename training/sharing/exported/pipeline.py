@@ -14,7 +14,9 @@ text encoder are named by hub id in model_index.json (vae, text_encoder) and loa
 from_pretrained. Every sampling setting defaults to the run's
 (model_index.json), and this loop is the trainers' sampler step for step: guidance on the semantic and the
 control condition, only inside the guidance interval, with DDPM's guidance rescale, so the same noise gives the
-images the repository's sample.py gives.
+images the repository's sample.py gives. A MeanFlow model (sampler "meanflow": it predicts the average velocity u
+over [r, t], Geng et al. 2025) steps z_r = z_t - (t - r) u(z_t, r, t) on the same grid, the interval t - r given
+to its conditioner: one or two steps make an image.
 """
 import math
 
@@ -238,6 +240,8 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
                 timestep = torch.full((n,), model_time[int(t)].item(), device=device)
                 noise_level = torch.full((n,), level, device=device)
             guide = lo <= level <= hi
+            if self.flow_matching and cfg.sampler == "meanflow":  # the average velocity over [sigma_next, sigma]
+                cond["interval"] = ((sigma - sigma_next) * 1000).to(device).expand(n)
             out = self.guided(x, timestep, cond, noise_level, scale if guide else 1.0,
                               control_scale if guide else 0.0, rescale if guide and not self.flow_matching else 0.0)
             if self.flow_matching:
