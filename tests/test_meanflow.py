@@ -306,4 +306,4 @@ def test_a_meanflow_run_trains_resumes_exactly_exports_and_samples_in_one_step_w
         fm.generate(model, torch.randn(2, 3, 16, 16), cond, cfg)
     assert rows[0] == 2  # one evaluation an image
     assert json.loads((run / "export" / "model_index.json").read_text())["num_inference_steps"] == 1
-    assert "made for 1 step" in (run / "export" / "README.md").read_text()
+    assert "made for sampling in 1 step of its `meanflow` sampler" in (run / "export" / "README.md").read_text()

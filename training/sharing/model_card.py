@@ -189,6 +189,14 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
     if method == "flow_matching":
         what = (f"flow matching (rectified flow, {objective['prediction']}-prediction, {objective['time_sampling']} "
                 f"time sampling)")
+    made = ""
+    if objective.get("meanflow"):  # made for few steps: say how many (the pipeline's default, tuned or the run's)
+        n = (tuned or {}).get("best", {}).get("steps", val["steps"])
+        what = (f"MeanFlow (Geng et al. 2025: the average velocity over [r, t], {objective['prediction']}-prediction, "
+                f"r = t for {objective['meanflow_equal_share']:.0%} of the samples, guidance "
+                f"{objective['meanflow_guidance']:g} folded into training)")
+        made = (f" It was made for sampling in {n} step{'s' * (n > 1)} of its `{val['sampler']}` sampler: one network "
+                f"evaluation a step, the guidance already in the weights (`num_inference_steps` sets another count).")
     else:
         what = (f"DDPM ({objective['prediction']}-prediction, {objective['beta_schedule']} betas, zero terminal SNR "
                 f"{objective['zero_terminal_snr']}, Min-SNR-{objective['min_snr_gamma']:g})")
@@ -202,7 +210,7 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
            f"{m['num_attention_heads']} heads of {m['attention_head_dim']}, patch {m['patch_size']}) trained by "
            f"minimal-diffusion with {what} on {data_name(d['source'])} at {d['resolution']} px in {space}, "
            f"conditioned on {conditioning} ({c['mode']} conditioning"
-           f"{'; controls ' + ', '.join(c['controls']) if c['controls'] else ''}). The weights are {weights}. "
+           f"{'; controls ' + ', '.join(c['controls']) if c['controls'] else ''}). The weights are {weights}.{made} "
            f"Licence: the terms of the training data and of the referenced VAE and text encoder apply.", "",
            "## Use", "", *loading_lines(repo, str(local or folder), example),
            f"The first argument is {'a prompt' if text else 'a class name, id or index'} (or a list). The defaults are "
