@@ -189,6 +189,9 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
     if method == "flow_matching":
         what = (f"flow matching (rectified flow, {objective['prediction']}-prediction, {objective['time_sampling']} "
                 f"time sampling)")
+    else:
+        what = (f"DDPM ({objective['prediction']}-prediction, {objective['beta_schedule']} betas, zero terminal SNR "
+                f"{objective['zero_terminal_snr']}, Min-SNR-{objective['min_snr_gamma']:g})")
     made = ""
     if objective.get("meanflow"):  # made for few steps: say how many (the pipeline's default, tuned or the run's)
         n = (tuned or {}).get("best", {}).get("steps", val["steps"])
@@ -197,9 +200,6 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
                 f"{objective['meanflow_guidance']:g} folded into training)")
         made = (f" It was made for sampling in {n} step{'s' * (n > 1)} of its `{val['sampler']}` sampler: one network "
                 f"evaluation a step, the guidance already in the weights (`num_inference_steps` sets another count).")
-    else:
-        what = (f"DDPM ({objective['prediction']}-prediction, {objective['beta_schedule']} betas, zero terminal SNR "
-                f"{objective['zero_terminal_snr']}, Min-SNR-{objective['min_snr_gamma']:g})")
     space = f"the latents of `{enc['vae']}`" if enc["vae"] else "pixel space"
     conditioning = (f"captions encoded by `{enc['text_encoder']}`" if text else f"{len(names) or d['num_classes']} classes")
     weights = ("the EMA of the weights" if phema is None else
