@@ -52,49 +52,59 @@ MEANFLOW = ["--objective.meanflow=true", "--val.sampler=meanflow", "--val.steps=
 FINETUNE_STEPS = 150
 FINETUNE = [f"--train.max_steps={FINETUNE_STEPS}", "--train.warmup_steps=15", "--train.ema_decay=0.98",
             f"--val.every={FINETUNE_STEPS}", f"--ckpt.every={FINETUNE_STEPS}"]
-METRICS = ("fd_classifier_2k", "kd_classifier_2k", "precision_classifier_2k", "recall_classifier_2k",
-           "class_accuracy_2k")
+METRICS = ("fd_classifier", "kd_classifier", "precision_classifier", "recall_classifier", "class_accuracy")
+
+
+def value(metrics, name):
+    """A report's metric by its name without the sample-count tag (fd_classifier_2k: "fd_classifier")."""
+    return next(v for k, v in metrics.items() if k.rsplit("_", 1)[0] == name)
 
 
 def train(args):
     """One seed of an arm: benchmarks/fashion_mnist.py's `ours` (train, record the CPU, score the export at the
-    run's own settings) with the variant's arguments, under OUT/ARM/flow_matching_sSEED."""
+    run's own settings) with the variant's arguments, under OUT/NAME/flow_matching_sSEED (NAME: --name, else the
+    arm); arguments past the script's own go to the trainer after the variant's (an ablation's keys win)."""
     extra = [*MEANFLOW, *args.extra]
     if args.arm == "finetune":
         extra += [*FINETUNE, f"--init_from={Path(args.base) / f'flow_matching_s{args.seed}' / 'export'}"]
-    fashion_mnist.ours(SimpleNamespace(out=str(Path(args.out) / args.arm), trainer="flow_matching", seed=args.seed,
-                                       extra=extra, num_samples=args.num_samples, curve_samples=args.num_samples,
-                                       fractions=[], classifier=args.classifier, eval_args=[]))
+    fashion_mnist.ours(SimpleNamespace(out=str(Path(args.out) / (args.name or args.arm)), trainer="flow_matching",
+                                       seed=args.seed, extra=extra, num_samples=args.num_samples,
+                                       curve_samples=args.num_samples, fractions=[], classifier=args.classifier,
+                                       eval_args=[]))
 
 
 def score(args):
-    """The run's export at each --steps x --guidance with --sampler, one eval_fid.py report each."""
+    """The run's export (or --checkpoint) at each --steps x --guidance with --sampler, one eval_fid.py report each,
+    under OUT/scores/LABEL_sSEED/ (LABEL: --name, else the run's folder: "flow_matching" for the recipe's runs)."""
     run = Path(args.run)
-    arm = run.parent.name if run.parent.name in ("meanflow", "finetune") else "flow_matching"
+    label = args.name or ("flow_matching" if run.parent.name in ("base", "flow_matching") else run.parent.name)
+    where = ["--checkpoint", args.checkpoint] if args.checkpoint else []
     for steps in args.steps:
         for guidance in args.guidance:
-            out = Path(args.out) / "scores" / f"{arm}_{run.name.rsplit('_', 1)[-1]}" / f"{args.sampler}{steps}-g{guidance:g}"
+            setting = f"{Path(args.checkpoint).name + '-' if args.checkpoint else ''}{args.sampler}{steps}-g{guidance:g}"
+            out = Path(args.out) / "scores" / f"{label}_{run.name.rsplit('_', 1)[-1]}" / setting
             if not (out / "report.json").is_file():
-                eval_fid.main(["--run", str(run), "--out_dir", str(out),
+                eval_fid.main(["--run", str(run), *where, "--out_dir", str(out),
                                *fashion_mnist.score_args(SimpleNamespace(classifier=args.classifier, out=args.out),
                                                          args.num_samples),
                                "--sampler", args.sampler, "--steps", str(steps), "--guidance_scale", str(guidance)])
 
 
 def reports(args):
-    """{(arm, setting): {seed: metrics}} of every score, with the recipe's own 20-step score of each baseline and
-    each MeanFlow run's score at its own settings (benchmarks/fashion_mnist.py's eval/test-stepN)."""
+    """{(arm, checkpoint step or None, sampler, steps, guidance): {seed: metrics}} of every score: the recipe's own
+    20-step score of each baseline (under --base), each trained arm's score at its own settings (benchmarks/
+    fashion_mnist.py's eval/test-stepN, under OUT/ARM/), and every score under OUT/scores/."""
     found = {}
 
     def add(arm, path, seed):
         r = json.loads(path.read_text())
-        found.setdefault((arm, r["sampler"], r["steps"], r["guidance_scale"]), {})[seed] = r["metrics"]
+        step = r["model"].get("step")  # a checkpoint's score; None: the export's
+        found.setdefault((arm, step, r["sampler"], r["steps"], r["guidance_scale"]), {})[seed] = r["metrics"]
 
     for path in sorted(Path(args.base).glob("flow_matching_s*/eval/test-step1200/report.json")):
         add("flow_matching", path, int(path.parts[-4].rsplit("_s", 1)[1]))
-    for arm in ("meanflow", "finetune"):
-        for path in sorted((Path(args.out) / arm).glob("flow_matching_s*/eval/test-step*/report.json")):
-            add(arm, path, int(path.parts[-4].rsplit("_s", 1)[1]))
+    for path in sorted(Path(args.out).glob("*/flow_matching_s*/eval/test-step*/report.json")):
+        add(path.parts[-5], path, int(path.parts[-4].rsplit("_s", 1)[1]))
     for path in sorted((Path(args.out) / "scores").glob("*/*/report.json")):
         arm, seed = path.parts[-3].rsplit("_s", 1)
         add(arm, path, int(seed))
@@ -103,35 +113,39 @@ def reports(args):
 
 def table(args):
     found = reports(args)
-    recipe = found.get(("flow_matching", "euler", 20, 2.0), {})
+    recipe = found.get(("flow_matching", None, "euler", 20, 2.0), {})
     print(f"| arm | sampling | seeds | {' | '.join(METRICS)} | FD / the recipe's 20-step FD |\n"
           f"|---|---|---|{'---|' * len(METRICS)}---|")
-    for (arm, sampler, steps, guidance), by_seed in sorted(found.items()):
+    for (arm, step, sampler, steps, guidance), by_seed in sorted(found.items(), key=lambda kv: str(kv[0])):
         evaluations = steps * (1 + (guidance != 1))  # one a step, two with guidance on top (one batched pass)
         setting = f"{sampler} {steps}, guidance {guidance:g} ({evaluations} evaluations)"
         seeds = sorted(by_seed)
         cells = []
         for metric in METRICS:
-            mean, low, high = t_interval([by_seed[s][metric] for s in seeds])
+            mean, low, high = t_interval([value(by_seed[s], metric) for s in seeds])
             cells.append(f"{mean:.4g} [{low:.3g}, {high:.3g}]" if len(seeds) > 1 else f"{mean:.4g}")
         paired = [s for s in seeds if s in recipe]
-        ratio = t_interval([by_seed[s]["fd_classifier_2k"] / recipe[s]["fd_classifier_2k"] for s in paired]) \
+        ratio = t_interval([value(by_seed[s], "fd_classifier") / value(recipe[s], "fd_classifier") for s in paired]) \
             if paired else None
         ratio = "-" if ratio is None else f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]" if len(paired) > 1 \
             else f"{ratio[0]:.2f}"
-        print(f"| {arm} | {setting} | {','.join(map(str, seeds))} | {' | '.join(cells)} | {ratio} |")
-    for arm in ("meanflow", "finetune"):
-        cpu = [json.loads(p.read_text())["steps"] for p in sorted((Path(args.out) / arm).glob("*/cpu_seconds.json"))]
-        base = [json.loads(p.read_text())["steps"] for p in sorted(Path(args.base).glob("flow_matching_s*/cpu_seconds.json"))]
-        if cpu and base:
-            print(f"{arm}: training steps' CPU {t_interval(cpu)[0]:.0f} s (the recipe's: {t_interval(base)[0]:.0f} s; "
-                  f"ratio {t_interval(cpu)[0] / t_interval(base)[0]:.2f})")
+        name = arm if step is None else f"{arm}, step {step}"
+        print(f"| {name} | {setting} | {','.join(map(str, seeds))} | {' | '.join(cells)} | {ratio} |")
+    base = [json.loads(p.read_text())["steps"] for p in sorted(Path(args.base).glob("flow_matching_s*/cpu_seconds.json"))]
+    for folder in sorted(p for p in Path(args.out).iterdir() if list(p.glob("flow_matching_s*/cpu_seconds.json"))):
+        cpu = [json.loads(p.read_text())["steps"] for p in sorted(folder.glob("flow_matching_s*/cpu_seconds.json"))]
+        if base:
+            print(f"{folder.name}: training steps' CPU {t_interval(cpu)[0]:.0f} s, seeds {[round(c) for c in cpu]} (the "
+                  f"recipe's: {t_interval(base)[0]:.0f} s, {[round(c) for c in base]}; ratio "
+                  f"{t_interval(cpu)[0] / t_interval(base)[0]:.2f})")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["train", "score", "table"])
     p.add_argument("--arm", default="meanflow", choices=["meanflow", "finetune"])
+    p.add_argument("--name", default=None, help="train: the arm's folder (an ablation's); score: its label")
+    p.add_argument("--checkpoint", default=None, help="score: a checkpoint folder of the run instead of its export")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/meanflow_bench")
     p.add_argument("--base", default="runs/meanflow_bench/flow_matching", help="the recipe's runs, flow_matching_sSEED")
