@@ -66,7 +66,7 @@ def parser():
     a("--num_samples", type=int, default=50_000)
     a("--batch_size", type=int, default=64, help="per process; stochastic samplers depend on it, noise does not")
     a("--seed", type=int, default=0, help="sample i's noise: seed_for(seed, 0, i)")
-    a("--sampler", default=None, help="default: the run's val.sampler")
+    a("--sampler", default=None, help="default: the run's val.sampler (flow matching: euler, heun, meanflow; DDPM: ddim, ddpm)")
     a("--steps", type=int, default=None, help="default: the run's val.steps")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")

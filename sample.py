@@ -48,7 +48,7 @@ def parse_args(argv=None):
     a("--phema_std", type=float, default=None, help="sample the post-hoc EMA of this relative std, reconstructed "
       "from the run's snapshots (ckpt.phema_every), instead of the export's EMA")
     a("--steps", type=int, default=None, help="default: the run's val.steps")
-    a("--sampler", default=None, help="default: the run's val.sampler")
+    a("--sampler", default=None, help="default: the run's val.sampler (flow matching: euler, heun, meanflow; DDPM: ddim, ddpm)")
     a("--seed", type=int, default=0)
     a("--batch_size", type=int, default=16)
     a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
