@@ -10,6 +10,8 @@ Conventions (tests/test_flow_matching.py checks each):
   * The model predicts the velocity v = dx_t/dt = eps - x0. Sampling integrates dx/dt = v from t = 1 to 0.
     This is diffusers' FlowMatchEulerDiscreteScheduler and SD3's convention (Esser et al. 2024).
   * The MMDiT sees time as timestep = 1000 t, the float range diffusers' SD3 transformer expects.
+  * objective.meanflow (MeanFlow, training/objectives/meanflow.py): the model predicts the average velocity over
+    [r, t], the interval 1000 (t - r) its second time input; at r = t that is the velocity, and the loss flow matching's.
   * Pixels are in [-1, 1]; latents are (z - shift) * scale with the VAE's own factors.
 
 Pipeline: config -> accelerator and seeds -> data (open, cache check, hit/miss, batches) -> model, EMA,
