@@ -200,7 +200,8 @@ def load_config(defaults, argv=None, method="run", schema=None):
 # A key added since a run started whose default does not do what that run did: its value from before the key.
 # (conditioning.pooled_text: the pooled text vector reached the adaptive norm in every mode before it existed.)
 BEFORE_THE_KEY = {"conditioning.pooled_text": True}
-TRAINER_FILLS = {"data.num_classes"}  # None: the trainer reads it from the data at every start (sources.open_splits)
+# None: the trainer reads it from the data at every start (sources.open_splits, buckets.resolve)
+TRAINER_FILLS = {"data.num_classes", "data.bucket_shapes"}
 
 
 def recorded(then, key, default):

@@ -109,7 +109,10 @@ def make_encode(vae, tokenizer, text_encoder, max_tokens):
 @torch.no_grad()
 def decode(vae, x, device=None):
     """Model space -> pixels in [-1, 1] (inverse of make_encode's scaling). With `device`, an offloaded VAE
-    comes to it for the call and leaves again (encoders stay off the GPU while training)."""
+    comes to it for the call and leaves again (encoders stay off the GPU while training). A list (a bucket run's
+    validation grids, one tensor a bucket): a list."""
+    if isinstance(x, list):
+        return [decode(vae, part, device) for part in x]
     if vae is None:
         return x
     if device is not None:

@@ -41,7 +41,9 @@ def control_values(name, cond):
     values = values.reshape(len(values), -1).float()
     if name == "crop":
         short = cond["orig_hw"].reshape(len(values), 2).float().min(1, keepdim=True).values.clamp(min=1)
-        values = values[:, :3] / short * CROP_UNITS  # crops are square: (top, left, height); width = height
+        # (top, left, the crop's short side): a square crop's side; a bucket's crop (data.buckets) keeps the
+        # image's whole short side when the two aspects agree, so 1000 says "uncropped" at any shape
+        values = torch.cat([values[:, :2], values[:, 2:4].min(1, keepdim=True).values], 1) / short * CROP_UNITS
     return values
 
 

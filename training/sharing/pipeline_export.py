@@ -94,7 +94,8 @@ def model_index(cfg, scheduler, best=None):
             "guidance_interval": list(best.get("guidance_interval", val["guidance_interval"])),
             "guidance_rescale": 0.0 if flow else val["guidance_rescale"],
             "sampler": val["sampler"], "prediction": obj.get("prediction", "v"),
-            "time_shift": common.shift_of(cfg), "resolution": cfg["data"]["resolution"]}
+            "time_shift": common.shift_of(cfg), "resolution": cfg["data"]["resolution"],
+            **({"buckets": cfg["data"]["bucket_shapes"]} if cfg["data"].get("bucket_shapes") else {})}
 
 
 def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None):
