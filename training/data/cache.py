@@ -430,9 +430,9 @@ class CachedDataset(torch.utils.data.Dataset):
     def __init__(self, folder):
         self.folder = Path(folder)
         manifest = json.loads((self.folder / "manifest.json").read_text())
-        self.files, self.shapes = manifest["shards"], manifest.get("buckets")
+        self.shards, self.shapes = manifest["shards"], manifest.get("buckets")
         self.parts, starts, self.keys, self.mapped, self.files_mapped = [], [0], [], {}, {}  # part: (file, bucket)
-        for i, name in enumerate(self.files):
+        for i, name in enumerate(self.shards):
             with safe_open(str(self.folder / name), "pt") as f:
                 meta = f.metadata()
                 counts = json.loads(meta["buckets"]) if "buckets" in meta else {"": int(meta["rows"])}
@@ -484,7 +484,7 @@ class CachedDataset(torch.utils.data.Dataset):
         if k not in self.mapped:
             i, bucket = self.parts[k]
             if i not in self.files_mapped:
-                path = self.folder / self.files[i]
+                path = self.folder / self.shards[i]
                 with open(path, "rb") as f:
                     n = int.from_bytes(f.read(8), "little")
                     header = json.loads(f.read(n))
