@@ -15,6 +15,7 @@ cuts (cut_share, below); the real test images' class accuracy and cut share at e
     python benchmarks/buckets.py run --arm buckets --seed 0 --out runs/buckets --classifier classifiers/fashion_mnist
     python benchmarks/buckets.py run --arm square --seed 0 --out runs/buckets --classifier classifiers/fashion_mnist
     python benchmarks/buckets.py reals --out runs/buckets --classifier classifiers/fashion_mnist
+    python benchmarks/buckets.py layout --out runs/buckets                  # the cache layout: bytes, build, reads
     python benchmarks/buckets.py table --out runs/buckets                   # mean and 95% interval over the seeds
 
 Every other argument goes to the trainer. Each step is skipped when its result is in --out, so a stopped campaign
@@ -167,6 +168,46 @@ def reals(args):
     (Path(args.out) / "reals.json").write_text(json.dumps(out, indent=1))
 
 
+def layout(args):
+    """The cache layout, measured (issue 60, item 2): the same canvases (the first --layout_images training rows) cached
+    square and with buckets (each bucket's rows as tensors of their own in each shard file): bytes on disk per image,
+    the time to read their sizes (the start-up pass) and to build each, and micro-batches of 128 read per second in
+    the training order (iterate_batches); beside them, what padding every image to the largest bucket would store."""
+    import datasets
+    from accelerate import Accelerator
+
+    import train_flow_matching as fm
+    from training.config import config
+    from training.data.batching import iterate_batches
+    from training.data.cache import CachedDataset, build_cache
+
+    ds = datasets.load_dataset("parquet", data_files={"train": str(Path(args.out) / "data" / "train" / "*.parquet")},
+                               split="train").select(range(args.layout_images)).cast_column(
+                                   "image", datasets.Image(decode=False))
+    accelerator, rows = Accelerator(cpu=True), {}
+    for name, extra in (("square", []), ("buckets", [f"--data.buckets={json.dumps(BUCKETS)}"])):
+        cfg = config.load_config(fm.DEFAULTS, ["--config", str(RECIPE), *extra, "--data.cache_dir",
+                                               str(Path(args.out) / "layout"), "--data.num_classes=10",
+                                               f"--data.source={Path(args.out) / 'data' / 'train'}"])
+        started = time.perf_counter()
+        buckets.resolve(cfg, ds, accelerator)
+        sized = time.perf_counter() - started
+        folder = build_cache(ds, "train", lambda pixels, captions: {"x": pixels}, accelerator, cfg)
+        built = time.perf_counter() - started - sized
+        cached, disk = CachedDataset(folder), sum(f.stat().st_size for f in folder.glob("shard_*.safetensors"))
+        batches = iterate_batches(cached, 0, 128, 0, 0, 1, {})
+        next(batches)  # every shard mapped once before the clock
+        started = time.perf_counter()
+        for _ in range(200):
+            next(batches)
+        rows[name] = {"bytes_per_image": disk / len(cached), "sizes_s": sized, "build_s": built,
+                      "micro_batches_per_s": 200 / (time.perf_counter() - started)}
+    rows["padded to the largest bucket"] = {"bytes_per_image": rows["square"]["bytes_per_image"] * 40 * 40 / (28 * 28)}
+    for name, row in rows.items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()))
+    (Path(args.out) / "layout.json").write_text(json.dumps(rows, indent=1))
+
+
 def table(args):
     """Markdown rows: per shape and score, each arm's mean and 95% interval over its seeds, the paired difference
     where both arms sample that shape, and the real images' value."""
@@ -198,15 +239,16 @@ def table(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["data", "run", "reals", "table"])
+    p.add_argument("what", choices=["data", "run", "reals", "layout", "table"])
     p.add_argument("--arm", default="buckets", choices=list(SHAPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/buckets")
     p.add_argument("--classifier", default="classifiers/fashion_mnist")
     p.add_argument("--num_samples", type=int, default=2_000, help="samples per shape (the recent campaigns' 2,000)")
+    p.add_argument("--layout_images", type=int, default=20_000, help="layout: training rows cached each way")
     args, args.extra = p.parse_known_args(argv)
     started = time.time()
-    {"data": data, "run": run, "reals": reals, "table": table}[args.what](args)
+    {"data": data, "run": run, "reals": reals, "layout": layout, "table": table}[args.what](args)
     print(f"done in {time.time() - started:.0f} s")
 
 

@@ -200,7 +200,9 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
     out = [metadata(cfg, text), "", f"# {Path(cfg['run_dir']).name}", "",
            f"A {n_params / 1e6:.1f}M-parameter MMDiT (diffusers' SD3Transformer2DModel: {m['num_layers']} layers, "
            f"{m['num_attention_heads']} heads of {m['attention_head_dim']}, patch {m['patch_size']}) trained by "
-           f"minimal-diffusion with {what} on {data_name(d['source'])} at {d['resolution']} px in {space}, "
+           f"minimal-diffusion with {what} on {data_name(d['source'])} at {d['resolution']} px"
+           + (f" (aspect-ratio buckets, width x height: {', '.join(f'{w}x{h}' for w, h in d['bucket_shapes'])})"
+              if d.get("bucket_shapes") else "") + f" in {space}, "
            f"conditioned on {conditioning} ({c['mode']} conditioning"
            f"{'; controls ' + ', '.join(c['controls']) if c['controls'] else ''}). The weights are {weights}. "
            f"Licence: the terms of the training data and of the referenced VAE and text encoder apply.", "",
@@ -210,6 +212,8 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
            + ("; the controls are the arguments `original_size=(h, w)`, `crop_box=(top, left, height, width)` in the "
               "original's pixels (the model reads it relative to the short side: where and how much is shown, never "
               "the size), `flip`" if c["controls"] else "")
+           + ("; `height=` and `width=` (pixels) sample another shape, the squarest bucket by default"
+              if d.get("bucket_shapes") else "")
            + ". `generator=` (one per image) and `latents=` fix the noise; the VAE and text encoder are loaded by "
            "their hub ids (model_index.json), or pass `vae=` / `text_encoder=` and `tokenizer=`.", "",
            "## Training", "",
