@@ -240,8 +240,9 @@ def make_controls(cfg, policy, shape=None):
         return None
     data = config.Config({**cfg["data"], "crop": "center", "random_flip": False})
     rows = heldout(data) if policy == "heldout" else None
-    if rows is not None and shape is not None:
-        rows = rows.select(rows_in(rows, data.image_column, data.bucket_shapes, shape))
+    if rows is not None and shape is not None:  # that bucket's held-out rows (none: an uncropped original of it)
+        picked = rows_in(rows, data.image_column, data.bucket_shapes, shape)
+        rows = rows.select(picked) if picked else None
 
     def controls(i):
         size = shape or (data.resolution, data.resolution)
