@@ -40,10 +40,12 @@ def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs
     `dataset.buckets`) gives micro-batches of one bucket each: bucket_order."""
     views = getattr(dataset, "views", 1)
     images = len(dataset) // views
-    buckets = getattr(dataset, "buckets", None)
-    per_epoch = images // world // batch_size if buckets is None else len(bucket_order(buckets[::views], batch_size
-                                                                                           * world, seed, 0))
-    if per_epoch == 0 or images < batch_size * world:
+    buckets = getattr(dataset, "buckets", None)  # each row's bucket (a bucket cache), else None
+    if buckets is None:
+        per_epoch = images // world // batch_size
+    else:
+        per_epoch = len(bucket_order(buckets[::views], batch_size * world, seed, 0))
+    if images < batch_size * world:
         raise ValueError(f"the dataset has {images} samples, fewer than train.batch_size ({batch_size})"
                          f" x {world} processes")
     offsets = torch.randint(views, (images,), generator=torch.Generator().manual_seed(seed)) if views > 1 else None

@@ -109,13 +109,13 @@ class DecodedShards(torch.utils.data.IterableDataset):
         data.bucket_shapes, each view is cropped to the image's bucket and its metadata names the bucket."""
         data = self.data
         bucket, shape = bucket_of(img, data) if data.get("bucket_shapes") else (None, None)
-        views = [preprocess(img, data.resolution, data, rng, shape=shape)] if self.views == 1 else []
+        out = [preprocess(img, data.resolution, data, rng, shape=shape)] if self.views == 1 else []
         for _ in range(data.cache_views if self.views > 1 else 0):
             pixel, meta = preprocess(img, data.resolution, data, rng, flip=False, shape=shape)
-            views.append((pixel, meta))
+            out.append((pixel, meta))
             if data.random_flip:
-                views.append((pixel.flip(-1), {**meta, "flip": torch.tensor([1])}))
-        return views if bucket is None else [(pixel, {**meta, "bucket": bucket}) for pixel, meta in views]
+                out.append((pixel.flip(-1), {**meta, "flip": torch.tensor([1])}))
+        return out if bucket is None else [(pixel, {**meta, "bucket": bucket}) for pixel, meta in out]
 
     def collate(self, k, batch, last):
         """A decoded batch: the shard, whether it is the shard's last, the skipped rows, and its rows as groups of
