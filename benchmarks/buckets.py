@@ -230,8 +230,8 @@ def table(args):
             if len(a) == len(b) > 1:
                 d = paired_comparison(a, b, better)
                 diff = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
-            print(f"| {shape} | {key} | {cell(a) if a else ''} | {cell(b) if b else 'cannot draw it'} | {diff} | "
-                  f"{real.get(shape, {}).get(key, float('nan')):.3f} |".replace("nan", ""))
+            bound = f"{real[shape][key]:.3f}" if key in real.get(shape, {}) else ""
+            print(f"| {shape} | {key} | {cell(a) if a else ''} | {cell(b) if b else 'cannot draw it'} | {diff} | {bound} |")
     for arm, rows in runs.items():
         if rows:
             print(f"{arm}: {len(rows)} seeds, CPU s per step {cell([r['cpu_s_per_step'] for r in rows])}")
