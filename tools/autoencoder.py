@@ -39,7 +39,6 @@ from training.evaluation import classifier  # noqa: E402
 from training.evaluation.metrics import all_scores, size_tag  # noqa: E402
 from training.evaluation.reference import reference_for, to_uint8  # noqa: E402
 
-RECORD = "autoencoder.json"  # beside the weights: how it was made, its factors and its reconstruction quality
 SCORED = 2000  # the campaigns' samples per run (docs/benchmarks.md): rFD at the count its latent runs are scored at
 
 
@@ -148,7 +147,7 @@ def main(argv=None):
                               "decode_per_image": decode_cpu},
               "command": " ".join(["tools/autoencoder.py", *(sys.argv[1:] if argv is None else argv)])}
     vae.save_pretrained(args.out)
-    (Path(args.out) / RECORD).write_text(json.dumps(record, indent=1))
+    (Path(args.out) / latents.RECORD).write_text(json.dumps(record, indent=1))
     rfd = test.get(f"fd_classifier_{size_tag(first)}")
     print(f"autoencoder in {args.out}: PSNR {test['psnr']:.2f} dB on {len(test_images)} '{args.test_split}' images"
           + (f", rFD {rfd:.3f} at {first} (real images: {record['real'][f'fd_classifier_{size_tag(first)}']:.3f})"

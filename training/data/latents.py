@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 import common
 
+RECORD = "autoencoder.json"  # beside an autoencoder made here: how, its factors, its reconstruction quality
 LIMITS = (0.5, (0.5, 2.0))  # |mean| at most, std within: about zero mean and unit std
 SHARDS = 4  # the cache shards the start-up check reads (4,096 images at the default data.shard_size)
 
