@@ -59,9 +59,10 @@ def judge(folder):
 # ---- tools/autoencoder.py ------------------------------------------------------------------------------------
 
 
-def test_the_autoencoder_is_never_measured_on_its_training_split(tmp_path):
+def test_the_autoencoder_is_never_measured_on_its_training_split(tmp_path, monkeypatch):
+    idx_source(tmp_path, monkeypatch)
     with pytest.raises(SystemExit, match="--test_split 'train' is the training split \\(data.split\\)"):
-        autoencoder_tool.main(["--config", LATENT_RECIPE, "--out", str(tmp_path / "ae"), "--test_split", "train"])
+        autoencoder_tool.main(["--config", LATENT_RECIPE, "--out", str(tmp_path / "ae"), "--test_split", "train", *TINY_AE])
     assert not (tmp_path / "ae").exists()
 
 
