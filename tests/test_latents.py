@@ -62,7 +62,8 @@ def judge(folder):
 def test_the_autoencoder_is_never_measured_on_its_training_split(tmp_path, monkeypatch):
     idx_source(tmp_path, monkeypatch)
     with pytest.raises(SystemExit, match="--test_split 'train' is the training split \\(data.split\\)"):
-        autoencoder_tool.main(["--config", LATENT_RECIPE, "--out", str(tmp_path / "ae"), "--test_split", "train", *TINY_AE])
+        autoencoder_tool.main(["--config", LATENT_RECIPE, "--out", str(tmp_path / "ae"), "--test_split", "train",
+                               *TINY_AE])
     assert not (tmp_path / "ae").exists()
 
 
@@ -235,7 +236,8 @@ def test_a_latent_run_trains_resumes_exactly_and_exports_with_its_autoencoder(tm
                 "--log.wandb=off", "--log.report=false", "--model.num_layers=1", "--model.num_attention_heads=2",
                 "--model.attention_head_dim=16"]
     straight = fm.main(run_args + ["--run_dir", str(tmp_path / "straight"), "--train.max_steps=4"])
-    checked = re.search(f"latents \\(encoders.vae='{ae}'\\): mean (\\S+), std (\\S+) over 64 cached", capsys.readouterr().out)
+    line = f"latents \\(encoders.vae='{ae}'\\): mean (\\S+), std (\\S+) over 64 cached"
+    checked = re.search(line, capsys.readouterr().out)
     assert abs(float(checked[1])) < 0.2 and abs(float(checked[2]) - 1) < 0.2  # calibrated on these images and 32 more
     fm.main(run_args + ["--run_dir", str(tmp_path / "resumed"), "--train.max_steps=2"])
     fm.main(run_args + ["--run_dir", str(tmp_path / "resumed"), "--train.max_steps=4", "--resume=latest"])
@@ -252,8 +254,8 @@ def test_a_latent_run_trains_resumes_exactly_and_exports_with_its_autoencoder(tm
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
     seeds = ",".join(str(eval_fid.seed_for(0, 0, i)) for i in range(2))  # sample.py's noise for images 0 and 1
-    done = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SAMPLE, str(export), str(tmp_path / "theirs.npy"), seeds],
-                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SAMPLE, str(export), str(tmp_path / "theirs.npy"),
+                           seeds], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = np.load(tmp_path / "theirs.npy")
     out = sample.main(["--run", str(export), "--classes", "0,1", "--per_class", "1", "--seed", "0",

@@ -87,8 +87,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the recipe (its data section names the source and resolution)")
     p.add_argument("--out", required=True, help="folder for the autoencoder (save_pretrained) and autoencoder.json")
-    p.add_argument("--test_split", default="test", help="the split its reconstructions are measured on (never trained on)")
-    p.add_argument("--classifier", default=None, help="a folder from tools/classifier.py: rFD and the protocol's scores")
+    p.add_argument("--test_split", default="test", help="the split its reconstructions are measured on (never "
+                   "trained on)")
+    p.add_argument("--classifier", default=None, help="a folder from tools/classifier.py: rFD and the protocol's "
+                   "scores")
     p.add_argument("--stats_cache", default="cache/fid_stats", help="eval_fid.py's cached reference statistics")
     p.add_argument("--channels", type=channels_arg, default=[32, 64, 64], help="width per level; each level but the "
                    "last halves the side (32,64,64: 28 px -> 7 x 7)")
@@ -141,7 +143,8 @@ def main(argv=None):
               "kl_weight": args.kl_weight, "seed": args.seed, "final_loss": loss,
               "factors": {"scaling_factor": vae.config.scaling_factor, "shift_factor": vae.config.shift_factor,
                           "latent_mean": mu, "latent_std": sigma},
-              "test": test, "real": scores(test_images[:first], test_labels[:first], judge[0], cfg, args) if judge else None,
+              "test": test,
+              "real": scores(test_images[:first], test_labels[:first], judge[0], cfg, args) if judge else None,
               "classifier": None if judge is None else {"path": args.classifier, **judge[1]},
               "cpu_seconds": {"train": train_cpu, "calibrate": calibrate_cpu, "encode_per_image": encode_cpu,
                               "decode_per_image": decode_cpu},

@@ -152,7 +152,8 @@ def vae_factor(name, recipe=None):
     """The VAE's downsampling factor, 2^(levels - 1), from its config alone (no weights)."""
     from diffusers import AutoencoderKL  # here, not at the top: diffusers takes seconds to import, pixel runs never do
 
-    return 2 ** (len(from_pretrained("encoders.vae", AutoencoderKL.load_config, name, recipe)["block_out_channels"]) - 1)
+    config = from_pretrained("encoders.vae", AutoencoderKL.load_config, name, recipe)
+    return 2 ** (len(config["block_out_channels"]) - 1)
 
 
 def problems(cfg):

@@ -53,7 +53,7 @@ def check_scale(dataset, vae, encoders, log=print):
     if vae is None or "x_std" not in dataset.keys:
         return None
     shards = [t for t in (dataset.tensors(k) for k in range(len(dataset.shards))) if t][:SHARDS]
-    mu, sigma = moments(torch.cat([t["x"].flatten() for t in shards]), torch.cat([t["x_std"].flatten() for t in shards]))
+    mu, sigma = moments(*(torch.cat([t[name].flatten() for t in shards]) for name in ("x", "x_std")))
     rows = sum(len(t["x"]) for t in shards)
     log(f"latents (encoders.vae={encoders.vae!r}): mean {mu:.3f}, std {sigma:.3f} over {rows} cached training images")
     if abs(mu) <= LIMITS[0] and LIMITS[1][0] <= sigma <= LIMITS[1][1]:
@@ -103,7 +103,8 @@ def train(vae, images, steps, batch_size=128, lr=1e-3, kl_weight=1e-6, seed=0, l
     g, per_epoch = torch.Generator().manual_seed(seed), max(len(images) // batch_size, 1)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=0.05)
-    marks, sums, start = {math.ceil(steps * k / 20) for k in range(1, 21)}, torch.zeros(3, dtype=torch.float64), time.time()
+    marks, sums = {math.ceil(steps * k / 20) for k in range(1, 21)}, torch.zeros(3, dtype=torch.float64)
+    start = time.time()
     bar = tqdm(total=steps, desc="autoencoder", disable=not common.interactive())
     vae.train()
     for step in range(steps):
