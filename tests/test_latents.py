@@ -31,7 +31,7 @@ from training.data.encoders import decode, make_encode
 from training.evaluation import classifier
 
 LATENT_RECIPE = str(ROOT / "configs" / "fashion_mnist_latent.json")
-TINY_AE = ["--channels", "8,8,8", "--steps", "2", "--batch_size", "16"]  # 28 px -> 4 x 7 x 7, as the recipe's
+TINY_AE = ["--channels", "8,8", "--steps", "2", "--batch_size", "16"]  # 28 px -> 4 x 14 x 14, as the recipe's
 
 
 def idx_source(tmp_path, monkeypatch, train_rows=40, test_rows=20):

@@ -92,10 +92,10 @@ def main(argv=None):
     p.add_argument("--classifier", default=None, help="a folder from tools/classifier.py: rFD and the protocol's "
                    "scores")
     p.add_argument("--stats_cache", default="cache/fid_stats", help="eval_fid.py's cached reference statistics")
-    p.add_argument("--channels", type=channels_arg, default=[32, 64, 64], help="width per level; each level but the "
-                   "last halves the side (32,64,64: 28 px -> 7 x 7)")
+    p.add_argument("--channels", type=channels_arg, default=[16, 32], help="width per level; each level but the "
+                   "last halves the side (16,32: 28 px -> 14 x 14; docs/benchmarks.md, latent space, chose it)")
     p.add_argument("--latent_channels", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3000, help="AdamW steps of --batch_size images")
+    p.add_argument("--steps", type=int, default=1500, help="AdamW steps of --batch_size images")
     p.add_argument("--batch_size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--kl_weight", type=float, default=1e-6, help="on the KL's sum over an image's latents (LDM's)")
