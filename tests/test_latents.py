@@ -93,7 +93,7 @@ def test_the_autoencoder_trains_on_the_training_rows_and_its_factors_read_back(t
     assert latents.moments(cached["x"], cached["x_std"]) == pytest.approx((0, 1), abs=1e-5)
     record = json.loads((out / latents.RECORD).read_text())
     assert (record["train_rows"], record["test_split"], record["test"]["rows"]) == (40, "test", 20)
-    assert record["factors"]["scaling_factor"] == vae.config.scaling_factor and record["latent_shape"] == [4, 7, 7]
+    assert record["factors"]["scaling_factor"] == vae.config.scaling_factor and record["latent_shape"] == [4, 14, 14]
     assert {"psnr", "fd_classifier_20", "precision_classifier_20", "class_accuracy_20"} <= set(record["test"])
 
 
