@@ -182,6 +182,7 @@ def load_config(defaults, argv=None, method="run", schema=None):
         cfg.run_dir = f"runs/{method}_{name}"
     if cfg.get("init_from"):
         cfg.init_from = cfg.init_from.replace("{method}", method)
+    object.__setattr__(cfg, "origin", dict(origin))  # the layer that set each key ("from configs/x.json"), for the checks
     if schema is not None:  # the values beside any unknown key (never merged), combinations once all are right
         problems += schema_problems(schema, cfg, origin)
         if not problems:

@@ -65,6 +65,8 @@ class Encoders(BaseModel, extra="forbid", strict=True):
     vae: Str = Field(None, description='AutoencoderKL id or path ("stabilityai/sd-vae-ft-ema"); None: pixel space')
     text_encoder: Str = Field(None, description="transformers text encoder id or path (CLIP, T5); None: class labels")
     max_tokens: int = Field(77, ge=1, description="text tokens per caption")
+    latent_check: Literal["stop", "warn"] = Field("stop", description="cached latents far from mean 0 and std 1 "
+                                                  "(the VAE's scaling / shift factors): stop the run, or warn and go on")
 
 
 class Model(BaseModel, extra="forbid", strict=True):
