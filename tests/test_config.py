@@ -96,7 +96,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--data.val_split=3"], r"data.val_split=3 must be a string \(or null\)"),
     (fm, ["--train.warmup_steps=-1"], r"train.warmup_steps=-1 must be a number >= 0"),
     (fm, ["--data.num_workers=-1"], r"data.num_workers=-1 must be a number >= 0"),
-    (fm, ["--encoders.vae=/nonexistent/vae"], r"encoders.vae='/nonexistent/vae' cannot be loaded"),
+    (fm, ["--encoders.vae=/nonexistent/vae"], r"encoders.vae='/nonexistent/vae' is not a folder: build it with `python tools/autoencoder.py"),
     (fm, ["--data.class_ids=imagenet-99k"], r"data.class_ids='imagenet-99k' must be 'imagenet-1k', 'imagenet-22k' or a file"),
     (fm, ["--data.label_column=null"], r"set data.label_column \(class-conditional\) or data.caption_column"),
     (fm, ["--data.caption_column=caption"], r"encoders.text_encoder goes with data.caption_column"),

@@ -206,8 +206,8 @@ def test_a_meanflow_model_samples_as_its_trainer_samples_it_in_one_and_two_steps
                                                          ("disentangled", True, ["size"], True)])
 def test_the_exported_conditioner_is_the_trained_one(mode, text, controls, interval):
     """The folder's conditioner.py (no import from here) gives what training/model/mmdit.py's Conditioner gives, in eval
-    mode, for every mode, text with replicate padding, each control, dropped or not, and MeanFlow's interval t - r
-    (given, and absent: r = t); same weights, strictly."""
+    mode, for every mode, text with replicate padding, each control, dropped or not (crops square and not), and
+    MeanFlow's interval t - r (given, and absent: r = t); same weights, strictly."""
     torch.manual_seed(0)
     trained = Conditioner(5, 2, 24, 24, 32, text_tokens=6 if text else 0, controls={c: 1.0 for c in controls},
                           mode=mode, padding_noise=0.1 if text else None, pooled_text=True, interval=interval).eval()
@@ -221,7 +221,8 @@ def test_the_exported_conditioner_is_the_trained_one(mode, text, controls, inter
     assert isinstance(exported, ExportedConditioner) and exported.config.class_names == ids
     n = 4
     cond = {"drop": torch.tensor([False, True, False, False]), "drop_controls": torch.tensor([False, False, True, False]),
-            "orig_hw": torch.tensor([[30, 20]] * n), "crop_box": torch.tensor([[5, 0, 20, 20]] * n), "flip": torch.tensor([[1]] * n)}
+            "orig_hw": torch.tensor([[30, 20]] * n), "flip": torch.tensor([[1]] * n),  # square crops, and buckets' (data.buckets)
+            "crop_box": torch.tensor([[5, 0, 20, 20], [0, 4, 30, 12], [0, 0, 30, 20], [8, 0, 10, 20]])}
     if text:
         mask = torch.tensor([[1, 1, 1, 0, 0, 0]] * n, dtype=torch.float)
         cond.update(text_tokens=torch.randn(n, 6, 24), text_mask=mask, text_pooled=torch.randn(n, 24))

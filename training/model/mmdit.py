@@ -41,7 +41,9 @@ def control_values(name, cond):
     values = values.reshape(len(values), -1).float()
     if name == "crop":
         short = cond["orig_hw"].reshape(len(values), 2).float().min(1, keepdim=True).values.clamp(min=1)
-        values = values[:, :3] / short * CROP_UNITS  # crops are square: (top, left, height); width = height
+        # (top, left, the crop's short side): a square crop's side; a bucket's crop (data.buckets) keeps the
+        # image's whole short side when the two aspects agree, so 1000 says "uncropped" at any shape
+        values = torch.cat([values[:, :2], values[:, 2:4].min(1, keepdim=True).values], 1) / short * CROP_UNITS
     return values
 
 
@@ -299,12 +301,15 @@ def build_denoiser(cfg, channels, size, text_dims=None):
 
 def load_exported(folder):
     """The EMA model that a run exported: transformer via `from_pretrained`, the conditioner's weights, the
-    run's config.json."""
+    run's config.json. An export that carries its VAE (vae/: encoders.vae was a local folder) decodes with that
+    copy, wherever the folder it was trained with went."""
     from diffusers import SD3Transformer2DModel
     from safetensors.torch import load_file
 
     folder = Path(folder)
     cfg = config.Config(json.loads((folder / "config.json").read_text()))
+    if (folder / "vae" / "config.json").is_file():
+        cfg["encoders"]["vae"] = str(folder / "vae")
     transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer", use_safetensors=True)
     state = load_file(str(conditioner_weights(folder)))
     tc = transformer.config

@@ -28,7 +28,7 @@ def control_values(name, cond):
     values = values.reshape(len(values), -1).float()
     if name == "crop":
         short = cond["orig_hw"].reshape(len(values), 2).float().min(1, keepdim=True).values.clamp(min=1)
-        values = values[:, :3] / short * CROP_UNITS
+        values = torch.cat([values[:, :2], values[:, 2:4].min(1, keepdim=True).values], 1) / short * CROP_UNITS
     return values
 
 
