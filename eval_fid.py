@@ -37,6 +37,7 @@ from PIL import Image
 
 import common
 from training.config import config
+from training.data.buckets import default_shape, largest_side, rows_in, shape_arg
 from training.data.encoders import decode, encode_text, load_encoders
 from training.data.sources import preprocess
 from training.model.mmdit import build_denoiser, load_exported
@@ -66,7 +67,7 @@ def parser():
     a("--num_samples", type=int, default=50_000)
     a("--batch_size", type=int, default=64, help="per process; stochastic samplers depend on it, noise does not")
     a("--seed", type=int, default=0, help="sample i's noise: seed_for(seed, 0, i)")
-    a("--sampler", default=None, help="default: the run's val.sampler")
+    a("--sampler", default=None, help="default: the run's val.sampler (flow matching: euler, heun, meanflow; DDPM: ddim, ddpm)")
     a("--steps", type=int, default=None, help="default: the run's val.steps")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
@@ -75,7 +76,13 @@ def parser():
     a("--phema_std", type=float, default=None, help="the post-hoc EMA of this relative std in (0, 0.28], "
       "reconstructed from the run's snapshots (ckpt.phema_every), instead of the export's EMA")
     a("--controls", default="heldout", choices=["heldout", "square"], help="runs with size/crop/flip controls: "
-      "'heldout': row i %% n's original size, centre crop, no flip; 'square': an uncropped R x R original")
+      "'heldout': row i %% n's original size, centre crop, no flip; 'square': an uncropped R x R original (with "
+      "--width / --height: an uncropped original of that shape)")
+    a("--width", type=int, default=None, help="a run with data.buckets: sample and score one of its buckets, "
+      "width x height pixels, against the reference images of that bucket; default: its squarest")
+    a("--height", type=int, default=None, help="see --width")
+    a("--aspect_ratio", default=None, help="instead of --width and --height: the run's bucket nearest this "
+      "width / height ('3:2' or 1.5)")
     a("--prompts", default=None, help="text models: a captions file (one per line) or 'heldout' (default)")
     a("--reference", default=None, help="image folder, dataset (hub id, local path, 'embedded'), one of our "
       "statistics .npz files, or cleanfid:NAME:RES:SPLIT (clean-fid's precomputed ones); default: data.source")
@@ -134,6 +141,23 @@ def tuned_defaults(args):
                                                 is not None else f"{key} from {where[key]}" for key in tuning.TUNED)
               + note)
     return args
+
+
+def bucket_arg(cfg, args):
+    """(width, height) of the bucket that eval_fid.py samples and scores (--width / --height, or --aspect_ratio: the
+    nearest bucket; default: the squarest) for a run with data.buckets, else None (a square run, which takes
+    neither). FD at a shape is against the reference images of that bucket: docs/evaluation.md."""
+    if not cfg["data"].get("bucket_shapes"):
+        if args.width or args.height or args.aspect_ratio:
+            raise config.ConfigError(f"--width / --height / --aspect_ratio: {args.run} was trained square at "
+                             f"{cfg['data']['resolution']} px (no data.buckets); sample other shapes with sample.py")
+        return None
+    shape = shape_arg(cfg, args.width, args.height, args.aspect_ratio)
+    if [list(s) for s in cfg["data"]["bucket_shapes"]].count(list(shape)) == 0:
+        raise config.ConfigError(f"--width {shape[0]} --height {shape[1]}: eval_fid.py scores a bucket the run trained at, "
+                         f"whose reference images exist: one of " + ", ".join(f"{w}x{h}" for w, h in
+                                                                               cfg["data"]["bucket_shapes"]))
+    return tuple(shape)
 
 
 def interval_arg(text):
@@ -206,21 +230,26 @@ def load_prompts(prompts, cfg):
     return [line.strip() for line in Path(prompts).read_text().splitlines() if line.strip()]
 
 
-def make_controls(cfg, policy):
+def make_controls(cfg, policy, shape=None):
     """controls(i) -> the size/crop/flip metadata of sample i, for runs trained with controls (else None),
     made by preprocess itself (centre crop, no flip) from an original size: held-out row i % n's
-    ('heldout': the distribution the reference comes from; only the image header is read) or R x R."""
+    ('heldout': the distribution the reference comes from; only the image header is read) or R x R. `shape`
+    (width, height; a run with buckets): the held-out rows of that bucket, each cropped to it, or ('square') an
+    uncropped original of that shape."""
     if not cfg["conditioning"]["controls"]:
         return None
     data = config.Config({**cfg["data"], "crop": "center", "random_flip": False})
     rows = heldout(data) if policy == "heldout" else None
+    if rows is not None and shape is not None:  # that bucket's held-out rows (none: an uncropped original of it)
+        picked = rows_in(rows, data.image_column, data.bucket_shapes, shape)
+        rows = rows.select(picked) if picked else None
 
     def controls(i):
-        size = (data.resolution, data.resolution)
+        size = shape or (data.resolution, data.resolution)
         if rows is not None:
             value = rows[i % len(rows)][data.image_column]
             size = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]).size
-        return preprocess(Image.new("RGB", size), 8, data)[1]  # the metadata, not the pixels
+        return preprocess(Image.new("RGB", size), 8, data, shape=shape)[1]  # the metadata, not the pixels
     return controls
 
 
@@ -245,13 +274,29 @@ def make_condition(cfg, model, prompts, device, controls=None):
     return cond
 
 
+def noise_shape(cfg, transformer, shape=None):
+    """(channels, height, width) in model space of samples `shape` (width, height) pixels (None: a square run's
+    data.resolution, a bucket run's squarest bucket). Each side must be a whole number of patches at the VAE's factor
+    and fit the positional grid: else one ConfigError naming the sides that work."""
+    tc = transformer.config
+    shape = shape or (default_shape(cfg) if cfg["data"].get("bucket_shapes") else None)
+    if shape is None:
+        return tc.in_channels, tc.sample_size, tc.sample_size
+    scale, multiple = largest_side(cfg) // tc.sample_size, largest_side(cfg) // tc.sample_size * tc.patch_size
+    if any(side % multiple or side > largest_side(cfg) for side in shape):
+        raise config.ConfigError(f"{shape[0]}x{shape[1]} px: each side must be a multiple of {multiple} (patch {tc.patch_size} "
+                         f"x the VAE's factor {scale}) and at most {largest_side(cfg)} (the positional grid)")
+    return tc.in_channels, shape[1] // scale, shape[0] // scale
+
+
 @torch.no_grad()
 def sample_batch(model, cfg, cond, idx, seed, steps=None, guidance_scale=None, sampler=None, vae=None,
-                 control_guidance_scale=None, guidance_interval=None):
-    """uint8 images of samples `idx`; the caller's RNG state is left as it was."""
-    tc, device = model.transformer.config, next(model.parameters()).device
-    noise = torch.stack([torch.randn((tc.in_channels, tc.sample_size, tc.sample_size),
-                                     generator=torch.Generator().manual_seed(seed_for(seed, 0, i))) for i in idx])
+                 control_guidance_scale=None, guidance_interval=None, shape=None):
+    """uint8 images of samples `idx` (`shape`: width, height in pixels; None: the run's square); the caller's RNG
+    state is left as it was."""
+    device = next(model.parameters()).device
+    size = noise_shape(cfg, model.transformer, shape)
+    noise = torch.stack([torch.randn(size, generator=torch.Generator().manual_seed(seed_for(seed, 0, i))) for i in idx])
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed_for(seed, 1, idx[0]))  # ancestral samplers' fresh noise, fixed per batch
         x = method_of(cfg).generate(model, noise.to(device), cond(idx), cfg, steps=steps, sampler=sampler,
@@ -350,6 +395,7 @@ def main(argv=None, feature_fn=None):
 
     # ---- Model and settings ---------------------------------------------------------------------------------
     model, cfg, model_desc = load_model(args.run, args.checkpoint, args.weights, args.phema_std)
+    args.shape = bucket_arg(cfg, args)  # data.buckets: the bucket sampled and scored (None: a square run)
     precision = args.mixed_precision or cfg["train"]["mixed_precision"]  # sampled at the run's precision
     # cpu=True without CUDA, as in the trainers: `accelerate launch --multi_gpu` then runs CPU processes over gloo.
     accelerator = common.make_accelerator(precision)
@@ -365,7 +411,8 @@ def main(argv=None, feature_fn=None):
     weights = weights if args.phema_std is None else f"{weights}-phema{args.phema_std:g}"
     cg = f"-cg{control_guidance:g}" if control_guidance else ""
     gi = f"-gi{interval[0]:g}-{interval[1]:g}" if list(interval) != [0, 1] else ""
-    tag = f"{weights}-{sampler}{steps}-g{guidance:g}{cg}{gi}-seed{args.seed}"
+    tag = f"{weights}-{sampler}{steps}-g{guidance:g}{cg}{gi}-seed{args.seed}" + (
+        f"-{args.shape[0]}x{args.shape[1]}" if args.shape else "")
     out_dir = Path(args.out_dir or Path(args.run) / "eval" / tag)
     samples_dir = out_dir / "samples"
     prompts = load_prompts(args.prompts, cfg) if is_text else None
@@ -374,6 +421,7 @@ def main(argv=None, feature_fn=None):
         "sampler": sampler, "steps": steps, "guidance_scale": guidance, "control_guidance_scale": control_guidance,
         "guidance_interval": list(interval),
         "controls": args.controls if cfg["conditioning"]["controls"] else None, "mixed_precision": precision,
+        **({"shape": list(args.shape)} if args.shape else {}),
         "seeds": {"seed": args.seed, "batch_size": args.batch_size, "noise": "sample i: seed_for(seed, 0, i)",
                   "sampler_rng": "batch starting at sample i: seed_for(seed, 1, i)"},
         "conditioning": ({"prompts": args.prompts or "heldout", "num_prompts": len(prompts),
@@ -415,14 +463,14 @@ def main(argv=None, feature_fn=None):
 
     # ---- Generation: this rank's batches; a batch already on disk is skipped (resume) ----------------------
     vae = load_encoders(config.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
-    cond = make_condition(cfg, model, prompts, device, make_controls(cfg, args.controls))
+    cond = make_condition(cfg, model, prompts, device, make_controls(cfg, args.controls, args.shape))
     batches, nfe = common.my_batches(args.num_samples, args.batch_size, rank, world), [0, 0]  # evaluations, samples
     for idx in progress(batches, "generate", accelerator.is_local_main_process):
         if all(png_path(samples_dir, i).exists() for i in idx):
             continue
         with accelerator.autocast(), common.counting_evaluations(model) as rows:
             images = sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae, control_guidance,
-                                  interval)
+                                  interval, args.shape)
         nfe = [nfe[0] + rows[0], nfe[1] + len(idx)]
         for i, img in zip(idx, images):  # PNG: lossless; written atomically, so a resumed run can trust it
             Image.fromarray(img).save(png_path(samples_dir, i).with_suffix(".tmp"), format="PNG")
@@ -440,7 +488,8 @@ def main(argv=None, feature_fn=None):
         images = [read_png(samples_dir, i) for i in idx]
         pairs += zip(idx, feature_fn(images))
         if judge is not None:  # 1 where the classifier sees the class that sample i asked for (i % K)
-            judged += zip(idx, classifier.class_hits(judge[0], images, idx, cfg["data"]["num_classes"], device)[:, None])
+            judged += zip(idx, classifier.class_hits(judge[0], images, idx, cfg["data"]["num_classes"], device,
+                                                     judge[1].get("resolution"))[:, None])
         if dino_fn is not None:
             dino_pairs += zip(idx, dino_fn(images))
         if use_clip:

@@ -23,6 +23,7 @@ from PIL import Image
 
 import eval_fid
 from training.config import config
+from training.data.buckets import default_shape, shape_arg
 from training.data.classes import readable_names
 from training.data.encoders import encode_text, load_encoders
 from training.run import checkpoints, hub
@@ -41,6 +42,11 @@ def parse_args(argv=None):
       "if there are at most 64)")
     a("--prompts", default=None, help="text runs: a text file, one prompt per line")
     a("--per_class", type=int, default=4, help="images per class or prompt (one grid row each)")
+    a("--width", type=int, default=None, help="pixels, with --height: any shape whose sides are whole patches and fit "
+      "the model's positional grid; default: data.resolution square, or a run with data.buckets its squarest bucket")
+    a("--height", type=int, default=None, help="see --width")
+    a("--aspect_ratio", default=None, help="instead of --width and --height: the run's bucket nearest this width / "
+      "height ('3:2' or 1.5)")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
     a("--guidance_interval", type=eval_fid.interval_arg, default=None, help="'lo,hi': guide only at noise levels "
@@ -48,7 +54,7 @@ def parse_args(argv=None):
     a("--phema_std", type=float, default=None, help="sample the post-hoc EMA of this relative std, reconstructed "
       "from the run's snapshots (ckpt.phema_every), instead of the export's EMA")
     a("--steps", type=int, default=None, help="default: the run's val.steps")
-    a("--sampler", default=None, help="default: the run's val.sampler")
+    a("--sampler", default=None, help="default: the run's val.sampler (flow matching: euler, heun, meanflow; DDPM: ddim, ddpm)")
     a("--seed", type=int, default=0)
     a("--batch_size", type=int, default=16)
     a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
@@ -144,7 +150,8 @@ def main(argv=None):
     else:
         rows = pick_classes(args.classes, model.conditioner.num_classes, run_class_ids(args.run, args.checkpoint))
     items = [row for row in rows for _ in range(args.per_class)]
-    controls = eval_fid.make_controls(cfg, "square")  # an uncropped, unflipped R x R original
+    shape = shape_arg(cfg, args.width, args.height, args.aspect_ratio)  # (width, height) in pixels
+    controls = eval_fid.make_controls(cfg, "square", shape)  # an uncropped, unflipped original of that shape
 
     def cond(idx):
         out = {"drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
@@ -165,7 +172,8 @@ def main(argv=None):
                         else args.control_guidance_scale)
     interval = args.guidance_interval or val.get("guidance_interval", [0.0, 1.0])
     tag = (f"{sampler}{steps}-g{guidance:g}" + (f"-gi{interval[0]:g}-{interval[1]:g}" if list(interval) != [0, 1] else "")
-           + (f"-phema{args.phema_std:g}" if args.phema_std is not None else "") + f"-seed{args.seed}")
+           + (f"-phema{args.phema_std:g}" if args.phema_std is not None else "") + f"-seed{args.seed}"
+           + (f"-{shape[0]}x{shape[1]}" if cfg["data"].get("bucket_shapes") or shape != default_shape(cfg) else ""))
     out = Path(args.out or Path(args.run) / "sampled" / tag)
     check_out(out)
     vae = load_encoders(config.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
@@ -177,7 +185,7 @@ def main(argv=None):
         idx = list(range(start, min(start + args.batch_size, len(items))))
         with autocast:
             images += list(eval_fid.sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae,
-                                                 control_guidance, interval))
+                                                 control_guidance, interval, shape))
         print(f"sampled {idx[-1] + 1}/{len(items)}", flush=True)
 
     # ---- Out: single PNGs, the labelled grid, the settings, written beside out and then moved there whole ---
@@ -190,7 +198,7 @@ def main(argv=None):
     runlog.save_image_grid(pixels, part / "grid.png", nrow=args.per_class, labels=[label for _, label in items])
     settings = {"model": {"run": str(args.run), **model_desc}, "sampler": sampler, "steps": steps,
                 "mixed_precision": precision, "guidance_scale": guidance, "control_guidance_scale": control_guidance,
-                "guidance_interval": list(interval), "seed": args.seed,
+                "guidance_interval": list(interval), "seed": args.seed, "shape": list(shape),
                 "noise": "image i: eval_fid.seed_for(seed, 0, i)", "batch_size": args.batch_size,
                 "conditions": [label for _, label in items]}
     (part / "sample.json").write_text(json.dumps(settings, indent=1))

@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 import common
 import eval_fid
 from training.config import config
-from training.data import batching, cache, encoders, sources
+from training.data import batching, buckets, cache, encoders, latents, sources
 from training.model import mmdit
 from training.objectives import repa
 from training.optimisation import muon, optimizers
@@ -375,15 +375,17 @@ def main(argv=None):
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
     train_ds, val_ds = sources.open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
+    buckets.resolve(cfg, train_ds, accelerator)  # data.buckets: each image's bucket, small ones merged, the table
     run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
     cache.check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids
     train_set, val_set = (cache.cached_split(cfg, part, ds, d.encode, accelerator, signals)  # key, check, hit/miss
                           for part, ds in (("train", train_ds), ("val", val_ds)))  # memory-mapped, read lazily
+    latents.check_scale(train_set, d.vae, cfg.encoders, accelerator.print)  # mean ~0, std ~1, or stop naming the factors
     encoders.place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off GPU till needed
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
-    x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
+    x_shape = val_set.x_shape  # (channels, size, size) in model space: the positional grid's (buckets: the largest)
     # fp32 EMA; the checkpoint to resume, else another run's weights when init_from names one
     model, ema, ckpt = start.prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
     model, ema = sharding.shard(model, ema, cfg, accelerator)  # rank 0's weights everywhere; fsdp: block by block

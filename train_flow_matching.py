@@ -10,6 +10,8 @@ Conventions (tests/test_flow_matching.py checks each):
   * The model predicts the velocity v = dx_t/dt = eps - x0. Sampling integrates dx/dt = v from t = 1 to 0.
     This is diffusers' FlowMatchEulerDiscreteScheduler and SD3's convention (Esser et al. 2024).
   * The MMDiT sees time as timestep = 1000 t, the float range diffusers' SD3 transformer expects.
+  * objective.meanflow (MeanFlow, training/objectives/meanflow.py): the model predicts the average velocity over
+    [r, t], the interval 1000 (t - r) its second time input; at r = t that is the velocity, and the loss flow matching's.
   * Pixels are in [-1, 1]; latents are (z - shift) * scale with the VAE's own factors.
 
 Pipeline: config -> accelerator and seeds -> data (open, cache check, hit/miss, batches) -> model, EMA,
@@ -29,9 +31,9 @@ from pydantic import BaseModel, Field
 import common
 import eval_fid
 from training.config import config
-from training.data import batching, cache, encoders, sources
+from training.data import batching, buckets, cache, encoders, latents, sources
 from training.model import mmdit
-from training.objectives import contrastive, repa, xprediction
+from training.objectives import contrastive, meanflow, repa, xprediction
 from training.optimisation import muon, optimizers
 from training.run import checkpoints, fit, hub, sharding, stability, start
 from training.run.monitor import Monitor
@@ -63,16 +65,31 @@ class Objective(BaseModel, extra="forbid", strict=True):
                                            "the loss stays on the velocity: training/objectives/xprediction.py)")
     contrastive_weight: float = Field(0.0, ge=0, lt=1, description="contrastive flow matching's lambda (DeltaFM: "
                                       "0.05; training/objectives/contrastive.py); 0: off")
+    # MeanFlow (Geng et al. 2025; training/objectives/meanflow.py): the defaults are the paper's and its code's
+    meanflow: bool = Field(False, description="MeanFlow: the network predicts the average velocity over [r, t], for "
+                           "sampling in 1-2 steps (val.sampler='meanflow')")
+    meanflow_equal_share: float = Field(0.75, ge=0, le=1, description="MeanFlow: the share of samples with r = t "
+                                        "(the paper: 0.75, i.e. 25% r != t, its ablation's best)")
+    meanflow_logit_mean: float = Field(-0.4, description="MeanFlow: t, r the larger and smaller of two draws of "
+                                       "sigmoid(m + s n) (the paper: lognorm(-0.4, 1.0))")
+    meanflow_logit_std: float = Field(1.0, gt=0, description="MeanFlow: s of those draws")
+    meanflow_weight_power: float = Field(1.0, ge=0, description="MeanFlow: p of the adaptive loss weight "
+                                         "1 / (|error|^2 + c)^p (the paper: 1; 0: plain squared error)")
+    meanflow_guidance: float = Field(2.0, ge=1, description="MeanFlow: the guidance scale folded into the target, "
+                                     "so one evaluation is guided (the paper's code: 2, as omega 1, kappa 0.5); 1: none")
+    meanflow_guidance_mix: float = Field(0.5, ge=0, lt=1, description="MeanFlow: kappa, the target's share of the "
+                                         "model's own conditional velocity (the paper's code: 0.5); 0: none")
 
 
 class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in the val section
-    sampler: Literal["euler", "heun"] = Field("euler", description="Euler, or Heun's 2nd order (2 evaluations a step)")
+    sampler: Literal["euler", "heun", "meanflow"] = Field("euler", description="Euler, Heun's 2nd order (2 evaluations a "
+                                                          "step), or MeanFlow's z_r = z_t - (t - r) u(z_t, r, t)")
 
 
 # The whole typed config: the shared sections with these two, and the start-up checks of the options this trainer
 # runs, each in its own module (every problem reported at once, before any work).
 CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, hub.problems,
-                                                   muon.problems, contrastive.problems))
+                                                   muon.problems, contrastive.problems, meanflow.problems))
 # The defaults changed here: 32 sampling steps, and the demo's budget and guidance, chosen by
 # benchmarks/demo_quality.py (docs/benchmarks.md, "Demo quality"): a cosine decay of a higher LR over 1000 steps
 # and guidance 7 draw the asked-for shape in >= 0.9 of samples, in under 5 min on 2 CPU cores. The recipes set
@@ -148,7 +165,7 @@ def training_loss(model, x0, cond, t, noise, prediction="v", contrastive_weight=
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The sampler: Euler or Heun on dx/dt = v from t = 1 to t = 0, with classifier-free guidance.
+# The sampler: Euler or Heun on dx/dt = v from t = 1 to t = 0, with classifier-free guidance; or MeanFlow's steps.
 
 
 @torch.no_grad()
@@ -161,20 +178,24 @@ def sample(model, noise, cond, steps, shift=1.0, guidance_scale=1.0, control_gui
     on steps whose t_i lies in guidance_interval [lo, hi] (Kynkaanniemi et al. 2024; both Heun evaluations of
     a step, as their sampler); the other steps take the conditional velocity alone, one network pass.
     prediction "x0": the network's clean-image estimate becomes the velocity it implies
-    (training/objectives/xprediction.py; guidance is linear, so guiding the estimates is guiding the velocities)."""
-    if method not in ("euler", "heun"):
-        raise ValueError(f"val.sampler must be 'euler' or 'heun', got {method!r}")
+    (training/objectives/xprediction.py; guidance is linear, so guiding the estimates is guiding the velocities).
+    method "meanflow" (training/objectives/meanflow.py): the model's average velocity over the step, z_r = z_t -
+    (t - r) u(z_t, r, t), the interval t - r its second time; a model trained without it has no such input and
+    takes Euler's steps."""
+    if method not in ("euler", "heun", "meanflow"):
+        raise ValueError(f"val.sampler must be 'euler', 'heun' or 'meanflow', got {method!r}")
     ts = common.time_shift(torch.linspace(1, 0, steps + 1, device=noise.device), shift)
     lo, hi = guidance_interval
 
-    def velocity(x, t, guide):
-        out = mmdit.guided(model, x, (t * 1000).expand(len(x)), cond, guidance_scale if guide else 1.0,
+    def velocity(x, t, guide, gap=None):  # gap: MeanFlow's t - r (None: r = t, the velocity at t)
+        c = cond if gap is None else {**cond, "interval": (gap * 1000).expand(len(x))}
+        out = mmdit.guided(model, x, (t * 1000).expand(len(x)), c, guidance_scale if guide else 1.0,
                            control_guidance_scale if guide else 0.0)
         return xprediction.velocity(out, x, t) if prediction == "x0" else out
 
     x = noise.float()
     for t, t_next, level in zip(ts[:-1], ts[1:], ts.tolist()):  # level: t_i on the host, no sync per step
-        v = velocity(x, t, lo <= level <= hi)
+        v = velocity(x, t, lo <= level <= hi, t - t_next if method == "meanflow" else None)
         if method == "heun" and t_next > 0:  # Heun's 2nd order: average the slopes at both ends
             v = (v + velocity(x + (t_next - t) * v, t_next, lo <= level <= hi)) / 2
         x = x + (t_next - t) * v
@@ -213,15 +234,17 @@ def main(argv=None):
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
     train_ds, val_ds = sources.open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
+    buckets.resolve(cfg, train_ds, accelerator)  # data.buckets: each image's bucket, small ones merged, the table
     run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
     cache.check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids
     train_set, val_set = (cache.cached_split(cfg, part, ds, d.encode, accelerator, signals)  # key, check, hit/miss
                           for part, ds in (("train", train_ds), ("val", val_ds)))  # memory-mapped, read lazily
+    latents.check_scale(train_set, d.vae, cfg.encoders, accelerator.print)  # mean ~0, std ~1, or stop naming the factors
     encoders.place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off GPU till needed
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
-    x_shape = val_set[0]["x"].shape  # (channels, size, size) in model space
+    x_shape = val_set.x_shape  # (channels, size, size) in model space: the positional grid's (buckets: the largest)
     # fp32 EMA; the checkpoint to resume, else another run's weights when init_from names one
     model, ema, ckpt = start.prepare_model(cfg, x_shape, d.null_text, d.class_ids, run_dir, accelerator)
     model, ema = sharding.shard(model, ema, cfg, accelerator)  # rank 0's weights everywhere; fsdp: block by block
@@ -295,12 +318,19 @@ def main(argv=None):
             noise = torch.randn_like(x0)
             if obj.ot_coupling:
                 noise = ot_pair(x0, noise, batch.get("label"))
-            t, weight = density.draw(len(x0)) if density else (sample_time(len(x0), obj, shift, device), 1.0)
+            if obj.meanflow:  # MeanFlow: t >= r, two logit-normal draws; r = t for objective.meanflow_equal_share
+                (t, r), weight = meanflow.sample_times(len(x0), obj, shift, device), 1.0
+            else:
+                t, weight = density.draw(len(x0)) if density else (sample_time(len(x0), obj, shift, device), 1.0)
             # Gradients are all-reduced (sharded: reduce-scattered) only on the last micro-batch; the others accumulate
             with sharding.no_sync(model, accelerator, skip=micro < tr.grad_accum - 1):  # locally
                 with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32
-                    loss, terms = training_loss(model, x0, cond, t, noise, obj.prediction, obj.contrastive_weight,
-                                                align(batch, step))  # terms: the options' own (REPA, contrastive)
+                    if obj.meanflow:  # |u(z_t, r, t) - sg(v - (t - r) du/dt)|^2, du/dt by a JVP along (v, 0, 1)
+                        loss, terms = meanflow.training_loss(model, raw_model, x0, cond, t, r, noise, obj,
+                                                             align(batch, step))  # v guided; the adaptive weight
+                    else:
+                        loss, terms = training_loss(model, x0, cond, t, noise, obj.prediction, obj.contrastive_weight,
+                                                    align(batch, step))  # terms: the options' own (REPA, contrastive)
                 accelerator.backward((weight * (loss + sum(terms.values()))).mean() / tr.grad_accum)  # the step's mean
             if density:
                 density.observe(loss)  # the per-bin loss it follows

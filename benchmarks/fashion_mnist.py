@@ -67,7 +67,7 @@ def ours(args):
     if not (run / "export").is_dir():
         before = cpu_seconds(resource.RUSAGE_CHILDREN)
         try:
-            subprocess.run([sys.executable, str(ROOT / f"train_{args.trainer}.py"), "--config", str(RECIPE),
+            subprocess.run([sys.executable, str(ROOT / f"train_{args.trainer}.py"), "--config", args.recipe,
                             f"--seed={args.seed}", f"--run_dir={run}", "--log.wandb=off", "--resume=latest",
                             *args.extra], check=True)  # --resume latest: an interrupted run continues
         finally:  # an interrupted process's CPU too: a resumed run's is the sum over its processes
@@ -244,6 +244,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["ours", "peer"])
     p.add_argument("--trainer", default="flow_matching", choices=["flow_matching", "ddpm"])
+    p.add_argument("--recipe", default=str(RECIPE), help="ours: the recipe trained (configs/fashion_mnist_latent.json: "
+                   "benchmarks/latent_space.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/fashion_mnist_bench")
     p.add_argument("--classifier", default="classifiers/fashion_mnist")

@@ -1,6 +1,7 @@
 """Feeds docs/benchmarks.md, "Numbers kept in other docs": docs/performance.md.
 
-The one prepared device check: both trainers' step on the imagenet256 recipe's model, on one GPU.
+The one prepared device check: both trainers' step on the imagenet256 recipe's model, on one GPU; and flow
+matching's with MeanFlow (objective.meanflow: its JVP through the MMDiT with the math attention backend).
 
     python benchmarks/gpu_check.py --out docs/gpu_check.json    # one H200: about 6 minutes (docs/performance.md)
 
@@ -71,10 +72,14 @@ import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
 from training.config import config  # noqa: E402
 from training.model.mmdit import build_denoiser  # noqa: E402
+from training.objectives import meanflow  # noqa: E402
 from training.optimisation import optimizers  # noqa: E402
 from training.run import checkpoints, sharding  # noqa: E402
 
 TRAINERS = {"flow_matching": train_flow_matching, "ddpm": train_ddpm}
+# A row "flow_matching:meanflow": the MeanFlow step (training/objectives/meanflow.py, the paper's defaults) and its
+# one-step sampling, unguided at sampling time (the guidance is in the weights).
+MEANFLOW = ["--objective.meanflow=true", "--val.sampler=meanflow", "--val.steps=1", "--val.guidance_scale=1"]
 COMPILE_LOGS = collections.Counter()  # records of dynamo's graph_breaks and recompiles loggers (TORCH_LOGS)
 
 
@@ -87,8 +92,16 @@ for _name in [n for n in logging.Logger.manager.loggerDict if n.endswith(("__gra
     logging.getLogger(_name).addHandler(CountRecords())
 
 
-def objective(trainer, cfg, device):
-    """(time sampler, loss(model, x0, cond, t, noise)) of a trainer, as its loop uses them."""
+def objective(trainer, cfg, device, raw):
+    """(time sampler, loss(model, x0, cond, t, noise)) of a trainer, as its loop uses them; MeanFlow's time sampler
+    gives (t, r), and its loss adds its terms (the adaptive weight) and makes its target with the bare module `raw`."""
+    if cfg.objective.get("meanflow"):
+        obj, shift = cfg.objective, common.shift_of(cfg)
+
+        def loss_of(model, x0, cond, times, noise):
+            loss, terms = meanflow.training_loss(model, raw, x0, cond, *times, noise, obj)
+            return loss + sum(terms.values())
+        return lambda n: meanflow.sample_times(n, obj, shift, device), loss_of
     if trainer is train_flow_matching:
         shift = common.shift_of(cfg)
         return (lambda n: trainer.sample_time(n, cfg.objective, shift, device),
@@ -117,8 +130,10 @@ def reset_peak(device):
 def check(name, args, overrides):
     """One trainer's check ("flow_matching:fsdp": sharded, training/run/sharding.py); returns its row of results."""
     trainer, sharded = TRAINERS[name.split(":")[0]], name.endswith(":fsdp")
-    cfg = config.load_config(trainer.DEFAULTS, ["--config", args.config, *overrides,
-                                                f"--train.sharding={'fsdp' if sharded else 'ddp'}", "--train.compile=false"])
+    meanflow_row = MEANFLOW if name.endswith(":meanflow") else []
+    cfg = config.load_config(trainer.DEFAULTS, ["--config", args.config, *overrides, *meanflow_row,
+                                                f"--train.sharding={'fsdp' if sharded else 'ddp'}",
+                                                "--train.compile=false"])
     tr, row = cfg.train, {"trainer": name}
     accelerator = common.make_accelerator(tr.mixed_precision)
     device = accelerator.device
@@ -139,7 +154,7 @@ def check(name, args, overrides):
     optimizer = optimizers.make_optimizer(model, tr)
     model, optimizer = sharding.prepare(model, optimizer, accelerator, tr)
     raw = accelerator.unwrap_model(model)
-    sample_time, loss_of = objective(trainer, cfg, device)
+    sample_time, loss_of = objective(trainer, cfg, device, raw)
 
     def train_step(step):
         """The trainers' step, in their loop's order (the batch is fixed: random latents of the recipe's shape)."""
@@ -243,7 +258,8 @@ def report(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "imagenet256.json"))
-    parser.add_argument("--trainers", default="flow_matching,ddpm,flow_matching:fsdp", help="name[:fsdp] (sharded)")
+    parser.add_argument("--trainers", default="flow_matching,ddpm,flow_matching:fsdp,flow_matching:meanflow",
+                        help="name[:fsdp] (sharded), flow_matching:meanflow")
     parser.add_argument("--steps", type=int, default=24, help="timed optimizer steps per trainer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling first one")
     parser.add_argument("--sample_batch", type=int, default=None, help="images in the timed sampling batch; "

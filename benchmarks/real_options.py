@@ -162,8 +162,8 @@ def campaign(args, table):
             print(f"[{budget} {i}/{len(todo)}] {arm} {trainer} seed {seed}: {steps} steps ({time.time() - started:.0f} s "
                   f"into this session)", flush=True)
             fashion_mnist.ours(argparse.Namespace(
-                trainer=trainer, seed=seed, out=str(run.parent), classifier=args.classifier,
-                num_samples=args.num_samples, curve_samples=args.num_samples, fractions=[],
+                trainer=trainer, recipe=str(fashion_mnist.RECIPE), seed=seed, out=str(run.parent),
+                classifier=args.classifier, num_samples=args.num_samples, curve_samples=args.num_samples, fractions=[],
                 eval_args=["--stats_cache", str(Path(args.out) / "fid_stats")],
                 extra=[*RUN, *table[arm], f"--train.max_steps={steps}", *args.extra]))
 

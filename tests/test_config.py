@@ -67,7 +67,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--data.crop=middle"], r"data.crop='middle' must be 'center' or 'random' or 'random_resized'"),
     (fm, ["--train.ema_decay=1.5"], r"train.ema_decay=1.5 must be in \[0, 1\]"),
     (fm, ["--val.steps=0"], r"val.steps=0 must be a number >= 1"),
-    (fm, ["--val.sampler=dpm"], r"val.sampler='dpm' must be 'euler' or 'heun'"),
+    (fm, ["--val.sampler=dpm"], r"val.sampler='dpm' must be 'euler' or 'heun' or 'meanflow'"),
     (fm, ["--val.every=0"], r"val.every=0 must be a number >= 1"),
     (fm, ["--train.max_nonfinite_steps=0"], r"train.max_nonfinite_steps=0 must be a number >= 1"),
     (fm, ["--data.shard_size=0"], r"data.shard_size=0 must be a number >= 1"),
@@ -96,7 +96,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--data.val_split=3"], r"data.val_split=3 must be a string \(or null\)"),
     (fm, ["--train.warmup_steps=-1"], r"train.warmup_steps=-1 must be a number >= 0"),
     (fm, ["--data.num_workers=-1"], r"data.num_workers=-1 must be a number >= 0"),
-    (fm, ["--encoders.vae=/nonexistent/vae"], r"encoders.vae='/nonexistent/vae' cannot be loaded"),
+    (fm, ["--encoders.vae=/nonexistent/vae"], r"encoders.vae='/nonexistent/vae' is not a folder: build it with `python tools/autoencoder.py"),
     (fm, ["--data.class_ids=imagenet-99k"], r"data.class_ids='imagenet-99k' must be 'imagenet-1k', 'imagenet-22k' or a file"),
     (fm, ["--data.label_column=null"], r"set data.label_column \(class-conditional\) or data.caption_column"),
     (fm, ["--data.caption_column=caption"], r"encoders.text_encoder goes with data.caption_column"),
@@ -224,7 +224,7 @@ def test_help_lists_every_key_with_its_type_default_and_description(capsys):
         assert "--data.max_samples=null  [a whole number >= 1 (or null)]\n      use only the first N" in out
         assert "--train.betas=[0.9, 0.999]  [2 values, each in [0, 1)]" in out
         assert "model:  (SD3Transformer2DModel)" in out
-    assert "--val.steps=32  [" in outs[fm] and "--val.sampler=\"euler\"  ['euler' or 'heun']" in outs[fm]
+    assert "--val.steps=32  [" in outs[fm] and "--val.sampler=\"euler\"  ['euler' or 'heun' or 'meanflow']" in outs[fm]
     assert "--val.steps=50  [" in out and "--val.sampler=\"ddim\"  ['ddim' or 'ddpm']" in out and "--val.guidance_rescale=0.7  [in [0, 1]]" in out
     assert "--objective.beta_start=0.00085  [in (0, 1)]" in out  # the DDPM trainer's own section
 

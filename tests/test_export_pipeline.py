@@ -186,14 +186,31 @@ def test_an_x0_model_samples_as_its_trainer_samples_it(tmp_path, trainer, sample
     assert_samples_as_the_trainer(trainer, model, cfg, pipe, None)
 
 
-@pytest.mark.parametrize("mode,text,controls", [("disentangled", False, ["size", "crop", "flip"]), ("both", False, ["size"]),
-                                                ("adanorm", False, ["crop", "flip"]), ("disentangled", True, ["size"])])
-def test_the_exported_conditioner_is_the_trained_one(mode, text, controls):
+@pytest.mark.parametrize("prediction", ["v", "x0"])
+def test_a_meanflow_model_samples_as_its_trainer_samples_it_in_one_and_two_steps(tmp_path, prediction):
+    """MeanFlow (objective.meanflow, sampler "meanflow"): z_r = z_t - (t - r) u(z_t, r, t), the interval t - r given to
+    the folder's conditioner, in 1 and 2 steps (the run's default 1), with v- and x-prediction, and with guidance 2 on
+    top (two evaluations a step)."""
+    model, cfg, pipe = exported_pipeline(fm, tmp_path, ["--objective.meanflow=true", "--val.sampler=meanflow",
+                                                        "--val.steps=1", "--val.guidance_scale=1",
+                                                        f"--objective.prediction={prediction}"])
+    assert pipe.config.sampler == "meanflow" and pipe.conditioner.config.interval
+    for steps in [None, 2]:
+        assert_samples_as_the_trainer(fm, model, cfg, pipe, steps)
+    cfg["val"]["guidance_scale"], pipe.config.guidance_scale = 2.0, 2.0  # classifier-free guidance on top of the trained one
+    assert_samples_as_the_trainer(fm, model, cfg, pipe, 2)
+
+
+@pytest.mark.parametrize("mode,text,controls,interval", [("disentangled", False, ["size", "crop", "flip"], False),
+                                                         ("both", False, ["size"], True), ("adanorm", False, ["crop", "flip"], False),
+                                                         ("disentangled", True, ["size"], True)])
+def test_the_exported_conditioner_is_the_trained_one(mode, text, controls, interval):
     """The folder's conditioner.py (no import from here) gives what training/model/mmdit.py's Conditioner gives, in eval
-    mode, for every mode, text with replicate padding, and each control, dropped or not; same weights, strictly."""
+    mode, for every mode, text with replicate padding, each control, dropped or not (crops square and not), and
+    MeanFlow's interval t - r (given, and absent: r = t); same weights, strictly."""
     torch.manual_seed(0)
     trained = Conditioner(5, 2, 24, 24, 32, text_tokens=6 if text else 0, controls={c: 1.0 for c in controls},
-                          mode=mode, padding_noise=0.1 if text else None, pooled_text=True).eval()
+                          mode=mode, padding_noise=0.1 if text else None, pooled_text=True, interval=interval).eval()
     for p in trained.parameters():
         torch.nn.init.normal_(p)  # controls start as a no-op: give every weight a value that shows
     if text:
@@ -204,7 +221,8 @@ def test_the_exported_conditioner_is_the_trained_one(mode, text, controls):
     assert isinstance(exported, ExportedConditioner) and exported.config.class_names == ids
     n = 4
     cond = {"drop": torch.tensor([False, True, False, False]), "drop_controls": torch.tensor([False, False, True, False]),
-            "orig_hw": torch.tensor([[30, 20]] * n), "crop_box": torch.tensor([[5, 0, 20, 20]] * n), "flip": torch.tensor([[1]] * n)}
+            "orig_hw": torch.tensor([[30, 20]] * n), "flip": torch.tensor([[1]] * n),  # square crops, and buckets' (data.buckets)
+            "crop_box": torch.tensor([[5, 0, 20, 20], [0, 4, 30, 12], [0, 0, 30, 20], [8, 0, 10, 20]])}
     if text:
         mask = torch.tensor([[1, 1, 1, 0, 0, 0]] * n, dtype=torch.float)
         cond.update(text_tokens=torch.randn(n, 6, 24), text_mask=mask, text_pooled=torch.randn(n, 24))
@@ -212,8 +230,9 @@ def test_the_exported_conditioner_is_the_trained_one(mode, text, controls):
         cond["label"] = torch.tensor([0, 3, 4, 2])
     level = torch.tensor([1.0, 0.7, 0.3, 0.0])
     with torch.no_grad():
-        for a, b in zip(trained(cond, level), exported(cond, level)):
-            torch.testing.assert_close(torch.as_tensor(b), torch.as_tensor(a))
+        for c in [cond, {**cond, "interval": torch.tensor([1000.0, 350.0, 300.0, 0.0])}][:1 + interval]:
+            for a, b in zip(trained(c, level), exported(c, level)):
+                torch.testing.assert_close(torch.as_tensor(b), torch.as_tensor(a))
 
 
 def fake_run(tmp_path):

@@ -112,11 +112,14 @@ def test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer,
     pytest.param("train_flow_matching", ["--objective.repa_targets=on_the_fly", "--objective.repa_projector=conv",
                              "--objective.repa_off_step=5", "--objective.contrastive_weight=0.05",
                              "--objective.prediction=x0"], marks=pytest.mark.slow),
-    pytest.param("train_ddpm", ["--train.grad_accum=2"], marks=pytest.mark.slow)])  # targets from the cache
+    pytest.param("train_ddpm", ["--train.grad_accum=2"], marks=pytest.mark.slow),  # targets from the cache
+    pytest.param("train_flow_matching", ["--objective.meanflow=true", "--objective.prediction=x0",
+                                         "--val.sampler=meanflow", "--val.steps=1"], marks=pytest.mark.slow)])
 def test_ordinary_steps_never_wait_on_the_device_with_the_training_options(tmp_path, monkeypatch, tiny_dino, trainer,
                                                                             extra):
     """REPA (its encoder on the fly in flow matching, switched off at step 5; cached targets in DDPM),
-    contrastive flow matching and x-prediction on: still no sync on an ordinary step."""
+    contrastive flow matching and x-prediction on; and MeanFlow (its JVP, guided target and adaptive weight) with
+    REPA and x-prediction: still no sync on an ordinary step."""
     repa = ["--objective.repa_weight=0.5", f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=2",
             "--objective.repa_projector_dim=16"]
     test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer, repa + extra)
@@ -355,7 +358,7 @@ def test_bf16_reaches_the_denoisers_linear_layers_in_training_validation_and_eva
 @pytest.mark.slow
 def test_the_gpu_check_runs_on_cpu_at_a_tiny_size(tmp_path):
     """benchmarks/gpu_check.py as the device runs it (a subprocess, TORCH_LOGS read at start-up), on a tiny model:
-    both trainers and the sharded row (a group of one), no graph break or recompile, the resumed steps bitwise those before, sampling measured."""
+    both trainers, the sharded row (a group of one) and MeanFlow's, no graph break or recompile, the resumed steps bitwise those before, sampling measured."""
     import json
     import os
     import subprocess
@@ -370,7 +373,8 @@ def test_the_gpu_check_runs_on_cpu_at_a_tiny_size(tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [r["trainer"] for r in result["trainers"]] == ["flow_matching", "ddpm", "flow_matching:fsdp"] and \
+    assert [r["trainer"] for r in result["trainers"]] == ["flow_matching", "ddpm", "flow_matching:fsdp",
+                                                          "flow_matching:meanflow"] and \
         result["peak_bf16_tflops"] is None
     for r in result["trainers"]:
         assert r["graph_breaks"] == 0 and r["recompiles"] == 0 and r["graphs"] >= 1, r
@@ -378,7 +382,8 @@ def test_the_gpu_check_runs_on_cpu_at_a_tiny_size(tmp_path):
         assert r["images_per_s"] > 0 and r["tflops"] > 0 and r["sampling_images_per_s"] > 0 and r["mfu"] is None
         assert r["image_tokens"] == (32 // 8 // 2) ** 2 and r["checkpoint_gb"] > 0
     assert "| flow_matching | 0 | 0 |" in run.stdout and "| ddpm | 0 | 0 |" in run.stdout and \
-        "| flow_matching:fsdp | 0 | 0 |" in run.stdout
+        "| flow_matching:fsdp | 0 | 0 |" in run.stdout and "| flow_matching:meanflow | 0 | 0 |" in run.stdout
+    assert result["trainers"][-1]["sampler"] == "meanflow" and result["trainers"][-1]["sampling_steps"] == 1
 
 
 def test_the_gpu_check_counts_graph_breaks_and_recompiles():

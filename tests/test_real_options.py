@@ -155,8 +155,9 @@ def scorer(monkeypatch, last_step):
 
 
 def ours_args(out, fractions):
-    return argparse.Namespace(trainer="flow_matching", seed=0, out=str(out), classifier="c", num_samples=100,
-                              curve_samples=100, fractions=fractions, eval_args=[], extra=[])
+    return argparse.Namespace(trainer="flow_matching", recipe=str(ro.fashion_mnist.RECIPE), seed=0, out=str(out),
+                              classifier="c", num_samples=100, curve_samples=100, fractions=fractions, eval_args=[],
+                              extra=[])
 
 
 def test_the_benchmark_scores_the_recipes_settings_whatever_tuned_json_the_run_holds(tmp_path, monkeypatch):

@@ -315,8 +315,8 @@ def test_a_warm_start_reads_headers_and_reverifies_only_changed_shards(tmp_path,
     # A shard that does not read back as written stops the build, naming the storage.
     real_save = cache.save_shard
 
-    def save_then_flip(path, tensors, rows, skipped):
-        real_save(path, tensors, rows, skipped)
+    def save_then_flip(path, tensors, rows, skipped, buckets=None):
+        real_save(path, tensors, rows, skipped, buckets)
         data = bytearray(path.read_bytes())
         data[-8:] = bytes(8) if any(data[-8:]) else b"\xff" * 8
         path.write_bytes(bytes(data))

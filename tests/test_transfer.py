@@ -53,6 +53,28 @@ def test_resampled_grid_at_double_size_spans_the_positions_the_model_saw():
     torch.testing.assert_close(resample_pos_embed(resampled, old), pos_embed, atol=1e-6, rtol=0)
 
 
+def test_a_grid_with_buckets_resamples_its_resolution_square_onto_the_old_one():
+    """data.buckets: a run's grid is its largest bucket's side and its data.resolution square is the centre (SD3's
+    cropped embedding). init_from resamples so that the new square spans the old square (here the whole old grid
+    of a square run) and the grid beyond continues at that spacing: the square bucket sees the positions the
+    square model saw, resampled, whatever the largest bucket."""
+    old, square, grid, dim = 8, 12, 18, 128  # a square 8-token run -> a bucket run: 12-token square in an 18-grid
+    pos_embed = get_2d_sincos_pos_embed(dim, old, base_size=old).float()[None]
+    bucketed = resample_pos_embed(pos_embed, grid, "resample", squares=(old, square))
+    centre = bucketed.view(grid, grid, dim)[3:15, 3:15].reshape(1, -1, dim)  # (18 - 12) / 2 = 3
+    torch.testing.assert_close(centre, resample_pos_embed(pos_embed, square, "resample"), atol=1e-6, rtol=0)
+    spacing = old / square
+    assert grid_positions(bucketed).tolist() == pytest.approx([(i - 3 + 0.5) * spacing - 0.5 for i in range(grid)],
+                                                               abs=1e-5)
+    # init_from reads each run's square from its config: data.resolution over the largest side, of its grid
+    from training.run.start import squares
+    square_run, bucket_run = {"data": {"resolution": 16}}, {"data": {"resolution": 24, "bucket_shapes": [[24, 24], [36, 16]]}}
+    assert squares(square_run, bucket_run, old, grid) == (old, square) and squares(square_run, square_run, 8, 8) is None
+    # and back: the bucket run's square onto a square run's whole grid gives the square run's grid
+    torch.testing.assert_close(resample_pos_embed(bucketed, old, "resample", squares=(square, old)), pos_embed,
+                               atol=1e-5, rtol=0)
+
+
 # ---- resolution shift -------------------------------------------------------------------------------------
 
 

@@ -259,3 +259,20 @@ def test_the_phema_sweep_refuses_the_test_split_too(run, monkeypatch):
     with pytest.raises(ValueError, match="selected on the held-out rows"):
         phema_tool.main(["--run", str(run), "--sweep", "0.05,0.1", "--reference_split", "test"])
     assert calls == []
+
+
+def test_a_meanflow_models_step_count_is_searched_by_default(tmp_path, monkeypatch):
+    """The meanflow sampler (objective.meanflow): 1, 2 and 4 steps searched without --steps, the planted best (2)
+    chosen and recorded for that sampler; eval_fid.py then samples it at 2 steps."""
+    cfg = {**CFG, "val": {**CFG["val"], "sampler": "meanflow", "steps": 1, "guidance_scale": 1.0}}
+    run = tmp_path / "run"
+    weight_files(run / "export" / "transformer", ["diffusion_pytorch_model.safetensors"], 1)
+    for folder in (run, run / "export"):
+        (folder / "config.json").write_text(json.dumps(cfg))
+    calls = []
+    monkeypatch.setattr(eval_fid, "main", fake_eval(calls, best=(1.0, 2)))
+    ranked = tune.main(["--run", str(run), "--num_samples", "100", "--confirm_samples", "0"])
+    assert sorted(a.steps for a in calls) == [1, 2, 4] and all(a.guidance_scale == 1.0 for a in calls)
+    assert ranked[0]["steps"] == 2 and json.loads((run / "tuned.json").read_text())["sampler"] == "meanflow"
+    args = eval_fid.tuned_defaults(eval_fid.parse_args(["--run", str(run)]))
+    assert args.steps == 2

@@ -48,6 +48,23 @@ def same_rows(data, a, b, chunk=1000):
                                     for i in range(0, len(a), chunk))
 
 
+def training_and_test(data, test_split, tool):
+    """(training rows, test rows, the test split's name) for a tool that learns from the recipe's training split
+    and is measured on `test_split` (this one, tools/autoencoder.py). A test split that is the training split is
+    refused before any work; one that reads the training split's images (a folder without a test folder) gives
+    way to the trainer's own split: its training rows, and the rows it holds out (test split 'heldout')."""
+    if test_split == data.split:
+        sys.exit(f"{tool}: --test_split '{test_split}' is the training split (data.split): it learns from that "
+                 f"split and is measured on another")
+    train_ds, test_ds = open_dataset(data, data.split), open_dataset(data, test_split)
+    if same_rows(data, train_ds, test_ds):  # scored on them, training images would pass for test images
+        print(f"{tool}: split '{test_split}' of {data.source} holds the images of its training split "
+              f"'{data.split}' (no {test_split} folder?): trained on the trainer's training rows and measured on "
+              f"the rows the trainer holds out, never trained on (test split 'heldout')")
+        return (*open_splits(data), "heldout")
+    return train_ds, test_ds, test_split
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the recipe (its data section names the source and resolution)")
@@ -61,16 +78,9 @@ def main(argv=None):
     data = cfg.data
     if not data.label_column:
         sys.exit(f"tools/classifier.py: {args.config} has no data.label_column: a classifier needs classes")
-    if args.test_split == data.split:
-        sys.exit(f"tools/classifier.py: --test_split '{args.test_split}' is the training split (data.split)")
     torch.manual_seed(args.seed)
     start = time.time()
-    train_ds, test_ds = open_dataset(data, data.split), open_dataset(data, args.test_split)
-    if same_rows(data, train_ds, test_ds):  # scored on them, training images would pass for test images
-        print(f"tools/classifier.py: split '{args.test_split}' of {data.source} holds the images of its training "
-              f"split '{data.split}' (no {args.test_split} folder?): trained on the trainer's training rows and "
-              f"measured on the rows the trainer holds out, never trained on (test split 'heldout')")
-        (train_ds, test_ds), args.test_split = open_splits(data), "heldout"
+    train_ds, test_ds, args.test_split = training_and_test(data, args.test_split, "tools/classifier.py")
     images, labels, names = split_images(data, train_ds, data.split)
     test_images, test_labels, _ = split_images(data, test_ds, args.test_split)
     model = classifier.build(int(labels.max()) + 1, names)

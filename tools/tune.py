@@ -1,6 +1,7 @@
 """Choose a checkpoint's sampling settings on images held out from the training split: guidance scale, guidance
-interval, sampler steps and (where the run kept post-hoc EMA snapshots) EMA length, a grid searched at a small
-sample count with eval_fid.py, then the best two confirmed at the full count.
+interval, sampler steps (a MeanFlow model's: 1, 2 and 4 unless --steps says) and (where the run kept post-hoc EMA
+snapshots) EMA length, a grid searched at a small sample count with eval_fid.py,
+then the best two confirmed at the full count.
 
     python tools/tune.py --run runs/flow_matching_fashion_mnist --guidance 1,1.5,2,3 --steps 16,32 \\
         --guidance_interval 0,1 0.1,0.9 --num_samples 2000 --confirm_samples 10000 \\
@@ -67,6 +68,15 @@ def distance(metrics):
     return next((k, v) for k, v in metrics.items() if k.startswith(("fid_", "fd_")))
 
 
+# A MeanFlow model (training/objectives/meanflow.py) is made for few steps, and which few is its main setting: 1, 2
+# and 4 steps (each one evaluation) are searched unless --steps names others.
+MEANFLOW_STEPS = (1, 2, 4)
+
+
+def default_steps(cfg, sampler):
+    return list(MEANFLOW_STEPS) if sampler == "meanflow" else [cfg["val"]["steps"]]
+
+
 CONFIRM_BLOCKS = 5  # disjoint seed blocks of the confirmation (tools/compare.py: 3 seeds at least, 5 where open)
 
 
@@ -114,7 +124,8 @@ def main(argv=None, feature_fn=None):
     p.add_argument("--guidance", type=floats, default=None, help="guidance scales; default: the run's val.guidance_scale")
     p.add_argument("--guidance_interval", type=eval_fid.interval_arg, nargs="+", default=None, help="'lo,hi' "
                    "intervals (flow-matching t, 1 = noise), e.g. 0,1 0.1,0.9; default: the run's val.guidance_interval")
-    p.add_argument("--steps", type=floats, default=None, help="sampler steps; default: the run's val.steps")
+    p.add_argument("--steps", type=floats, default=None, help="sampler steps; default: the run's val.steps (the "
+                   f"meanflow sampler: {','.join(map(str, MEANFLOW_STEPS))})")
     p.add_argument("--phema_std", type=floats, default=None, help="post-hoc EMA lengths (relative std); default: "
                    "the export's EMA")
     p.add_argument("--num_samples", type=int, default=2000, help="samples per setting in the search")
@@ -134,7 +145,7 @@ def main(argv=None, feature_fn=None):
     pinned = ["--checkpoint", str(Path(args.run) / model["model"])] if given.checkpoint else []
     grid = list(itertools.product(args.guidance or [cfg["val"]["guidance_scale"]],
                                   args.guidance_interval or [list(cfg["val"].get("guidance_interval", [0.0, 1.0]))],
-                                  [int(s) for s in args.steps or [cfg["val"]["steps"]]], args.phema_std or [None]))
+                                  [int(s) for s in args.steps or default_steps(cfg, sampler)], args.phema_std or [None]))
     warned = set()
 
     def score(row, num_samples, seed):

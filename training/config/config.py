@@ -182,6 +182,7 @@ def load_config(defaults, argv=None, method="run", schema=None):
         cfg.run_dir = f"runs/{method}_{name}"
     if cfg.get("init_from"):
         cfg.init_from = cfg.init_from.replace("{method}", method)
+    object.__setattr__(cfg, "origin", dict(origin))  # the layer that set each key ("from configs/x.json"), for the checks
     if schema is not None:  # the values beside any unknown key (never merged), combinations once all are right
         problems += schema_problems(schema, cfg, origin)
         if not problems:
@@ -200,7 +201,8 @@ def load_config(defaults, argv=None, method="run", schema=None):
 # A key added since a run started whose default does not do what that run did: its value from before the key.
 # (conditioning.pooled_text: the pooled text vector reached the adaptive norm in every mode before it existed.)
 BEFORE_THE_KEY = {"conditioning.pooled_text": True}
-TRAINER_FILLS = {"data.num_classes"}  # None: the trainer reads it from the data at every start (sources.open_splits)
+# None: the trainer reads it from the data at every start (sources.open_splits, buckets.resolve)
+TRAINER_FILLS = {"data.num_classes", "data.bucket_shapes"}
 
 
 def recorded(then, key, default):

@@ -33,6 +33,11 @@ class Data(BaseModel, extra="forbid", strict=True):
     crop: Literal["center", "random", "random_resized"] = Field("center", description="drawn at cache time, "
                                                                   "data.cache_views of them per training image")
     min_crop_scale: float = Field(0.5, gt=0, le=1, description="random_resized: crop side >= this x the short side")
+    buckets: Literal["auto"] | list[Annotated[float, Field(gt=0)]] | None = Field(None, description="aspect-ratio "
+        'buckets: aspect ratios (width / height) at about resolution^2 pixels, each image at its nearest; "auto": '
+        "diffusers' 11 (1:2 .. 2:1); None: every image cropped square (training/data/buckets.py)")
+    bucket_shapes: list[Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=2)]] | None = Field(
+        None, description="filled by the run from buckets: the [width, height] it trains at, small ones merged")
     random_flip: bool = Field(False, description="horizontal flip (the flip control): training images are cached both "
                               "ways, one drawn per epoch; held-out images flipped with probability 1/2")
     cache_views: int = Field(1, ge=1, description="crops cached per training image, each both ways with random_flip "
@@ -60,6 +65,8 @@ class Encoders(BaseModel, extra="forbid", strict=True):
     vae: Str = Field(None, description='AutoencoderKL id or path ("stabilityai/sd-vae-ft-ema"); None: pixel space')
     text_encoder: Str = Field(None, description="transformers text encoder id or path (CLIP, T5); None: class labels")
     max_tokens: int = Field(77, ge=1, description="text tokens per caption")
+    latent_check: Literal["stop", "warn"] = Field("stop", description="cached latents far from mean 0 and std 1 "
+                                                  "(the VAE's scaling / shift factors): stop the run, or warn and go on")
 
 
 class Model(BaseModel, extra="forbid", strict=True):
@@ -249,6 +256,13 @@ def combination_problems(cfg):
         problems.append(f"data.cache_views={d['cache_views']} caches that many crops per image, and data.crop='center' "
                         f"gives the same centre square each time: set data.crop to 'random' or 'random_resized', or "
                         f"data.cache_views=1")
+    if d["buckets"] is not None and (not d["buckets"] or d["source"] != "embedded" and (d["streaming"] or ".tar" in d["source"])):
+        problems.append(f"data.buckets={d['buckets']!r} needs at least one aspect ratio and a source whose image sizes "
+                        f"can be read before the cache is built: a folder, parquet files or a downloaded hub dataset, "
+                        f"not a stream (data.streaming, tar shards)")
+    if d["buckets"] is not None and val["fid_every"]:
+        problems.append("val.fid_every scores square samples during training; with data.buckets score each bucket "
+                        "with eval_fid.py --aspect_ratio after the run (docs/evaluation.md), and set val.fid_every=0")
     if d["label_captions"] and (d["caption_column"] or not d["label_column"]):
         problems.append("data.label_captions captions each image with its class name: it needs data.label_column "
                         "and no data.caption_column")

@@ -6,6 +6,9 @@ conditions dropped for guidance.
 
 Condition dropout (drop_conditions) is applied when the cache is read, never baked into it.
 """
+import math
+
+import numpy as np
 import torch
 
 from common import ignore_stop_signals
@@ -33,18 +36,27 @@ def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs
     is a pure function of the micro-batch count and a resumed run continues exactly where it stopped, with
     nothing seen twice or skipped. A cache of V views per image (`dataset.views`, data.cache_views: an image's
     views are V consecutive rows) shows image i in epoch e its view (o_i + e) mod V, o_i drawn once from the
-    seed: one view per image per epoch, every view of every image within V epochs."""
+    seed: one view per image per epoch, every view of every image within V epochs. A bucket cache (its rows'
+    `dataset.buckets`) gives micro-batches of one bucket each: bucket_order."""
     views = getattr(dataset, "views", 1)
     images = len(dataset) // views
-    per_epoch = images // world // batch_size
-    if per_epoch == 0:
+    buckets = getattr(dataset, "buckets", None)  # each row's bucket (a bucket cache), else None
+    if buckets is None:
+        per_epoch = images // world // batch_size
+    else:
+        per_epoch = len(bucket_order(buckets[::views], batch_size * world, seed, 0))
+    if images < batch_size * world:
         raise ValueError(f"the dataset has {images} samples, fewer than train.batch_size ({batch_size})"
                          f" x {world} processes")
     offsets = torch.randint(views, (images,), generator=torch.Generator().manual_seed(seed)) if views > 1 else None
     epoch, offset = divmod(start, per_epoch)
     while True:
-        perm = torch.randperm(images, generator=torch.Generator().manual_seed(seed + epoch))
-        mine = perm[rank::world][:per_epoch * batch_size]
+        if buckets is None:
+            perm = torch.randperm(images, generator=torch.Generator().manual_seed(seed + epoch))
+            mine = perm[rank::world][:per_epoch * batch_size]
+        else:  # rank r takes its slice of each global micro-batch
+            mine = torch.stack(bucket_order(buckets[::views], batch_size * world, seed, epoch))
+            mine = mine[:, rank * batch_size:(rank + 1) * batch_size].flatten()
         if views > 1:
             mine = mine * views + (offsets[mine] + epoch) % views
         mine = mine.tolist()
@@ -56,6 +68,45 @@ def iterate_batches(dataset, start, batch_size, seed, rank, world, loader_kwargs
         yield from torch.utils.data.DataLoader(dataset, batch_size=None, sampler=rows,
                                                generator=torch.Generator().manual_seed(seed + epoch), **loader_kwargs)
         epoch, offset = epoch + 1, 0
+
+
+def bucket_order(buckets, size, seed, epoch):
+    """Epoch `epoch`'s global micro-batches of a bucket cache: [tensor of `size` image indices], each from one
+    bucket. Each bucket's images in their own permutation (seeded by seed, epoch and the bucket), cut into
+    micro-batches; its last one, when short, is filled with the first images of the same permutation (seen twice
+    in this epoch: every image is seen at least once an epoch, and nothing is dropped); then the micro-batches of
+    all buckets in a permutation seeded by seed and epoch. A pure function of its arguments: exact resume."""
+    chunks = []
+    for b in buckets.unique().tolist():
+        members = torch.nonzero(buckets == b).flatten()
+        gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, epoch, b]).generate_state(1)[0]))
+        perm = members[torch.randperm(len(members), generator=gen)]
+        perm = perm.repeat(-(-size // len(perm)) + 1)[:-(-len(members) // size) * size]  # the short one filled
+        chunks += list(perm.view(-1, size))
+    order = torch.randperm(len(chunks), generator=torch.Generator().manual_seed(int(
+        np.random.SeedSequence([seed, epoch]).generate_state(1)[0])))
+    return [chunks[i] for i in order.tolist()]
+
+
+def same_bucket(dataset, rows, batch_size):
+    """`rows` in batches of at most batch_size that each hold one bucket (a bucket cache: each bucket's rows in
+    their order, bucket after bucket), else consecutive batches of `rows` as they are."""
+    buckets = getattr(dataset, "buckets", None)
+    rows = list(rows)
+    groups = [rows] if buckets is None else [[r for r in rows if buckets[r] == b] for b in
+                                             sorted(set(buckets[rows].tolist()))]
+    return [group[i:i + batch_size] for group in groups for i in range(0, len(group), batch_size)]
+
+
+def probe_rows(dataset, n):
+    """n rows for a memory probe (training/run/fit.py): the rows of the bucket with the most values a row (its
+    worst case), repeated when it has fewer; any rows of a cache without buckets."""
+    buckets = getattr(dataset, "buckets", None)
+    if buckets is None:
+        return [i % len(dataset) for i in range(n)]
+    sizes = {b: math.prod(dataset.shapes[b]) for b in buckets.unique().tolist()}
+    members = torch.nonzero(buckets == max(sizes, key=sizes.get)).flatten().tolist()
+    return [members[i % len(members)] for i in range(n)]
 
 
 def drop_conditions(batch_size, rate, device, generator=None):

@@ -29,7 +29,7 @@ import common
 from training.data import repa_targets
 from training.data.batching import loader_options, views_of
 from training.data.classes import class_names, read_class_ids, validation_prompts
-from training.data.encoders import encode_text, load_encoders, make_encode
+from training.data.encoders import encode_text, load_encoders, make_encode, vae_identity
 from training.data.encoding import DecodedShards, cache_size, encoded_rows, human_bytes, samples_per_shard
 from training.data.sources import expand_braces, is_stream, stream_shards
 
@@ -84,10 +84,14 @@ def cache_key(cfg, part, ds, rows):
         key["label_captions"] = data.class_ids
     if is_stream(data):
         key["val_shards"] = data.val_shards
+    if data.get("bucket_shapes"):  # each image cropped to its bucket and cached at its shape (data.buckets)
+        key["buckets"] = data.bucket_shapes
     if views_of(data, part) > 1:  # data.cache_views crops, each both ways with data.random_flip
         key["views"] = [data.cache_views, data.random_flip]
     if part == "train" and not data.cache_text and enc.text_encoder:
         key["cache_text"] = False  # token ids, not features
+    if enc.vae:  # its factors (and a local folder's weights): a recalibrated or retrained VAE is a miss
+        key["vae_identity"] = vae_identity(enc.vae)
     key.update(repa_targets.cache_key(cfg))  # REPA's targets, when stored with the rows
     return key
 
@@ -142,8 +146,9 @@ def shard_damage(path, verify=True, expected=None):
     try:
         with safe_open(str(path), "pt") as f:
             meta, names = f.metadata(), list(f.keys())
-            rows = int(meta["rows"])
-            if any(f.get_slice(name).get_shape()[0] != rows for name in names):
+            rows, counts = int(meta["rows"]), json.loads(meta.get("buckets", "null"))  # a bucket's tensors: name@b
+            if any(f.get_slice(name).get_shape()[0] != (rows if counts is None else counts.get(name.rpartition("@")[2]))
+                   for name in names):
                 return f"its tensors do not hold the {rows} rows its header claims"
             if expected is not None and meta.get("sha256") != expected:
                 return "its checksum is not the one the manifest recorded"
@@ -187,32 +192,36 @@ def write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator
         if signals is not None:
             signals.exit_if_agreed(accelerator, f"the cache build ({part}); the next run resumes from its finished shards")
 
+    bucketed = bool(data.get("bucket_shapes"))  # a bucket's rows are tensors of their own: name@bucket
     for batch in loader:  # decoded in the workers; encoded here, on the device
-        shard = pending.setdefault(batch["shard"], {"tensors": {}, "skipped": [], "rows": 0})
-        if len(batch["pixels"]):
-            out = encoded_rows(batch, encode, data, text)
-            finite = torch.ones(len(batch["pixels"]), dtype=torch.bool)
+        shard = pending.setdefault(batch["shard"], {"tensors": {}, "skipped": [], "rows": 0, "buckets": {}})
+        for group in batch["groups"]:  # rows of one shape each (one group without buckets)
+            out = encoded_rows(group, encode, data, text)
+            finite = torch.ones(len(group["pixels"]), dtype=torch.bool)
             for t in out.values():
                 if t.is_floating_point():
                     finite &= torch.isfinite(t.flatten(1).float()).all(1)
             finite = finite.view(-1, views).all(1).repeat_interleave(views)  # an image keeps all its views or none
             for i in torch.nonzero(~finite).flatten().tolist():
                 shard["skipped"].append(f"shard {batch['shard']}, row {shard['rows'] + i}: encoded to non-finite values")
+            suffix = "" if group["bucket"] is None else f"@{group['bucket']}"
             for name, value in out.items():
-                shard["tensors"].setdefault(name, []).append(value[finite])
+                shard["tensors"].setdefault(name + suffix, []).append(value[finite])
             shard["rows"] += int(finite.sum())
+            if bucketed:
+                shard["buckets"][str(group["bucket"])] = shard["buckets"].get(str(group["bucket"]), 0) + int(finite.sum())
         shard["skipped"] += batch["skipped"]
-        encoded, skipped = encoded + len(batch["pixels"]) // views, skipped + len(batch["skipped"])  # images
-        bar.update(len(batch["pixels"]) + views * len(batch["skipped"]))
+        encoded, skipped = encoded + batch["rows"] // views, skipped + len(batch["skipped"])  # images
+        bar.update(batch["rows"] + views * len(batch["skipped"]))
         if batch["last"]:
             shard = pending.pop(batch["shard"])
             save_shard(path_of(batch["shard"]), {n: torch.cat(parts) for n, parts in shard["tensors"].items()},
-                       shard["rows"], shard["skipped"])
+                       shard["rows"], shard["skipped"], shard["buckets"] if bucketed else None)
             done += 1
             agree()
     for k in todo:  # a shard with no rows at all never reached the loop: it is finished, and empty
         if not path_of(k).exists():
-            save_shard(path_of(k), {}, 0, [])
+            save_shard(path_of(k), {}, 0, [], {} if bucketed else None)
     bar.close()
     seconds = time.perf_counter() - start
     print(f"cache {part} rank {rank}: encoded {encoded} images, skipped {skipped}, {len(todo)} shards in "
@@ -221,12 +230,14 @@ def write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator
         agree()
 
 
-def save_shard(path, tensors, rows, skipped):
+def save_shard(path, tensors, rows, skipped, buckets=None):
     """Atomically: written to a temporary name, renamed when complete, with its row count, the skipped rows
-    and the checksum of its tensors in the header."""
+    and the checksum of its tensors in the header; with buckets, the rows of each ({bucket: rows}), whose
+    tensors are named name@bucket."""
     tmp = path.with_suffix(".tmp")
+    more = {} if buckets is None else {"buckets": json.dumps(buckets)}
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
-              metadata={"rows": str(rows), "skipped": json.dumps(skipped), "sha256": tensors_sha256(tensors)})
+              metadata={"rows": str(rows), "skipped": json.dumps(skipped), "sha256": tensors_sha256(tensors), **more})
     os.replace(tmp, path)
 
 
@@ -373,7 +384,8 @@ def write_manifest(cache, built, accelerator):
                                   + "; ".join(skipped[:5]))
             tmp = folder / "manifest.tmp"
             tmp.write_text(json.dumps({"key": cache.key, "shards": shards, "sha256": sums, "skipped": skipped,
-                                       "verified": stamps, "views": cache.views}, indent=1))
+                                       "verified": stamps, "views": cache.views,
+                                       **({"buckets": cache.key["buckets"]} if "buckets" in cache.key else {})}, indent=1))
             os.replace(tmp, folder / "manifest.json")
         accelerator.print(f"cache {'hit' if not built else 'ready'} ({cache.part}): {folder}, {len(shards)} shards"
                           + (f", {built} (re)built" if built else ", all sound"))
@@ -411,27 +423,52 @@ class CachedDataset(torch.utils.data.Dataset):
     cached views are consecutive rows (data.cache_views) and iterate_batches shows one of them per epoch.
 
     `dataset[i]` is one row; `dataset[list of rows]` is a micro-batch (what iterate_batches asks for), read
-    with one gather per tensor and shard: per-row reads and collation cost 2% of a small model's step."""
+    with one gather per tensor and shard: per-row reads and collation cost 2% of a small model's step.
+
+    A bucket cache (data.buckets) holds, in each shard file, each bucket's rows as tensors of their own (name@b):
+    the rows are file by file, bucket by bucket, each (file, bucket) a part of one shape. `buckets` is then each
+    row's bucket index into `shapes` ([width, height] in pixels), and a micro-batch must be of one bucket."""
 
     def __init__(self, folder):
         self.folder = Path(folder)
         manifest = json.loads((self.folder / "manifest.json").read_text())
-        self.shards, starts, self.keys = manifest["shards"], [0], []
-        for name in self.shards:
+        self.shards, self.shapes = manifest["shards"], manifest.get("buckets")
+        self.parts, starts, self.keys, self.mapped, self.files_mapped = [], [0], [], {}, {}  # part: (file, bucket)
+        for i, name in enumerate(self.shards):
             with safe_open(str(self.folder / name), "pt") as f:
-                starts.append(starts[-1] + int(f.metadata()["rows"]))
-                self.keys = list(f.keys()) if starts[-1] > starts[-2] else self.keys
-        self.starts, self.mapped = torch.tensor(starts), {}
+                meta = f.metadata()
+                counts = json.loads(meta["buckets"]) if "buckets" in meta else {"": int(meta["rows"])}
+                for bucket, rows in sorted(counts.items(), key=lambda kv: int(kv[0] or -1)):
+                    self.parts.append((i, bucket))
+                    starts.append(starts[-1] + rows)
+                    self.keys = [k.partition("@")[0] for k in f.keys() if k.partition("@")[2] == bucket] or self.keys
+        self.starts = torch.tensor(starts)
         self.views = manifest.get("views", 1)  # rows per image (data.cache_views): iterate_batches draws one
+        self.buckets = None if self.shapes is None else torch.repeat_interleave(
+            torch.tensor([int(b) for _, b in self.parts], dtype=torch.long), self.starts.diff())
 
     def __len__(self):
         return int(self.starts[-1])
+
+    @property
+    def x_shape(self):
+        """(channels, side, side) of the model's positional grid in model space: a row's (data.resolution), or with
+        buckets the largest bucket's side at the cache's pixels-per-model-unit."""
+        shape = self[0]["x"].shape
+        if self.shapes is None:
+            return shape
+        scale = self.shapes[int(self.buckets[0])][0] / shape[-1]  # pixels per model-space unit (the VAE's factor)
+        side = round(max(max(s) for s in self.shapes) / scale)
+        return torch.Size((shape[0], side, side))
 
     def __getitem__(self, rows):
         one = not isinstance(rows, (list, tuple, torch.Tensor))
         rows = torch.as_tensor([rows] if one else rows, dtype=torch.long)
         if len(rows) and not (0 <= rows.min() and rows.max() < len(self)):
             raise IndexError(f"rows {rows.min().item()}..{rows.max().item()} of a cache of {len(self)} rows")
+        if self.buckets is not None and len(rows) and len(set(self.buckets[rows].tolist())) > 1:
+            raise ValueError(f"rows of buckets {sorted(set(self.buckets[rows].tolist()))} in one batch: a batch of a "
+                             f"bucket cache holds one bucket (batching.iterate_batches, batching.same_bucket)")
         shard = torch.searchsorted(self.starts, rows, right=True) - 1
         batch = {}
         for k in shard.unique().tolist():
@@ -443,22 +480,26 @@ class CachedDataset(torch.utils.data.Dataset):
         return {name: t[0] for name, t in batch.items()} if one else batch
 
     def tensors(self, k):
-        """Shard k's tensors as views of its memory-mapped file, mapped once per process (the DataLoader's
+        """Part k's tensors as views of its shard's memory-mapped file, mapped once per process (the DataLoader's
         workers map their own: a mapping does not pickle). A safetensors file is an 8-byte header length, a
         JSON header (each tensor's dtype, shape and byte range) and the tensors' bytes."""
         if k not in self.mapped:
-            path = self.folder / self.shards[k]
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n))
-            data = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)[8 + n:]
-            self.mapped[k] = {name: data[a:b].view(SAFETENSORS_DTYPES[h["dtype"]]).view(h["shape"])
-                              for name, h in header.items() if name != "__metadata__"
-                              for a, b in [h["data_offsets"]]}
+            i, bucket = self.parts[k]
+            if i not in self.files_mapped:
+                path = self.folder / self.shards[i]
+                with open(path, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    header = json.loads(f.read(n))
+                data = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)[8 + n:]
+                self.files_mapped[i] = {name: data[a:b].view(SAFETENSORS_DTYPES[h["dtype"]]).view(h["shape"])
+                                        for name, h in header.items() if name != "__metadata__"
+                                        for a, b in [h["data_offsets"]]}
+            self.mapped[k] = {name.partition("@")[0]: t for name, t in self.files_mapped[i].items()
+                              if name.partition("@")[2] == bucket}
         return self.mapped[k]
 
     def __getstate__(self):
-        return {**self.__dict__, "mapped": {}}
+        return {**self.__dict__, "mapped": {}, "files_mapped": {}}
 
 # ----------------------------------------------------------------------------------------------------------
 # The data stage of a run, as both trainers take it.

@@ -4,23 +4,36 @@ its config key), where they sit while training runs, tokenising and encoding cap
 into model space and decoding back to pixels. What the cache stores of them is encoding.py's and cache.py's.
 
 problems(): the start-up check of the encoders section (the VAE's config reads, and data.resolution divides into
-the model's patches at the VAE's downsampling), handed to the config loader by the trainers (sections.schema).
+the model's patches at the VAE's downsampling), handed to the config loader by the trainers (sections.schema). An
+autoencoder made here (tools/autoencoder.py) is a local folder like any other; its latents' scale is checked once
+cached (latents.check_scale).
 """
+from pathlib import Path
+
 import torch
 
-def from_pretrained(key, load, name, **kwargs):
+def from_pretrained(key, load, name, recipe=None, **kwargs):
     """load(name, **kwargs) for the model that config key `key` names. A model that is neither a local folder
     nor in the Hugging Face cache, and cannot be downloaded (an offline node, a gated or misspelt id), stops the
-    run with one line naming the key and the command that fetches it, not a library traceback."""
+    run with one line naming the key and the command that fetches it, not a library traceback; a VAE, also the
+    command that builds an autoencoder of one's own there (`recipe`: the config file that names it)."""
+    if key == "encoders.vae" and name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
+        raise SystemExit(f"{key}='{name}' is not a folder: {build_hint(name, recipe)}") from None  # a path, no hub id
     try:
         return load(name, **kwargs)
     except OSError as e:  # what diffusers and transformers raise for a model they cannot find
         from huggingface_hub import constants
 
         why = str(e).strip().splitlines()[0].rstrip(".") + (" (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "")
+        own = f" An autoencoder of your own: {build_hint(name, recipe)}." if key == "encoders.vae" else ""
         raise SystemExit(f"{key}='{name}' cannot be loaded: {why}. On a machine with network run `python "
                          f"tools/prefetch.py --config YOUR_CONFIG` and copy the Hugging Face cache it names (HF_HOME) "
-                         f"here, or set {key} to a local folder.") from None
+                         f"here, or set {key} to a local folder.{own}") from None
+
+
+def build_hint(name, recipe=None):
+    """The command that builds the autoencoder folder `name` for the recipe that names it."""
+    return f"build it with `python tools/autoencoder.py --config {recipe or 'YOUR_RECIPE'} --out {name}`"
 
 
 def load_encoders(enc, device):
@@ -108,23 +121,42 @@ def make_encode(vae, tokenizer, text_encoder, max_tokens):
 
 @torch.no_grad()
 def decode(vae, x, device=None):
-    """Model space -> pixels in [-1, 1] (inverse of make_encode's scaling). With `device`, an offloaded VAE
-    comes to it for the call and leaves again (encoders stay off the GPU while training)."""
+    """Model space -> pixels in [-1, 1] (inverse of make_encode's scaling), in the VAE's own dtype whatever the
+    caller's autocast: the validation grid, sample.py, eval_fid.py (which sample under the run's mixed precision)
+    and the exported pipeline decode alike, and an fp16 autocast cannot overflow the decoder. With `device`, an
+    offloaded VAE comes to it for the call and leaves again (encoders stay off the GPU while training). A list (a
+    bucket run's validation grids, one tensor a bucket): a list."""
+    if isinstance(x, list):
+        return [decode(vae, part, device) for part in x]
     if vae is None:
         return x
     if device is not None:
         vae.to(device)
-    out = vae.decode(x.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)).sample
+    with torch.autocast(vae.device.type, enabled=False):
+        out = vae.decode(x.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)).sample
     if device is not None:
         vae.cpu()
     return out
 
 
-def vae_factor(name):
+def vae_identity(name):
+    """What of the VAE `name` decides its cached latents beyond its name, for the cache key: its scaling and shift
+    factors (the cache holds (z - shift) * scale) and, for a local folder, the size and time of its weights, so a
+    recalibrated or retrained autoencoder at the same path is a miss, never the old latents. Its config only."""
+    from diffusers import AutoencoderKL
+
+    vae = from_pretrained("encoders.vae", AutoencoderKL.load_config, name)
+    weights = Path(name) / "diffusion_pytorch_model.safetensors"
+    stamp = [weights.stat().st_size, weights.stat().st_mtime_ns] if weights.is_file() else None
+    return {"scaling_factor": vae.get("scaling_factor"), "shift_factor": vae.get("shift_factor"), "weights": stamp}
+
+
+def vae_factor(name, recipe=None):
     """The VAE's downsampling factor, 2^(levels - 1), from its config alone (no weights)."""
     from diffusers import AutoencoderKL  # here, not at the top: diffusers takes seconds to import, pixel runs never do
 
-    return 2 ** (len(from_pretrained("encoders.vae", AutoencoderKL.load_config, name)["block_out_channels"]) - 1)
+    config = from_pretrained("encoders.vae", AutoencoderKL.load_config, name, recipe)
+    return 2 ** (len(config["block_out_channels"]) - 1)
 
 
 def problems(cfg):
@@ -133,7 +165,8 @@ def problems(cfg):
     d, m, enc, out, factor = cfg["data"], cfg["model"], cfg["encoders"], [], 1
     if enc["vae"]:
         try:
-            factor = vae_factor(enc["vae"])
+            origin = getattr(cfg, "origin", {}).get("encoders.vae", "")  # "from configs/x.json": the recipe
+            factor = vae_factor(enc["vae"], origin[len("from "):] if origin.endswith(".json") else None)
         except SystemExit as e:  # from_pretrained: a model that cannot be found, in one line
             out.append(str(e))
         except Exception as e:

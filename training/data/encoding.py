@@ -9,6 +9,7 @@ import random
 import torch
 from PIL import Image
 
+from training.data.buckets import bucket_of
 from training.data.classes import label_problem, labels_are_the_condition
 from training.data.sources import is_stream, load_image, preprocess, shard_of, tag_shard
 
@@ -104,36 +105,45 @@ class DecodedShards(torch.utils.data.IterableDataset):
 
     def cropped_views(self, img, rng):
         """[(pixels, metadata)] of one image: one view as drawn (views == 1), or data.cache_views crops, each
-        followed by its mirror image when data.random_flip (the mirror is exact: a resampled crop, reversed)."""
+        followed by its mirror image when data.random_flip (the mirror is exact: a resampled crop, reversed). With
+        data.bucket_shapes, each view is cropped to the image's bucket and its metadata names the bucket."""
         data = self.data
-        if self.views == 1:
-            return [preprocess(img, data.resolution, data, rng)]
-        out = []
-        for _ in range(data.cache_views):
-            pixel, meta = preprocess(img, data.resolution, data, rng, flip=False)
+        bucket, shape = bucket_of(img, data) if data.get("bucket_shapes") else (None, None)
+        out = [preprocess(img, data.resolution, data, rng, shape=shape)] if self.views == 1 else []
+        for _ in range(data.cache_views if self.views > 1 else 0):
+            pixel, meta = preprocess(img, data.resolution, data, rng, flip=False, shape=shape)
             out.append((pixel, meta))
             if data.random_flip:
                 out.append((pixel.flip(-1), {**meta, "flip": torch.tensor([1])}))
-        return out
+        return out if bucket is None else [(pixel, {**meta, "bucket": bucket}) for pixel, meta in out]
 
     def collate(self, k, batch, last):
+        """A decoded batch: the shard, whether it is the shard's last, the skipped rows, and its rows as groups of
+        one shape each (one group without buckets), so each is encoded as one tensor."""
         data, n = self.data, len(batch["pixels"])
-        return {"shard": k, "last": last, "skipped": batch["skipped"],
-                "pixels": torch.stack(batch["pixels"]) if n else torch.zeros(0, 3, data.resolution, data.resolution),
-                "metas": {name: torch.stack([m[name] for m in batch["metas"]]) for name in (batch["metas"] or [{}])[0]},
-                "captions": batch["captions"] if data.caption_column or data.label_captions else None,
-                "labels": torch.tensor(batch["labels"], dtype=torch.long) if data.label_column and n else None}
+        buckets = [m.pop("bucket", None) for m in batch["metas"]]
+        groups = []
+        for b in sorted(set(buckets), key=lambda b: -1 if b is None else b):
+            rows = [i for i, c in enumerate(buckets) if c == b]
+            groups.append({"bucket": b, "pixels": torch.stack([batch["pixels"][i] for i in rows]),
+                           "metas": {name: torch.stack([batch["metas"][i][name] for i in rows])
+                                     for name in batch["metas"][0]},
+                           "captions": [batch["captions"][i] for i in rows] if data.caption_column or
+                           data.label_captions else None,
+                           "labels": torch.tensor([batch["labels"][i] for i in rows], dtype=torch.long)
+                           if data.label_column else None})
+        return {"shard": k, "last": last, "skipped": batch["skipped"], "rows": n, "groups": groups}
 
 
-def encoded_rows(batch, encode, data, text):
-    """One decoded batch -> the tensors its rows add to their cache shard: encoder outputs in data.cache_dtype
-    (token ids stay integers), control metadata and labels."""
-    out = encode(batch["pixels"], batch["captions"], **({"text": text} if text == "tokens" else {}))
+def encoded_rows(group, encode, data, text):
+    """One decoded group of rows of one shape -> the tensors its rows add to their cache shard: encoder outputs in
+    data.cache_dtype (token ids stay integers), control metadata and labels."""
+    out = encode(group["pixels"], group["captions"], **({"text": text} if text == "tokens" else {}))
     dtype = getattr(torch, data.cache_dtype)
     out = {name: value.to("cpu", dtype if value.is_floating_point() else value.dtype) for name, value in out.items()}
-    out.update(batch["metas"])
-    if batch["labels"] is not None:
-        out["label"] = batch["labels"]
+    out.update(group["metas"])
+    if group["labels"] is not None:
+        out["label"] = group["labels"]
     return out
 
 
@@ -145,7 +155,7 @@ def cache_size(encode, data, text, shard_rows):
 
     img = Image.new("RGB", (data.resolution, data.resolution))
     pixel, meta = preprocess(img, data.resolution, data, random.Random(0))
-    probe = {"pixels": pixel[None], "metas": {k: v[None] for k, v in meta.items()}, "skipped": [],
+    probe = {"pixels": pixel[None], "metas": {k: v[None] for k, v in meta.items()},
              "captions": [""] if data.caption_column or data.label_captions else None,
              "labels": torch.zeros(1, dtype=torch.long) if data.label_column else None}
     tensors = encoded_rows(probe, encode, data, text)

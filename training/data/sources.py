@@ -20,6 +20,7 @@ from PIL import Image, ImageDraw
 
 from training.config.config import ConfigError
 from training.data import fashion_mnist
+from training.data.buckets import crop_extent
 from training.data.classes import check_labels, class_count, class_id_list, labels_are_the_condition
 
 # ----------------------------------------------------------------------------------------------------------
@@ -309,32 +310,36 @@ def to_8bit(a, mode):
     return np.round((a - lo) / max(hi - lo, 1e-12) * 255).clip(0, 255).astype(np.uint8)
 
 
-def preprocess(img, resolution, data, rng=random, flip=None):
-    """Crop a square box by the crop policy `data.crop`, resize it to `resolution`, flip it if drawn (`flip`
-    None: with probability 1/2 if data.random_flip; True / False: as given, nothing drawn).
+def preprocess(img, resolution, data, rng=random, flip=None, shape=None):
+    """Crop a box by the crop policy `data.crop`, resize it to `resolution` square, or to `shape` (width, height: an
+    aspect-ratio bucket, training/data/buckets.py), flip it if drawn (`flip` None: with probability 1/2 if
+    data.random_flip; True / False: as given, nothing drawn).
 
-    center: the largest centred square; random: the largest square at a random place; random_resized: a
-    random square of side U(data.min_crop_scale, 1) x the short side, at a random place. Returns pixels in
-    [-1, 1] and the control metadata that describes exactly what was done, so the conditioning is true to the
-    data: orig_hw (h, w), crop_box (top, left, height, width) in original pixels, flip (0 or 1).
+    The box has the output's aspect (a square; a bucket's: the largest such box, buckets.crop_extent). center: the
+    largest box, centred; random: the largest box at a random place; random_resized: a random box of U(
+    data.min_crop_scale, 1) x that size, at a random place. Returns pixels in [-1, 1] and the control metadata
+    that describes exactly what was done, so the conditioning is true to the data: orig_hw (h, w), crop_box (top,
+    left, height, width) in original pixels, flip (0 or 1).
     """
     w, h = img.size
-    side = min(w, h)
+    width, height = shape or (resolution, resolution)
+    box_w, box_h = crop_extent(w, h, width, height)
     if data.crop == "random_resized":
-        side = max(1, round(side * rng.uniform(data.min_crop_scale, 1.0)))
+        scale = rng.uniform(data.min_crop_scale, 1.0)
+        box_w, box_h = max(1, round(box_w * scale)), max(1, round(box_h * scale))
     if data.crop == "center":
-        top, left = (h - side) // 2, (w - side) // 2
+        top, left = (h - box_h) // 2, (w - box_w) // 2
     elif data.crop in ("random", "random_resized"):
-        top, left = rng.randint(0, h - side), rng.randint(0, w - side)
+        top, left = rng.randint(0, h - box_h), rng.randint(0, w - box_w)
     else:
         raise ValueError(f"data.crop must be 'center', 'random' or 'random_resized', got {data.crop!r}")
-    img = img.resize((resolution, resolution), Image.BICUBIC, box=(left, top, left + side, top + side),
-                     reducing_gap=None if side < 3 * resolution else 3.0)
+    img = img.resize((width, height), Image.BICUBIC, box=(left, top, left + box_w, top + box_h),
+                     reducing_gap=None if box_h < 3 * height else 3.0)
     flip = data.random_flip and rng.random() < 0.5 if flip is None else flip
     if flip:
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
     x = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1
-    return x, {"orig_hw": torch.tensor([h, w]), "crop_box": torch.tensor([top, left, side, side]),
+    return x, {"orig_hw": torch.tensor([h, w]), "crop_box": torch.tensor([top, left, box_h, box_w]),
                "flip": torch.tensor([int(flip)])}
 
 # ----------------------------------------------------------------------------------------------------------

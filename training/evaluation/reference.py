@@ -18,6 +18,7 @@ from PIL import Image
 
 import common
 from training.config import config
+from training.data.buckets import rows_in
 from training.data.sources import is_stream, load_image, open_dataset, open_splits, preprocess, stream_heldout
 from training.run.monitor import progress
 
@@ -171,6 +172,8 @@ def reference_key(args, cfg, feature_name):
                image_column=args.reference_image_column or data["image_column"])
     if args.reference_split == "heldout":
         key["heldout"] = [data["split"], data["val_split"], data["val_holdout"]]
+    if getattr(args, "shape", None):  # a run with data.buckets, scored at one of them: that bucket's images alone
+        key.update(bucket=list(args.shape), buckets=data["bucket_shapes"])
     if source == "embedded":
         key["demo"] = [data["demo_samples"], data["demo_resolution"]]  # and what the images depend on, as the cache's key
         key["demo"] += [data["demo_sizes"]] if data.get("demo_sizes") else []
@@ -202,9 +205,12 @@ def reference_images(key, cfg):
                               "label_column": None, "caption_column": None, "max_samples": None,
                               "crop": key["crop"], "random_flip": False})
         ds = heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
+        shape = key.get("bucket")
+        if shape:  # the images whose nearest bucket it is, each cropped to it as the cache crops them
+            ds = ds.select(rows_in(ds, key["image_column"], key["buckets"], shape))
 
         def load(i):
-            x, _ = preprocess(load_image(ds[i][key["image_column"]]), key["resolution"], data)
+            x, _ = preprocess(load_image(ds[i][key["image_column"]]), key["resolution"], data, shape=shape)
             return to_uint8(x[None])[0]
         items = [lambda i=i: load(i) for i in range(len(ds))]
     return items[:key["num"]] if key["num"] else items

@@ -3,10 +3,12 @@ conditions and noise; the held-out batches with their noise), the sample grid sp
 network evaluations counted), the held-out loss on a fixed time grid, and the row and line that report them.
 Every rank calls each; the results are a one-process run's. What each cell shows (a class name or a prompt) is
 chosen with the data, when the cache stage encodes the prompts: data/classes.py, validation_prompts."""
+import math
+
 import torch
 
 import common
-from training.data.batching import conditions_of
+from training.data.batching import conditions_of, same_bucket
 
 # ----------------------------------------------------------------------------------------------------------
 # Fixed inputs: the grid's conditions and noise, and the held-out batches.
@@ -15,7 +17,10 @@ from training.data.batching import conditions_of
 def validation_inputs(val_set, num_samples, num_classes, x_shape, seed, device, text=None):
     """Fixed conditions and noise for the validation grid: classes in order (0, 1, 2, ...) for class runs,
     the encoded validation prompts `text` (encode_text of validation_prompts) for text runs; controls (size,
-    crop, flip) from the held-out rows, cycled."""
+    crop, flip) from the held-out rows, cycled. A bucket cache (data.buckets) gives a few buckets' grids, lists of
+    (noise, conditions) one a bucket: grid_buckets."""
+    if getattr(val_set, "buckets", None) is not None:
+        return bucket_inputs(val_set, num_samples, num_classes, seed, device, text)
     rows = [val_set[i % len(val_set)] for i in range(num_samples)]
     n = num_samples
     cond = conditions_of({k: torch.stack([r[k] for r in rows]) for k in rows[0]}, device)
@@ -27,12 +32,41 @@ def validation_inputs(val_set, num_samples, num_classes, x_shape, seed, device, 
     return noise, cond
 
 
+def grid_buckets(val_set):
+    """The buckets the validation grid shows, by index: the squarest, the widest and the tallest that hold
+    held-out rows (fewer when they coincide)."""
+    present = sorted(set(val_set.buckets.tolist()))
+    ratios = {b: math.log(val_set.shapes[b][0] / val_set.shapes[b][1]) for b in present}
+    return list(dict.fromkeys([min(present, key=lambda b: abs(ratios[b])), max(present, key=ratios.get),
+                               min(present, key=ratios.get)]))
+
+
+def bucket_inputs(val_set, num_samples, num_classes, seed, device, text=None):
+    """validation_inputs of a bucket cache: ([noise], [conditions]), one of each per grid_buckets, each of
+    ceil(num_samples / buckets) cells: the grid's first cells (classes 0, 1, 2, ... or the first prompts), with
+    the controls of that bucket's held-out rows, cycled."""
+    shown = grid_buckets(val_set)
+    per, noises, conds = -(-num_samples // len(shown)), [], []
+    for k, b in enumerate(shown):
+        members = torch.nonzero(val_set.buckets == b).flatten().tolist()
+        batch = val_set[[members[i % len(members)] for i in range(per)]]
+        cond = conditions_of(batch, device)
+        if "label" in cond:
+            cond["label"] = torch.arange(per, device=device) % num_classes
+        if text is not None:
+            cond.update({key: v[:per].to(device) for key, v in text.items()})
+        noises.append(torch.randn(batch["x"].shape, generator=torch.Generator().manual_seed(seed + k)).to(device))
+        conds.append(cond)
+    return noises, conds
+
+
 def heldout_batches(val_set, num_samples, batch_size, seed, device):
     """(x0, noise, cond) batches of the first `num_samples` held-out rows with fixed latents draws and noise,
-    so the validation loss of two checkpoints differs only by the model."""
+    so the validation loss of two checkpoints differs only by the model. A bucket cache's in batches of one
+    bucket each (batching.same_bucket)."""
     gen, n = torch.Generator().manual_seed(seed), min(num_samples, len(val_set))
-    for i in range(0, n, batch_size):
-        rows = [val_set[j] for j in range(i, min(i + batch_size, n))]
+    for group in same_bucket(val_set, range(n), batch_size):
+        rows = [val_set[j] for j in group]
         batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
         x0 = batch["x"] + batch["x_std"] * torch.randn(batch["x"].shape, generator=gen) if "x_std" in batch else batch["x"]
         noise = torch.randn(x0.shape, generator=gen)
@@ -47,7 +81,11 @@ def heldout_batches(val_set, num_samples, batch_size, seed, device):
 def sample_grid(generate, ema, noise, cond, cfg, accelerator):
     """(samples, network evaluations per sample): the grid of fixed noise and conditions sampled as the run is
     configured (`generate`, the trainer's), at the run's precision; each rank samples its share and the grid is
-    gathered. The main process counts its own share's evaluations (fewer with a guidance interval)."""
+    gathered. The main process counts its own share's evaluations (fewer with a guidance interval). A bucket
+    run's grids (lists, bucket_inputs): a list of samples, one tensor a bucket, and the mean evaluations."""
+    if isinstance(noise, list):
+        done = [sample_grid(generate, ema, n, c, cfg, accelerator) for n, c in zip(noise, cond)]
+        return [x for x, _ in done], sum(nfe for _, nfe in done) / len(done)
     with accelerator.autocast(), common.counting_evaluations(ema) as evals:
         x = common.split_over_ranks(lambda rows: generate(ema, noise[rows], {k: v[rows] for k, v in cond.items()}, cfg),
                                     len(noise), accelerator)

@@ -41,7 +41,9 @@ def control_values(name, cond):
     values = values.reshape(len(values), -1).float()
     if name == "crop":
         short = cond["orig_hw"].reshape(len(values), 2).float().min(1, keepdim=True).values.clamp(min=1)
-        values = values[:, :3] / short * CROP_UNITS  # crops are square: (top, left, height); width = height
+        # (top, left, the crop's short side): a square crop's side; a bucket's crop (data.buckets) keeps the
+        # image's whole short side when the two aspects agree, so 1000 says "uncropped" at any shape
+        values = torch.cat([values[:, :2], values[:, 2:4].min(1, keepdim=True).values], 1) / short * CROP_UNITS
     return values
 
 
@@ -94,10 +96,15 @@ class Conditioner(nn.Module):
     context stream holding one constant token; "both" (MMDiT / SD3-native), the class tokens in the context
     stream and a class vector in the adaptive norm, controls as in "disentangled". Every class path starts at
     N(0, 0.02) (DiT's initialisation of its label table), so no arm starts with a head start.
+    MeanFlow (`interval`; training/objectives/meanflow.py): the network's second time, the interval t - r over which
+    it averages the velocity, as cond["interval"] in timestep units (1000 (t - r); absent: 0, r = t), embedded as
+    SD3 embeds t (sinusoids, then an MLP) and added to the adaptive-norm vector: the paper's best time input,
+    (t, t - r) (Geng et al. 2025, its ablations, Tab. 1). Its last layer starts at zero, so a flow-matching model that
+    init_from starts a MeanFlow run from is, before the first step, exactly that model at every (r, t).
     """
 
     def __init__(self, num_classes, class_tokens, context_dim, pooled_dim, width, text_tokens=0,
-                 controls=None, mode="disentangled", padding_noise=None, pooled_text=None):
+                 controls=None, mode="disentangled", padding_noise=None, pooled_text=None, interval=False):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"conditioning.mode must be one of {MODES}, got {mode!r}")
@@ -121,6 +128,13 @@ class Conditioner(nn.Module):
             mlp = nn.Sequential(nn.Linear(64 * CONTROL_SCALARS[name], width), nn.SiLU(), nn.Linear(width, width))
             nn.init.zeros_(mlp[2].weight), nn.init.zeros_(mlp[2].bias)  # controls start as a no-op
             self.control_mlp[name] = mlp
+        self.interval_proj, self.interval_embed = None, None
+        if interval:  # MeanFlow's t - r, embedded as SD3's time (CombinedTimestepTextProjEmbeddings)
+            from diffusers.models.embeddings import TimestepEmbedding, Timesteps
+
+            self.interval_proj = Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)
+            self.interval_embed = TimestepEmbedding(256, width)
+            nn.init.zeros_(self.interval_embed.linear_2.weight), nn.init.zeros_(self.interval_embed.linear_2.bias)
 
     def forward(self, cond, noise_level):
         drop, adanorm = cond["drop"], 0
@@ -151,6 +165,9 @@ class Conditioner(nn.Module):
             w = torch.ones_like(noise_level) if self.mode == "adanorm" else control_weight(noise_level, power)
             emb = self.control_mlp[name](sinusoidal(control_values(name, cond)))
             adanorm = adanorm + emb * (w.float() * keep)[:, None]
+        if self.interval_embed is not None:  # MeanFlow: the interval t - r (absent: r = t, the velocity at t)
+            gap = cond["interval"] if "interval" in cond else torch.zeros_like(noise_level)
+            adanorm = adanorm + self.interval_embed(self.interval_proj(gap).to(self.interval_embed.linear_1.weight.dtype))
         return context, pooled, adanorm
 
 
@@ -256,7 +273,8 @@ def make_conditioner(cfg, width, context_dim, pooled_dim, text_tokens=0):
     return Conditioner(num_classes, cfg["model"]["class_tokens"], context_dim, pooled_dim, width, text_tokens,
                        {name: c["control_power"][name] for name in c["controls"]}, c["mode"],
                        c["padding_noise"] if c["replicate_padding"] else None,
-                       c["pooled_text"] if "pooled_text" in c else True)  # a run from before the key: pooled on
+                       c["pooled_text"] if "pooled_text" in c else True,  # a run from before the key: pooled on
+                       bool(cfg["objective"].get("meanflow")))  # MeanFlow's second time, t - r (DDPM: no such key)
 
 
 def build_denoiser(cfg, channels, size, text_dims=None):
@@ -283,12 +301,15 @@ def build_denoiser(cfg, channels, size, text_dims=None):
 
 def load_exported(folder):
     """The EMA model that a run exported: transformer via `from_pretrained`, the conditioner's weights, the
-    run's config.json."""
+    run's config.json. An export that carries its VAE (vae/: encoders.vae was a local folder) decodes with that
+    copy, wherever the folder it was trained with went."""
     from diffusers import SD3Transformer2DModel
     from safetensors.torch import load_file
 
     folder = Path(folder)
     cfg = config.Config(json.loads((folder / "config.json").read_text()))
+    if (folder / "vae" / "config.json").is_file():
+        cfg["encoders"]["vae"] = str(folder / "vae")
     transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer", use_safetensors=True)
     state = load_file(str(conditioner_weights(folder)))
     tc = transformer.config

@@ -21,19 +21,25 @@ def grid_positions(pos_embed):
     return pos.round() if (pos - pos.round()).abs().max() < 1e-3 else pos  # integers are exact
 
 
-def resample_pos_embed(pos_embed, new_grid, mode="resample"):
+def resample_pos_embed(pos_embed, new_grid, mode="resample", squares=None):
     """The (1, new_grid^2, D) sin-cos grid for a new token grid, from an old one (1, g^2, D).
     resample (Berrada et al. 2024, Pseudocode 1, "rectified grid sampling"): new token i sits at old position
     p_i = (i + 0.5) g / new_grid - 0.5, so the new grid spans the positions the model was trained on (corners
     align, centres coincide) and the sin-cos features are evaluated there exactly.
     extend (diffusers' default): positions continue at the old spacing, centred (SD3 crops the centre of a
-    larger grid), so a 2x grid reaches positions the model never saw."""
+    larger grid), so a 2x grid reaches positions the model never saw.
+    squares (old, new): the tokens a side of each run's data.resolution square, centred in its grid, when a run
+    has buckets (its grid is its largest bucket's side: SD3's cropped embedding); resample then maps the new
+    square onto the old one, p_i = o + (i - n + 0.5) S / s - 0.5 (o, n: each square's offset in its grid), and the
+    grid beyond it continues at that spacing. None: each whole grid is its square."""
     from diffusers.models.embeddings import get_2d_sincos_pos_embed_from_grid
 
     old = grid_positions(pos_embed)
     g, spacing = len(old), (old[-1] - old[0]) / max(len(old) - 1, 1)
     i = torch.arange(new_grid, dtype=torch.float64)
-    index = (i + 0.5) * g / new_grid - 0.5 if mode == "resample" else i - (new_grid - g) / 2
+    old_square, new_square = squares or (g, new_grid)
+    index = ((g - old_square) / 2 + (i - (new_grid - new_square) / 2 + 0.5) * old_square / new_square - 0.5
+             if mode == "resample" else i - (new_grid - g) / 2)
     pos = (old[0] + index * spacing).float()  # float32 positions, as diffusers builds its grid
     grid = torch.stack(torch.meshgrid(pos, pos, indexing="xy")).reshape(2, 1, new_grid, new_grid)
     return get_2d_sincos_pos_embed_from_grid(pos_embed.shape[-1], grid).float()[None]
@@ -55,9 +61,10 @@ def map_classes(source, target, source_ids, target_ids):
     return out.view_as(target), [c for c in target_ids if c not in where]
 
 
-def adapt_state(source, target, source_ids=None, target_ids=None, pos_embed_mode="resample"):
+def adapt_state(source, target, source_ids=None, target_ids=None, pos_embed_mode="resample", squares=None):
     """The target model's state dict filled from a source state dict, and a report of what happened.
-    Same-shaped tensors load; the positional grid is resampled (or extended) to the new token grid; class
+    Same-shaped tensors load; the positional grid is resampled (or extended) to the new token grid (`squares`:
+    resample_pos_embed's, for runs with buckets); class
     embeddings are mapped by id when both runs know their class ids; any other shape change, missing or
     unexpected tensor keeps the target's fresh value and is reported."""
     out, report = dict(target), {"loaded": 0, "adapted": [], "missing": [], "unexpected": [], "reshaped": []}
@@ -70,7 +77,7 @@ def adapt_state(source, target, source_ids=None, target_ids=None, pos_embed_mode
             continue
         src = source[key]
         if key.endswith("pos_embed.pos_embed") and src.shape != value.shape:
-            out[key] = resample_pos_embed(src, math.isqrt(value.shape[1]), pos_embed_mode)
+            out[key] = resample_pos_embed(src, math.isqrt(value.shape[1]), pos_embed_mode, squares)
             report["taken"].add(key)
             report["adapted"].append(f"{key}: {pos_embed_mode} {math.isqrt(src.shape[1])}^2 -> "
                                      f"{math.isqrt(value.shape[1])}^2 positions")

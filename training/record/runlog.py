@@ -31,22 +31,34 @@ def save_image_grid(images, path, nrow, labels=None):
     if len(images) == 1:  # make_grid returns a single image as it is: pad it like any grid's cell
         grid = torch.nn.functional.pad(grid, (2, 2, 2, 2))
     img = Image.fromarray(grid.permute(1, 2, 0).numpy())
-    factor = math.ceil(64 / images.shape[-1]) if images.shape[-1] < 64 else 1
+    side = min(images.shape[-2:])
+    factor = math.ceil(64 / side) if side < 64 else 1
     if factor > 1:  # small images (the demo's 16 px) are enlarged, pixel for pixel, to be seen
         img = img.resize((img.width * factor, img.height * factor), Image.NEAREST)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     if labels is not None:
-        img = caption_cells(img, labels, nrow, (images.shape[-1] + 2) * factor)
+        img = caption_cells(img, labels, nrow, (images.shape[-1] + 2) * factor, (images.shape[-2] + 2) * factor)
         Path(path).with_suffix(".txt").write_text("".join(
             f"{i}\trow {i // nrow + 1}, column {i % nrow + 1}\t{label}\n" for i, label in enumerate(labels)))
     img.save(path)
     return img
 
 
-def caption_cells(grid, labels, nrow, cell):
-    """The grid with a line of text under each row of cells: each cell's label, cut to the cell's width."""
+def bucket_rows(groups):
+    """Tensors (N_i, 3, H_i, W_i) of several shapes as one (sum N_i, 3, H, W) of the largest sides, each image
+    centred on mid-grey (0), so one grid shows them at their own shapes."""
+    h, w = max(x.shape[-2] for x in groups), max(x.shape[-1] for x in groups)
+    pad = [torch.nn.functional.pad(x, ((w - x.shape[-1]) // 2, -(-(w - x.shape[-1]) // 2), (h - x.shape[-2]) // 2,
+                                       -(-(h - x.shape[-2]) // 2))) for x in groups]
+    return torch.cat(pad)
+
+
+def caption_cells(grid, labels, nrow, cell, height=None):
+    """The grid with a line of text under each row of cells: each cell's label, cut to the cell's width (`cell`;
+    `height`: a cell's height, when the cells are not square)."""
     from PIL import ImageDraw, ImageFont
 
+    width, cell = cell, height or cell
     font = ImageFont.load_default()
     band = font.getbbox("Ag")[3] + 4
     rows = math.ceil(len(labels) / nrow)
@@ -56,11 +68,11 @@ def caption_cells(grid, labels, nrow, cell):
         out.paste(grid.crop((0, r * cell, grid.width, (r + 1) * cell)), (0, r * (cell + band)))
         for c, label in enumerate(labels[r * nrow:(r + 1) * nrow]):
             text = str(label)
-            while text and draw.textlength(text, font=font) > cell - 4:
+            while text and draw.textlength(text, font=font) > width - 4:
                 text = text[:-1]
             if text != str(label):
                 text = text[:-2] + ".."
-            draw.text((c * cell + 3, r * (cell + band) + cell), text, fill="black", font=font)
+            draw.text((c * width + 3, r * (cell + band) + cell), text, fill="black", font=font)
     out.paste(grid.crop((0, rows * cell, grid.width, grid.height)), (0, rows * (cell + band)))  # bottom padding
     return out
 
@@ -199,9 +211,15 @@ class RunLog:
 
     def samples(self, images, step, labels=None):
         """A grid of validation samples, run_dir/samples/step_N.png (and wandb), each cell labelled with its class
-        name or prompt (under the cell, and in full in step_N.txt)."""
+        name or prompt (under the cell, and in full in step_N.txt). A list of tensors (a bucket run's grids, one
+        shape each): a row of cells a bucket, each cell its shape centred on grey, its label led by its shape."""
         path = self.run_dir / "samples" / f"step_{step:08d}.png"
-        grid = save_image_grid(images, path, nrow=math.ceil(math.sqrt(len(images))), labels=labels)
+        nrow = math.ceil(math.sqrt(len(images)))
+        if isinstance(images, list):
+            nrow, labels = len(images[0]), [f"{x.shape[-1]}x{x.shape[-2]}: {label}" for x in images
+                                             for label in (labels or [""] * len(x))[:len(x)]]
+            images = bucket_rows(images)
+        grid = save_image_grid(images, path, nrow=nrow, labels=labels)
         if self.wandb is not None:
             import wandb
 

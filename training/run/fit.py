@@ -22,7 +22,7 @@ import torch
 
 import common
 from training.config import config
-from training.data.batching import COND_FIELDS, images_in
+from training.data.batching import COND_FIELDS, images_in, probe_rows
 from training.data.encoders import text_features
 from training.objectives import contrastive, repa
 from training.optimisation import muon
@@ -110,10 +110,10 @@ def set_checkpointing(model, on):
 def probe_batch(train_set, text_encoder, micro, device):
     """`micro` rows of the cached training set (rows repeat when it is smaller) as the trainers feed them. Every
     cached row has the same shape (latents at data.resolution, text padded to encoders.max_tokens), so any rows
-    are the worst case. The probe's own times and conditions: nothing is drawn from the run's data order. Returns
-    the batch too: REPA's targets come from it (its cached "repa", or its pixels through the encoder)."""
-    batch = text_features({k: v.to(device) for k, v in train_set[[i % len(train_set) for i in range(micro)]].items()},
-                          text_encoder)
+    are the worst case; with buckets, the rows of the bucket with the most values a row (batching.probe_rows).
+    The probe's own times and conditions: nothing is drawn from the run's data order. Returns the batch too:
+    REPA's targets come from it (its cached "repa", or its pixels through the encoder)."""
+    batch = text_features({k: v.to(device) for k, v in train_set[probe_rows(train_set, micro)].items()}, text_encoder)
     cond = {k: v for k, v in batch.items() if k in COND_FIELDS}
     cond["drop"] = cond["drop_controls"] = torch.zeros(micro, dtype=torch.bool, device=device)
     return batch, torch.rand(micro, device=device) * 1000, cond

@@ -6,8 +6,10 @@ checkpoint itself is loaded later, once the optimizer exists (checkpoints.load_c
 """
 import copy
 import json
+import math
 from pathlib import Path
 
+from training.data import buckets
 from training.model import mmdit, transfer
 from training.objectives import repa
 from training.run import checkpoints, hub
@@ -36,7 +38,7 @@ def prepare_model(cfg, x_shape, null_text, class_ids, run_dir, accelerator):
     ckpt = checkpoints.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
     ckpt = checkpoints.same_checkpoint(ckpt, accelerator) if cfg.resume else None
     if cfg.init_from and ckpt is None:
-        report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print)
+        report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print, cfg)
         if accelerator.is_main_process:
             (Path(run_dir) / "init_from.json").write_text(json.dumps(report, indent=1))
     return model, ema, ckpt
@@ -64,14 +66,32 @@ def read_weights(source):
                             f"(model.safetensors, state.pt) or an export (transformer/, conditioner/)")
 
 
-def init_from(source, model, ema, class_ids=None, pos_embed_mode="resample", log=print):
+def source_config(folder):
+    """The config of the run an init_from folder came from: a checkpoint's recorded one, or an export's config.json."""
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else checkpoints.read_state(folder)["config"]
+
+
+def squares(source_cfg, cfg, old_grid, new_grid):
+    """(old, new): the tokens a side of each run's data.resolution square in its positional grid, which is its
+    largest bucket's side with data.buckets (transfer.resample_pos_embed); None when neither run has buckets."""
+    if not (source_cfg["data"].get("bucket_shapes") or cfg["data"].get("bucket_shapes")):
+        return None
+    return tuple(g * c["data"]["resolution"] / buckets.largest_side(c)
+                 for c, g in ((source_cfg, old_grid), (cfg, new_grid)))
+
+
+def init_from(source, model, ema, class_ids=None, pos_embed_mode="resample", log=print, cfg=None):
     """Load another run's weights into `model` and its EMA into `ema` (see adapt_state); log every adapted,
     missing, unexpected and reshaped tensor and return the report. The EMA tensors taken from the source are
-    named in `ema.inherited`: they keep averaging from the source's EMA, with no warm-up (common.ema_update)."""
+    named in `ema.inherited`: they keep averaging from the source's EMA, with no warm-up (common.ema_update).
+    `cfg`: this run's config, which with the source's places each run's data.resolution square in its grid."""
     model_state, ema_state, source_ids, folder = read_weights(source)
+    grids = [math.isqrt(s["transformer.pos_embed.pos_embed"].shape[1]) for s in (model_state, model.state_dict())]
+    fit = squares(source_config(folder), cfg, *grids) if cfg is not None else None
     reports = []
     for module, state in ((model, model_state), (ema, ema_state)):
-        adapted, report = transfer.adapt_state(state, module.state_dict(), source_ids, class_ids, pos_embed_mode)
+        adapted, report = transfer.adapt_state(state, module.state_dict(), source_ids, class_ids, pos_embed_mode, fit)
         module.load_state_dict(adapted)
         reports.append(report)
     ema.inherited = {name for name, _ in ema.named_parameters() if name in reports[1]["taken"]}

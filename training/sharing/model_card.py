@@ -11,7 +11,7 @@ import datetime
 import json
 from pathlib import Path
 
-from training.data import fashion_mnist
+from training.data import fashion_mnist, latents
 from training.run import hub
 from training.record import curves
 
@@ -173,6 +173,25 @@ def reference_rows(cfg, run_dir, rows):
             for key, band in sorted(ref["curves"].items()) if band]
 
 
+def autoencoder_lines(record):
+    """A paragraph on an autoencoder made by tools/autoencoder.py (its autoencoder.json, carried in vae/): what it
+    is, what it was trained on, and its reconstruction quality on the test split, the floor of this model's
+    scores; nothing for any other VAE."""
+    if not record.is_file():
+        return []
+    r = json.loads(record.read_text())
+    test, shape = r["test"], " x ".join(map(str, r["latent_shape"]))
+    rfd = [f"{v:.3f} at {k.rsplit('_', 1)[1]}" for k, v in test.items() if k.startswith("fd_classifier_")]
+    return [f"The autoencoder (`vae/`, an AutoencoderKL of {r['parameters'] / 1e6:.2f}M parameters made by "
+            f"minimal-diffusion's tools/autoencoder.py): {r['resolution']} px to {shape} latents, trained on "
+            f"{r['train_rows']:,} images of the '{r['train_split']}' split of {data_name(r['source'])}, its factors "
+            f"calibrated on their latents (scaling {r['factors']['scaling_factor']:.4g}, shift "
+            f"{r['factors']['shift_factor']:.4g}). Its reconstructions of the {test['rows']:,} '{r['test_split']}' "
+            f"images: PSNR {test['psnr']:.2f} dB" + (f", rFD {' and '.join(rfd)} images (the Frechet distance in the "
+                                                     f"evaluation classifier's features)" if rfd else "")
+            + ": no model in its latents scores better than its own reconstructions.", ""]
+
+
 def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tuned=None, untuned=None):
     """README.md's text for the pipeline folder `folder` of the run in `run_dir` (phema: the post-hoc EMA's
     record, when the weights are one; repo: the hub id it is pushed to, if any; local: the folder's final path;
@@ -192,7 +211,17 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
     else:
         what = (f"DDPM ({objective['prediction']}-prediction, {objective['beta_schedule']} betas, zero terminal SNR "
                 f"{objective['zero_terminal_snr']}, Min-SNR-{objective['min_snr_gamma']:g})")
-    space = f"the latents of `{enc['vae']}`" if enc["vae"] else "pixel space"
+    made = ""
+    if objective.get("meanflow"):  # made for few steps: say how many (the pipeline's default, tuned or the run's)
+        n = (tuned or {}).get("best", {}).get("steps", val["steps"])
+        what = (f"MeanFlow (Geng et al. 2025: the average velocity over [r, t], {objective['prediction']}-prediction, "
+                f"r = t for {objective['meanflow_equal_share']:.0%} of the samples, guidance "
+                f"{objective['meanflow_guidance']:g} folded into training)")
+        made = (f" It was made for sampling in {n} step{'s' * (n > 1)} of its `{val['sampler']}` sampler: one network "
+                f"evaluation a step, the guidance already in the weights (`num_inference_steps` sets another count).")
+    carried = (Path(folder) / "vae").is_dir()  # a local VAE, copied into the folder (pipeline_export.copy_vae)
+    space = (f"the latents of `{Path(enc['vae']).name}` (this folder's `vae/`)" if carried else
+             f"the latents of `{enc['vae']}`" if enc["vae"] else "pixel space")
     conditioning = (f"captions encoded by `{enc['text_encoder']}`" if text else f"{len(names) or d['num_classes']} classes")
     weights = ("the EMA of the weights" if phema is None else
                f"the post-hoc EMA of relative std {phema['phema_std']:g} (gamma {phema['gamma']:.2f}, profile fit error "
@@ -200,18 +229,24 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
     out = [metadata(cfg, text), "", f"# {Path(cfg['run_dir']).name}", "",
            f"A {n_params / 1e6:.1f}M-parameter MMDiT (diffusers' SD3Transformer2DModel: {m['num_layers']} layers, "
            f"{m['num_attention_heads']} heads of {m['attention_head_dim']}, patch {m['patch_size']}) trained by "
-           f"minimal-diffusion with {what} on {data_name(d['source'])} at {d['resolution']} px in {space}, "
+           f"minimal-diffusion with {what} on {data_name(d['source'])} at {d['resolution']} px"
+           + (f" (aspect-ratio buckets, width x height: {', '.join(f'{w}x{h}' for w, h in d['bucket_shapes'])})"
+              if d.get("bucket_shapes") else "") + f" in {space}, "
            f"conditioned on {conditioning} ({c['mode']} conditioning"
-           f"{'; controls ' + ', '.join(c['controls']) if c['controls'] else ''}). The weights are {weights}. "
+           f"{'; controls ' + ', '.join(c['controls']) if c['controls'] else ''}). The weights are {weights}.{made} "
            f"Licence: the terms of the training data and of the referenced VAE and text encoder apply.", "",
+           *autoencoder_lines(Path(folder) / "vae" / latents.RECORD),
            "## Use", "", *loading_lines(repo, str(local or folder), example),
            f"The first argument is {'a prompt' if text else 'a class name, id or index'} (or a list). The defaults are "
            + sampling_text(val, method, tuned, untuned)
            + ("; the controls are the arguments `original_size=(h, w)`, `crop_box=(top, left, height, width)` in the "
               "original's pixels (the model reads it relative to the short side: where and how much is shown, never "
               "the size), `flip`" if c["controls"] else "")
-           + ". `generator=` (one per image) and `latents=` fix the noise; the VAE and text encoder are loaded by "
-           "their hub ids (model_index.json), or pass `vae=` / `text_encoder=` and `tokenizer=`.", "",
+           + ("; `height=` and `width=` (pixels) sample another shape, the squarest bucket by default"
+              if d.get("bucket_shapes") else "")
+           + ". `generator=` (one per image) and `latents=` fix the noise; "
+           + ("the VAE is this folder's `vae/`" if carried else "the VAE and text encoder are loaded by their hub ids "
+              "(model_index.json)") + ", or pass `vae=` / `text_encoder=` and `tokenizer=`.", "",
            "## Training", "",
            f"- {steps:,} optimizer steps of {batch:,} images: {steps * batch:,} images seen",
            f"- command: `python train_{method}.py --config config.json` (config.json: this folder's, the run's "

@@ -8,6 +8,9 @@ The folder (docs/evaluation.md, Sharing a model):
     model_index.json        the pipeline: its class (pipeline.py), components, the sampling defaults (the run's
                             settings, or tools/tune.py's choice for these weights: training/evaluation/tuning.py),
                             and the VAE and text encoder by hub id (referenced, not copied)
+    vae/                    the VAE, when encoders.vae is a local folder (an autoencoder made by tools/autoencoder.py,
+                            with its autoencoder.json): copied, a component the pipeline loads, since the folder
+                            it was trained with is not where the export goes; a hub VAE stays a reference
     pipeline.py             the sampling code (training/sharing/exported/pipeline.py): diffusers loads it for
                             custom pipelines
     transformer/            diffusers' SD3Transformer2DModel (also loadable on its own with from_pretrained)
@@ -33,6 +36,7 @@ import diffusers
 from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
 import common
+from training.data import latents
 from training.data.classes import readable_names
 from training.run import hub
 from training.evaluation import tuning
@@ -72,29 +76,46 @@ def exported_conditioner(conditioner, transformer, class_ids):
         pooled_dim=conditioner.pooled_dim, width=tc.num_attention_heads * tc.attention_head_dim,
         text_tokens=len(getattr(conditioner, "null_tokens", ())), controls=conditioner.controls, mode=conditioner.mode,
         replicate_padding=conditioner.padding_noise is not None, pooled_text=conditioner.pooled_text,
-        class_ids=class_ids, class_names=names if conditioner.num_classes else None)
+        class_ids=class_ids, class_names=names if conditioner.num_classes else None,
+        interval=conditioner.interval_embed is not None)
     out.load_state_dict({k: v.detach().float().cpu() for k, v in conditioner.state_dict().items()})
     return out
+
+
+def carried_vae(cfg):
+    """The folder of the run's VAE when it travels with the export (a local folder), else None (pixels, a hub id)."""
+    vae = cfg["encoders"]["vae"]
+    return Path(vae) if vae and Path(vae).is_dir() else None
+
+
+def copy_vae(source, folder):
+    """The VAE's config, weights and (an autoencoder made here) its record into `folder`: what from_pretrained
+    reads and the model card cites, nothing else the folder may hold."""
+    folder.mkdir()
+    for name in ("config.json", "diffusion_pytorch_model.safetensors", latents.RECORD):
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / name)
 
 
 def model_index(cfg, scheduler, best=None):
     """model_index.json: the pipeline class in pipeline.py, its components, and the sampling defaults: the run's
     settings, with steps, guidance and its interval from `best` (tools/tune.py's choice for the exported weights:
-    tuning.export_choice) when given."""
+    tuning.export_choice) when given. A carried VAE is the component vae (vae/), else a hub id in vae_id."""
     val, obj = cfg["val"], cfg["objective"]
     best = best or {}
     flow = curves.method_of(cfg) == "flow_matching"
+    vae = {"vae": ["diffusers", "AutoencoderKL"], "vae_id": None} if carried_vae(cfg) else {"vae_id": cfg["encoders"]["vae"]}
     return {"_class_name": ["pipeline", "MinimalDiffusionPipeline"], "_diffusers_version": diffusers.__version__,
             "transformer": ["diffusers", "SD3Transformer2DModel"], "conditioner": ["conditioner", "Conditioner"],
-            "scheduler": ["diffusers", type(scheduler).__name__],
-            "vae_id": cfg["encoders"]["vae"], "text_encoder_id": cfg["encoders"]["text_encoder"],
+            "scheduler": ["diffusers", type(scheduler).__name__], **vae, "text_encoder_id": cfg["encoders"]["text_encoder"],
             "max_tokens": cfg["encoders"]["max_tokens"], "num_inference_steps": best.get("steps", val["steps"]),
             "guidance_scale": best.get("guidance_scale", val["guidance_scale"]),
             "control_guidance_scale": val["control_guidance_scale"],
             "guidance_interval": list(best.get("guidance_interval", val["guidance_interval"])),
             "guidance_rescale": 0.0 if flow else val["guidance_rescale"],
             "sampler": val["sampler"], "prediction": obj.get("prediction", "v"),
-            "time_shift": common.shift_of(cfg), "resolution": cfg["data"]["resolution"]}
+            "time_shift": common.shift_of(cfg), "resolution": cfg["data"]["resolution"],
+            **({"buckets": cfg["data"]["bucket_shapes"]} if cfg["data"].get("bucket_shapes") else {})}
 
 
 def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None):
@@ -112,6 +133,8 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     shutil.copy(SOURCES / "pipeline.py", part / "pipeline.py")
     scheduler = make_scheduler(cfg)
     scheduler.save_pretrained(part / "scheduler")
+    if carried_vae(cfg):
+        copy_vae(carried_vae(cfg), part / "vae")
     (part / "config.json").write_text(json.dumps(cfg, indent=2))
     # tools/tune.py's choice, only where it was made for these weights (their digest) and the pipeline's sampler.
     tuned, untuned = tuning.export_choice(run_dir, part, cfg["val"]["sampler"], phema)

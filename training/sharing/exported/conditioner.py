@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
+from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 
 CONTROL_FIELDS = {"size": "orig_hw", "crop": "crop_box", "flip": "flip"}  # control -> its condition field
 CONTROL_SCALARS = {"size": 2, "crop": 3, "flip": 1}  # crop: (top, left, side) / short side, so no pixel count
@@ -27,7 +28,7 @@ def control_values(name, cond):
     values = values.reshape(len(values), -1).float()
     if name == "crop":
         short = cond["orig_hw"].reshape(len(values), 2).float().min(1, keepdim=True).values.clamp(min=1)
-        values = values[:, :3] / short * CROP_UNITS
+        values = torch.cat([values[:, :2], values[:, 2:4].min(1, keepdim=True).values], 1) / short * CROP_UNITS
     return values
 
 
@@ -57,12 +58,14 @@ class Conditioner(ModelMixin, ConfigMixin):
     null class of guidance) or "text_tokens", "text_mask", "text_pooled"; "drop" (bool per sample: the null
     semantic condition), optionally "drop_controls", and the controls' fields (orig_hw, crop_box, flip).
     mode: "disentangled" (classes through attention, the paper's), "both" (attention and the adaptive norm) or
-    "adanorm" (DiT / SDXL). class_ids and class_names name the classes in index order."""
+    "adanorm" (DiT / SDXL). class_ids and class_names name the classes in index order. interval: a MeanFlow model's
+    second time, "interval" in cond (t - r in timestep units; absent: 0), embedded as SD3 embeds t and added to the
+    adaptive norm."""
 
     @register_to_config
     def __init__(self, num_classes=0, class_tokens=1, context_dim=64, pooled_dim=64, width=64, text_tokens=0,
                  controls=None, mode="disentangled", replicate_padding=False, pooled_text=False, class_ids=None,
-                 class_names=None):
+                 class_names=None, interval=False):
         super().__init__()
         self.controls = dict(controls or {})
         if num_classes and mode != "adanorm":
@@ -77,6 +80,9 @@ class Conditioner(ModelMixin, ConfigMixin):
             self.register_buffer("null_pooled", torch.zeros(pooled_dim))
         self.control_mlp = nn.ModuleDict({name: nn.Sequential(nn.Linear(64 * CONTROL_SCALARS[name], width), nn.SiLU(),
                                                               nn.Linear(width, width)) for name in self.controls})
+        if interval:  # MeanFlow: the average velocity's interval t - r
+            self.interval_proj = Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)
+            self.interval_embed = TimestepEmbedding(256, width)
 
     def forward(self, cond, noise_level):
         c, drop, adanorm = self.config, cond["drop"], 0
@@ -104,4 +110,7 @@ class Conditioner(ModelMixin, ConfigMixin):
             w = torch.ones_like(noise_level) if c.mode == "adanorm" else control_weight(noise_level, power)
             emb = self.control_mlp[name](sinusoidal(control_values(name, cond)))
             adanorm = adanorm + emb * (w.float() * keep)[:, None]
+        if c.interval:
+            gap = cond["interval"] if "interval" in cond else torch.zeros_like(noise_level)
+            adanorm = adanorm + self.interval_embed(self.interval_proj(gap).to(self.interval_embed.linear_1.weight.dtype))
         return context, pooled, adanorm

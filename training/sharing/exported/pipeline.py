@@ -14,7 +14,9 @@ text encoder are named by hub id in model_index.json (vae, text_encoder) and loa
 from_pretrained. Every sampling setting defaults to the run's
 (model_index.json), and this loop is the trainers' sampler step for step: guidance on the semantic and the
 control condition, only inside the guidance interval, with DDPM's guidance rescale, so the same noise gives the
-images the repository's sample.py gives.
+images the repository's sample.py gives. A MeanFlow model (sampler "meanflow": it predicts the average velocity u
+over [r, t], Geng et al. 2025) steps z_r = z_t - (t - r) u(z_t, r, t) on the same grid, the interval t - r given
+to its conditioner: one or two steps make an image.
 """
 import math
 
@@ -72,7 +74,7 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
     def __init__(self, transformer, conditioner, scheduler, vae=None, text_encoder=None, tokenizer=None,
                  vae_id=None, text_encoder_id=None, max_tokens=77, num_inference_steps=50, guidance_scale=1.0,
                  control_guidance_scale=0.0, guidance_interval=(0.0, 1.0), guidance_rescale=0.0, sampler="euler",
-                 prediction="v", time_shift=1.0, resolution=None):
+                 prediction="v", time_shift=1.0, resolution=None, buckets=None):
         super().__init__()
         if vae is None and vae_id:  # by reference: the run's VAE from its hub id (or folder)
             vae = AutoencoderKL.from_pretrained(vae_id)
@@ -89,7 +91,7 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
                                 num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                                 control_guidance_scale=control_guidance_scale, guidance_interval=list(guidance_interval),
                                 guidance_rescale=guidance_rescale, sampler=sampler, prediction=prediction,
-                                time_shift=time_shift, resolution=resolution)
+                                time_shift=time_shift, resolution=resolution, buckets=buckets)
 
     @property
     def flow_matching(self):
@@ -126,18 +128,38 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
             pooled = (out.last_hidden_state * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         return {"text_tokens": out.last_hidden_state.float(), "text_mask": mask, "text_pooled": pooled.float()}
 
-    def controls(self, n, original_size, crop_box, flip, device):
-        """The control fields the model was trained with (conditioning.controls): the original image's (h, w),
-        the crop (top, left, height, width) in its pixels (default: its centre square) and the flip (0 / 1). The
+    def controls(self, n, original_size, crop_box, flip, device, shape):
+        """The control fields the model was trained with (conditioning.controls): the original image's (h, w)
+        (default: the sample's), the crop (top, left, height, width) in its pixels (default: the largest box of the
+        sample's aspect, centred: the whole original when their aspects agree) and the flip (0 / 1). The
         conditioner reads the crop relative to the original's short side, so only original_size says its size."""
-        h, w = original_size or (self.config.resolution,) * 2
-        side = min(h, w)
-        box = crop_box or ((h - side) // 2, (w - side) // 2, side, side)
+        h, w = original_size or shape
+        box_h, box_w = (h, max(1, min(w, round(h * shape[1] / shape[0])))) if w * shape[0] > h * shape[1] else \
+            (max(1, min(h, round(w * shape[0] / shape[1]))), w)
+        box = crop_box or ((h - box_h) // 2, (w - box_w) // 2, box_h, box_w)
         return {"orig_hw": torch.tensor([[h, w]] * n, device=device),
                 "crop_box": torch.tensor([list(box)] * n, device=device),
                 "flip": torch.tensor([[int(bool(flip))]] * n, device=device)}
 
     # ---- The model and guidance -----------------------------------------------------------------------------
+
+    def sample_shape(self, height, width):
+        """(height, width) in model space of samples height x width pixels. Default: the run's data.resolution
+        square, or with aspect-ratio buckets (model_index.json's buckets, [width, height] each) the squarest. Any
+        shape whose sides are whole patches at the VAE's factor and fit the positional grid (SD3's cropped
+        embedding) samples; the buckets are the shapes it was trained at."""
+        buckets = self.config.buckets
+        if height is None and width is None:
+            square = min(buckets, key=lambda s: abs(math.log(s[0] / s[1])))[::-1] if buckets else None
+            height, width = square or (self.config.resolution,) * 2
+        tc, factor = self.transformer.config, 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae else 1
+        side = tc.pos_embed_max_size * tc.patch_size * factor
+        if height is None or width is None or height % (tc.patch_size * factor) or width % (tc.patch_size * factor) \
+                or max(height, width) > side:
+            trained = ", ".join(f"{w}x{h}" for w, h in buckets or [(self.config.resolution,) * 2])
+            raise ValueError(f"height={height}, width={width}: give both, each a multiple of {tc.patch_size * factor} "
+                             f"and at most {side} pixels; this model was trained at (width x height) {trained}")
+        return height // factor, width // factor
 
     def denoise(self, x, timestep, cond, noise_level):
         """The MMDiT's forward with the conditioner's adaptive-norm addition added to the vector every block's
@@ -178,12 +200,14 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
     @torch.no_grad()
     def __call__(self, prompt=None, num_images_per_prompt=1, num_inference_steps=None, guidance_scale=None,
                  control_guidance_scale=None, guidance_interval=None, guidance_rescale=None, original_size=None,
-                 crop_box=None, flip=False, generator=None, latents=None, output_type="pil", return_dict=True):
+                 crop_box=None, flip=False, generator=None, latents=None, output_type="pil", return_dict=True,
+                 height=None, width=None):
         """prompt: class runs, a class (index, id or name) or a list of them (None: every class); text runs, a
         prompt or a list. Each is sampled num_images_per_prompt times. The guidance settings and steps default to
         the run's; guidance_interval (lo, hi) guides only at noise levels lo <= t <= hi (flow-matching t, 1 =
         noise). original_size (h, w), crop_box (top, left, height, width) and flip are the controls of runs
-        trained with them (default: an uncropped, unflipped image at the run's resolution). generator: one, or one
+        trained with them (default: an uncropped, unflipped image of the sample's shape). height, width: the
+        sample's pixels (default: the run's square, or its squarest bucket; see sample_shape). generator: one, or one
         per image; latents: the starting noise. output_type: "pil", "np" (floats in [0, 1]), "pt" (in [-1, 1]) or
         "latent" (the sampler's output before the VAE)."""
         cfg, device = self.config, self._execution_device
@@ -206,11 +230,12 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
         n = len(items)
         cond = self.encode_prompt(items, device) if text else {"label": torch.tensor(items, device=device)}
         cond["drop"] = torch.zeros(n, dtype=torch.bool, device=device)
+        size = self.sample_shape(height, width)  # (height, width) in model space
         if self.conditioner.controls:
-            cond.update(self.controls(n, original_size, crop_box, flip, device))
+            factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae else 1
+            cond.update(self.controls(n, original_size, crop_box, flip, device, (size[0] * factor, size[1] * factor)))
 
-        tc = self.transformer.config
-        shape = (n, tc.in_channels, tc.sample_size, tc.sample_size)
+        shape = (n, self.transformer.config.in_channels, *size)
         if latents is None:  # a list of generators: image i's noise from generator i alone (as sample.py's seeds)
             latents = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=torch.float32)
         x = latents.to(device, torch.float32)
@@ -238,6 +263,8 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
                 timestep = torch.full((n,), model_time[int(t)].item(), device=device)
                 noise_level = torch.full((n,), level, device=device)
             guide = lo <= level <= hi
+            if self.flow_matching and cfg.sampler == "meanflow":  # the average velocity over [sigma_next, sigma]
+                cond["interval"] = ((sigma - sigma_next) * 1000).to(device).expand(n)
             out = self.guided(x, timestep, cond, noise_level, scale if guide else 1.0,
                               control_scale if guide else 0.0, rescale if guide and not self.flow_matching else 0.0)
             if self.flow_matching:

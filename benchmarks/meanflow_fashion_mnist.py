@@ -1,0 +1,163 @@
+"""Feeds docs/benchmarks.md, "One- and two-step sampling: MeanFlow on Fashion-MNIST".
+
+Does MeanFlow (objective.meanflow, training/objectives/meanflow.py) give one- and two-evaluation samples near the
+flow-matching recipe's 20-step ones? configs/fashion_mnist.json and its MeanFlow variant (MEANFLOW: the paper's
+defaults, sampled by the meanflow sampler), trained and scored by docs/evaluation.md's protocol (the evaluation
+classifier's FD, KD, precision, recall, class accuracy against the test split), 3 seeds per arm:
+
+  flow_matching  the recipe (benchmarks/fashion_mnist.py ours: the pixel baselines), scored at 1, 2 and 4 Euler
+                 steps unguided (1, 2, 4 evaluations an image) and at its guidance 2 (2, 4, 8), beside its own
+                 20-step score (40 evaluations)
+  meanflow       the variant from scratch at the recipe's training CPU: 620 steps, the recipe's 1,200 over the
+                 MeanFlow step's 1.94x (benchmarks/meanflow_cost.py); scored at 1, 2 and 4 meanflow steps
+  finetune       the variant started from the flow-matching run of the same seed (init_from its export) for
+                 FINETUNE_STEPS, a quarter of meanflow's CPU: warm-up and EMA scaled to the short run
+                 (train.ema_decay 0.98: the source's EMA, taken with no warm-up, would otherwise hold 86% of the
+                 flow-matching weights after 150 steps at the recipe's 0.999)
+
+    python benchmarks/fashion_mnist.py ours --trainer flow_matching --seed 0 --num_samples 2000 --fractions \\
+        --out runs/meanflow_bench/flow_matching                    # (or the baselines already trained)
+    python benchmarks/meanflow_fashion_mnist.py train --arm meanflow --seed 0 --out runs/meanflow_bench
+    python benchmarks/meanflow_fashion_mnist.py train --arm finetune --seed 0 --out runs/meanflow_bench \\
+        --base runs/meanflow_bench/flow_matching
+    python benchmarks/meanflow_fashion_mnist.py score --run runs/meanflow_bench/meanflow/flow_matching_s0 \\
+        --sampler meanflow --steps 1 2 4 --guidance 1 --out runs/meanflow_bench
+    python benchmarks/meanflow_fashion_mnist.py table --out runs/meanflow_bench --base runs/meanflow_bench/flow_matching
+
+`train` is benchmarks/fashion_mnist.py's `ours` with the variant's arguments: the run, its CPU record
+(cpu_seconds.json: "steps" is the training steps' own CPU, the equal-CPU measure) and its score at its own
+settings (1 meanflow step). `score` writes each setting's eval_fid.py report under OUT/scores/ARM_sSEED/ (never
+into the run, so the baselines stay as they were). `table` prints every arm and setting: mean and 95% t-interval
+over the seeds, and each MeanFlow setting's FD over the recipe's 20-step FD of the same seed (its mean and
+interval), the issue's aims being 2 at one evaluation and 1.3 at two.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import eval_fid  # noqa: E402
+import fashion_mnist  # noqa: E402
+from tools.compare import t_interval  # noqa: E402
+
+# The MeanFlow variant of configs/fashion_mnist.json: the objective with the paper's defaults, its sampler at one
+# step (the guidance is trained in: none on top), the equal-CPU step count, and no reference curves (the recipe's
+# are flow matching's validation losses; MeanFlow's guided target moves them).
+MEANFLOW = ["--objective.meanflow=true", "--val.sampler=meanflow", "--val.steps=1", "--val.guidance_scale=1",
+            "--train.max_steps=620", "--val.every=310", "--ckpt.every=310", "--val.reference_curves=null"]
+FINETUNE_STEPS = 150
+FINETUNE = [f"--train.max_steps={FINETUNE_STEPS}", "--train.warmup_steps=15", "--train.ema_decay=0.98",
+            f"--val.every={FINETUNE_STEPS}", f"--ckpt.every={FINETUNE_STEPS}"]
+METRICS = ("fd_classifier", "kd_classifier", "precision_classifier", "recall_classifier", "class_accuracy")
+
+
+def value(metrics, name):
+    """A report's metric by its name without the sample-count tag (fd_classifier_2k: "fd_classifier")."""
+    return next(v for k, v in metrics.items() if k.rsplit("_", 1)[0] == name)
+
+
+def train(args):
+    """One seed of an arm: benchmarks/fashion_mnist.py's `ours` (train, record the CPU, score the export at the
+    run's own settings) with the variant's arguments, under OUT/NAME/flow_matching_sSEED (NAME: --name, else the
+    arm); arguments past the script's own go to the trainer after the variant's (an ablation's keys win)."""
+    extra = [*MEANFLOW, *args.extra]
+    if args.arm == "finetune":
+        extra += [*FINETUNE, f"--init_from={Path(args.base) / f'flow_matching_s{args.seed}' / 'export'}"]
+    fashion_mnist.ours(SimpleNamespace(out=str(Path(args.out) / (args.name or args.arm)), trainer="flow_matching",
+                                       seed=args.seed, extra=extra, num_samples=args.num_samples,
+                                       curve_samples=args.num_samples, fractions=[], classifier=args.classifier,
+                                       eval_args=[]))
+
+
+def score(args):
+    """The run's export (or --checkpoint) at each --steps x --guidance with --sampler, one eval_fid.py report each,
+    under OUT/scores/LABEL_sSEED/ (LABEL: --name, else the run's folder: "flow_matching" for the recipe's runs)."""
+    run = Path(args.run)
+    label = args.name or ("flow_matching" if run.parent.name in ("base", "flow_matching") else run.parent.name)
+    where = ["--checkpoint", args.checkpoint] if args.checkpoint else []
+    for steps in args.steps:
+        for guidance in args.guidance:
+            setting = f"{Path(args.checkpoint).name + '-' if args.checkpoint else ''}{args.sampler}{steps}-g{guidance:g}"
+            out = Path(args.out) / "scores" / f"{label}_{run.name.rsplit('_', 1)[-1]}" / setting
+            if not (out / "report.json").is_file():
+                eval_fid.main(["--run", str(run), *where, "--out_dir", str(out),
+                               *fashion_mnist.score_args(SimpleNamespace(classifier=args.classifier, out=args.out),
+                                                         args.num_samples),
+                               "--sampler", args.sampler, "--steps", str(steps), "--guidance_scale", str(guidance)])
+
+
+def reports(args):
+    """{(arm, checkpoint step or None, sampler, steps, guidance): {seed: metrics}} of every score: the recipe's own
+    20-step score of each baseline (under --base), each trained arm's score at its own settings (benchmarks/
+    fashion_mnist.py's eval/test-stepN, under OUT/ARM/), and every score under OUT/scores/."""
+    found = {}
+
+    def add(arm, path, seed):
+        r = json.loads(path.read_text())
+        step = r["model"].get("step")  # a checkpoint's score; None: the export's
+        found.setdefault((arm, step, r["sampler"], r["steps"], r["guidance_scale"]), {})[seed] = r["metrics"]
+
+    for path in sorted(Path(args.base).glob("flow_matching_s*/eval/test-step1200/report.json")):
+        add("flow_matching", path, int(path.parts[-4].rsplit("_s", 1)[1]))
+    for path in sorted(Path(args.out).glob("*/flow_matching_s*/eval/test-step*/report.json")):
+        add(path.parts[-5], path, int(path.parts[-4].rsplit("_s", 1)[1]))
+    for path in sorted((Path(args.out) / "scores").glob("*/*/report.json")):
+        arm, seed = path.parts[-3].rsplit("_s", 1)
+        add(arm, path, int(seed))
+    return found
+
+
+def table(args):
+    found = reports(args)
+    recipe = found.get(("flow_matching", None, "euler", 20, 2.0), {})
+    print(f"| arm | sampling | seeds | {' | '.join(METRICS)} | FD / the recipe's 20-step FD |\n"
+          f"|---|---|---|{'---|' * len(METRICS)}---|")
+    for (arm, step, sampler, steps, guidance), by_seed in sorted(found.items(), key=lambda kv: str(kv[0])):
+        evaluations = steps * (1 + (guidance != 1))  # one a step, two with guidance on top (one batched pass)
+        setting = f"{sampler} {steps}, guidance {guidance:g} ({evaluations} evaluations)"
+        seeds = sorted(by_seed)
+        cells = []
+        for metric in METRICS:
+            mean, low, high = t_interval([value(by_seed[s], metric) for s in seeds])
+            cells.append(f"{mean:.4g} [{low:.3g}, {high:.3g}]" if len(seeds) > 1 else f"{mean:.4g}")
+        paired = [s for s in seeds if s in recipe]
+        ratio = t_interval([value(by_seed[s], "fd_classifier") / value(recipe[s], "fd_classifier") for s in paired]) \
+            if paired else None
+        ratio = "-" if ratio is None else f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]" if len(paired) > 1 \
+            else f"{ratio[0]:.2f}"
+        name = arm if step is None else f"{arm}, step {step}"
+        print(f"| {name} | {setting} | {','.join(map(str, seeds))} | {' | '.join(cells)} | {ratio} |")
+    base = [json.loads(p.read_text())["steps"] for p in sorted(Path(args.base).glob("flow_matching_s*/cpu_seconds.json"))]
+    for folder in sorted(p for p in Path(args.out).iterdir() if list(p.glob("flow_matching_s*/cpu_seconds.json"))):
+        cpu = [json.loads(p.read_text())["steps"] for p in sorted(folder.glob("flow_matching_s*/cpu_seconds.json"))]
+        if base:
+            print(f"{folder.name}: training steps' CPU {t_interval(cpu)[0]:.0f} s, seeds {[round(c) for c in cpu]} (the "
+                  f"recipe's: {t_interval(base)[0]:.0f} s, {[round(c) for c in base]}; ratio "
+                  f"{t_interval(cpu)[0] / t_interval(base)[0]:.2f})")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["train", "score", "table"])
+    p.add_argument("--arm", default="meanflow", choices=["meanflow", "finetune"])
+    p.add_argument("--name", default=None, help="train: the arm's folder (an ablation's); score: its label")
+    p.add_argument("--checkpoint", default=None, help="score: a checkpoint folder of the run instead of its export")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/meanflow_bench")
+    p.add_argument("--base", default="runs/meanflow_bench/flow_matching", help="the recipe's runs, flow_matching_sSEED")
+    p.add_argument("--run", default=None, help="score: a run folder (its export is scored)")
+    p.add_argument("--sampler", default="meanflow")
+    p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--guidance", type=float, nargs="+", default=[1.0])
+    p.add_argument("--classifier", default="classifiers/fashion_mnist")
+    p.add_argument("--num_samples", type=int, default=2000, help="samples per score (the recent campaigns': 2,000)")
+    args, args.extra = p.parse_known_args(argv)
+    {"train": train, "score": score, "table": table}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

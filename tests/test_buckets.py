@@ -1,0 +1,270 @@
+"""Aspect-ratio buckets (data.buckets; training/data/buckets.py): the shapes are diffusers' rule; odd sizes (tiny, huge,
+1:4) go to the nearest bucket in log aspect ratio and are cropped to it; micro-batches hold one bucket each, every
+image comes once an epoch, a resumed run continues the same order, ranks take disjoint slices; a bucket smaller than
+a global batch is merged into its neighbours and the table says so; the cache holds each image at its bucket's shape
+(the pixels are PIL's crop of the image) and a changed bucket list is another cache; the loader refuses what cannot
+work; a non-square run trains, resumes exactly, samples at two shapes, and its export samples non-square with
+diffusers alone as sample.py does."""
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+from PIL import Image
+
+import sample
+import train_flow_matching as fm
+from conftest import ROOT, TINY_MODEL
+from training.config import config
+from training.data import buckets
+from training.data.batching import bucket_order, iterate_batches, same_bucket
+from training.data.cache import CachedDataset, build_cache
+from training.data.sources import preprocess
+
+
+def test_the_shapes_are_diffusers_ladder_and_each_side_a_multiple():
+    from diffusers.training_utils import generate_aspect_ratio_buckets
+
+    for resolution, multiple in ((256, 16), (1024, 16), (28, 4)):
+        ours = buckets.shapes_for("auto", resolution, multiple)
+        assert sorted(ours) == sorted((w, h) for h, w in generate_aspect_ratio_buckets(resolution, multiple))
+        assert all(w % multiple == 0 and h % multiple == 0 for w, h in ours)
+        assert [w / h for w, h in ours] == sorted(w / h for w, h in ours)  # tallest first
+    assert buckets.shapes_for([0.5, 1, 2], 28, 4) == [(20, 40), (28, 28), (40, 20)]
+
+
+def test_odd_sizes_tiny_huge_and_one_to_four_go_to_the_nearest_bucket_and_are_cropped_to_it():
+    shapes = buckets.shapes_for([0.5, 1, 2], 32, 2)  # 22x46, 32x32, 46x22
+    sizes = np.array([[2, 2], [100_000, 10], [100, 400], [400, 100], [1, 1], [-1, -1], [33, 48], [48, 33]])
+    where = buckets.nearest(np.maximum(sizes, 1), shapes).tolist()
+    assert where[:4] == [1, 2, 0, 2]  # tiny: square; huge 10000:1: the widest; 1:4 and 4:1: the tallest and widest
+    # log aspect ratio: an image and its mirror (w and h swapped) go to mirrored buckets ( |w/h - r| would send
+    # 48x33 (1.45) to the square and 33x48 (0.69) to 1:2)
+    assert where[6] == 0 and where[7] == 2
+    for (w, h), k in zip(sizes[:4], where[:4]):
+        box_w, box_h = buckets.crop_extent(int(w), int(h), *shapes[k])
+        assert box_w <= w and box_h <= h and (box_w == w or box_h == h)  # inside; the whole of one side
+        assert abs(box_w / box_h - shapes[k][0] / shapes[k][1]) <= 1 / min(box_w, box_h) + 1e-9  # the bucket's aspect
+    assert buckets.crop_extent(100_000, 10, 46, 22) == (21, 10)
+    kept, fate = buckets.merge_small(shapes, sizes, batch=1, min_side=2)
+    lines = "\n".join(buckets.table(kept, sizes, fate, 1, min_side=2))
+    assert "1 unreadable, 1 below data.min_image_side=2 px" in lines  # 1x1 and the broken row: said, not dropped
+    square = next(line for line in lines.splitlines() if line.split()[0] == "32x32").split()
+    assert square[2:6] == ["1", "16.7%", "1", "0"]  # the 2x2 image (1 of the 6 in buckets): upscaled, and said
+    wide = next(line for line in lines.splitlines() if line.split()[0] == "46x22").split()
+    assert wide[2] == "3" and wide[5] == "1"  # 10000:1 loses more than half its area to the crop (4:1 keeps 52%)
+    # preprocess crops the box of the bucket's aspect (centred) and resizes it to the bucket, metadata true to it
+    data = SimpleNamespace(crop="center", random_flip=False)
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (100, 400, 3), dtype=np.uint8))
+    x, meta = preprocess(img, 32, data, shape=(46, 22))
+    assert meta["crop_box"].tolist() == [0, 95, 100, 209] and meta["orig_hw"].tolist() == [100, 400]  # 209 = 100 x 46/22
+    expected = img.resize((46, 22), Image.BICUBIC, box=(95, 0, 95 + 209, 100))
+    assert torch.equal(x, torch.from_numpy(np.asarray(expected, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1)
+
+
+class BucketRows:
+    """A cache's rows as iterate_batches reads them: `dataset[list of rows]`, each image's bucket, V views a row."""
+
+    def __init__(self, counts, views=1):
+        self.buckets = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts)).repeat_interleave(views)
+        self.rows, self.views = torch.arange(len(self.buckets)), views
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, rows):
+        return self.rows[rows]
+
+
+def micro_batches(ds, start, n, batch, rank=0, world=1, seed=3):
+    it = iterate_batches(ds, start, batch, seed=seed, rank=rank, world=world, loader_kwargs={})
+    return [next(it).tolist() for _ in range(n)]
+
+
+def test_batches_hold_one_bucket_every_image_once_an_epoch_same_after_resume_disjoint_across_ranks():
+    ds = BucketRows([13, 8, 20])  # a global micro-batch of 4 x 2 ranks: 2 + 1 + 3 = 6 an epoch
+    per_epoch = len(bucket_order(ds.buckets, 8, 3, 0))
+    assert per_epoch == 6
+    ranks = [micro_batches(ds, 0, 3 * per_epoch, 4, rank, 2) for rank in range(2)]
+    for j, (a, b) in enumerate(zip(*ranks)):
+        both = a + b
+        assert len(set(ds.buckets[both].tolist())) == 1, j  # one bucket per micro-batch, on every rank
+        assert not set(a) & set(b), j  # the ranks' slices are disjoint
+    for e in range(3):
+        seen = sum((a + b for a, b in list(zip(*ranks))[e * per_epoch:(e + 1) * per_epoch]), [])
+        assert sorted(set(seen)) == list(range(41))  # every image, every epoch
+        assert len(seen) - 41 == (-13 % 8) + (-20 % 8)  # only the buckets' last micro-batches repeat images
+        assert max(seen.count(i) for i in seen) == 2
+    assert ranks[0][:per_epoch] != ranks[0][per_epoch:2 * per_epoch]  # another order each epoch
+    for rank in range(2):  # resumed at any micro-batch: the same data, on each rank
+        assert micro_batches(ds, 7, 11, 4, rank, 2) == ranks[rank][7:]
+    # views: one view of each image an epoch, as without buckets
+    views = BucketRows([6, 10], views=2)
+    rows = sum(micro_batches(views, 0, 5, 4), [])  # 2 + 3 micro-batches an epoch
+    assert sorted({r // 2 for r in rows}) == list(range(16)) and all(views.buckets[r] == views.buckets[r // 2 * 2]
+                                                                        for r in rows)
+    assert same_bucket(ds, [0, 20, 1, 40, 14], 2) == [[0, 1], [20, 14], [40]]  # held-out rows: batches of one bucket
+
+
+def test_a_bucket_smaller_than_a_global_batch_is_merged_into_its_neighbours(tmp_path, capsys):
+    import datasets
+
+    sizes = [(48, 24)] * 3 + [(24, 48)] * 12 + [(32, 32)] * 12 + [(60, 24)] * 2  # 2:1 holds 3 + 2 < 8 images
+    images = [Image.new("RGB", s, (i, 0, 0)) for i, s in enumerate(sizes)]
+    ds = datasets.Dataset.from_dict({"image": images, "label": [0] * len(images)},
+                                    features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+    ds = ds.cast_column("image", datasets.Image(decode=False))
+    cfg = config.load_config(fm.DEFAULTS, ["--data.resolution=32", "--data.buckets=[0.5,1,2]", "--data.num_classes=1",
+                                           "--train.batch_size=4", "--train.grad_accum=2", "--data.cache_dir", str(tmp_path)])
+    buckets.resolve(cfg, ds, Accelerator(cpu=True))
+    out = capsys.readouterr().out
+    assert cfg.data.bucket_shapes == [[22, 46], [32, 32]]  # 46x22 is gone: its 5 images went to the square
+    assert "46x22  2.09: 5 images, fewer than a global batch of 8: merged into 32x32 (5)" in out
+    # nothing dropped: 12 + 5 = 17, the 5 cropped square and upscaled (24 px short sides), the 60x24 ones lose 60%
+    assert "32x32  1.00      17  58.6%        5        2" in out
+    assert "5 micro-batches of 4, the last filled with 3 of its images seen again" in out
+    # The merged images are cached in the square bucket, cropped square.
+    cached = CachedDataset(build_cache(ds, "train", lambda pixels, captions: {"x": pixels}, Accelerator(cpu=True), cfg))
+    assert len(cached) == len(images) and cached.buckets.bincount().tolist() == [12, 17]
+    # What is left after merging holds a global batch, unless the whole data is smaller than one micro-batch: refused.
+    with pytest.raises(ValueError, match="the dataset has 3 samples, fewer than train.batch_size"):
+        micro_batches(BucketRows([3]), 0, 1, 4)
+
+
+def test_the_cache_holds_each_image_at_its_bucket_and_a_changed_bucket_list_is_another_cache(tmp_path, capsys):
+    import datasets
+
+    rng = np.random.default_rng(0)
+    sizes = [(64, 30), (30, 64), (40, 40), (70, 30), (30, 70), (45, 40)] * 2
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    ds = datasets.Dataset.from_dict({"image": images, "label": list(range(len(images)))},
+                                    features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+    ds = ds.cast_column("image", datasets.Image(decode=False))
+    args = ["--data.cache_dir", str(tmp_path), "--data.resolution=16", "--data.num_classes=12", "--data.crop=random",
+            "--data.random_flip=true", "--data.cache_views=2", "--data.shard_size=5", "--train.batch_size=1"]
+    accelerator, encode = Accelerator(cpu=True), (lambda pixels, captions: {"x": pixels})
+    cfg = config.load_config(fm.DEFAULTS, args + ["--data.buckets=[0.5,1,2]"])
+    buckets.resolve(cfg, ds, accelerator)
+    folder = build_cache(ds, "train", encode, accelerator, cfg)
+    cached = CachedDataset(folder)
+    assert len(cached) == 12 * 4 and cached.views == 4 and cached.shapes == [[12, 22], [16, 16], [22, 12]]
+    assert cached.x_shape == (3, 22, 22)  # the positional grid covers the largest side
+    for r in range(0, len(cached), 4):  # an image's 4 views: consecutive rows of one bucket
+        rows = cached[list(range(r, r + 4))]
+        i = int(rows["label"][0])
+        (w, h), img = cached.shapes[int(cached.buckets[r])], images[i]
+        assert (rows["label"] == i).all() and rows["x"].shape == (4, 3, h, w)
+        assert int(cached.buckets[r]) == buckets.nearest([img.size], cached.shapes)[0]
+        assert rows["flip"].flatten().tolist() == [0, 1, 0, 1]
+        for x, (top, left, box_h, box_w), flip in zip(rows["x"], rows["crop_box"].tolist(), rows["flip"].flatten()):
+            assert (box_w, box_h) == buckets.crop_extent(*img.size, w, h)
+            expected = img.resize((w, h), Image.BICUBIC, box=(left, top, left + box_w, top + box_h))
+            expected = torch.from_numpy(np.asarray(expected, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1
+            torch.testing.assert_close(x, expected.flip(-1) if flip else expected, atol=4e-3, rtol=0)
+    with pytest.raises(ValueError, match="rows of buckets"):
+        cached[list(range(len(cached)))]  # a batch holds one bucket
+    capsys.readouterr()
+    # Another bucket list is another cache, whose miss names it; the first is a hit again.
+    other = config.load_config(fm.DEFAULTS, args + ["--data.buckets=[0.5,1]"])
+    buckets.resolve(other, ds, accelerator)
+    assert build_cache(ds, "train", encode, accelerator, other) != folder
+    assert "changed buckets: [[12, 22], [16, 16], [22, 12]] -> [[12, 22], [16, 16]]" in capsys.readouterr().out
+    assert CachedDataset(build_cache(ds, "train", encode, accelerator, other)).shapes == [[12, 22], [16, 16]]
+    assert build_cache(ds, "train", encode, accelerator, cfg) == folder and "cache hit" in capsys.readouterr().out
+
+
+def test_the_loader_refuses_what_buckets_cannot_do(tmp_path):
+    base = ["--data.buckets=[0.5,1,2]", "--run_dir", str(tmp_path / "run")]
+    for extra, says in ((["--objective.repa_weight=0.5"], "REPA's targets are one square grid"),
+                        (["--data.source=/data/{00000..00002}.tar", "--data.val_shards=[-1,null]"], "not a stream"),
+                        (["--val.fid_every=10"], "val.fid_every scores square samples")):
+        with pytest.raises(config.ConfigError, match=says):
+            config.load_config(fm.DEFAULTS, base + extra, method="flow_matching", schema=fm.CONFIG)
+    with pytest.raises(config.ConfigError, match="data.buckets"):
+        config.load_config(fm.DEFAULTS, ["--data.buckets=[0]"], method="flow_matching", schema=fm.CONFIG)
+
+
+def shapes_folder(root):
+    """3 classes of coloured discs on wide (32 x 16), tall (16 x 32) and square (24 x 24) grey canvases."""
+    rng = np.random.default_rng(0)
+    for name, fill in (("blue", (50, 80, 230)), ("green", (40, 190, 60)), ("red", (220, 40, 40))):
+        (root / name).mkdir(parents=True)
+        for i in range(30):
+            w, h = [(32, 16), (16, 32), (24, 24)][i % 3]
+            img, x, y = Image.new("RGB", (w, h), (230, 230, 230)), rng.integers(0, w - 10), rng.integers(0, h - 10)
+            img.paste(Image.new("RGB", (10, 10), fill), (int(x), int(y)))
+            img.save(root / name / f"{i:03d}.png")
+    return root
+
+
+# Loads the export with diffusers alone (python -I: this repository is not importable) and samples it wide.
+LOAD_AND_SAMPLE = """
+import json, sys
+import numpy as np, torch
+try:
+    import training
+    sys.exit("this repository is importable here")
+except ImportError:
+    pass
+from diffusers import DiffusionPipeline
+job = json.loads(sys.argv[1])
+pipe = DiffusionPipeline.from_pretrained(job["folder"], trust_remote_code=True)
+images = pipe(job["classes"], generator=[torch.Generator().manual_seed(s) for s in job["seeds"]], height=12, width=22).images
+np.save(sys.argv[2], np.stack([np.asarray(i) for i in images]))
+"""
+
+
+@pytest.mark.slow
+def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_export_samples_wide(tmp_path):
+    from accelerate.state import AcceleratorState
+
+    import eval_fid
+
+    source = shapes_folder(tmp_path / "shapes")
+    args = [*TINY_MODEL, "--model.num_layers=1", f"--data.source={source}", "--data.resolution=16",
+            "--data.buckets=[0.5,1,2]", "--data.cache_dir", str(tmp_path / "cache"), "--train.batch_size=4",
+            "--train.grad_accum=2", "--train.warmup_steps=1", "--val.steps=2", "--val.num_samples=6",
+            "--val.loss_samples=8", "--log.wandb=off", "--log.every=1", "--val.every=2", "--ckpt.every=2",
+            "--log.report=false", '--conditioning.controls=["size","crop"]', "--objective.contrastive_weight=0.05"]
+
+    def train(name, steps, *more):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        return fm.main(args + ["--run_dir", str(tmp_path / name), f"--train.max_steps={steps}", *more])
+
+    full = train("full", 4)
+    train("part", 2)
+    part = train("part", 4, "--resume", "latest")
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(full / "export" / weights)), load_file(str(part / "export" / weights))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # resumed at step 2 = uninterrupted, bitwise
+    losses = [[json.loads(r).get("loss") for r in (run / "metrics.jsonl").read_text().splitlines()] for run in (full, part)]
+    assert losses[0] == losses[1]
+    cfg = json.loads((full / "config.json").read_text())
+    assert cfg["data"]["bucket_shapes"] == [[12, 22], [16, 16], [22, 12]]
+    grid = (full / "samples" / "step_00000004.txt").read_text()
+    assert all(f"{w}x{h}:" in grid for w, h in cfg["data"]["bucket_shapes"])  # the grid shows the buckets
+    # sample.py at two shapes: a bucket by its aspect ratio, and a width x height
+    wide = sample.main(["--run", str(full), "--classes", "blue,red", "--per_class", "1", "--aspect_ratio", "2:1",
+                        "--out", str(tmp_path / "wide")])
+    tall = sample.main(["--run", str(full), "--classes", "blue", "--per_class", "1", "--width", "12", "--height", "22",
+                        "--out", str(tmp_path / "tall")])
+    pngs = {name: np.stack([np.asarray(Image.open(p)) for p in sorted(out.glob("0*.png"))])
+            for name, out in (("wide", wide), ("tall", tall))}
+    assert pngs["wide"].shape == (2, 12, 22, 3) and pngs["tall"].shape == (1, 22, 12, 3)
+    # the export, with diffusers alone, at height 12 x width 22: sample.py's images for the same seeds
+    job = {"folder": str(full / "export"), "classes": ["blue", "red"], "seeds": [eval_fid.seed_for(0, 0, i) for i in range(2)]}
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SAMPLE, json.dumps(job), str(tmp_path / "out.npy")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert str(ROOT) not in done.stderr
+    theirs = np.load(tmp_path / "out.npy")
+    diff = np.abs(theirs.astype(int) - pngs["wide"].astype(int))
+    assert theirs.shape == (2, 12, 22, 3) and diff.max() <= 1 and (diff > 0).mean() < 0.01

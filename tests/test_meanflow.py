@@ -1,0 +1,309 @@
+"""MeanFlow (training/objectives/meanflow.py): the target against a hand-written finite difference, its stop-
+gradient by the parameters' gradients, the JVP through the real MMDiT in every conditioning mode with controls, REPA
+and x-prediction against reverse-mode autograd, r = t as flow matching exactly, a flow-matching run's weights as
+the start of a MeanFlow run, the combinations refused at start-up, and a run that trains, resumes exactly,
+exports and samples in one step with diffusers alone."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import common
+import sample
+import train_flow_matching as fm
+from conftest import ROOT, tiny_run_args
+from test_export_pipeline import LOAD_AND_SAMPLE, repo_latents
+from training.config import config
+from training.model.mmdit import build_denoiser
+from training.objectives import meanflow, repa, xprediction
+from training.run import start
+from training.run.start import build_for_run
+from training.sharing import pipeline_export
+
+OBJECTIVE = {"meanflow": True, "meanflow_equal_share": 0.75, "meanflow_logit_mean": -0.4, "meanflow_logit_std": 1.0,
+             "meanflow_weight_power": 1.0, "meanflow_guidance": 2.0, "meanflow_guidance_mix": 0.5, "prediction": "v"}
+
+
+class Tiny(torch.nn.Module):
+    """A small smooth stand-in for the Denoiser in float64: the Denoiser's call, nonlinear in x, t, the interval
+    t - r (cond["interval"], timestep units) and the class (its null class when dropped)."""
+
+    def __init__(self, dtype=torch.float64):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(3, 3, generator=g, dtype=dtype) * 0.7)
+        self.a = torch.nn.Parameter(torch.randn(3, 1, 1, generator=g, dtype=dtype))
+        self.classes = torch.nn.Parameter(torch.randn(5, 3, 1, 1, generator=g, dtype=dtype))
+
+    def forward(self, x, timestep, cond, noise_level=None):
+        t, gap = (timestep / 1000).view(-1, 1, 1, 1), (cond["interval"] / 1000).view(-1, 1, 1, 1)
+        label = torch.where(cond["drop"], 4, cond["label"])
+        h = torch.einsum("ij,bjhw->bihw", self.w, x) * (1 + t) + gap * self.a + self.classes[label]
+        return torch.tanh(h) * (1 + 0.5 * gap) + t * gap * x
+
+
+def tiny_batch(n=6):
+    g = torch.Generator().manual_seed(1)
+    x0, noise = (torch.randn(n, 3, 4, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    cond = {"label": torch.arange(n) % 4, "drop": torch.tensor([False, False, True, False, False, True][:n])}
+    t = torch.tensor([0.9, 0.6, 0.8, 0.95, 0.7, 0.5], dtype=torch.float64)[:n]
+    r = torch.tensor([0.9, 0.6, 0.1, 0.0, 0.35, 0.45], dtype=torch.float64)[:n]  # the first two: r = t
+    return x0, noise, cond, t, r
+
+
+def finite_difference_target(model, z, t, r, v, cond, prediction, h=1e-6):
+    """v - (t - r) du/dt with du/dt = (u(z + h v, r, t + h) - u(z - h v, r, t - h)) / 2h: the total derivative along
+    the path, r held, written out by hand."""
+    def u(z, t):
+        out = model(z, t * 1000, {**cond, "interval": (t - r) * 1000})
+        return xprediction.velocity(out, z, t.view(-1, 1, 1, 1)) if prediction == "x0" else out
+
+    dudt = (u(z + h * v, t + h) - u(z - h * v, t - h)) / (2 * h)
+    return v - (t - r).view(-1, 1, 1, 1) * dudt
+
+
+def hand_written_guidance(model, z, t, v, cond, obj, prediction):
+    """v~ = omega v + kappa u(z, t, t | c) + (1 - omega - kappa) u(z, t, t | null), omega = w'(1 - kappa); v where dropped."""
+    def u(drop):
+        out = model(z, t * 1000, {**cond, "drop": drop, "interval": torch.zeros_like(t)})
+        return xprediction.velocity(out, z, t.view(-1, 1, 1, 1)) if prediction == "x0" else out
+
+    omega, kappa = obj["meanflow_guidance"] * (1 - obj["meanflow_guidance_mix"]), obj["meanflow_guidance_mix"]
+    guided = omega * v + kappa * u(cond["drop"]) + (1 - omega - kappa) * u(torch.ones_like(cond["drop"]))
+    return torch.where(cond["drop"].view(-1, 1, 1, 1), v, guided)
+
+
+@pytest.mark.parametrize("prediction", ["v", "x0"])
+def test_the_target_and_its_gradient_are_the_hand_written_finite_difference_ones(prediction):
+    """The target (guided, JVP for the samples past the first two, r = t there) equals the finite-difference one in
+    float64 to the float32 rounding of the model's output, and the parameters' gradients of the trained objective
+    equal those of sg(w') |u - sg(target)|^2 with the hand-written target: a sign error, a wrong tangent or a
+    missing stop-gradient each break it."""
+    obj = {**OBJECTIVE, "prediction": prediction, "meanflow_equal_share": 2 / 6}  # the first two: r = t
+    model = Tiny()
+    x0, noise, cond, t, r = tiny_batch()
+    t_ = t.view(-1, 1, 1, 1)
+    z = (1 - t_) * x0 + t_ * noise
+    v = xprediction.velocity(x0, z, t_) if prediction == "x0" else noise - x0
+    with torch.no_grad():
+        guided = hand_written_guidance(model, z, t, v, cond, obj, prediction)
+        expected = finite_difference_target(model, z, t, r, guided, cond, prediction)
+        got = meanflow.target(model, z, t, r, meanflow.guided_velocity(model, z, t, v, cond, obj, prediction), cond,
+                              meanflow.equal_count(len(z), obj), prediction)
+    assert meanflow.equal_count(len(z), obj) == 2 and (expected - guided).abs().max() > 0.1  # the JVP's term shows
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, noise, obj)
+    (loss + sum(terms.values())).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    out = model(z, t * 1000, {**cond, "interval": (t - r) * 1000})
+    u = xprediction.velocity(out, z, t_) if prediction == "x0" else out
+    error = (u - expected).pow(2).mean(dim=(1, 2, 3))
+    weight = 1 / (error.detach() + meanflow.WEIGHT_EPS / x0[0].numel())  # p = 1
+    torch.testing.assert_close(loss.double(), error.detach(), rtol=1e-5, atol=1e-7)
+    (weight * error).sum().backward()
+    for a, b in zip(got, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def mmdit(mode, controls=(), prediction="v", extra=()):
+    """A one-block MMDiT (8 px, patch 2) of a MeanFlow config, its interval embedding given weights (they start at
+    zero), and a batch with every sample's r < t but the first."""
+    cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=4", "--objective.meanflow=true", f"--conditioning.mode={mode}",
+                                           f"--conditioning.controls={json.dumps(list(controls))}", "--model.num_layers=1",
+                                           "--model.num_attention_heads=2", "--model.attention_head_dim=8",
+                                           f"--objective.prediction={prediction}", *extra])
+    torch.manual_seed(0)
+    model = build_for_run(cfg, (1, 8, 8)).train()
+    torch.nn.init.normal_(model.conditioner.interval_embed.linear_2.weight, std=0.02)
+    n = 4
+    cond = {"label": torch.arange(n) % 4, "drop": torch.tensor([False, True, False, False]),
+            "orig_hw": torch.tensor([[8, 8], [12, 20], [30, 16], [8, 40]]), "crop_box": torch.tensor([[0, 0, 8, 8]] * n),
+            "flip": torch.tensor([[0], [1], [0], [1]]), "drop_controls": torch.zeros(n, dtype=torch.bool)}
+    z, v = torch.randn(n, 1, 8, 8), torch.randn(n, 1, 8, 8)
+    return cfg, model, cond, z, v, torch.tensor([0.9, 0.7, 0.5, 0.3]), torch.tensor([0.9, 0.2, 0.1, 0.0])
+
+
+def reverse_mode_jvp(model, z, t, r, v, cond, prediction):
+    """J (v, 1, 0) of u(z, t, r) by reverse mode (the double-backward trick: d/dw <J^T w, tangent>), an AD
+    algorithm independent of torch.func.jvp's forward mode."""
+    z, t, r = (x.clone().requires_grad_() for x in (z, t, r))
+    with sdpa_kernel(SDPBackend.MATH):
+        u = meanflow.average_velocity(model, z, t, r, cond, prediction)
+        w = torch.zeros_like(u, requires_grad=True)
+        grads = torch.autograd.grad(u, (z, t, r), w, create_graph=True)
+        tangent = (v, torch.ones_like(t), torch.zeros_like(r))
+        return torch.autograd.grad(grads, w, tangent)[0]
+
+
+@pytest.mark.parametrize("mode,controls,prediction", [("disentangled", ["size", "crop", "flip"], "v"), ("both", ["size"], "v"),
+                                                      ("adanorm", ["crop", "flip"], "v"), ("disentangled", [], "x0")])
+def test_the_jvp_through_the_mmdit_is_reverse_mode_autograds_in_every_mode(mode, controls, prediction):
+    """Through the real MMDiT (math attention), in each conditioning mode, with the size / crop / flip controls
+    (whose weight w(t) moves with t) and with x-prediction's conversion: the target's du/dt equals reverse-mode
+    autograd's J (v, 1, 0) to float rounding, and a dropped condition's sample too."""
+    cfg, model, cond, z, v, t, r = mmdit(mode, controls, prediction)
+    with torch.no_grad():
+        got = meanflow.target(model, z, t, r, v, cond, 1, prediction)
+    dudt = reverse_mode_jvp(model, z[1:], t[1:], r[1:], v[1:], {k: x[1:] for k, x in cond.items()}, prediction)
+    expected = torch.cat([v[:1], v[1:] - (t - r)[1:].view(-1, 1, 1, 1) * dudt])
+    assert (t - r)[1:].view(-1, 1, 1, 1).mul(dudt).abs().max() > 1e-2  # the derivative's term is there to check
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_repa_aligns_the_differentiated_forwards_tokens(tiny_dino):
+    """REPA with MeanFlow: its term is the projector's alignment of the ordinary forward's tokens at (z_t, r, t), the
+    same pass as u; the target is REPA's no business (the same with and without it)."""
+    extra = ["--objective.repa_weight=0.5", f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=1",
+             "--objective.repa_projector_dim=24"]
+    cfg, model, cond, z, _, t, r = mmdit("disentangled", extra=extra)
+    obj = {**cfg.objective, "meanflow_equal_share": 0.25}
+    x0, noise = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(2)).tanh(), torch.randn(4, 1, 8, 8)
+    targets = torch.randn(4, 16, 16)
+    torch.manual_seed(3)
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, noise, obj, align=(targets, 0.5))
+    torch.manual_seed(3)
+    plain, _ = meanflow.training_loss(model, model, x0, cond, t, r, noise, obj)
+    torch.testing.assert_close(loss, plain)
+    t_ = t.view(-1, 1, 1, 1)
+    _, tokens = model((1 - t_) * x0 + t_ * noise, t * 1000, {**cond, "interval": (t - r) * 1000}, align=True)
+    torch.testing.assert_close(terms["repa"], repa.terms(tokens, (targets, 0.5))["repa"])
+    (loss + sum(terms.values())).sum().backward()
+    assert all(p.grad is not None for p in model.projector.parameters())
+
+
+@pytest.mark.parametrize("prediction", ["v", "x0"])
+def test_r_equal_to_t_is_flow_matching_exactly(prediction):
+    """Every sample r = t, guidance 1 with no mix, p = 0: the loss is flow matching's bitwise (the same forward, the
+    same target, x-prediction's clamp below T_MIN included), and so are the gradients; the JVP's path at r = t
+    gives v itself."""
+    cfg, model, cond, _, v, _, _ = mmdit("disentangled", prediction=prediction)
+    obj = {**cfg.objective, "meanflow_equal_share": 1.0, "meanflow_guidance": 1.0, "meanflow_guidance_mix": 0.0,
+           "meanflow_weight_power": 0.0}
+    x0, noise = torch.randn(4, 1, 8, 8).tanh(), torch.randn(4, 1, 8, 8)
+    t = torch.tensor([0.02, 0.3, 0.6, 0.97])  # one below x-prediction's T_MIN
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, noise, obj)
+    assert terms == {}
+    loss.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected, _ = fm.training_loss(model, x0, cond, t, noise, prediction)
+    expected.sum().backward()
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+    with torch.no_grad():
+        z = torch.randn(4, 1, 8, 8)
+        assert torch.equal(meanflow.target(model, z, t, t, v, cond, 0, prediction), v)
+
+
+def test_the_times_follow_the_paper():
+    """t >= r, the first round(0.75 n) with r = t, both logit-normal(-0.4, 1) draws sorted: medians sigmoid(-0.4 +- 0.545)
+    (the median of the larger / smaller of two standard normals: +-0.5449)."""
+    torch.manual_seed(0)
+    t, r = meanflow.sample_times(200_000, OBJECTIVE, 1.0, torch.device("cpu"))
+    assert (t >= r).all() and torch.equal(t[:150_000], r[:150_000]) and (t[150_000:] > r[150_000:]).all()
+    logit = lambda x: (x / (1 - x)).log()  # noqa: E731
+    torch.testing.assert_close(logit(t).median(), torch.tensor(-0.4 + 0.5449), atol=0.01, rtol=0)
+    torch.testing.assert_close(logit(r[150_000:]).median(), torch.tensor(-0.4 - 0.5449), atol=0.015, rtol=0)
+
+
+def test_a_flow_matching_runs_weights_start_a_meanflow_run_as_that_model(tmp_path):
+    """init_from an export of a flow-matching model: the MeanFlow model's interval embedding is the only thing
+    missing, kept at its zero start, so before the first step its outputs are the source's, bitwise, at r = t and
+    at any other r."""
+    source_cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=4", "--model.num_layers=1", "--run_dir", str(tmp_path),
+                                                  "--model.num_attention_heads=2", "--model.attention_head_dim=8"])
+    torch.manual_seed(0)
+    source = build_denoiser(source_cfg, 1, 8).eval()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    folder = pipeline_export.write(source, json.loads(json.dumps(source_cfg)), tmp_path / "export")
+    cfg, model, cond, z, _, t, r = mmdit("disentangled")
+    torch.nn.init.zeros_(model.conditioner.interval_embed.linear_2.weight)  # as built (mmdit() gave it weights)
+    ema = build_for_run(cfg, (1, 8, 8))
+    report = start.init_from(str(folder), model, ema, log=lambda *a: None)
+    assert sorted(report["missing"]) == sorted(f"conditioner.interval_embed.{k}" for k in
+                                               ("linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"))
+    model.eval()
+    with torch.no_grad():
+        for gap in (torch.zeros_like(t), t - r):
+            assert torch.equal(model(z, t * 1000, {**cond, "interval": gap * 1000}), source(z, t * 1000, cond))
+        assert torch.equal(ema(z, t * 1000, cond), source(z, t * 1000, cond))
+
+
+@pytest.mark.parametrize("arg,words", [("--objective.contrastive_weight=0.05", "objective.contrastive_weight=0.05 with "
+                                        "objective.meanflow"),
+                                       ("--objective.time_sampling=adaptive", "objective.time_sampling='adaptive' with "
+                                        "objective.meanflow"),
+                                       ("--train.sharding=fsdp", "objective.meanflow with train.sharding='fsdp'")])
+def test_the_combinations_meanflow_cannot_make_are_refused_in_one_line(arg, words):
+    with pytest.raises(config.ConfigError) as e:
+        config.load_config(fm.DEFAULTS, ["--objective.meanflow=true", arg], schema=fm.CONFIG)
+    lines = [line for line in str(e.value).splitlines() if "meanflow" in line]
+    assert len(lines) == 1 and words in lines[0]
+
+
+def test_the_sampler_steps_the_average_velocity():
+    """sampler "meanflow": z_r = z_t - (t - r) u(z_t, r, t) on the grid, the interval t - r given to the model (written
+    out here for 2 steps); a model without the interval input takes Euler's steps."""
+    model = Tiny(torch.float32)
+    noise = torch.randn(2, 3, 4, 4)
+    cond = {"label": torch.tensor([0, 3]), "drop": torch.zeros(2, dtype=torch.bool)}
+    x = fm.sample(model, noise, cond, 2, method="meanflow")
+    z = noise
+    with torch.no_grad():
+        for t, r in ((1.0, 0.5), (0.5, 0.0)):
+            z = z - (t - r) * model(z, torch.full((2,), t * 1000), {**cond, "interval": torch.full((2,), (t - r) * 1000)})
+    torch.testing.assert_close(x, z, rtol=1e-6, atol=1e-6)
+    cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=4", "--model.num_layers=1", "--model.num_attention_heads=2",
+                                           "--model.attention_head_dim=8"])
+    plain = build_denoiser(cfg, 1, 8).eval()
+    noise, cond = torch.randn(2, 1, 8, 8), {"label": torch.tensor([0, 3]), "drop": torch.zeros(2, dtype=torch.bool)}
+    assert torch.equal(fm.sample(plain, noise, cond, 3, method="meanflow"), fm.sample(plain, noise, cond, 3))
+
+
+@pytest.mark.slow
+def test_a_meanflow_run_trains_resumes_exactly_exports_and_samples_in_one_step_with_diffusers_alone(tmp_path):
+    """The Fashion-MNIST variant's settings on the tiny demo: 4 steps straight, and the same run stopped at its step-2
+    checkpoint and resumed: the same losses and, bitwise, the same weights (MeanFlow's draws come from the run's
+    RNG). The export, loaded where this repository cannot be imported, samples in one step what sample.py does."""
+    args = tiny_run_args(tmp_path, "straight", steps=4) + [
+        "--model.num_layers=1", "--log.every=1", "--ckpt.every=2", "--log.report=false", "--objective.meanflow=true",
+        "--objective.prediction=x0", "--val.sampler=meanflow", "--val.steps=1", "--val.guidance_scale=1"]
+    run = fm.main(args)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all("loss_adaptive_weight" in r for r in rows if "loss" in r)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004"), shutil.rmtree(resumed / "export")
+    fm.main([*args, "--run_dir", str(resumed), "--resume", "latest"])
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in again if "loss" in r] == [r["loss"] for r in rows if "loss" in r]
+    from safetensors.torch import load_file
+    for name in ("model", "ema"):
+        a, b = (load_file(str(d / "checkpoints" / "step_00000004" / f"{name}.safetensors")) for d in (run, resumed))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+    job = {"name": "meanflow", "folder": str(run / "export"), "prompts": ["red circle", "8"],
+           "seeds": [sample.eval_fid.seed_for(0, 0, i) for i in range(2)], "kwargs": {}}
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SAMPLE, json.dumps([job]), str(tmp_path / "out.pt")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert str(ROOT) not in done.stderr
+    theirs = torch.load(tmp_path / "out.pt")["meanflow"]["latent"]
+    torch.testing.assert_close(theirs, repo_latents(run, [0, 8]), atol=2e-4, rtol=1e-4)
+    model, cfg, _ = sample.eval_fid.load_model(run)
+    cond = {"label": torch.tensor([0, 8]), "drop": torch.zeros(2, dtype=torch.bool)}
+    with torch.no_grad(), common.counting_evaluations(model) as rows:
+        fm.generate(model, torch.randn(2, 3, 16, 16), cond, cfg)
+    assert rows[0] == 2  # one evaluation an image
+    assert json.loads((run / "export" / "model_index.json").read_text())["num_inference_steps"] == 1
+    assert "made for sampling in 1 step of its `meanflow` sampler" in (run / "export" / "README.md").read_text()

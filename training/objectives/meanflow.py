@@ -1,0 +1,153 @@
+"""MeanFlow (Geng, Deng, Bai, Kolter & He 2025, "Mean Flows for One-step Generative Modeling", arXiv 2505.13447):
+the network predicts the average velocity over an interval [r, t] of the flow-matching path, so that one step
+of any length is exact and an image takes one or two network evaluations.
+
+On the path z_t = (1 - t) x0 + t eps (t = 1 noise) with velocity v = eps - x0, the average velocity and the
+identity that makes it trainable without the integral (d/dt of (t - r) u = integral_r^t v):
+
+    u(z_t, r, t) = 1 / (t - r) integral_r^t v(z_s, s) ds
+    u = v - (t - r) du/dt,   du/dt = v d_z u + d_t u        (the total derivative along the path: dr/dt = 0)
+
+The network u_theta(z_t, r, t) is regressed on the identity's right side at its own current weights, under a stop-
+gradient (the paper's Algorithm 1):
+
+    u_tgt = v - (t - r) (v d_z u_theta + d_t u_theta),   loss = sg(w) |u_theta - sg(u_tgt)|^2
+
+where v d_z u + d_t u is one forward-mode derivative, a JVP along the tangent (v, 0, 1) of (z, r, t). Sampling
+steps z_r = z_t - (t - r) u(z_t, r, t) (train_flow_matching.sample, sampler "meanflow"); r = t is flow matching:
+u(z, t, t) is the velocity at t, and the loss at r = t is flow matching's.
+
+The paper's choices, each a config key of train_flow_matching.py's objective section (defaults the paper's and
+its authors' code's, Gsunshine/meanflow, meanflow.py and configs/default.py):
+
+  meanflow_equal_share    r = t for this share of each batch (0.75: 25% r != t, the ablation's best, Tab. 1;
+                          the code's data_proportion); only the rest needs the JVP
+  meanflow_logit_mean/std t and r the larger and smaller of two draws of sigmoid(m + s n), n ~ N(0, 1): lognorm
+                          (-0.4, 1.0), the ablation's best (the code's P_mean, P_std)
+  meanflow_weight_power   p of the adaptive loss weight w = 1 / (|Delta|^2 + c)^p (p = 1 the ablation's best,
+                          0.5 pseudo-Huber, 0 plain L2; the code's norm_p, its c norm_eps = 0.01)
+  meanflow_guidance       guidance folded into the target (the paper's sec. on guidance and its appendix): v is
+  meanflow_guidance_mix   replaced, as tangent and target, by v~ = omega v + kappa u(z_t, t, t | c) + (1 - omega -
+                          kappa) u(z_t, t, t | null), omega = w' (1 - kappa), so that at the optimum u(., t, t | c)
+                          = u_null + w' (u_c - u_null): classifier-free guidance of scale w' in one evaluation.
+                          w' = 2, kappa = 0.5 the code's default (omega = 1, kappa = 0.5); samples whose condition
+                          was dropped keep v. w' = 1, kappa = 0: no guidance, no extra evaluation
+
+The JVP: PyTorch's flash and memory-efficient attention kernels (and the CPU's flash kernel) have no forward-mode
+derivative (pytorch #165530, #154226), so it runs with the math backend, exact to float rounding; it runs without
+autograd (the target is a stop-gradient), on the raw module, eager, so DDP, torch.compile and gradient
+checkpointing see only the ordinary forward that the loss differentiates. Its cost is measured in
+docs/performance.md ("MeanFlow's step"). How the options combine: REPA aligns the ordinary forward's tokens;
+x-prediction differentiates through the conversion u = (z_t - x0_hat) / max(t, T_MIN); contrastive flow matching,
+the adaptive time density and FSDP are refused at start-up (problems).
+"""
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import common
+from training.objectives import repa, xprediction
+
+WEIGHT_EPS = 0.01  # c of the adaptive weight 1 / (|Delta|^2 + c)^p: the authors' norm_eps (|Delta|^2 summed)
+
+
+def equal_count(n, obj):
+    """How many of a micro-batch of n have r = t: the first round(share n) (the authors' code, a fixed count, so
+    the JVP's share of the batch is a host number and no step waits on the device)."""
+    return round(obj["meanflow_equal_share"] * n)
+
+
+def sample_times(n, obj, shift, device):
+    """(t, r), t >= r: the larger and smaller of two logit-normal draws, both through the run's time shift (common.
+    time_shift, monotone: the order holds); r = t for the first equal_count(n) samples."""
+    draws = torch.sigmoid(obj["meanflow_logit_mean"] + obj["meanflow_logit_std"] * torch.randn(n, 2, device=device))
+    draws = common.time_shift(draws, shift)
+    t, r = draws.max(dim=1).values, draws.min(dim=1).values
+    return t, torch.cat([t[:equal_count(n, obj)], r[equal_count(n, obj):]])
+
+
+def average_velocity(model, z, t, r, cond, prediction="v"):
+    """u(z_t, r, t): the model at time t with the interval t - r (its conditioner's second time embedding); with
+    x-prediction the average velocity its clean-image estimate implies, (z_t - x0_hat) / max(t, T_MIN), which at
+    r = 0 lands on x0_hat. Differentiable in z, t and r (the JVP goes through the conversion)."""
+    t_ = t.view(-1, *([1] * (z.dim() - 1)))
+    out = model(z, t * 1000, {**cond, "interval": (t - r) * 1000}).float()
+    return xprediction.velocity(out, z, t_) if prediction == "x0" else out
+
+
+def guided_velocity(model, z, t, v, cond, obj, prediction="v"):
+    """v~ = omega v + kappa u(z_t, t, t | c) + (1 - omega - kappa) u(z_t, t, t | null), omega = w' (1 - kappa), in one
+    batched pass of the model (no gradient: it is part of the target); v itself where the sample's condition was
+    dropped, and where w' = 1 and kappa = 0."""
+    scale, mix = obj["meanflow_guidance"], obj["meanflow_guidance_mix"]
+    if scale == 1 and mix == 0:
+        return v
+    omega, k = scale * (1 - mix), 1 + bool(mix)  # the null branch, and the conditional one when kappa > 0
+    both = {key: torch.cat([value] * k) for key, value in cond.items()}
+    both["drop"] = torch.cat([torch.ones_like(cond["drop"]), cond["drop"]][:k])
+    u = average_velocity(model, torch.cat([z] * k), t.repeat(k), t.repeat(k), both, prediction).chunk(k)
+    guided = omega * v + (1 - omega - mix) * u[0] + (mix * u[1] if mix else 0)
+    return torch.where(cond["drop"].view(-1, *([1] * (v.dim() - 1))), v, guided)
+
+
+def target(model, z, t, r, v, cond, equal, prediction="v"):
+    """u_tgt = v - (t - r) du/dt, du/dt = v d_z u + d_t u by torch.func.jvp along (v, 0, 1) of (z, r, t) at the
+    model's current weights, for the samples past the first `equal` (r = t there: the target is v, the second term
+    being 0). Call it without autograd: the target is a stop-gradient."""
+    if equal == len(z):
+        return v
+    rest = {key: value[equal:] for key, value in cond.items()}
+
+    def u(z, t, r):
+        return average_velocity(model, z, t, r, rest, prediction)
+
+    tangents = (v[equal:].to(z.dtype), torch.ones_like(t[equal:]), torch.zeros_like(r[equal:]))
+    with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels have no forward-mode derivative
+        _, dudt = torch.func.jvp(u, (z[equal:], t[equal:], r[equal:]), tangents)
+    gap = (t - r)[equal:].view(-1, *([1] * (z.dim() - 1)))
+    return torch.cat([v[:equal], v[equal:] - gap * dudt.float()])
+
+
+def training_loss(model, raw, x0, cond, t, r, noise, obj, align=None):
+    """(per-sample |u_theta - sg(u_tgt)|^2, the mean over elements as flow matching's loss, {name: per-sample term})
+    of the micro-batch, t >= r from sample_times. `model` is the module the loop trains (DDP, compiled): its forward
+    is the one differentiated, with REPA's tokens (`align`, repa.py); `raw` the bare module (accelerator.
+    unwrap_model), whose eager forward makes the target without autograd: the guided velocity v~ and the JVP.
+
+    The adaptive weight is a term of its own, "adaptive_weight" = (sg(w') - 1) |Delta|^2, so that what is trained
+    is sg(w') |Delta|^2 and the logged loss stays the plain error, per time bin as flow matching's. w' = 1 /
+    (|Delta|^2 + c / D)^p with |Delta|^2 the mean over the D elements is the paper's w = 1 / (D |Delta|^2 + c)^p
+    times D^p, a constant: p = 0 is flow matching's loss exactly and p = 1 the paper's gradient exactly."""
+    t_ = t.view(-1, *([1] * (x0.dim() - 1)))
+    z = (1 - t_) * x0 + t_ * noise
+    # v as flow matching's target: eps - x0, or with x-prediction the velocity x0 implies (clamped below T_MIN)
+    v = xprediction.velocity(x0.float(), z, t_) if obj["prediction"] == "x0" else (noise - x0).float()
+    with torch.no_grad():
+        forward = raw.forward  # eager, outside DDP and torch.compile: the target's passes are no training step's
+        v = guided_velocity(forward, z, t, v, cond, obj, obj["prediction"])
+        u_tgt = target(forward, z, t, r, v, cond, equal_count(len(x0), obj), obj["prediction"])
+    out, tokens = repa.forward(model, align, z, t * 1000, {**cond, "interval": (t - r) * 1000})
+    u = xprediction.velocity(out.float(), z, t_) if obj["prediction"] == "x0" else out.float()
+    error = (u - u_tgt).pow(2).mean(dim=tuple(range(1, x0.dim())))
+    terms = repa.terms(tokens, align)
+    if obj["meanflow_weight_power"]:
+        weight = 1 / (error.detach() + WEIGHT_EPS / x0[0].numel()) ** obj["meanflow_weight_power"]
+        terms["adaptive_weight"] = (weight - 1) * error
+    return error, terms
+
+
+def problems(cfg):
+    """The start-up checks of objective.meanflow (handed to the config loader by train_flow_matching.py)."""
+    obj, out = cfg["objective"], []
+    if not obj.get("meanflow"):
+        return out
+    if obj["contrastive_weight"]:
+        out.append(f"objective.contrastive_weight={obj['contrastive_weight']} with objective.meanflow: contrastive flow "
+                   f"matching's negatives are other samples' velocities, MeanFlow's targets average velocities over "
+                   f"their own intervals; set objective.contrastive_weight=0")
+    if obj["time_sampling"] == "adaptive":
+        out.append("objective.time_sampling='adaptive' with objective.meanflow: MeanFlow draws (r, t) itself "
+                   "(objective.meanflow_logit_mean / _std); use 'logit_normal' or 'uniform'")
+    if cfg["train"]["sharding"] == "fsdp":
+        out.append("objective.meanflow with train.sharding='fsdp': the JVP runs the bare module eager, which the "
+                   "sharded, per-block compiled model is not; use train.sharding='ddp'")
+    return out
