@@ -401,7 +401,7 @@ class Recorder(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.moves, self.dtype = [], torch.float32
+        self.moves, self.dtype, self.device = [], torch.float32, torch.device("cpu")  # decode reads dtype and device
         self.config = type("C", (), {"scaling_factor": 0.5, "shift_factor": 0.0})()
 
     def to(self, *args, **kwargs):
