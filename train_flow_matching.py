@@ -319,14 +319,14 @@ def main(argv=None):
             if obj.ot_coupling:
                 noise = ot_pair(x0, noise, batch.get("label"))
             if obj.meanflow:  # MeanFlow: t >= r, two logit-normal draws; r = t for objective.meanflow_equal_share
-                (t, r), weight = meanflow.sample_times(len(x0), obj, shift, device), 1.0
+                (t, r, equal), weight = meanflow.sample_times(len(x0), obj, shift, device), 1.0
             else:
                 t, weight = density.draw(len(x0)) if density else (sample_time(len(x0), obj, shift, device), 1.0)
             # Gradients are all-reduced (sharded: reduce-scattered) only on the last micro-batch; the others accumulate
             with sharding.no_sync(model, accelerator, skip=micro < tr.grad_accum - 1):  # locally
                 with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32
                     if obj.meanflow:  # |u(z_t, r, t) - sg(v - (t - r) du/dt)|^2, du/dt by a JVP along (v, 0, 1)
-                        loss, terms = meanflow.training_loss(model, raw_model, x0, cond, t, r, noise, obj,
+                        loss, terms = meanflow.training_loss(model, raw_model, x0, cond, t, r, equal, noise, obj,
                                                              align(batch, step))  # v guided; the adaptive weight
                     else:
                         loss, terms = training_loss(model, x0, cond, t, noise, obj.prediction, obj.contrastive_weight,

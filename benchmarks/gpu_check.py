@@ -94,7 +94,8 @@ for _name in [n for n in logging.Logger.manager.loggerDict if n.endswith(("__gra
 
 def objective(trainer, cfg, device, raw):
     """(time sampler, loss(model, x0, cond, t, noise)) of a trainer, as its loop uses them; MeanFlow's time sampler
-    gives (t, r), and its loss adds its terms (the adaptive weight) and makes its target with the bare module `raw`."""
+    gives (t, r, equal), and its loss adds its terms (the adaptive weight) and makes its target with the bare module
+    `raw`."""
     if cfg.objective.get("meanflow"):
         obj, shift = cfg.objective, common.shift_of(cfg)
 

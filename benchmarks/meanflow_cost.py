@@ -64,8 +64,8 @@ def step(cfg, model, optimizer, x0, cond):
     """The trainer's micro-batch and optimizer step (train_flow_matching.main's loop, its options off)."""
     obj, noise = cfg.objective, torch.randn_like(x0)
     if obj.meanflow:
-        t, r = meanflow.sample_times(len(x0), obj, 1.0, x0.device)
-        loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, noise, obj)
+        t, r, equal = meanflow.sample_times(len(x0), obj, 1.0, x0.device)
+        loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, equal, noise, obj)
     else:
         t = fm.sample_time(len(x0), obj, 1.0, x0.device)
         loss, terms = fm.training_loss(model, x0, cond, t, noise, obj.prediction)
@@ -103,7 +103,7 @@ def jvp_precision():
     cfg, model, x0, cond = recipe("meanflow_all_r")
     torch.nn.init.normal_(model.conditioner.interval_embed.linear_2.weight, std=0.02)
     obj, n = cfg.objective, len(x0)
-    t, r = meanflow.sample_times(n, obj, 1.0, x0.device)
+    t, r, _ = meanflow.sample_times(n, obj, 1.0, x0.device)
     t_ = t.view(-1, 1, 1, 1)
     noise = torch.randn_like(x0)
     z, v = (1 - t_) * x0 + t_ * noise, noise - x0

@@ -4,6 +4,7 @@ and x-prediction against reverse-mode autograd, r = t as flow matching exactly, 
 the start of a MeanFlow run, the combinations refused at start-up, and a run that trains, resumes exactly,
 exports and samples in one step with diffusers alone."""
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -97,7 +98,7 @@ def test_the_target_and_its_gradient_are_the_hand_written_finite_difference_ones
     assert meanflow.equal_count(len(z), obj) == 2 and (expected - guided).abs().max() > 0.1  # the JVP's term shows
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
-    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, noise, obj)
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, 2, noise, obj)
     (loss + sum(terms.values())).sum().backward()
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -166,9 +167,9 @@ def test_repa_aligns_the_differentiated_forwards_tokens(tiny_dino):
     x0, noise = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(2)).tanh(), torch.randn(4, 1, 8, 8)
     targets = torch.randn(4, 16, 16)
     torch.manual_seed(3)
-    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, noise, obj, align=(targets, 0.5))
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, 1, noise, obj, align=(targets, 0.5))
     torch.manual_seed(3)
-    plain, _ = meanflow.training_loss(model, model, x0, cond, t, r, noise, obj)
+    plain, _ = meanflow.training_loss(model, model, x0, cond, t, r, 1, noise, obj)
     torch.testing.assert_close(loss, plain)
     t_ = t.view(-1, 1, 1, 1)
     _, tokens = model((1 - t_) * x0 + t_ * noise, t * 1000, {**cond, "interval": (t - r) * 1000}, align=True)
@@ -187,7 +188,7 @@ def test_r_equal_to_t_is_flow_matching_exactly(prediction):
            "meanflow_weight_power": 0.0}
     x0, noise = torch.randn(4, 1, 8, 8).tanh(), torch.randn(4, 1, 8, 8)
     t = torch.tensor([0.02, 0.3, 0.6, 0.97])  # one below x-prediction's T_MIN
-    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, noise, obj)
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, 4, noise, obj)
     assert terms == {}
     loss.sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -205,12 +206,27 @@ def test_the_times_follow_the_paper():
     """t >= r, the first round(0.75 n) with r = t, both logit-normal(-0.4, 1) draws sorted: medians sigmoid(-0.4 +- 0.545)
     (the median of the larger / smaller of two standard normals: +-0.5449)."""
     torch.manual_seed(0)
-    t, r = meanflow.sample_times(200_000, OBJECTIVE, 1.0, torch.device("cpu"))
-    assert (t >= r).all() and torch.equal(t[:150_000], r[:150_000]) and (t[150_000:] > r[150_000:]).all()
+    t, r, equal = meanflow.sample_times(200_000, OBJECTIVE, 1.0, torch.device("cpu"))
+    assert equal == 150_000 and (t >= r).all() and torch.equal(t[:150_000], r[:150_000]) and (t[150_000:] > r[150_000:]).all()
     logit = lambda x: (x / (1 - x)).log()  # noqa: E731
     torch.testing.assert_close(logit(t).median(), torch.tensor(-0.4 + 0.5449), atol=0.01, rtol=0)
     torch.testing.assert_close(logit(r[150_000:]).median(), torch.tensor(-0.4 - 0.5449), atol=0.015, rtol=0)
 
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6])
+def test_the_r_equal_to_t_share_holds_at_any_micro_batch(n):
+    """r = t for share x n of a micro-batch on average at any n: a micro-batch of 1 or 2 (train.batch_size 'auto' on a
+    large model) trains r != t on 25% of its samples too, not never (round(0.75 n) = n there: flow matching
+    alone). A whole share x n is drawn without the RNG: 0.75 x 64 is always 48."""
+    random.seed(0)
+    counts = torch.tensor([meanflow.sample_times(n, OBJECTIVE, 1.0, torch.device("cpu"))[2] for _ in range(4000)],
+                          dtype=torch.float64)
+    assert set(counts.tolist()) <= {float(int(0.75 * n)), float(int(0.75 * n) + 1)}
+    frac = 0.75 * n - int(0.75 * n)  # the mean of 4,000 draws of floor + Bernoulli(frac): within 5 standard errors
+    assert abs(counts.mean() - 0.75 * n) < 5 * (frac * (1 - frac) / 4000) ** 0.5 + 1e-12
+    state = random.getstate()
+    assert meanflow.equal_count(64, OBJECTIVE) == 48 and random.getstate() == state
 
 def test_a_flow_matching_runs_weights_start_a_meanflow_run_as_that_model(tmp_path):
     """init_from an export of a flow-matching model: the MeanFlow model's interval embedding is the only thing

@@ -41,6 +41,8 @@ docs/performance.md ("MeanFlow's step"). How the options combine: REPA aligns th
 x-prediction differentiates through the conversion u = (z_t - x0_hat) / max(t, T_MIN); contrastive flow matching,
 the adaptive time density and FSDP are refused at start-up (problems).
 """
+import random
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -51,18 +53,23 @@ WEIGHT_EPS = 0.01  # c of the adaptive weight 1 / (|Delta|^2 + c)^p: the authors
 
 
 def equal_count(n, obj):
-    """How many of a micro-batch of n have r = t: the first round(share n) (the authors' code, a fixed count, so
-    the JVP's share of the batch is a host number and no step waits on the device)."""
-    return round(obj["meanflow_equal_share"] * n)
+    """How many of a micro-batch of n have r = t: share x n, rounded down or up at random with the fraction's
+    probability, so the share is the configured one on average at any micro-batch (a fixed round() would give a
+    micro-batch of 1 or 2 no r != t sample at 0.75: flow matching alone, and 3 a third). A host number, drawn from
+    Python's generator (seeded per rank, in a checkpoint's RNG state: a resumed run draws the same counts; no tensor
+    is read), so the JVP's share of the batch is known without waiting on the device (the authors' code: a fixed
+    count per device, its data_proportion)."""
+    whole, part = divmod(round(obj["meanflow_equal_share"] * n, 9), 1)
+    return int(whole) + (part > 0 and random.random() < part)
 
 
 def sample_times(n, obj, shift, device):
-    """(t, r), t >= r: the larger and smaller of two logit-normal draws, both through the run's time shift (common.
-    time_shift, monotone: the order holds); r = t for the first equal_count(n) samples."""
+    """(t, r, equal), t >= r: the larger and smaller of two logit-normal draws, both through the run's time shift
+    (common.time_shift, monotone: the order holds); r = t for the first `equal` samples (equal_count's draw)."""
     draws = torch.sigmoid(obj["meanflow_logit_mean"] + obj["meanflow_logit_std"] * torch.randn(n, 2, device=device))
     draws = common.time_shift(draws, shift)
-    t, r = draws.max(dim=1).values, draws.min(dim=1).values
-    return t, torch.cat([t[:equal_count(n, obj)], r[equal_count(n, obj):]])
+    t, r, equal = draws.max(dim=1).values, draws.min(dim=1).values, equal_count(n, obj)
+    return t, torch.cat([t[:equal], r[equal:]]), equal
 
 
 def average_velocity(model, z, t, r, cond, prediction="v"):
@@ -107,11 +114,12 @@ def target(model, z, t, r, v, cond, equal, prediction="v"):
     return torch.cat([v[:equal], v[equal:] - gap * dudt.float()])
 
 
-def training_loss(model, raw, x0, cond, t, r, noise, obj, align=None):
+def training_loss(model, raw, x0, cond, t, r, equal, noise, obj, align=None):
     """(per-sample |u_theta - sg(u_tgt)|^2, the mean over elements as flow matching's loss, {name: per-sample term})
-    of the micro-batch, t >= r from sample_times. `model` is the module the loop trains (DDP, compiled): its forward
-    is the one differentiated, with REPA's tokens (`align`, repa.py); `raw` the bare module (accelerator.
-    unwrap_model), whose eager forward makes the target without autograd: the guided velocity v~ and the JVP.
+    of the micro-batch, (t, r, equal) from sample_times (t >= r; r = t for the first `equal`). `model` is the module
+    the loop trains (DDP, compiled): its forward is the one differentiated, with REPA's tokens (`align`, repa.py);
+    `raw` the bare module (accelerator.unwrap_model), whose eager forward makes the target without autograd: the
+    guided velocity v~ and the JVP.
 
     The adaptive weight is a term of its own, "adaptive_weight" = (sg(w') - 1) |Delta|^2, so that what is trained
     is sg(w') |Delta|^2 and the logged loss stays the plain error, per time bin as flow matching's. w' = 1 /
@@ -124,7 +132,7 @@ def training_loss(model, raw, x0, cond, t, r, noise, obj, align=None):
     with torch.no_grad():
         forward = raw.forward  # eager, outside DDP and torch.compile: the target's passes are no training step's
         v = guided_velocity(forward, z, t, v, cond, obj, obj["prediction"])
-        u_tgt = target(forward, z, t, r, v, cond, equal_count(len(x0), obj), obj["prediction"])
+        u_tgt = target(forward, z, t, r, v, cond, equal, obj["prediction"])
     out, tokens = repa.forward(model, align, z, t * 1000, {**cond, "interval": (t - r) * 1000})
     u = xprediction.velocity(out.float(), z, t_) if obj["prediction"] == "x0" else out.float()
     error = (u - u_tgt).pow(2).mean(dim=tuple(range(1, x0.dim())))
