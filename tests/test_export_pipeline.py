@@ -195,6 +195,10 @@ def test_a_meanflow_model_samples_as_its_trainer_samples_it_in_one_and_two_steps
                                                         "--val.steps=1", "--val.guidance_scale=1",
                                                         f"--objective.prediction={prediction}"])
     assert pipe.config.sampler == "meanflow" and pipe.conditioner.config.interval
+    folder = tmp_path / "export"  # the card counts the evaluations at the pipeline's default guidance
+    assert "1 step of its `meanflow` sampler: one network evaluation a step" in (folder / "README.md").read_text()
+    guided = model_card.card({**cfg, "val": {**cfg["val"], "guidance_scale": 2.0}}, tmp_path / "run", folder, 1)
+    assert "two network evaluations a step: classifier-free guidance 2 on top of the 2 in the weights" in guided
     for steps in [None, 2]:
         assert_samples_as_the_trainer(fm, model, cfg, pipe, steps)
     cfg["val"]["guidance_scale"], pipe.config.guidance_scale = 2.0, 2.0  # classifier-free guidance on top of the trained one

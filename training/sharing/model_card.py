@@ -213,12 +213,17 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
                 f"{objective['zero_terminal_snr']}, Min-SNR-{objective['min_snr_gamma']:g})")
     made = ""
     if objective.get("meanflow"):  # made for few steps: say how many (the pipeline's default, tuned or the run's)
-        n = (tuned or {}).get("best", {}).get("steps", val["steps"])
+        best = (tuned or {}).get("best", {})
+        n, guidance = best.get("steps", val["steps"]), best.get("guidance_scale", val["guidance_scale"])
         what = (f"MeanFlow (Geng et al. 2025: the average velocity over [r, t], {objective['prediction']}-prediction, "
                 f"r = t for {objective['meanflow_equal_share']:.0%} of the samples, guidance "
                 f"{objective['meanflow_guidance']:g} folded into training)")
-        made = (f" It was made for sampling in {n} step{'s' * (n > 1)} of its `{val['sampler']}` sampler: one network "
-                f"evaluation a step, the guidance already in the weights (`num_inference_steps` sets another count).")
+        # the pipeline's default guidance_scale is applied on top of the trained-in guidance: two evaluations a step
+        per_step = ("one network evaluation a step, the guidance already in the weights" if guidance == 1 else
+                    f"two network evaluations a step: classifier-free guidance {guidance:g} on top of the "
+                    f"{objective['meanflow_guidance']:g} in the weights (`guidance_scale=1`: one, the weights' own)")
+        made = (f" It was made for sampling in {n} step{'s' * (n > 1)} of its `{val['sampler']}` sampler: {per_step} "
+                f"(`num_inference_steps` sets another count).")
     carried = (Path(folder) / "vae").is_dir()  # a local VAE, copied into the folder (pipeline_export.copy_vae)
     space = (f"the latents of `{Path(enc['vae']).name}` (this folder's `vae/`)" if carried else
              f"the latents of `{enc['vae']}`" if enc["vae"] else "pixel space")
