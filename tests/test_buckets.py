@@ -188,6 +188,25 @@ def test_the_loader_refuses_what_buckets_cannot_do(tmp_path):
         config.load_config(fm.DEFAULTS, ["--data.buckets=[0]"], method="flow_matching", schema=fm.CONFIG)
 
 
+
+def test_a_sampling_shape_that_means_nothing_is_refused_in_one_line():
+    """sample.py / eval_fid.py's --aspect_ratio and --width / --height (buckets.shape_arg): a square run has no bucket
+    to pick (its one "nearest" shape, a square, would come back for 2:1 without a word), and a ratio or side that is
+    not a positive number is refused, not sent to the tallest bucket or to the sampler."""
+    square = {"data": {"resolution": 16}}
+    bucketed = {"data": {"resolution": 16, "bucket_shapes": [[12, 22], [16, 16], [22, 12]]}}
+    assert buckets.shape_arg(bucketed, aspect_ratio="2:1") == (22, 12)
+    assert buckets.shape_arg(bucketed, aspect_ratio="0.5") == (12, 22)
+    assert buckets.shape_arg(square) == (16, 16) and buckets.shape_arg(square, 8, 12) == (8, 12)
+    with pytest.raises(config.ConfigError, match="trained square at 16x16 px: give --width and --height"):
+        buckets.shape_arg(square, aspect_ratio="2:1")
+    for ratio in ("0", "-2", "3:0", "wide"):
+        with pytest.raises(config.ConfigError, match="a width / height above 0"):
+            buckets.shape_arg(bucketed, aspect_ratio=ratio)
+    with pytest.raises(config.ConfigError, match="each at least 1"):
+        buckets.shape_arg(bucketed, 0, 16)
+
+
 def shapes_folder(root):
     """3 classes of coloured discs on wide (32 x 16), tall (16 x 32) and square (24 x 24) grey canvases."""
     rng = np.random.default_rng(0)
