@@ -90,7 +90,8 @@ def test_a_square_run_into_a_bucket_grid_of_odd_margin_gives_its_square_bucket_t
     grid = max(max(s) for s in shapes_for([0.5, 1, 2], 28, patch)) // patch
     assert grid == 10  # the odd margin: (10 - 7) / 2
     pos_embed = get_2d_sincos_pos_embed(dim, old, base_size=old).float()[None]
-    embed = PatchEmbed(height=grid * patch, width=grid * patch, patch_size=patch, embed_dim=dim, pos_embed_max_size=grid)
+    embed = PatchEmbed(height=grid * patch, width=grid * patch, patch_size=patch, embed_dim=dim,
+                       pos_embed_max_size=grid)
     embed.pos_embed.copy_(resample_pos_embed(pos_embed, grid, mode, squares=(old, old)))
     torch.testing.assert_close(embed.cropped_pos_embed(28, 28), pos_embed, atol=1e-6, rtol=0)
     # and back: the bucket run's square onto a square run's grid is that square

@@ -87,8 +87,8 @@ def shape_arg(cfg, width=None, height=None, aspect_ratio=None):
     trained = ", ".join(f"{w}x{h}" for w, h in shapes)
     if aspect_ratio is not None:
         if not cfg["data"].get("bucket_shapes"):  # one shape: its "nearest bucket" would be a square, silently
-            raise ConfigError(f"--aspect_ratio {aspect_ratio} picks one of a run's data.buckets, and this run was trained "
-                              f"square at {trained} px: give --width and --height instead")
+            raise ConfigError(f"--aspect_ratio {aspect_ratio} picks one of a run's data.buckets, and this run was "
+                              f"trained square at {trained} px: give --width and --height instead")
         a, _, b = str(aspect_ratio).partition(":")
         try:
             ratio = float(a) / float(b or 1)
