@@ -45,8 +45,8 @@ def parse_args(argv=None):
     a("--width", type=int, default=None, help="pixels, with --height: any shape whose sides are whole patches and fit "
       "the model's positional grid; default: data.resolution square, or a run with data.buckets its squarest bucket")
     a("--height", type=int, default=None, help="see --width")
-    a("--aspect_ratio", default=None, help="instead of --width and --height: the run's bucket nearest this width / "
-      "height ('3:2' or 1.5)")
+    a("--aspect_ratio", default=None, help="instead of --width and --height, for a run with data.buckets: its bucket "
+      "nearest this width / height ('3:2' or 1.5)")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
     a("--guidance_interval", type=eval_fid.interval_arg, default=None, help="'lo,hi': guide only at noise levels "

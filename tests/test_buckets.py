@@ -188,6 +188,51 @@ def test_the_loader_refuses_what_buckets_cannot_do(tmp_path):
         config.load_config(fm.DEFAULTS, ["--data.buckets=[0]"], method="flow_matching", schema=fm.CONFIG)
 
 
+
+def test_a_sampling_shape_that_means_nothing_is_refused_in_one_line():
+    """sample.py / eval_fid.py's --aspect_ratio and --width / --height (buckets.shape_arg): a square run has no bucket
+    to pick (its one "nearest" shape, a square, would come back for 2:1 without a word), and a ratio or side that is
+    not a positive number is refused, not sent to the tallest bucket or to the sampler."""
+    square = {"data": {"resolution": 16}}
+    bucketed = {"data": {"resolution": 16, "bucket_shapes": [[12, 22], [16, 16], [22, 12]]}}
+    assert buckets.shape_arg(bucketed, aspect_ratio="2:1") == (22, 12)
+    assert buckets.shape_arg(bucketed, aspect_ratio="0.5") == (12, 22)
+    assert buckets.shape_arg(square) == (16, 16) and buckets.shape_arg(square, 8, 12) == (8, 12)
+    with pytest.raises(config.ConfigError, match="trained square at 16x16 px: give --width and --height"):
+        buckets.shape_arg(square, aspect_ratio="2:1")
+    for ratio in ("0", "-2", "3:0", "wide"):
+        with pytest.raises(config.ConfigError, match="a width / height above 0"):
+            buckets.shape_arg(bucketed, aspect_ratio=ratio)
+    with pytest.raises(config.ConfigError, match="each at least 1"):
+        buckets.shape_arg(bucketed, 0, 16)
+
+
+
+def test_the_pipelines_shape_and_controls_are_the_trainers():
+    """The exported pipeline (MinimalDiffusionPipeline, model_index.json's buckets): its default shape is the squarest
+    bucket, as sample.py's; a side that is not a positive whole patch in the grid is refused; its default size and
+    crop controls for a non-square sample, and for an original_size of another aspect, are what preprocess records
+    for such an image cropped to that shape (the trainer's cache, eval_fid.make_controls)."""
+    from training.sharing.exported.pipeline import MinimalDiffusionPipeline as Pipe
+
+    shapes = [[12, 22], [16, 16], [22, 12]]
+    pipe = SimpleNamespace(config=SimpleNamespace(buckets=shapes, resolution=16), vae=None,
+                           transformer=SimpleNamespace(config=SimpleNamespace(pos_embed_max_size=11, patch_size=2)))
+    assert Pipe.sample_shape(pipe, None, None) == (16, 16)
+    assert buckets.default_shape({"data": {"resolution": 16, "bucket_shapes": shapes}}) == (16, 16)
+    assert Pipe.sample_shape(pipe, 12, 22) == (12, 22)
+    for height, width in ((0, 22), (-2, 22), (13, 22), (12, 24), (12, None)):
+        with pytest.raises(ValueError, match="each a positive multiple of 2 and at most 22 pixels"):
+            Pipe.sample_shape(pipe, height, width)
+    data = config.Config({"crop": "center", "random_flip": False})
+    for original in (None, (300, 100), (100, 300), (100, 100), (100, 150), (12, 22)):
+        h, w = original or (12, 22)
+        ours = Pipe.controls(pipe, 1, original, None, False, "cpu", (12, 22))
+        _, meta = preprocess(Image.new("RGB", (w, h)), 16, data, shape=(22, 12))
+        assert ours["orig_hw"][0].tolist() == meta["orig_hw"].tolist(), original
+        assert ours["crop_box"][0].tolist() == meta["crop_box"].tolist(), original
+
+
 def shapes_folder(root):
     """3 classes of coloured discs on wide (32 x 16), tall (16 x 32) and square (24 x 24) grey canvases."""
     rng = np.random.default_rng(0)

@@ -75,6 +75,30 @@ def test_a_grid_with_buckets_resamples_its_resolution_square_onto_the_old_one():
                                atol=1e-5, rtol=0)
 
 
+
+@pytest.mark.parametrize("mode", ["resample", "extend"])
+def test_a_square_run_into_a_bucket_grid_of_odd_margin_gives_its_square_bucket_the_old_positions(mode):
+    """SD3's cropped embedding takes a shape's tokens at (grid - side) // 2 (diffusers' cropped_pos_embed). When the
+    margin is odd (benchmarks/buckets.py's recipe: [0.5, 1, 2] at 28 px, patch 4: a 7-token square in a 10-grid;
+    "auto" at 256 px with a VAE: 16 in 23), the square bucket of a run started from a square run must see exactly the
+    positions that run trained on, not positions half a token off (what centring at (grid - side) / 2 gives)."""
+    from diffusers.models.embeddings import PatchEmbed
+
+    from training.data.buckets import shapes_for
+
+    old, dim, patch = 7, 64, 4
+    grid = max(max(s) for s in shapes_for([0.5, 1, 2], 28, patch)) // patch
+    assert grid == 10  # the odd margin: (10 - 7) / 2
+    pos_embed = get_2d_sincos_pos_embed(dim, old, base_size=old).float()[None]
+    embed = PatchEmbed(height=grid * patch, width=grid * patch, patch_size=patch, embed_dim=dim,
+                       pos_embed_max_size=grid)
+    embed.pos_embed.copy_(resample_pos_embed(pos_embed, grid, mode, squares=(old, old)))
+    torch.testing.assert_close(embed.cropped_pos_embed(28, 28), pos_embed, atol=1e-6, rtol=0)
+    # and back: the bucket run's square onto a square run's grid is that square
+    torch.testing.assert_close(resample_pos_embed(embed.pos_embed, old, mode, squares=(old, old)), pos_embed,
+                               atol=1e-6, rtol=0)
+
+
 # ---- resolution shift -------------------------------------------------------------------------------------
 
 

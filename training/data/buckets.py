@@ -86,13 +86,23 @@ def shape_arg(cfg, width=None, height=None, aspect_ratio=None):
     shapes = cfg["data"].get("bucket_shapes") or [(cfg["data"]["resolution"],) * 2]
     trained = ", ".join(f"{w}x{h}" for w, h in shapes)
     if aspect_ratio is not None:
+        if not cfg["data"].get("bucket_shapes"):  # one shape: its "nearest bucket" would be a square, silently
+            raise ConfigError(f"--aspect_ratio {aspect_ratio} picks one of a run's data.buckets, and this run was "
+                              f"trained square at {trained} px: give --width and --height instead")
         a, _, b = str(aspect_ratio).partition(":")
-        ratio = float(a) / float(b or 1)
+        try:
+            ratio = float(a) / float(b or 1)
+        except (ValueError, ZeroDivisionError):
+            ratio = float("nan")
+        if not (math.isfinite(ratio) and ratio > 0):
+            raise ConfigError(f"--aspect_ratio {aspect_ratio}: a width / height above 0, as '3:2' or 1.5")
         return tuple(shapes[int(nearest([(ratio, 1)], shapes)[0])])
     if (width is None) != (height is None):
         raise ConfigError("give both --width and --height (pixels), or --aspect_ratio")
     if width is None:
         return default_shape(cfg)
+    if min(width, height) < 1:
+        raise ConfigError(f"--width {width} --height {height}: pixels, each at least 1; it was trained at {trained}")
     if max(width, height) > largest_side(cfg):
         raise ConfigError(f"--width {width} --height {height}: the model's positional grid covers {largest_side(cfg)} "
                          f"pixels a side; it was trained at {trained}")

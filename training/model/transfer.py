@@ -30,16 +30,20 @@ def resample_pos_embed(pos_embed, new_grid, mode="resample", squares=None):
     larger grid), so a 2x grid reaches positions the model never saw.
     squares (old, new): the tokens a side of each run's data.resolution square, centred in its grid, when a run
     has buckets (its grid is its largest bucket's side: SD3's cropped embedding); resample then maps the new
-    square onto the old one, p_i = o + (i - n + 0.5) S / s - 0.5 (o, n: each square's offset in its grid), and the
-    grid beyond it continues at that spacing. None: each whole grid is its square."""
+    square onto the old one, p_i = o + (i - n + 0.5) S / s - 0.5, and extend centres it on the old one at the old
+    spacing, p_i = o + i - n - (s - S) / 2; the grid beyond continues at that spacing. o, n: each square's offset
+    in its grid, (grid - square) // 2 as diffusers' cropped_pos_embed takes it, so with an odd margin (a 7-token
+    square in a 10-grid) the square is where the crop reads it, not half a token off. None: each whole grid is
+    its square."""
     from diffusers.models.embeddings import get_2d_sincos_pos_embed_from_grid
 
     old = grid_positions(pos_embed)
     g, spacing = len(old), (old[-1] - old[0]) / max(len(old) - 1, 1)
     i = torch.arange(new_grid, dtype=torch.float64)
     old_square, new_square = squares or (g, new_grid)
-    index = ((g - old_square) / 2 + (i - (new_grid - new_square) / 2 + 0.5) * old_square / new_square - 0.5
-             if mode == "resample" else i - (new_grid - g) / 2)
+    o, n = (g - round(old_square)) // 2, (new_grid - round(new_square)) // 2  # where the crop reads each square
+    index = (o + (i - n + 0.5) * old_square / new_square - 0.5 if mode == "resample"
+             else o + i - n - (new_square - old_square) / 2)
     pos = (old[0] + index * spacing).float()  # float32 positions, as diffusers builds its grid
     grid = torch.stack(torch.meshgrid(pos, pos, indexing="xy")).reshape(2, 1, new_grid, new_grid)
     return get_2d_sincos_pos_embed_from_grid(pos_embed.shape[-1], grid).float()[None]

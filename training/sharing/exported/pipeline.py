@@ -155,10 +155,11 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
         tc, factor = self.transformer.config, 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae else 1
         side = tc.pos_embed_max_size * tc.patch_size * factor
         if height is None or width is None or height % (tc.patch_size * factor) or width % (tc.patch_size * factor) \
-                or max(height, width) > side:
+                or min(height, width) < 1 or max(height, width) > side:
             trained = ", ".join(f"{w}x{h}" for w, h in buckets or [(self.config.resolution,) * 2])
-            raise ValueError(f"height={height}, width={width}: give both, each a multiple of {tc.patch_size * factor} "
-                             f"and at most {side} pixels; this model was trained at (width x height) {trained}")
+            raise ValueError(f"height={height}, width={width}: give both, each a positive multiple of "
+                             f"{tc.patch_size * factor} and at most {side} pixels; this model was trained at (width x "
+                             f"height) {trained}")
         return height // factor, width // factor
 
     def denoise(self, x, timestep, cond, noise_level):
