@@ -153,7 +153,7 @@ def bucket_arg(cfg, args):
                              f"{cfg['data']['resolution']} px (no data.buckets); sample other shapes with sample.py")
         return None
     shape = shape_arg(cfg, args.width, args.height, args.aspect_ratio)
-    if [list(s) for s in cfg["data"]["bucket_shapes"]].count(list(shape)) == 0:
+    if list(shape) not in [list(s) for s in cfg["data"]["bucket_shapes"]]:
         raise config.ConfigError(f"--width {shape[0]} --height {shape[1]}: eval_fid.py scores a bucket the run trained at, "
                          f"whose reference images exist: one of " + ", ".join(f"{w}x{h}" for w, h in
                                                                                cfg["data"]["bucket_shapes"]))
