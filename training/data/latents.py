@@ -14,6 +14,7 @@ training latents (SD 1.x: 0.18215); SD3's VAE (Esser et al. 2024) also subtracts
 1.5305). A forgotten shift factor (SD3 / Flux VAEs) or an uncalibrated home-made VAE trains without an error and
 samples worse: check_scale stops such a run at start-up, naming the factors that fix it.
 """
+import itertools
 import math
 import time
 from pathlib import Path
@@ -52,7 +53,8 @@ def check_scale(dataset, vae, encoders, log=print):
     shift_factor and the values that give mean 0 and std 1. Pixel runs (no VAE) pass unchecked."""
     if vae is None or "x_std" not in dataset.keys:
         return None
-    shards = [t for t in (dataset.tensors(k) for k in range(len(dataset.shards))) if t][:SHARDS]
+    # the first SHARDS non-empty parts (a part: a shard file, or one bucket's rows in it), mapping no more files
+    shards = list(itertools.islice((t for t in map(dataset.tensors, range(len(dataset.parts))) if t), SHARDS))
     mu, sigma = moments(*(torch.cat([t[name].flatten() for t in shards]) for name in ("x", "x_std")))
     rows = sum(len(t["x"]) for t in shards)
     log(f"latents (encoders.vae={encoders.vae!r}): mean {mu:.3f}, std {sigma:.3f} over {rows} cached training images")
