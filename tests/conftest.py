@@ -80,6 +80,19 @@ def set_tf32_switches(switches):
     torch.set_float32_matmul_precision(precision)  # after allow_tf32, which sets it as well
 
 
+def trained_for_the_module(main, argv):
+    """A trainer run by a module or session fixture: set up before the first test that asks for it, so unseen by
+    that test's leak guard. The accelerate state and the TF32 switches the run set are undone here, so that they do
+    not reach every later test of the worker (where a test that leaks them would pass or fail by order)."""
+    from accelerate.state import AcceleratorState
+
+    switches = tf32_switches()
+    out = main(argv)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    set_tf32_switches(switches)
+    return out
+
+
 def global_state():
     """What one test could leave behind for the next: torch's global switches (TF32 included), a process group
     left initialised, dynamo's config, the environment, and the attributes tests patch on torch (a patch not

@@ -109,11 +109,8 @@ def three_steps_third_poisoned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ema")
     with pytest.MonkeyPatch.context() as monkeypatch:
         calls = row_determined_loss(monkeypatch, poison_call=5)
-        run = fm.main(tiny_run_args(tmp, "ema", steps=3) + NO_DROPOUT + [
+        run = conftest.trained_for_the_module(fm.main, tiny_run_args(tmp, "ema", steps=3) + NO_DROPOUT + [
             "--train.grad_accum=2", "--train.batch_size=8", "--ckpt.every=1", "--ckpt.keep=5", "--log.every=1"])
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
     return run, calls
 
 

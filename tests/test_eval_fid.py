@@ -25,7 +25,7 @@ from training.evaluation import metrics, reference  # noqa: E402
 import train_flow_matching  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))  # conftest's helpers, also when accelerate launch imports this file
-from conftest import tiny_run_args  # noqa: E402
+from conftest import tiny_run_args, trained_for_the_module  # noqa: E402
 
 # The class run is trained with every control, so sampling must supply size, crop and flip metadata.
 CONTROLS = ['--conditioning.controls=["size", "crop", "flip"]']
@@ -55,7 +55,7 @@ class TinyFeatures:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A tiny class-conditional flow-matching run with controls, trained in-process (2 steps), exported."""
-    return train_flow_matching.main([*tiny_run_args(tmp_path_factory.mktemp("fm"), steps=2), *CONTROLS])
+    return trained_for_the_module(train_flow_matching.main, [*tiny_run_args(tmp_path_factory.mktemp("fm"), steps=2), *CONTROLS])
 
 
 def pngs(folder):

@@ -9,17 +9,14 @@ from PIL import Image
 import eval_fid
 import sample
 import train_flow_matching as fm
-from conftest import tiny_run_args
+from conftest import tiny_run_args, trained_for_the_module
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sample")
-    from accelerate.state import AcceleratorState
-
-    out = fm.main(tiny_run_args(tmp, steps=2) + ["--ckpt.every=2", "--log.report=false", "--model.num_layers=1"])
-    AcceleratorState._reset_state(reset_partial_state=True)
-    return out
+    return trained_for_the_module(fm.main, tiny_run_args(tmp, steps=2) + ["--ckpt.every=2", "--log.report=false",
+                                                                       "--model.num_layers=1"])
 
 
 def pngs(folder):

@@ -639,7 +639,6 @@ def test_every_new_state_resumes_bitwise(tmp_path):
     prep = tiny_run_args(tmp_path, "prep", steps=1) + ["--log.report=false"]
     fm.main(prep)
     from accelerate.state import AcceleratorState
-    AcceleratorState._reset_state(reset_partial_state=True)
     shard = next((tmp_path / "cache").glob("embedded-train-*/shard_00000.safetensors"))
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -654,8 +653,8 @@ def test_every_new_state_resumes_bitwise(tmp_path):
              "--objective.time_sampling=adaptive", "--train.grad_clip_mode=adaptive", "--train.grad_clip_history=3",
              "--train.on_divergence=rollback", "--train.max_nonfinite_steps=1", "--data.verify_cache=false", *CONSTANT_LR]
     for name, steps in (("straight", 8), ("resumed", 6), ("resumed", 8)):
+        AcceleratorState._reset_state(reset_partial_state=True)  # the last run's is the fixture's to undo (conftest)
         fm.main(tiny_run_args(tmp_path, name, steps=steps) + extra + (["--resume=latest"] if steps == 8 and name == "resumed" else []))
-        AcceleratorState._reset_state(reset_partial_state=True)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert [r["step"] for r in rows(straight) if r.get("event") == "rollback"] == [4]
     for name in ("model", "ema"):

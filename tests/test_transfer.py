@@ -17,7 +17,7 @@ from training.model.transfer import adapt_state, grid_positions, map_classes, re
 from training.run import checkpoints
 import train_ddpm as ddpm
 import train_flow_matching as fm
-from conftest import ROOT, tiny_run_args
+from conftest import ROOT, tiny_run_args, trained_for_the_module
 
 TINY_MODEL = ["--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16"]
 
@@ -206,7 +206,8 @@ def test_init_from_a_22k_run_maps_each_class_to_its_wordnet_id(tmp_path):
 def source_run(tmp_path_factory):
     """One 4-step run at 8 x 8 on the one-block model, its last checkpoint step 4: the source the init_from tests
     below load (they only read it), trained once for the module instead of once per test."""
-    return fm.main(tiny_run_args(tmp_path_factory.mktemp("source"), "low", steps=4) + TINY_MODEL + ["--data.resolution=8"])
+    return trained_for_the_module(fm.main, tiny_run_args(tmp_path_factory.mktemp("source"), "low", steps=4) + TINY_MODEL
+                                  + ["--data.resolution=8"])
 
 
 @pytest.mark.slow
