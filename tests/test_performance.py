@@ -212,15 +212,18 @@ def test_compiled_and_checkpointed_model_gives_the_same_loss_and_gradients():
 def test_gpu_throughput_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
     import json
     import sys
+
+    import conftest
     from conftest import ROOT
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_throughput
 
-    out = tmp_path / "throughput.md"
+    out, switches = tmp_path / "throughput.md", conftest.tf32_switches()
     result = gpu_throughput.main(["--config", str(ROOT / "configs" / "imagenet256.json"), "--out", str(out), "--steps=2",
                                   "--warmup=1", "--sample_steps=2", "--variants=eager,checkpointing",
                                   "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
                                   "--train.batch_size=2", "--data.resolution=32"])
+    conftest.set_tf32_switches(switches)  # the command turns TF32 on for its process, as the trainers do
     assert json.loads(out.with_suffix(".json").read_text()) == json.loads(json.dumps(result))
     assert [r["variant"] for r in result["train"]] == ["eager", "checkpointing"]
     assert all(r["images_per_s"] > 0 and r["tflops"] > 0 and r["mfu"] is None for r in result["train"])
