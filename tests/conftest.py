@@ -142,13 +142,18 @@ def no_global_state_left_behind():
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state(no_global_state_left_behind):
     """Each in-process run starts from a clean accelerate state (mixed precision is set once per process). The TF32
-    switches that common.make_accelerator turns on with it go with it; changed by a test that made no accelerator,
-    they are the leak guard's to report. (Set up after the guard, so torn down before it looks.)"""
+    switches that common.make_accelerator turns on go with it, also where the test reset accelerate's state itself
+    (its calls are counted); changed by a test that made no accelerator, they are the leak guard's to report. (Set
+    up after the guard, so torn down before it looks.)"""
     from accelerate.state import AcceleratorState, PartialState
 
-    switches = tf32_switches()
+    import common
+
+    switches, made, make_accelerator = tf32_switches(), [], common.make_accelerator
+    common.make_accelerator = lambda *args, **kwargs: made.append(1) or make_accelerator(*args, **kwargs)
     yield
-    if PartialState._shared_state:  # an accelerator was made
+    common.make_accelerator = make_accelerator
+    if made or PartialState._shared_state:
         set_tf32_switches(switches)
     AcceleratorState._reset_state(reset_partial_state=True)
 
