@@ -75,3 +75,25 @@ def test_the_floor_draws_every_class_alike_from_rows_listed_class_by_class():
     rows = datasets.Dataset.from_dict({"label": np.repeat(np.arange(10), 10), "i": np.arange(100)})
     picked = pc.balanced(rows, 20)
     assert np.bincount(picked["label"], minlength=10).tolist() == [2] * 10 and len(set(picked["i"])) == 20
+
+
+def test_a_fine_tuning_evaluates_its_own_weights_not_the_pre_trainings(tmp_path, monkeypatch):
+    """init_from keeps the source's EMA with no warm-up: every fine-tuning arm sets an EMA decay under which the
+    12-px weights keep under 5% of the final EMA after FINETUNE_STEPS (0.999, the recipe's, kept 67%: seed 0's
+    first design); scratch keeps the recipe's decay, which warms up from its random start."""
+    calls = {}
+    monkeypatch.setattr(pc, "train", lambda run, trainer_args, args, cwd=None: calls.update({run.name: trainer_args}))
+    monkeypatch.setattr(pc, "score", lambda *a, **k: {})
+    monkeypatch.setattr(pc, "write_quality", lambda *a: None)
+    (tmp_path / "cost.json").write_text(json.dumps({"finetune_steps": 400, "scratch_steps": 800}))
+    (tmp_path / "transfer" / "s0" / pc.PRETRAIN / "export").mkdir(parents=True)
+    for arm in pc.TRANSFER:
+        pc.transfer_stage(argparse.Namespace(out=str(tmp_path), extra=[], arm=arm, seed=0, steps=None))
+    for arm, trainer_args in calls.items():
+        decays = [float(a.split("=")[1]) for a in trainer_args if a.startswith("--train.ema_decay=")]
+        if arm == "scratch":
+            assert decays == [] and not any(a.startswith("--init_from") for a in trainer_args)
+        else:
+            assert f"--init_from={pc.PRETRAIN}" in trainer_args and len(decays) == 1, arm
+            assert decays[0] ** 400 < 0.05, arm
+    assert set(calls) == set(pc.TRANSFER)
