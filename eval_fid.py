@@ -157,6 +157,10 @@ def bucket_arg(cfg, args):
         raise config.ConfigError(f"--width {shape[0]} --height {shape[1]}: eval_fid.py scores a bucket the run trained at, "
                          f"whose reference images exist: one of " + ", ".join(f"{w}x{h}" for w, h in
                                                                                cfg["data"]["bucket_shapes"]))
+    if shape[0] != shape[1] and str(args.reference).startswith("cleanfid:"):  # clean-fid's are square images
+        raise config.ConfigError(f"--reference {args.reference}: clean-fid's statistics are of square images, so FD at "
+                                 f"the {shape[0]}x{shape[1]} bucket would count the shape as a difference; leave "
+                                 f"--reference out (that bucket's own reference images) or score a square bucket")
     return tuple(shape)
 
 

@@ -16,6 +16,7 @@ import torch
 from accelerate import Accelerator
 from PIL import Image
 
+import eval_fid
 import sample
 import train_flow_matching as fm
 from conftest import ROOT, TINY_MODEL
@@ -205,6 +206,17 @@ def test_a_sampling_shape_that_means_nothing_is_refused_in_one_line():
             buckets.shape_arg(bucketed, aspect_ratio=ratio)
     with pytest.raises(config.ConfigError, match="each at least 1"):
         buckets.shape_arg(bucketed, 0, 16)
+
+
+def test_eval_fid_refuses_a_square_reference_for_a_non_square_bucket():
+    """clean-fid's named statistics are of square images: scoring a 22 x 12 bucket against them counts the shape as
+    a difference, so eval_fid.bucket_arg refuses it before loading anything; a square bucket may use them."""
+    bucketed = {"data": {"resolution": 16, "bucket_shapes": [[12, 22], [16, 16], [22, 12]]}}
+    args = SimpleNamespace(run="RUN", width=22, height=12, aspect_ratio=None, reference="cleanfid:cifar10:32:train")
+    with pytest.raises(config.ConfigError, match="--reference cleanfid:cifar10:32:train: .* square images.*22x12"):
+        eval_fid.bucket_arg(bucketed, args)
+    assert eval_fid.bucket_arg(bucketed, SimpleNamespace(**{**vars(args), "width": 16, "height": 16})) == (16, 16)
+    assert eval_fid.bucket_arg(bucketed, SimpleNamespace(**{**vars(args), "reference": None})) == (22, 12)
 
 
 
