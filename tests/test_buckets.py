@@ -325,3 +325,43 @@ def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_expo
     theirs = np.load(tmp_path / "out.npy")
     diff = np.abs(theirs.astype(int) - pngs["wide"].astype(int))
     assert theirs.shape == (2, 12, 22, 3) and diff.max() <= 1 and (diff > 0).mean() < 0.01
+
+
+def test_a_resumed_bucket_run_keeps_its_buckets_and_another_global_batch_is_refused_in_one_line(tmp_path, capsys):
+    """--resume keeps the recorded data.bucket_shapes (the model's grid and the cache follow them). The same run on
+    two processes has a global batch of 16, under which the 22x46 bucket (12 images) would merge away: refused
+    before any work, naming train.global_batch, instead of a new grid failing at the checkpoint's load; with
+    train.global_batch=8 (the run's) it resumes with its buckets."""
+    import datasets
+    from safetensors.torch import save_file
+
+    from training.run import checkpoints
+
+    sizes = [(48, 24)] * 3 + [(24, 48)] * 12 + [(32, 32)] * 12 + [(60, 24)] * 2
+    ds = datasets.Dataset.from_dict({"image": [Image.new("RGB", s) for s in sizes], "label": [0] * len(sizes)},
+                                    features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+    ds = ds.cast_column("image", datasets.Image(decode=False))
+    args = ["--run_dir", str(tmp_path / "run"), "--data.resolution=32", "--data.buckets=[0.5,1,2]",
+            "--data.num_classes=1", "--train.batch_size=4", "--train.grad_accum=2"]
+    started = config.load_config(fm.DEFAULTS, args, method="flow_matching", schema=fm.CONFIG)
+    buckets.resolve(started, ds, Accelerator(cpu=True))
+    assert started.data.bucket_shapes == [[22, 46], [32, 32]]
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    for name in ("model", "ema", "optimizer"):
+        save_file({}, str(ckpt / f"{name}.safetensors"))
+    torch.save({"step": 4, "config": json.loads(json.dumps(started))}, ckpt / "state.pt")
+
+    def resumed(*extra):
+        cfg = config.load_config(fm.DEFAULTS, [*args, *extra, "--resume", "latest"], method="flow_matching", schema=fm.CONFIG)
+        checkpoints.keep_recorded(cfg, log=lambda line: None)
+        assert cfg.data.bucket_shapes == [[22, 46], [32, 32]]
+        return cfg
+
+    two_processes = SimpleNamespace(num_processes=2, print=lambda *a: None)
+    with pytest.raises(config.ConfigError, match=r"at a global batch of 16 \(\[\[32, 32\]\]\): a resumed run needs the "
+                                                 r"global batch it started with \(set train.global_batch"):
+        buckets.resolve(resumed(), ds, two_processes)
+    cfg = resumed("--train.global_batch=8")
+    buckets.resolve(cfg, ds, two_processes)
+    assert cfg.data.bucket_shapes == [[22, 46], [32, 32]]

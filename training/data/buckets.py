@@ -215,5 +215,7 @@ def resolve(cfg, ds, accelerator):
     shapes = [list(s) for s in shapes]
     if data.bucket_shapes is not None and [list(s) for s in data.bucket_shapes] != shapes:
         raise ConfigError(f"data.bucket_shapes={data.bucket_shapes} is not what data.buckets={data.buckets} gives on "
-                          f"this data and global batch ({shapes}): leave data.bucket_shapes unset (null); the run fills it")
+                          f"this data at a global batch of {batch} ({shapes}): a resumed run needs the global batch it "
+                          f"started with (set train.global_batch to its batch_size x processes x grad_accum); a new "
+                          f"run: leave data.bucket_shapes unset (null), the run fills it")
     data.bucket_shapes = shapes
