@@ -255,7 +255,8 @@ def main(argv=None):
                      tr.batch_size * world * tr.grad_accum, run_dir, accelerator.is_main_process)
     # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
     align = repa.Alignment(cfg, device)  # REPA's targets and weight per step (off: None); its encoder on the device
-    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt, align)
+    fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt, align,
+                   meanflow.probe_loss(obj) if obj.meanflow else None)  # MeanFlow: its JVP in the probe's step
     model, optimizer = sharding.prepare(model, optimizer, accelerator, tr)  # compiled (train.compile), DDP; or sharded
     lr_scale, lr_rule = common.lr_scale(tr, tr.batch_size * world * tr.grad_accum)  # the batch rule's factor
     raw_model = accelerator.unwrap_model(model)

@@ -231,6 +231,33 @@ def test_the_probe_runs_repas_encoder_and_projector(tmp_path, monkeypatch, tiny_
     assert cfg.train.batch_size == 4 and 8 in encoded and 4 in encoded
 
 
+def test_the_probe_runs_meanflows_jvp_and_leaves_pythons_generator_alone(tmp_path, monkeypatch):
+    """A MeanFlow step also runs the guided target's passes and a JVP of the model (meanflow.target) on every sample
+    with r < t: the probe's step has them, for the whole micro-batch. Injected: a GPU whose JVP fits 4 samples
+    and whose plain forward and backward fit 8. The probe draws its times from torch's forked generator, never
+    from Python's (meanflow.equal_count's), so the run's draws are the same as configured by hand."""
+    import random
+
+    from training.objectives import meanflow
+
+    target, jvp_sizes = meanflow.target, []
+
+    def limited(model, z, t, r, v, cond, equal, prediction="v"):
+        jvp_sizes.append(len(z) - equal)
+        if len(z) - equal > 4:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: a JVP of {len(z) - equal})")
+        return target(model, z, t, r, v, cond, equal, prediction)
+    monkeypatch.setattr(meanflow, "target", limited)
+    for loss, micro in ((None, 8), ("meanflow", 4)):
+        cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=8", "--train.batch_size=auto",
+                                                      "--objective.meanflow=true")
+        state = random.getstate()
+        fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64),
+                       loss=loss and meanflow.probe_loss(cfg.objective))
+        assert cfg.train.batch_size == micro and random.getstate() == state
+    assert 8 in jvp_sizes and 4 in jvp_sizes
+
+
 def test_contrastive_flow_matching_refuses_a_probed_micro_batch_of_one(tmp_path, monkeypatch):
     """Written literally, train.batch_size=1 is refused at start-up (test_config); "auto" resolving to 1 must be
     too, or the objective silently becomes (1 - lambda) x plain flow matching (the roll pairs each sample with itself)."""

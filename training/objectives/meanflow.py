@@ -143,6 +143,17 @@ def training_loss(model, raw, x0, cond, t, r, equal, noise, obj, align=None):
     return error, terms
 
 
+def probe_loss(obj):
+    """training_loss as fit.plan_batch's memory probe runs it (train.batch_size='auto'): every sample with r < t, so
+    the whole micro-batch goes through the JVP (a step's most memory: the share with r = t varies by micro-batch),
+    the guided target's passes included. Times and noise come from torch's generator, which the probe forks;
+    equal_count's Python draw, which it does not, is never made."""
+    def loss(forward, model, x0, cond, align):
+        t = torch.rand(len(x0), device=x0.device)
+        return training_loss(forward, model, x0, cond, t, t * torch.rand_like(t), 0, torch.randn_like(x0), obj, align)
+    return loss
+
+
 def problems(cfg):
     """The start-up checks of objective.meanflow (handed to the config loader by train_flow_matching.py)."""
     obj, out = cfg["objective"], []

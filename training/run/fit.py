@@ -121,7 +121,8 @@ def probe_batch(train_set, text_encoder, micro, device):
 
 def probe_step(run, micro, checkpointing, timed=0):
     """Forward and backward of a micro-batch as the loop runs them (compiled or not, the run's autocast; with REPA
-    its targets, encoded now when on the fly, and the projector's tokens and term), then
+    its targets, encoded now when on the fly, and the projector's tokens and term; with `run.loss`, the trainer's
+    own step where it takes more than one forward: MeanFlow's target passes and JVP), then
     the optimizer step skipped on the device (found_inf = 1: the fused AdamW allocates its moments, as the first
     real step will, and leaves weights and moments as they were), then the gradients dropped. With `timed`,
     returns seconds per forward + backward over that many passes after the first."""
@@ -135,9 +136,12 @@ def probe_step(run, micro, checkpointing, timed=0):
                 start = time.perf_counter()
             align = run.align(batch, 0) if run.align is not None else None  # REPA (off: None)
             with run.accelerator.autocast():
-                out, tokens = repa.forward(run.forward, align, batch["x"], t, cond)
-                terms = repa.terms(tokens, align)
-                loss = out.float().pow(2).mean() + sum(term.mean() for term in terms.values())  # costs nothing next to the model
+                if run.loss is not None:
+                    error, terms = run.loss(run.forward, run.model, batch["x"], cond, align)
+                else:
+                    out, tokens = repa.forward(run.forward, align, batch["x"], t, cond)
+                    error, terms = out.float().pow(2), repa.terms(tokens, align)  # costs nothing next to the model
+                loss = error.mean() + sum(term.mean() for term in terms.values())
             loss.backward()
         if timed:
             synchronize(run.device)
@@ -233,7 +237,7 @@ def resolved_keys(train):
     return keys
 
 
-def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None, ckpt=None, align=None):
+def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None, ckpt=None, align=None, loss=None):
     """train.global_batch: sets train.batch_size (the micro-batch), train.grad_accum and
     train.gradient_checkpointing in `cfg`, and on the model. batch_size "auto": a resumed run reuses the choice
     its checkpoint recorded; a new one probes the divisors of global_batch / processes (largest_fitting, choose)
@@ -242,7 +246,8 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
     broadcast in every forward) can pair one rank's trial with another's, and its gradients take the memory that
     DDP's buckets take in the run. The probe changes nothing the run keeps (weights, optimizer state, RNG, data
     position), so the run then equals the same run configured by hand; `align` (repa.Alignment, None: off) puts
-    REPA's encoder and projector in the probe's step. The resolved train section is written to
+    REPA's encoder and projector in the probe's step, and `loss(forward, model, x0, cond, align) -> (per-sample
+    loss, terms)` the trainer's objective where a step is more than one forward (meanflow.probe_loss). The resolved train section is written to
     config.json and the probe's findings to fit.json in the run folder. Without global_batch: nothing
     (batch_size x processes x grad_accum, as set)."""
     tr, world, device = cfg.train, accelerator.num_processes, accelerator.device
@@ -262,7 +267,7 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
             raise RuntimeError("fit.plan_batch runs before the optimizer's first step (its state would be dropped)")
         run = SimpleNamespace(accelerator=accelerator, model=model.to(device), optimizer=optimizer, inner=inner,
                               forward=torch.compile(model) if tr.compile else model, train_set=train_set,
-                              text_encoder=text_encoder, device=device, align=align)
+                              text_encoder=text_encoder, device=device, align=align, loss=loss)
         candidates = divisors(per_process, at_most=images_in(train_set) // world)  # what iterate_batches allows
         missing = object()
         found_inf = inner.__dict__.get("found_inf", missing)
