@@ -203,6 +203,9 @@ def load_config(defaults, argv=None, method="run", schema=None):
 BEFORE_THE_KEY = {"conditioning.pooled_text": True}
 # None: the trainer reads it from the data at every start (sources.open_splits, buckets.resolve)
 TRAINER_FILLS = {"data.num_classes", "data.bucket_shapes"}
+# Of those, what --resume fills anew rather than keeping; the buckets stay (the run's model grid and cache), and
+# buckets.resolve refuses a start (another global batch) that would give others
+RESUME_REFILLS = TRAINER_FILLS - {"data.bucket_shapes"}
 
 
 def recorded(then, key, default):

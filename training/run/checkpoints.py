@@ -217,8 +217,8 @@ def keep_recorded(cfg, skip=(), log=print):
     """--resume: the run goes on with the values it started with. Every key that neither a --config file nor the
     command line sets now takes the value of the checkpoint's recorded config (or its value from before the key,
     config.BEFORE_THE_KEY) where today's default differs: a default changed since would otherwise resume another
-    model without a word. What is set now wins (a change on purpose); `skip` and config.TRAINER_FILLS: keys the
-    trainer resolves itself (data.bucket_shapes is kept). Each key taken is printed. Reads only the checkpoint's
+    model without a word. What is set now wins (a change on purpose); `skip` and config.RESUME_REFILLS: keys the
+    trainer resolves itself at every start. Each key taken is printed. Reads only the checkpoint's
     config (memory-mapped state.pt); no checkpoint: nothing."""
     ckpt = find_checkpoint(cfg.run_dir, cfg.resume) if cfg.resume else None
     if ckpt is None:
@@ -228,10 +228,7 @@ def keep_recorded(cfg, skip=(), log=print):
     taken, kept = {}, {*cfg.explicit, *skip, "resume"}
     for key, now in config.flatten(cfg).items():
         old = json.loads(json.dumps(config.recorded(then, key, now)))  # as recorded (JSON): a tuple, its list equal
-        # the trainer fills these anew at every start, except the buckets: they are the run's model grid and cache,
-        # so a resumed run keeps them and buckets.resolve refuses a start (another global batch) that gives others
-        refill = now is None and key in config.TRAINER_FILLS and key != "data.bucket_shapes"
-        if key in kept or refill or old == json.loads(json.dumps(now)):
+        if key in kept or (now is None and key in config.RESUME_REFILLS) or old == json.loads(json.dumps(now)):
             continue
         *sections, leaf = key.split(".")
         section = cfg

@@ -247,8 +247,8 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
     DDP's buckets take in the run. The probe changes nothing the run keeps (weights, optimizer state, RNG, data
     position), so the run then equals the same run configured by hand; `align` (repa.Alignment, None: off) puts
     REPA's encoder and projector in the probe's step, and `loss(forward, model, x0, cond, align) -> (per-sample
-    loss, terms)` the trainer's objective where a step is more than one forward (meanflow.probe_loss). The resolved train section is written to
-    config.json and the probe's findings to fit.json in the run folder. Without global_batch: nothing
+    loss, terms)` the trainer's objective where a step is more than one forward (meanflow.probe_loss). The
+    resolved train section is written to config.json and the probe's findings to fit.json in the run folder. Without global_batch: nothing
     (batch_size x processes x grad_accum, as set)."""
     tr, world, device = cfg.train, accelerator.num_processes, accelerator.device
     if tr.global_batch is None:
