@@ -122,10 +122,10 @@ def probe_batch(train_set, text_encoder, micro, device):
 def probe_step(run, micro, checkpointing, timed=0):
     """Forward and backward of a micro-batch as the loop runs them (compiled or not, the run's autocast; with REPA
     its targets, encoded now when on the fly, and the projector's tokens and term; with `run.loss`, the trainer's
-    own step where it takes more than one forward: MeanFlow's target passes and JVP), then
-    the optimizer step skipped on the device (found_inf = 1: the fused AdamW allocates its moments, as the first
-    real step will, and leaves weights and moments as they were), then the gradients dropped. With `timed`,
-    returns seconds per forward + backward over that many passes after the first."""
+    own step where it takes more than one forward: MeanFlow's target passes and JVP), then the optimizer step
+    skipped on the device (found_inf = 1: the fused AdamW allocates its moments, as the first real step will, and
+    leaves weights and moments as they were), then the gradients dropped. With `timed`, returns seconds per
+    forward + backward over that many passes after the first."""
     set_checkpointing(run.model, checkpointing)
     batch, t, cond = probe_batch(run.train_set, run.text_encoder, micro, run.device)
     seconds = None
@@ -248,8 +248,8 @@ def plan_batch(cfg, accelerator, model, optimizer, train_set, text_encoder=None,
     position), so the run then equals the same run configured by hand; `align` (repa.Alignment, None: off) puts
     REPA's encoder and projector in the probe's step, and `loss(forward, model, x0, cond, align) -> (per-sample
     loss, terms)` the trainer's objective where a step is more than one forward (meanflow.probe_loss). The
-    resolved train section is written to config.json and the probe's findings to fit.json in the run folder. Without global_batch: nothing
-    (batch_size x processes x grad_accum, as set)."""
+    resolved train section is written to config.json and the probe's findings to fit.json in the run folder.
+    Without global_batch: nothing (batch_size x processes x grad_accum, as set)."""
     tr, world, device = cfg.train, accelerator.num_processes, accelerator.device
     if tr.global_batch is None:
         return
