@@ -22,7 +22,6 @@ call it. For several nodes, --out_dir and --stats_cache must be on a shared file
 import argparse
 import hashlib
 import importlib
-import io
 import json
 import math
 import os
@@ -37,17 +36,17 @@ from PIL import Image
 
 import common
 from training.config import config
-from training.data.buckets import default_shape, largest_side, rows_in, shape_arg
-from training.data.encoders import decode, encode_text, load_encoders
-from training.data.sources import preprocess
+from training.data.buckets import shape_arg
+from training.data.encoders import decode, load_encoders
 from training.model.mmdit import build_denoiser, load_exported
 from training.run import checkpoints, hub
 from training.run.monitor import progress
 from training.run.phema import apply_reconstruction
 from training.evaluation import classifier, tuning
+from training.evaluation.generation import load_prompts, make_condition, make_controls, noise_shape, seed_for
 from training.evaluation.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores,
                                          dinov2_features, feature_tag, fid_size_warning, size_tag)
-from training.evaluation.reference import heldout, inception_features, reference_for, reference_size, to_uint8
+from training.evaluation.reference import inception_features, reference_for, reference_size, to_uint8
 from training.record import curves
 
 # ----------------------------------------------------------------------------------------------------------
@@ -218,79 +217,9 @@ def load_model(run, checkpoint=None, weights="ema", phema_std=None):
 
 # ----------------------------------------------------------------------------------------------------------
 # Generation. Work is cut into fixed batches of sample indices [b B, (b + 1) B), dealt to ranks round robin.
-# Sample i's noise has its own seed and a stochastic sampler's RNG is seeded per batch, so the PNGs are the
-# same with 1 or 64 processes (on the same kind of device, with the same batch size).
-
-
-def seed_for(*path):
-    """A 63-bit seed per (base seed, stream, index) from numpy's SeedSequence: streams never overlap."""
-    return int(np.random.SeedSequence(list(path)).generate_state(2, np.uint64)[0] >> np.uint64(1))
-
-
-def load_prompts(prompts, cfg):
-    """Captions for a text model: a file (one caption per line) or 'heldout' (the held-out rows' captions)."""
-    if prompts in (None, "heldout"):
-        return list(heldout(config.Config(cfg["data"]))[cfg["data"]["caption_column"]])
-    return [line.strip() for line in Path(prompts).read_text().splitlines() if line.strip()]
-
-
-def make_controls(cfg, policy, shape=None):
-    """controls(i) -> the size/crop/flip metadata of sample i, for runs trained with controls (else None),
-    made by preprocess itself (centre crop, no flip) from an original size: held-out row i % n's
-    ('heldout': the distribution the reference comes from; only the image header is read) or R x R. `shape`
-    (width, height; a run with buckets): the held-out rows of that bucket, each cropped to it, or ('square') an
-    uncropped original of that shape."""
-    if not cfg["conditioning"]["controls"]:
-        return None
-    data = config.Config({**cfg["data"], "crop": "center", "random_flip": False})
-    rows = heldout(data) if policy == "heldout" else None
-    if rows is not None and shape is not None:  # that bucket's held-out rows (none: an uncropped original of it)
-        picked = rows_in(rows, data.image_column, data.bucket_shapes, shape)
-        rows = rows.select(picked) if picked else None
-
-    def controls(i):
-        size = shape or (data.resolution, data.resolution)
-        if rows is not None:
-            value = rows[i % len(rows)][data.image_column]
-            size = Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]).size
-        return preprocess(Image.new("RGB", size), 8, data, shape=shape)[1]  # the metadata, not the pixels
-    return controls
-
-
-def make_condition(cfg, model, prompts, device, controls=None):
-    """cond(indices) -> the conditions of those samples: class i % num_classes (balanced over classes), or
-    prompt i % len(prompts) encoded by the run's own text encoder; plus controls(i) when the run has them."""
-    text = None
-    if prompts is not None:
-        text = load_encoders(config.Config({**cfg["encoders"], "vae": None}), device)[1:]
-
-    def cond(idx):
-        out = {"drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
-        if text is None:
-            out["label"] = torch.tensor(idx, device=device) % model.conditioner.num_classes
-        else:
-            captions = [prompts[i % len(prompts)] for i in idx]
-            out.update(encode_text(*text, captions, cfg["encoders"]["max_tokens"]))
-        if controls is not None:
-            meta = [controls(i) for i in idx]
-            out.update({k: torch.stack([m[k] for m in meta]).to(device) for k in meta[0]})
-        return out
-    return cond
-
-
-def noise_shape(cfg, transformer, shape=None):
-    """(channels, height, width) in model space of samples `shape` (width, height) pixels (None: a square run's
-    data.resolution, a bucket run's squarest bucket). Each side must be a whole number of patches at the VAE's factor
-    and fit the positional grid: else one ConfigError naming the sides that work."""
-    tc = transformer.config
-    shape = shape or (default_shape(cfg) if cfg["data"].get("bucket_shapes") else None)
-    if shape is None:
-        return tc.in_channels, tc.sample_size, tc.sample_size
-    scale, multiple = largest_side(cfg) // tc.sample_size, largest_side(cfg) // tc.sample_size * tc.patch_size
-    if any(side % multiple or side > largest_side(cfg) for side in shape):
-        raise config.ConfigError(f"{shape[0]}x{shape[1]} px: each side must be a multiple of {multiple} (patch {tc.patch_size} "
-                         f"x the VAE's factor {scale}) and at most {largest_side(cfg)} (the positional grid)")
-    return tc.in_channels, shape[1] // scale, shape[0] // scale
+# Sample i's noise has its own seed (training/evaluation/generation.py: what sample i is) and a stochastic
+# sampler's RNG is seeded per batch, so the PNGs are the same with 1 or 64 processes (on the same kind of
+# device, with the same batch size).
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from training.config import config
 from training.data.buckets import default_shape, shape_arg
 from training.data.classes import readable_names
 from training.data.encoders import encode_text, load_encoders
+from training.evaluation import generation
 from training.run import checkpoints, hub
 from training.record import runlog
 
@@ -151,7 +152,7 @@ def main(argv=None):
         rows = pick_classes(args.classes, model.conditioner.num_classes, run_class_ids(args.run, args.checkpoint))
     items = [row for row in rows for _ in range(args.per_class)]
     shape = shape_arg(cfg, args.width, args.height, args.aspect_ratio)  # (width, height) in pixels
-    controls = eval_fid.make_controls(cfg, "square", shape)  # an uncropped, unflipped original of that shape
+    controls = generation.make_controls(cfg, "square", shape)  # an uncropped, unflipped original of that shape
 
     def cond(idx):
         out = {"drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}

@@ -25,6 +25,7 @@ from training.data import buckets
 from training.data.batching import bucket_order, iterate_batches, same_bucket
 from training.data.cache import CachedDataset, build_cache
 from training.data.sources import preprocess
+from training.evaluation import generation
 
 
 def test_the_shapes_are_diffusers_ladder_and_each_side_a_multiple():
@@ -224,7 +225,7 @@ def test_the_pipelines_shape_and_controls_are_the_trainers():
     """The exported pipeline (MinimalDiffusionPipeline, model_index.json's buckets): its default shape is the squarest
     bucket, as sample.py's; a side that is not a positive whole patch in the grid is refused; its default size and
     crop controls for a non-square sample, and for an original_size of another aspect, are what preprocess records
-    for such an image cropped to that shape (the trainer's cache, eval_fid.make_controls)."""
+    for such an image cropped to that shape (the trainer's cache, generation.make_controls)."""
     from training.sharing.exported.pipeline import MinimalDiffusionPipeline as Pipe
 
     shapes = [[12, 22], [16, 16], [22, 12]]
@@ -279,8 +280,6 @@ np.save(sys.argv[2], np.stack([np.asarray(i) for i in images]))
 def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_export_samples_wide(tmp_path):
     from accelerate.state import AcceleratorState
 
-    import eval_fid
-
     source = shapes_folder(tmp_path / "shapes")
     args = [*TINY_MODEL, "--model.num_layers=1", f"--data.source={source}", "--data.resolution=16",
             "--data.buckets=[0.5,1,2]", "--data.cache_dir", str(tmp_path / "cache"), "--train.batch_size=4",
@@ -315,7 +314,7 @@ def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_expo
             for name, out in (("wide", wide), ("tall", tall))}
     assert pngs["wide"].shape == (2, 12, 22, 3) and pngs["tall"].shape == (1, 22, 12, 3)
     # the export, with diffusers alone, at height 12 x width 22: sample.py's images for the same seeds
-    job = {"folder": str(full / "export"), "classes": ["blue", "red"], "seeds": [eval_fid.seed_for(0, 0, i) for i in range(2)]}
+    job = {"folder": str(full / "export"), "classes": ["blue", "red"], "seeds": [generation.seed_for(0, 0, i) for i in range(2)]}
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SAMPLE, json.dumps(job), str(tmp_path / "out.npy")],

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_fid  # noqa: E402
 from training.config import config  # noqa: E402
-from training.evaluation import metrics, reference  # noqa: E402
+from training.evaluation import generation, metrics, reference  # noqa: E402
 import train_flow_matching  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))  # conftest's helpers, also when accelerate launch imports this file
@@ -232,7 +232,7 @@ def test_fid_during_training(run, tmp_path):
     assert set(metrics) == {"fid_clean_12", "kid_clean_12"} | manifold
     assert not model.training
     # Closed form: ||mu - mu_r||^2 + Tr(S + S_r - 2 sqrtm(S S_r)) of the same 12 samples' features.
-    cond = eval_fid.make_condition(cfg, model, None, "cpu", eval_fid.make_controls(cfg, "heldout"))
+    cond = generation.make_condition(cfg, model, None, "cpu", generation.make_controls(cfg, "heldout"))
     images = {b: np.concatenate([eval_fid.sample_batch(model, cfg, cond, idx, 0, 2)
                                  for idx in common.my_batches(12, b, 0, 1)]) for b in (6, 4)}
     feats = TinyFeatures()(list(images[6]))
@@ -477,7 +477,7 @@ def test_few_reference_images_are_flagged_before_sampling_and_a_missing_network_
         eval_fid.main(["--run", str(run), "--num_samples", "8", *GEN, "--out_dir", str(tmp_path / "e"),
                        "--stats_cache", str(tmp_path / "stats")], feature_fn=TinyFeatures(dim=64))
     out = capsys.readouterr().out
-    heldout = len(eval_fid.heldout(config.Config(json.loads((run / "config.json").read_text())["data"])))
+    heldout = len(reference.heldout(config.Config(json.loads((run / "config.json").read_text())["data"])))
     assert f"warning: FID's covariances have more dimensions (64) than images (the reference has {heldout} and " \
            f"the samples 8)" in out
 

@@ -24,7 +24,7 @@ from training.config import config
 from training.data.encoders import encode_text, load_encoders
 from training.model.mmdit import Conditioner, build_denoiser
 from training.run import hub
-from training.evaluation import tuning
+from training.evaluation import generation, tuning
 from training.evaluation.metrics import size_tag
 from training.sharing import model_card, pipeline_export
 from training.sharing.exported.conditioner import Conditioner as ExportedConditioner
@@ -61,18 +61,18 @@ def train(trainer, tmp, name, extra):
 
 def repo_latents(run, labels=None, prompts=None, **overrides):
     """The repository's own sampler (the trainer's generate, as sample.py calls it) on sample.py's noise and
-    conditions: image i's noise from eval_fid.seed_for(0, 0, i), controls of an uncropped square original."""
+    conditions: image i's noise from generation.seed_for(0, 0, i), controls of an uncropped square original."""
     model, cfg, _ = eval_fid.load_model(run)
     tc, n = model.transformer.config, len(labels or prompts)
     noise = torch.stack([torch.randn((tc.in_channels, tc.sample_size, tc.sample_size),
-                                     generator=torch.Generator().manual_seed(eval_fid.seed_for(0, 0, i))) for i in range(n)])
+                                     generator=torch.Generator().manual_seed(generation.seed_for(0, 0, i))) for i in range(n)])
     cond = {"drop": torch.zeros(n, dtype=torch.bool)}
     if prompts:
         text = load_encoders(config.Config({**cfg["encoders"], "vae": None}), torch.device("cpu"))[1:]
         cond.update(encode_text(*text, prompts, cfg["encoders"]["max_tokens"]))
     else:
         cond["label"] = torch.tensor(labels)
-    controls = eval_fid.make_controls(cfg, "square")
+    controls = generation.make_controls(cfg, "square")
     if controls is not None:
         meta = [controls(i) for i in range(n)]
         cond.update({k: torch.stack([m[k] for m in meta]) for k in meta[0]})
@@ -98,7 +98,7 @@ def test_the_folder_samples_as_sample_py_where_this_repository_is_not_importable
     classes, prompts = ["red circle", "8"], ["a small red circle", "a large blue square"]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     jobs = [{"name": name, "folder": str(run / "export"), "prompts": prompts if name == "text" else classes,
-             "seeds": [eval_fid.seed_for(0, 0, i) for i in range(2)], "kwargs": {}} for name, run in runs.items()]
+             "seeds": [generation.seed_for(0, 0, i) for i in range(2)], "kwargs": {}} for name, run in runs.items()]
     jobs.append({**jobs[0], "name": "flow, guidance 2 everywhere", "kwargs": {"guidance_scale": 2.0, "guidance_interval": [0, 1]}})
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}

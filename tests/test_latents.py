@@ -17,7 +17,6 @@ import torch
 from diffusers import AutoencoderKL
 from PIL import Image
 
-import eval_fid
 import sample
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
@@ -28,7 +27,7 @@ from tools.classifier import split_images
 from training.config import config
 from training.data import cache, fashion_mnist, latents
 from training.data.encoders import decode, make_encode
-from training.evaluation import classifier
+from training.evaluation import classifier, generation
 
 LATENT_RECIPE = str(ROOT / "configs" / "fashion_mnist_latent.json")
 TINY_AE = ["--channels", "8,8", "--steps", "2", "--batch_size", "16"]  # 28 px -> 4 x 14 x 14, as the recipe's
@@ -253,7 +252,7 @@ def test_a_latent_run_trains_resumes_exactly_and_exports_with_its_autoencoder(tm
     shutil.move(ae, tmp_path / "elsewhere")  # the folder it was trained with is gone
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
-    seeds = ",".join(str(eval_fid.seed_for(0, 0, i)) for i in range(2))  # sample.py's noise for images 0 and 1
+    seeds = ",".join(str(generation.seed_for(0, 0, i)) for i in range(2))  # sample.py's noise for images 0 and 1
     done = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SAMPLE, str(export), str(tmp_path / "theirs.npy"),
                            seeds], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -19,6 +19,7 @@ import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 from test_export_pipeline import LOAD_AND_SAMPLE, repo_latents
 from training.config import config
+from training.evaluation import generation
 from training.model.mmdit import build_denoiser
 from training.objectives import meanflow, repa, xprediction
 from training.run import start
@@ -307,7 +308,7 @@ def test_a_meanflow_run_trains_resumes_exactly_exports_and_samples_in_one_step_w
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
     job = {"name": "meanflow", "folder": str(run / "export"), "prompts": ["red circle", "8"],
-           "seeds": [sample.eval_fid.seed_for(0, 0, i) for i in range(2)], "kwargs": {}}
+           "seeds": [generation.seed_for(0, 0, i) for i in range(2)], "kwargs": {}}
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SAMPLE, json.dumps([job]), str(tmp_path / "out.pt")],

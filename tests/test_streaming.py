@@ -16,13 +16,13 @@ from safetensors.torch import load_file
 from training.config import config
 from training.data import cache
 from training.data import encoders
-import eval_fid
 import train_flow_matching as fm
 from conftest import DEMO_WORDS, tiny_run_args
 from training.data.cache import CachedDataset, build_cache
 from training.data.encoders import encode_text, make_encode
 from training.data.encoding import cache_size, samples_per_shard
 from training.data.sources import open_splits
+from training.evaluation.reference import heldout
 
 SHARDS, PER_SHARD = 8, 32  # 256 samples
 BROKEN = {(1, 5): "jpg", (2, 9): "txt", (4, 0): "empty", (6, 31): "jpg"}  # (shard, index) -> what is wrong
@@ -122,7 +122,7 @@ def test_heldout_rows_are_the_first_of_the_named_shards_for_any_process_count(wd
     _, val = open_splits(cfg.data)
     # The first 40 samples of shards 6 and 7, in order (the broken ones among them are skipped in the cache).
     assert val["__key__"] == [f"{6 + n // PER_SHARD:05d}{n % PER_SHARD:04d}" for n in range(40)]
-    assert eval_fid.heldout(cfg.data)["__key__"] == val["__key__"]  # eval_fid.py reads the same rows
+    assert heldout(cfg.data)["__key__"] == val["__key__"]  # eval_fid.py reads the same rows (reference.heldout)
     one = build(config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "one")), val, "val", 1)
     two = build(config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "two", workers=2)), val, "val", 2)
     assert_same_shards(shard_tensors(one), shard_tensors(two))

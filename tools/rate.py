@@ -112,9 +112,9 @@ def condition_names(side):
     if Path(prompts).is_file():
         lines = [s.strip() for s in Path(prompts).read_text().splitlines() if s.strip()]
     elif (run / "config.json").is_file():
-        import eval_fid  # (torch: text runs only)
+        from training.evaluation.generation import load_prompts  # (torch: text runs only)
 
-        lines = eval_fid.load_prompts(prompts, json.loads((run / "config.json").read_text()))
+        lines = load_prompts(prompts, json.loads((run / "config.json").read_text()))
     else:
         return lambda i: f"prompt {i % cond['num_prompts']} of {prompts}"
     return lambda i: lines[i % len(lines)]

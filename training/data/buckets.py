@@ -82,7 +82,7 @@ def largest_side(cfg):
 def shape_arg(cfg, width=None, height=None, aspect_ratio=None):
     """(width, height) that sample.py and eval_fid.py sample at: --width and --height as given, --aspect_ratio
     ("3:2" or 1.5) the nearest of the run's buckets, else default_shape. Each side must fit the positional grid
-    (its multiple of patch x the VAE's factor is checked where the model is known: eval_fid.noise_shape); a
+    (its multiple of patch x the VAE's factor is checked where the model is known: generation.noise_shape); a
     one-line ConfigError says which shapes the run was trained at."""
     shapes = cfg["data"].get("bucket_shapes") or [(cfg["data"]["resolution"],) * 2]
     trained = ", ".join(f"{w}x{h}" for w, h in shapes)
