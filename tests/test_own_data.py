@@ -2,6 +2,7 @@
 data.num_classes read from the data, every image mode converted with its full range."""
 import io
 import json
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -141,6 +142,45 @@ def test_an_imagefolder_opens_as_datasets_infers_it_without_its_split_search(tmp
         assert pixels == sorted(np.asarray(r["image"])[0, 0, 0] for r in expected), (layout, split)
         if "label" in expected.column_names:
             assert sorted(got["label"]) == sorted(expected["label"]), (layout, split)
+
+
+PARQUET_LAYOUTS = {  # folder -> files, each of 2 rows: the hub's layout, split names in files, in folders, none
+    "hub": ["data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet",
+            "data/test-00000-of-00001.parquet"],
+    "file_names": ["train.parquet", "validation.parquet", "my_test-0.parquet"],
+    "split_folders": ["train/a.parquet", "train/b.parquet", "dev/c.parquet"],
+    "plain": ["part-0.parquet", "part-1.parquet"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(PARQUET_LAYOUTS))
+def test_a_parquet_folder_is_split_by_file_name_as_datasets_splits_it(tmp_path, layout):
+    """Each split reads its own files, the ones datasets' own inference gives it (the oracle): a hub-style folder's
+    'test' is never trained on and --reference_split test never scores the training rows; a split that matches no
+    file is refused by name, listing the splits there are. A plain folder is one split, 'train'."""
+    import datasets
+
+    from training.data.sources import open_dataset
+
+    folder = tmp_path / "pq"
+    for i, name in enumerate(PARQUET_LAYOUTS[layout]):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_dict({"image": [b"", b""], "row": [2 * i, 2 * i + 1]}).to_parquet(str(folder / name))
+    data = config.Config(source=str(folder), image_column="image", label_column=None, caption_column=None)
+    expected = datasets.load_dataset(str(folder))
+    assert len(expected) == {"hub": 2, "file_names": 3, "split_folders": 2, "plain": 1}[layout]
+    for split in expected:
+        assert sorted(open_dataset(data, split)["row"]) == sorted(expected[split]["row"]), (layout, split)
+    assert sum(len(open_dataset(data, split)) for split in expected) == 2 * len(PARQUET_LAYOUTS[layout])
+    missing = "validation" if layout in ("hub", "plain") else "test" if layout == "split_folders" else "dev"
+    refusal = f"data.source='{folder}' has no split '{missing}': its parquet files make the splits {sorted(expected)}"
+    with pytest.raises(config.ConfigError, match=re.escape(refusal)):
+        open_dataset(data, missing)
+    single = config.Config(data, source=str(folder / PARQUET_LAYOUTS[layout][-1]))  # a file named: one split, train
+    assert sorted(open_dataset(single, "train")["row"]) == [2 * len(PARQUET_LAYOUTS[layout]) - 2,
+                                                           2 * len(PARQUET_LAYOUTS[layout]) - 1]
+    with pytest.raises(config.ConfigError, match=r"has no split 'test': .* the splits \['train'\] "):
+        open_dataset(single, "test")
 
 
 def test_a_wrong_data_source_names_the_key_what_was_tried_and_why(tmp_path, monkeypatch):

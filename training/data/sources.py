@@ -150,17 +150,20 @@ def open_dataset(data, split):
 def load_source(source, split):
     """datasets' reading of data.source: parquet files, a local folder, else a hub id. What cannot be read stops
     the run with one ConfigError naming data.source, what was tried (the local path, then the hub id) and why
-    each failed. A path that cannot be a hub id (absolute, ./, ../, ~, a trailing /) is never sent to the hub."""
+    each failed. A path that cannot be a hub id (absolute, ./, ../, ~, a trailing /) is never sent to the hub.
+    Parquet files are split by their names (parquet_files); an image folder by its split folders."""
     import datasets
 
     path = Path(source).expanduser()
     parquet = source.endswith(".parquet") or (path.is_dir() and any(path.glob("**/*.parquet")))
     if parquet or path.is_dir():
-        files = {split: str(path) if source.endswith(".parquet") else str(path / "**/*.parquet")}
         try:
             with quiet_datasets():  # a local folder's "Downloading data: 180 files" downloads nothing
-                return datasets.load_dataset("parquet", data_files=files, split=split) if parquet else \
+                return datasets.load_dataset("parquet", data_files={split: parquet_files(source, split)},
+                                             split=split) if parquet else \
                     datasets.load_dataset("imagefolder", **imagefolder_files(path, split), split=split)
+        except ConfigError:
+            raise
         except Exception as e:  # datasets raises many types; the first line of its message says why
             raise ConfigError(f"data.source='{source}': {path.resolve()} could not be read as "
                               f"{'parquet files' if parquet else 'an image folder'} (split '{split}'): "
@@ -179,6 +182,31 @@ def load_source(source, split):
     raise ConfigError(f"data.source='{source}' cannot be opened. Tried as a local folder: {local}; {hub}. Set "
                       f"data.source to a folder of images (class folders or metadata.jsonl), parquet files, or a "
                       f"Hugging Face dataset id (user/name).")
+
+
+def parquet_files(source, split):
+    """The parquet files of split `split`, named as `datasets` names a folder's splits (its data_files patterns, the
+    hub's layout among them): data/train-00000-of-00002.parquet, train.parquet, train/*.parquet, my_test-0.parquet
+    and their validation (valid, val, dev) and test (testing, eval) kin; a folder whose files name no split is one
+    split, 'train'. A source naming files (a file or a glob ending in .parquet) is one split, 'train', as datasets
+    reads data_files. A split that matches no file is an error naming the splits there are: reading every file
+    for every split trained on the test rows and scored --reference_split test against the training rows."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    if source.endswith(".parquet"):
+        splits = {"train": [str(Path(source).expanduser())]}
+    else:
+        folder = str(Path(source).expanduser())
+        found = DataFilesDict.from_patterns(get_data_patterns(folder), base_path=folder)
+        splits = {str(name): [f for f in files if f.endswith(".parquet")] for name, files in found.items()}
+        splits = {name: files for name, files in splits.items() if files}
+    if split not in splits:
+        raise ConfigError(f"data.source='{source}' has no split '{split}': its parquet files make the splits "
+                          f"{sorted(splits)} (split by file name as datasets does: train-*.parquet, test-*.parquet, "
+                          f"data/validation-00000-of-00001.parquet, a folder named by its split; files that name no "
+                          f"split are one split, 'train'). Name one of these splits, or point data.source at a folder "
+                          f"whose files name '{split}'")
+    return splits[split]
 
 
 def first_line(error):
