@@ -163,14 +163,18 @@ def assert_samples_as_the_trainer(trainer, model, cfg, pipe, steps):
 
 
 @pytest.mark.parametrize("sampler,objective", [("ddim", []), ("ddpm", []),
-                                               ("ddim", ["--objective.prediction=eps", "--objective.zero_terminal_snr=false"])])
+                                               ("ddim", ["--objective.prediction=eps", "--objective.zero_terminal_snr=false"]),
+                                               ("ddim", ["--objective.time_shift=2"]),
+                                               ("ddpm", ["--objective.time_shift=0.5", "--objective.beta_schedule=cosine"])])
 def test_the_ddpm_pipeline_steps_on_the_trainers_grid_at_any_step_count(tmp_path, sampler, objective):
     """The trainer steps to the next point of its exact trailing grid (train_ddpm.timestep_grid). diffusers'
     DDIMScheduler steps back T // steps instead, which is that point only when steps divides 1000 (30, 32, 48, 61
     do not), and its trailing spacing rounds a float arange (another grid at 48 and 61): the folder's sampler
-    follows the trainer's grid, guided, for DDIM and the ancestral sampler, v and eps prediction."""
+    follows the trainer's grid, guided, for DDIM and the ancestral sampler, v and eps prediction, and with a
+    resolution shift, whose time input is the trainer's (from its float64 schedule; diffusers' float32 one moved
+    samples by up to 4e-2)."""
     model, cfg, pipe = exported_pipeline(ddpm, tmp_path, [f"--val.sampler={sampler}", "--val.guidance_scale=2", *objective])
-    for steps in [20, 30, 32, 48, 61]:
+    for steps in [7, 20, 30, 32, 48, 61]:
         assert_samples_as_the_trainer(ddpm, model, cfg, pipe, steps)
 
 
@@ -426,6 +430,22 @@ def test_the_ddpm_scheduler_is_the_runs_schedule(sampler, prediction, expected):
     assert scheduler.config.rescale_betas_zero_snr and scheduler.config.timestep_spacing == "trailing"
     assert not scheduler.config.clip_sample
     torch.testing.assert_close(scheduler.alphas_cumprod.double(), ddpm.schedule_of(cfg), atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("betas", ["quadratic", "linear", "cosine"])
+def test_the_folders_shifted_time_input_is_the_trainers_exactly(betas):
+    """pipeline.py cannot import the trainer, so it rebuilds the run's schedule from the scheduler's config: in
+    float64, bitwise the trainer's (train_ddpm.make_schedule), with and without zero terminal SNR, and with it the
+    time input at a shift is the trainer's exactly (diffusers' float32 schedule gave another, up to 4e-2 apart in
+    samples)."""
+    from training.sharing.exported.pipeline import time_input, trainer_schedule
+
+    for zero_snr in (True, False):
+        cfg = json.loads(json.dumps(ddpm.DEFAULTS))
+        cfg["objective"].update(beta_schedule=betas, zero_terminal_snr=zero_snr, time_shift=2.0, prediction="v")
+        config = pipeline_export.make_scheduler(cfg).config
+        assert torch.equal(trainer_schedule(config), ddpm.base_schedule_of(cfg)), (betas, zero_snr)
+        assert torch.equal(time_input(trainer_schedule(config), 2.0), ddpm.time_input_of(cfg)), (betas, zero_snr)
 
 
 def test_a_push_is_refused_before_any_work(tmp_path, monkeypatch):

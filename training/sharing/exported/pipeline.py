@@ -53,6 +53,25 @@ def trailing_timesteps(num_train_timesteps, steps):
     return [round(num_train_timesteps * (steps - i) / steps) - 1 for i in range(steps)]
 
 
+def trainer_schedule(config):
+    """The trainer's alpha_bar in float64 (train_ddpm.make_schedule), from the scheduler's config. diffusers' own is
+    float32, whose log-SNR near either end is off by enough that the shifted time input read from it moved samples
+    by up to 4e-2 (7-61 steps, tests/test_export_pipeline.py); the time input is the trainer's, from this."""
+    T, b0, b1 = config.num_train_timesteps, config.beta_start, config.beta_end
+    if config.beta_schedule == "scaled_linear":  # the trainer's "quadratic"
+        betas = torch.linspace(b0 ** 0.5, b1 ** 0.5, T, dtype=torch.float64) ** 2
+    elif config.beta_schedule == "linear":
+        betas = torch.linspace(b0, b1, T, dtype=torch.float64)
+    else:  # "squaredcos_cap_v2": the trainer's "cosine" (Nichol & Dhariwal 2021)
+        f = [math.cos((i / T + 0.008) / 1.008 * math.pi / 2) ** 2 for i in range(T + 1)]
+        betas = torch.tensor([min(1 - f[i + 1] / f[i], 0.999) for i in range(T)], dtype=torch.float64)
+    alphas_cumprod = torch.cumprod(1 - betas, dim=0)
+    if config.rescale_betas_zero_snr:  # Lin et al. 2024, Algorithm 1
+        s = alphas_cumprod.sqrt()
+        alphas_cumprod = ((s - s[-1]) * s[0] / (s[0] - s[-1])) ** 2
+    return alphas_cumprod
+
+
 def time_input(alphas_cumprod, shift):
     """The timestep the MMDiT saw in training at each timestep of the shifted schedule: the unshifted schedule's
     fractional timestep with the same log-SNR (pure noise: the last one). shift = 1: 0 .. T-1."""
@@ -250,9 +269,9 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
                 self.scheduler.set_timesteps(timesteps=timesteps, device=device)
             model_time = torch.arange(self.scheduler.config.num_train_timesteps, dtype=torch.float64)
             if cfg.time_shift != 1:  # the run's resolution shift, which diffusers' DDPM schedulers lack
-                base = type(self.scheduler).from_config(self.scheduler.config).alphas_cumprod  # (each call afresh)
+                base = trainer_schedule(self.scheduler.config)  # float64, as the trainer's (each call afresh)
                 model_time = time_input(base, cfg.time_shift)
-                self.scheduler.alphas_cumprod = shifted_schedule(base, cfg.time_shift)
+                self.scheduler.alphas_cumprod = shifted_schedule(base, cfg.time_shift).float()
         for i, t in enumerate(self.progress_bar(timesteps)):
             if self.flow_matching:
                 sigma, sigma_next = self.scheduler.sigmas[i], self.scheduler.sigmas[i + 1]
