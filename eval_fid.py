@@ -58,7 +58,7 @@ def parse_args(argv=None):
 
 
 def parser():
-    a = (p := argparse.ArgumentParser(description=__doc__.split("\n")[0])).add_argument
+    a = (p := argparse.ArgumentParser(description=__doc__.split("\n\n")[0])).add_argument
     a("--run", required=True, help="run folder (uses run/export) or an export folder")
     a("--checkpoint", default=None, help="score a checkpoint folder (or 'latest') instead of the export")
     a("--weights", default="ema", choices=["ema", "raw"], help="checkpoint weights; the export is always EMA")

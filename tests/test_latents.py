@@ -263,3 +263,29 @@ def test_a_latent_run_trains_resumes_exactly_and_exports_with_its_autoencoder(tm
     assert theirs.shape == ours.shape == (2, 28, 28, 3)
     diff = np.abs(theirs.astype(int) - ours.astype(int))
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01, "the folder's images differ from sample.py's"
+
+
+
+COMMANDS = ["tools.autoencoder", "tools.classifier", "tools.compare", "tools.curves", "tools.export", "tools.phema",
+            "tools.rate", "tools.repa_encoder", "tools.sweep", "tools.tune", "eval_fid", "sample"]  # argparse's (not
+# tools/prefetch.py: its --help is the config's)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_commands_help_opens_with_whole_paragraphs_of_its_docstring(command, monkeypatch):
+    """`--help`'s description is the command's docstring from its start, cut at a paragraph's end, never inside a
+    sentence (tools/autoencoder.py's ended at "...a diffusers AutoencoderKL trained on")."""
+    import argparse
+    import importlib
+    import inspect
+
+    def described(parser, *args, **kwargs):
+        raise SystemExit(parser.description)
+
+    module = importlib.import_module(command)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", described)  # parse_args calls it too
+    with pytest.raises(SystemExit) as done:
+        (getattr(module, "parse_args", None) or module.main)(["--help"])
+    description = " ".join(done.value.code.split())
+    paragraphs = [" ".join(p.split()) for p in inspect.getdoc(module).split("\n\n")]
+    assert any(description == " ".join(paragraphs[:k]) for k in range(1, len(paragraphs) + 1)), description

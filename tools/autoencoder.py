@@ -84,7 +84,7 @@ def scores(images, labels, judge, cfg, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="the recipe (its data section names the source and resolution)")
     p.add_argument("--out", required=True, help="folder for the autoencoder (save_pretrained) and autoencoder.json")
     p.add_argument("--test_split", default="test", help="the split its reconstructions are measured on (never "

@@ -66,7 +66,7 @@ def training_and_test(data, test_split, tool):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="the recipe (its data section names the source and resolution)")
     p.add_argument("--out", required=True, help="folder for the classifier (save_pretrained) and classifier.json")
     p.add_argument("--test_split", default="test", help="the split its accuracy is measured on (never trained on)")

@@ -20,7 +20,7 @@ from training.sharing import pipeline_export  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="a run folder with an export")
     p.add_argument("--push_to_hub", default=None, metavar="REPO", help="owner/name: upload the folder there (private)")
     args = p.parse_args(argv)

@@ -131,7 +131,7 @@ def save(backbone, folder, mean, std):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for trained/, random/ and encoder.json")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seed", type=int, default=1, help="(the evaluation classifier's default is 0)")
