@@ -28,6 +28,7 @@ from training.config import config
 from training.data import cache, fashion_mnist, latents
 from training.data.encoders import decode, make_encode
 from training.evaluation import classifier, generation
+from training.sharing import model_card
 
 LATENT_RECIPE = str(ROOT / "configs" / "fashion_mnist_latent.json")
 TINY_AE = ["--channels", "8,8", "--steps", "2", "--batch_size", "16"]  # 28 px -> 4 x 14 x 14, as the recipe's
@@ -66,17 +67,21 @@ def test_the_autoencoder_is_never_measured_on_its_training_split(tmp_path, monke
     assert not (tmp_path / "ae").exists()
 
 
-def test_the_autoencoder_trains_on_the_training_rows_and_its_factors_read_back(tmp_path, monkeypatch):
+def test_the_autoencoder_trains_on_the_training_rows_and_its_factors_read_back(tmp_path, monkeypatch, capsys):
     """What latents.train receives is exactly the training rows, what is reconstructed and scored exactly the test
     rows; the saved config's factors, read back by from_pretrained, are 1 / std and the mean of the training
     latents' draws (computed here from diffusers' posterior in one batch), and through the trainers' encode those
-    latents have mean 0 and std 1."""
+    latents have mean 0 and std 1. The real images' row (the floor) scores 20 training images, not the test images
+    against themselves; 20 test images in the classifier's 128 dimensions are no floor, said before the training, in
+    autoencoder.json and on the model card."""
     idx_source(tmp_path, monkeypatch)
-    seen, train, reconstruct = {}, latents.train, autoencoder_tool.reconstruct
-    monkeypatch.setattr(latents, "train", lambda vae, images, *a: seen.setdefault("trained", images) is None or
-                        train(vae, images, *a))
+    seen, train, reconstruct, scores = {}, latents.train, autoencoder_tool.reconstruct, autoencoder_tool.scores
+    monkeypatch.setattr(latents, "train", lambda vae, images, *a: (print("training"), seen.setdefault("trained", images))
+                        and train(vae, images, *a))
     monkeypatch.setattr(autoencoder_tool, "reconstruct", lambda vae, images: seen.setdefault("measured", images) is None
                         or reconstruct(vae, images))
+    monkeypatch.setattr(autoencoder_tool, "scores", lambda images, *a: seen.setdefault("scored", []).append(images)
+                        or scores(images, *a))
     out = autoencoder_tool.main(["--config", LATENT_RECIPE, "--out", str(tmp_path / "ae"), *TINY_AE,
                                  "--classifier", judge(tmp_path / "judge"), "--stats_cache", str(tmp_path / "stats")])
     levels = lambda images: sorted(images[:, 27, 27, 0].tolist())  # noqa: E731  (a corner no square reaches)
@@ -94,6 +99,17 @@ def test_the_autoencoder_trains_on_the_training_rows_and_its_factors_read_back(t
     assert (record["train_rows"], record["test_split"], record["test"]["rows"]) == (40, "test", 20)
     assert record["factors"]["scaling_factor"] == vae.config.scaling_factor and record["latent_shape"] == [4, 14, 14]
     assert {"psnr", "fd_classifier_20", "precision_classifier_20", "class_accuracy_20"} <= set(record["test"])
+    real = seen["scored"][-1]  # the floor's images: 20 distinct training images, none of the test's
+    assert len(set(levels(real))) == 20 and set(levels(real)) <= set(range(40))
+    assert (record["real"]["rows"], record["real"]["split"]) == (20, "train") and record["real"]["fd_classifier_20"] > 1
+    warning = autoencoder_tool.floor_warning(20, 128, "test")
+    assert record["warnings"] == [warning] and "20 'test' images in the classifier's 128 feature dimensions" in warning
+    printed = capsys.readouterr().out
+    assert printed.index(f"warning: {warning}") < printed.index("training")
+    card = " ".join(model_card.autoencoder_lines(out / latents.RECORD))
+    assert f"20 real 'train' images against the same test images: {record['real']['fd_classifier_20']:.3f}" in card
+    assert warning in card and "no model in its latents scores better" not in card
+    assert autoencoder_tool.floor_warning(128, 128, "test") and autoencoder_tool.floor_warning(129, 128, "test") is None
 
 
 @installed

@@ -16,8 +16,11 @@ latents, the posterior's draws); "test": the reconstructions of the test images 
 and decode (posterior mean, scaled, shifted and back; uint8 as every sample), their PSNR and, with --classifier,
 the real-image protocol's scores against the whole test split (docs/evaluation.md): rFD (fd_classifier), KD,
 precision, recall and class accuracy at 2,000 images (the campaigns' sample count) and at all of them; "real": the
-same scores of the first 2,000 real test images, the protocol's own floor at that count; "cpu_seconds": training,
-and per image the encoder's (a latent run's cache) and the decoder's (each sample).
+same scores of as many real training images (drawn at random, seed --seed; never test images) against the same
+test split, the protocol's own floor at that count; "warnings": why the rFD is no floor, when the test split has
+no more images than the classifier has feature dimensions (then its covariances are singular and the rFD is mostly
+the estimator's bias; said before any training); "cpu_seconds": training, and per image the encoder's (a latent
+run's cache) and the decoder's (each sample).
 """
 import argparse
 import json
@@ -83,6 +86,18 @@ def scores(images, labels, judge, cfg, args):
             f"class_accuracy_{size_tag(len(images))}": classifier.accuracy(judge, images, labels)}
 
 
+def floor_warning(n_test, dim, split):
+    """Why an rFD on n_test test images in the classifier's `dim` feature dimensions is no floor, or None: with no
+    more images than dimensions the covariances are singular (metrics.fid_size_warning's rule), the Frechet distance
+    mostly the estimator's bias, and so is the real images' row."""
+    if n_test > dim:
+        return None
+    return (f"rFD is no floor here: it rests on {n_test} '{split}' images in the classifier's {dim} feature "
+            f"dimensions, so its covariances are singular and it is mostly the estimator's bias (the real images' "
+            f"row alike); PSNR and KD (unbiased at any size) still hold. For an rFD that is a floor, measure on a "
+            f"test split of more than {dim} images (--test_split)")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="the recipe (its data section names the source and resolution)")
@@ -111,8 +126,15 @@ def main(argv=None):
                  f"factor {factor} of --channels {args.channels}")
     judge = classifier.load(args.classifier) if args.classifier else None  # a wrong folder fails before any work
     train_ds, test_ds, args.test_split = training_and_test(data, args.test_split, "tools/autoencoder.py")
-    images = split_images(data, train_ds, data.split)[0]
+    images, labels, _ = split_images(data, train_ds, data.split)
     test_images, test_labels, _ = split_images(data, test_ds, args.test_split)
+    first = min(SCORED, len(test_images))
+    warnings = []
+    if judge is not None:  # said before the training, which a user may then spare
+        dim = classifier.feature_fn(judge[0])([test_images[0]]).shape[1]
+        warnings = [w for w in [floor_warning(len(test_images), dim, args.test_split)] if w]
+        for w in warnings:
+            print(f"tools/autoencoder.py: warning: {w}")
 
     # ---- Train on the training images, then calibrate the factors on them --------------------------------------
     vae = latents.build(data.resolution, args.channels, args.latent_channels, args.seed)
@@ -131,10 +153,14 @@ def main(argv=None):
     # ---- Reconstruction quality on the test split: the floor of every latent run -----------------------------
     rebuilt, (encode_cpu, decode_cpu) = reconstruct(vae, test_images)
     test = {"rows": len(test_images), "psnr": psnr(rebuilt, test_images)}
-    first = min(SCORED, len(test_images))
+    real = None
     if judge is not None:
         test.update(scores(rebuilt[:first], test_labels[:first], judge[0], cfg, args))
         test.update(scores(rebuilt, test_labels, judge[0], cfg, args) if first < len(test_images) else {})
+        # The floor of real images: as many training images (never a test image) against the same test split. The
+        # test images themselves would score against themselves (0 when they are the whole split).
+        drawn = np.sort(np.random.default_rng(args.seed).permutation(len(images))[:first])
+        real = {"rows": len(drawn), "split": data.split, **scores(images[drawn], labels[drawn], judge[0], cfg, args)}
     record = {"source": data.source, "resolution": data.resolution, "train_split": data.split,
               "train_rows": len(images), "test_split": args.test_split, "channels": args.channels,
               "latent_channels": args.latent_channels, "latent_shape": [args.latent_channels, data.resolution //
@@ -143,8 +169,7 @@ def main(argv=None):
               "kl_weight": args.kl_weight, "seed": args.seed, "final_loss": loss,
               "factors": {"scaling_factor": vae.config.scaling_factor, "shift_factor": vae.config.shift_factor,
                           "latent_mean": mu, "latent_std": sigma},
-              "test": test,
-              "real": scores(test_images[:first], test_labels[:first], judge[0], cfg, args) if judge else None,
+              "test": test, "real": real, "warnings": warnings,
               "classifier": None if judge is None else {"path": args.classifier, **judge[1]},
               "cpu_seconds": {"train": train_cpu, "calibrate": calibrate_cpu, "encode_per_image": encode_cpu,
                               "decode_per_image": decode_cpu},
@@ -152,9 +177,10 @@ def main(argv=None):
     vae.save_pretrained(args.out)
     (Path(args.out) / latents.RECORD).write_text(json.dumps(record, indent=1))
     rfd = test.get(f"fd_classifier_{size_tag(first)}")
+    floor = "" if real is None else f" (real training images: {real['fd_classifier_' + size_tag(real['rows'])]:.3f})"
     print(f"autoencoder in {args.out}: PSNR {test['psnr']:.2f} dB on {len(test_images)} '{args.test_split}' images"
-          + (f", rFD {rfd:.3f} at {first} (real images: {record['real'][f'fd_classifier_{size_tag(first)}']:.3f})"
-             if rfd is not None else "; rFD: give --classifier") + f"; {train_cpu / 60:.1f} CPU min to train")
+          + (f", rFD {rfd:.3f} at {first}{floor}" if rfd is not None else "; rFD: give --classifier")
+          + f"; {train_cpu / 60:.1f} CPU min to train" + "".join(f"\nwarning: {w}" for w in warnings))
     return Path(args.out)
 
 

@@ -182,6 +182,8 @@ def autoencoder_lines(record):
     r = json.loads(record.read_text())
     test, shape = r["test"], " x ".join(map(str, r["latent_shape"]))
     rfd = [f"{v:.3f} at {k.rsplit('_', 1)[1]}" for k, v in test.items() if k.startswith("fd_classifier_")]
+    real = r.get("real") if "rows" in (r.get("real") or {}) else None  # before issue 68: test images against their own
+    floor = [v for k, v in (real or {}).items() if k.startswith("fd_classifier_")]
     return [f"The autoencoder (`vae/`, an AutoencoderKL of {r['parameters'] / 1e6:.2f}M parameters made by "
             f"minimal-diffusion's tools/autoencoder.py): {r['resolution']} px to {shape} latents, trained on "
             f"{r['train_rows']:,} images of the '{r['train_split']}' split of {data_name(r['source'])}, its factors "
@@ -189,7 +191,10 @@ def autoencoder_lines(record):
             f"{r['factors']['shift_factor']:.4g}). Its reconstructions of the {test['rows']:,} '{r['test_split']}' "
             f"images: PSNR {test['psnr']:.2f} dB" + (f", rFD {' and '.join(rfd)} images (the Frechet distance in the "
                                                      f"evaluation classifier's features)" if rfd else "")
-            + ": no model in its latents scores better than its own reconstructions.", ""]
+            + (f"; {real['rows']:,} real '{real['split']}' images against the same test images: {floor[0]:.3f}, the "
+               f"protocol's floor at that count" if floor else "")
+            + (": no model in its latents scores better than its own reconstructions." if not r.get("warnings") else
+               ". " + " ".join(f"{w}." for w in r["warnings"])), ""]
 
 
 def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tuned=None, untuned=None):
