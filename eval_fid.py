@@ -321,8 +321,9 @@ def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *,
 # ----------------------------------------------------------------------------------------------------------
 
 
-def main(argv=None, feature_fn=None):
-    """Returns the report (None with --generate_only, and on ranks other than the main one)."""
+def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
+    """Returns the report (None with --generate_only, and on ranks other than the main one). written_by: the program
+    that ran it, recorded in the report (tools/tune.py's and tools/phema.py's choose a setting, never score one)."""
     args = tuned_defaults(parse_args(argv))  # RUN/tuned.json's setting where no flag gives one
     t_start = time.time()
 
@@ -460,7 +461,8 @@ def main(argv=None, feature_fn=None):
         "dino": None if dino_ref is None else {"model": args.dino, "stats": dino_ref["path"],
                                                "key_sha256": dino_ref["key_sha256"], "stats_sha256": dino_ref["sha256"]},
         "classifier": None if judge is None else {"path": args.classifier, **judge[1]},
-        "adm_npz": args.adm_npz, "warnings": warnings, "num_processes": world, "seconds": round(time.time() - t_start, 1),
+        "adm_npz": args.adm_npz, "warnings": warnings, "written_by": written_by, "reference_count": n_ref,
+        "num_processes": world, "seconds": round(time.time() - t_start, 1),
         "versions": {"python": platform.python_version(), **{p: md.version(p) for p in (
             "torch", "diffusers", "transformers", "accelerate", "clean-fid", "numpy", "scipy", "pillow")}},
         "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),

@@ -112,6 +112,7 @@ def test_fid_of_samples_against_themselves_is_zero_and_report_is_complete(run, t
     assert on_disk["control_guidance_scale"] == 0.0 and on_disk["controls"] == "heldout"
     assert on_disk["reference"]["kind"] == "folder" and len(on_disk["reference"]["stats_sha256"]) == 64
     assert on_disk["feature_extractor"] == "tiny-random-conv"
+    assert (on_disk["written_by"], on_disk["reference_count"]) == ("eval_fid.py", 40)  # read by the model card
     assert {"torch", "diffusers", "transformers", "accelerate", "clean-fid"} <= set(on_disk["versions"])
     arr = np.load(tmp_path / "samples.npz")["arr_0"]  # the ADM evaluator's format
     assert arr.shape == (40, 16, 16, 3) and arr.dtype == np.uint8

@@ -299,14 +299,17 @@ def test_the_card_holds_the_runs_numbers_and_the_loading_lines(tmp_path):
 def test_the_cards_scores_are_the_runs_not_tune_pys_search(tmp_path):
     """Issue 57: after tools/tune.py the card listed every report in eval/, the search's and the confirmation's
     blocks among them, with commands naming tune.py. It shows the scores of the model (at the run's own setting; on
-    the test split at tune.py's choice or another setting, each saying which) and counts the held-out reports that
-    chose a setting; the reference band's "this run" is the protocol's score (the test split), not a held-out one."""
+    the test split at tune.py's choice or another setting, each saying which) and counts the reports that chose a
+    setting; the reference band's "this run" is the protocol's score (the test split), not a held-out one. Issue 68:
+    what chose a setting is told by what wrote the report (written_by, or the program of an older report's command),
+    never by its setting: the user's own held-out evaluation at another guidance is shown, tune.py's at the run's
+    own setting is not; the command runs on the Hub id (OWNER/NAME until pushed), not the run's path."""
     model, cfg, run = fake_run(tmp_path)  # val: euler, 32 steps, guidance 7; a held-out fid_clean_10k report
     curves_file = json.loads((tmp_path / "curves.json").read_text())
     curves_file["flow_matching"]["curves"]["fd_classifier_10k"] = [[1000, 1.4, 1.5, 1.6]]
     (tmp_path / "curves.json").write_text(json.dumps(curves_file))
 
-    def report(name, program, fd, n, guidance=7.0, steps=32, split="heldout", seed=0):
+    def report(name, program, fd, n, guidance=7.0, steps=32, split="heldout", seed=0, written_by=None):
         args = (f"--run {run} --untuned --num_samples {n} --seed {seed} --guidance_scale {guidance} --steps {steps} "
                 f"--guidance_interval 0.0,1.0" + (f" --reference_split {split}" if split != "heldout" else ""))
         (run / "eval" / name).mkdir()
@@ -314,13 +317,16 @@ def test_the_cards_scores_are_the_runs_not_tune_pys_search(tmp_path):
             "metrics": {f"fd_classifier_{size_tag(n)}": fd}, "num_samples": n, "model": {"weights": "ema (export)"},
             "sampler": "euler", "steps": steps, "guidance_scale": guidance, "control_guidance_scale": 0.0,
             "guidance_interval": [0.0, 1.0], "seeds": {"seed": seed}, "feature_extractor": "classifier",
-            "reference": {"source": "embedded", "kind": "dataset", "split": split}, "command": f"{program} {args}"}))
+            "reference": {"source": "embedded", "kind": "dataset", "split": split}, "command": f"{program} {args}",
+            **({"written_by": written_by} if written_by else {})}))  # none: a report from before issue 68
 
     for guidance, steps in [(5.0, 32), (7.0, 32), (9.0, 32), (5.0, 16), (7.0, 16), (9.0, 16)]:  # the search
-        report(f"search-euler{steps}-g{guidance:g}-seed0", "tune.py", 3 + guidance / 10, 2000, guidance, steps)
+        report(f"search-euler{steps}-g{guidance:g}-seed0", "pytest", 3 + guidance / 10, 2000, guidance, steps,
+               written_by="tools/tune.py")  # run in-process: its command names another program
     for seed in range(1, 6):  # the confirmation of the best (guidance 9, 16 steps) and the runner-up, on fresh seeds
-        report(f"search-euler16-g9-seed{seed}", "tune.py", 3.1, 400, 9.0, 16, seed=seed)
+        report(f"search-euler16-g9-seed{seed}", "tune.py", 3.1, 400, 9.0, 16, seed=seed)  # older reports
         report(f"search-euler32-g7-seed{seed}", "tune.py", 3.3, 400, 7.0, 32, seed=seed)
+    report("heldout-g5", "eval_fid.py", 4.5, 2000, 5.0, written_by="eval_fid.py")  # the user's own, at guidance 5
     pipeline_export.write(model, cfg, run / "export", ["red circle"] * 9, run)  # tune.py chose for these weights:
     best = {"guidance_scale": 9.0, "guidance_interval": [0.0, 1.0], "steps": 16, "phema_std": None}
     (run / "tuned.json").write_text(json.dumps({"best": best, "rows": [best], "num_samples": 2000, "metric":
@@ -338,12 +344,12 @@ def test_the_cards_scores_are_the_runs_not_tune_pys_search(tmp_path):
         ["| fd_classifier_10k", "1.3000", "guidance_scale 5.0, not 7.0"],
         ["| fd_classifier_10k", "1.2000", "tools/tune.py's choice (tuned.json)"],
         ["| fd_classifier_10k", "9.0000", "the run's own"],
-        ["| fd_classifier_2k", "3.7000", "the run's own"],  # the search's point at the run's own setting
-        ["| class_accuracy", "0.8765", "not recorded"]]  # quality.jsonl
-    assert ("15 more evaluations of these weights on the held-out rows at other settings or seeds (tools/tune.py's "
-            "search and confirmation) chose a setting, they do not score it: not shown.") in text
-    assert "`tune.py " not in text and (f"`eval_fid.py --run {run} --untuned --num_samples 2000 --seed 0 "
-                                        f"--guidance_scale 7.0 --steps 32 --guidance_interval 0.0,1.0`") in text
+        ["| fd_classifier_2k", "4.5000", "guidance_scale 5.0, not 7.0"],  # the user's own, on the held-out rows
+        ["| class_accuracy", "0.8765", "not recorded"]]  # quality.jsonl; not the search's point at the run's setting
+    assert ("16 more evaluations of these weights, run by tools/tune.py (or tools/phema.py --sweep) on the held-out "
+            "rows, chose a setting; they do not score it: not shown.") in text
+    assert "`tune.py " not in text and ("`eval_fid.py --run OWNER/NAME --untuned --num_samples 2000 --seed 0 "
+                                        "--guidance_scale 5.0 --steps 32 --guidance_interval 0.0,1.0`") in text
     assert "| fd_classifier_10k | 1000 | 1.4000 .. 1.6000 | 1.5000 | 1.5500 |" in text  # the test split's, not 9.0
     with torch.no_grad():  # other weights: the run's tuned.json was not chosen for them, and labels no row
         next(model.parameters()).add_(1.0)
@@ -368,6 +374,55 @@ def test_the_card_publishes_no_local_path_and_no_task_a_class_model_does_not_do(
     cfg["data"]["source"] = "someone/their-data"  # a Hub dataset: by its id, and in the header
     text = (pipeline_export.write(model, cfg, run / "export", None, run) / "README.md").read_text()
     assert "datasets:\n- someone/their-data" in text and "on `someone/their-data` at" in text
+
+
+def test_a_pushed_card_names_no_path_of_the_training_machine_and_the_run_it_started_from(tmp_path):
+    """Issue 68: the evaluation rows, their commands and the embedded config held the training machine's paths,
+    and a fine-tuned model's card did not say what it started from. Pushed, the card holds no such path: the run's
+    own folder in a command is the Hub id, every other absolute path its name (with its run's: base/export); the
+    run it was fine-tuned from (init_from) is named by the Hub id its config records beside its name, a checkpoint
+    of another run it resumed from by its name. Each row names its bucket and the reference's image count, and
+    eval_fid.py's warnings are numbered under the table."""
+    model, cfg, run = fake_run(tmp_path)  # run_dir and val.reference_curves are absolute paths
+    home = tmp_path / "home" / "me"
+    (home / "runs" / "base" / "export").mkdir(parents=True)
+    (home / "runs" / "base" / "config.json").write_text(json.dumps({"push_to_hub": "me/base"}))
+    cfg["data"]["source"], cfg["init_from"] = str(home / "my_photos"), str(home / "runs" / "base" / "export")
+    cfg["resume"] = str(home / "runs" / "other" / "checkpoints" / "step_00000500")
+    (run / "init_from.json").write_text(json.dumps({"source": cfg["init_from"], "loaded": 120, "adapted": ["pos_embed"],
+                                                    "missing": [], "unexpected": [], "reshaped": []}))
+    small = "fd_classifier's covariances have more dimensions (128) than images (the reference has 100): ..."
+    for shape, count, warnings in (([40, 20], 100, [small]), ([20, 40], 1234, [])):
+        (run / "eval" / f"bucket-{shape[0]}x{shape[1]}").mkdir()
+        (run / "eval" / f"bucket-{shape[0]}x{shape[1]}" / "report.json").write_text(json.dumps({
+            "metrics": {"fd_classifier_1k": 2.0 + shape[0] / 100}, "num_samples": 1000, "shape": shape,
+            "model": {"weights": "ema (export)"}, "sampler": "euler", "steps": 32, "guidance_scale": 7.0,
+            "guidance_interval": [0, 1], "feature_extractor": "classifier", "reference_count": count,
+            "warnings": warnings, "written_by": "eval_fid.py",
+            "reference": {"source": str(home / "real"), "split": None},
+            "command": f"eval_fid.py --run {run} --reference {home / 'real'} --classifier={home / 'clf'} --width "
+                       f"{shape[0]} --height {shape[1]}"}))
+    text = (pipeline_export.write(model, cfg, run / "export", None, run, repo="me/demo") / "README.md").read_text()
+    assert str(tmp_path) not in text
+    assert "| fd_classifier_1k (40x20 bucket) | 2.4000 |" in text
+    assert "| fd_classifier_1k (20x40 bucket) | 2.2000 |" in text
+    assert "against real (100 images), classifier features; `eval_fid.py --run me/demo --reference real " \
+           "--classifier=clf --width 40 --height 20`; warning 1 |" in text
+    assert "against real (1,234 images)" in text
+    assert f"eval_fid.py's warnings on these evaluations:\n\n1. {small}" in text
+    assert ("- fine-tuned from `me/base` (`base/export`): its weights and EMA (`init_from`; the optimizer, step and "
+            "data order started fresh; 120 tensors taken, 1 adapted)") in text
+    assert "- continued from `other/checkpoints/step_00000500`, a checkpoint of another run (`resume`" in text
+    embedded = json.loads(text.split("```json")[1].split("```")[0])
+    assert (embedded["run_dir"], embedded["data"]["source"], embedded["init_from"], embedded["resume"]) == (
+        "run", "my_photos", "base/export", "other/checkpoints/step_00000500")
+    assert embedded["val"]["reference_curves"] == "curves.json" and embedded["train"] == cfg["train"]
+    assert json.loads((run / "export" / "config.json").read_text()) == cfg  # the folder's own, which the tools read
+    text = (pipeline_export.write(model, cfg, run / "export", None, run) / "README.md").read_text()  # not pushed
+    assert "`eval_fid.py --run OWNER/NAME --reference real" in text
+    assert text.count(str(tmp_path)) == 1 and f"from_pretrained({str(run / 'export')!r}" in text  # where it is local
+    cfg["init_from"] = "someone/their-model"
+    assert "- fine-tuned from `someone/their-model` (the Hub):" in model_card.card(cfg, run, run / "export", 1)
 
 
 def test_the_export_takes_tune_pys_choice_made_for_its_weights_and_no_other(tmp_path):

@@ -53,10 +53,13 @@ def fake_eval(calls, best=(2.0, 16), confirmed=None, chatter=False):
     """eval_fid.main's stand-in: the distance is smallest at the planted setting `best` (guidance, steps[, interval])
     on the search's seed 0, and at `confirmed` on the confirmation's fresh seeds, if given; named with the sample
     count as eval_fid.py names it. chatter: it prints lines and a warning as eval_fid.py does."""
-    def main(argv, feature_fn=None):
+    def main(argv, feature_fn=None, written_by="eval_fid.py"):
         a = eval_fid.parse_args(argv)
+        a.written_by = written_by
         calls.append(a)
         target = best if a.seed == 0 or confirmed is None else confirmed
+        if a.guidance_scale is None:  # tools/phema.py --sweep: the run's own settings (a.phema_std varies)
+            a.guidance_scale, a.steps = target[:2]
         d = abs(a.guidance_scale - target[0]) + abs(a.steps - target[1]) / 100 + 1 + a.seed / 1000
         if len(target) > 2:
             d += abs(a.guidance_interval[0] - target[2][0]) + abs(a.guidance_interval[1] - target[2][1])
@@ -64,7 +67,9 @@ def fake_eval(calls, best=(2.0, 16), confirmed=None, chatter=False):
         if chatter:
             print(f"eval_fid chatter: generate 1/10\nwarning: {warnings[0]}\nfd_classifier_{size_tag(a.num_samples)} {d}")
         n = size_tag(a.num_samples)
-        return {"metrics": {f"fd_classifier_{n}": d, f"class_accuracy_{n}": 0.5}, "warnings": warnings if chatter else []}
+        return {"metrics": {f"fd_classifier_{n}": d, f"class_accuracy_{n}": 0.5},
+                "warnings": warnings if chatter else [],
+                "model": {"phema": {"profile_fit_error": 0.0}}, "samples_dir": "eval/x/samples"}
     return main
 
 
@@ -222,7 +227,7 @@ def test_a_run_prints_a_line_per_evaluation_each_warning_once_and_names_the_conf
     assert saved["confirm"]["metric"] == saved["best"]["confirmed"]["metric"] == "fd_classifier_10"
     assert saved["metric"] == "fd_classifier_100" and saved["best"]["fd_classifier_100"] == 1.0
 
-    def failing(argv, feature_fn=None):
+    def failing(argv, feature_fn=None, written_by=None):
         print("eval_fid's last words")
         raise ValueError("broken")
 
@@ -259,6 +264,22 @@ def test_the_phema_sweep_refuses_the_test_split_too(run, monkeypatch):
     with pytest.raises(ValueError, match="selected on the held-out rows"):
         phema_tool.main(["--run", str(run), "--sweep", "0.05,0.1", "--reference_split", "test"])
     assert calls == []
+
+
+def test_tune_and_the_phema_sweep_say_that_they_ran_each_evaluation(run, monkeypatch):
+    """The model card leaves out the reports that chose a setting on the held-out rows by what wrote them, never by
+    their settings (issue 68): every eval_fid.py run of tools/tune.py and tools/phema.py --sweep records its name."""
+    calls = []
+    monkeypatch.setattr(eval_fid, "main", fake_eval(calls))
+    tune.main(["--run", str(run), "--guidance", "1,2", "--num_samples", "100", "--confirm_samples", "10"])
+    assert len(calls) == 2 + 2 * tune.CONFIRM_BLOCKS and {a.written_by for a in calls} == {"tools/tune.py"}
+    cfg = json.loads((run / "config.json").read_text())
+    monkeypatch.setattr(eval_fid, "load_model", lambda *a, **k: (None, cfg, {}))
+    monkeypatch.setattr(phema_tool, "list_snapshots", lambda folder: [])
+    (run / "phema").mkdir()
+    calls.clear()
+    phema_tool.main(["--run", str(run), "--sweep", "0.05,0.1"])
+    assert [a.phema_std for a in calls] == [0.05, 0.1] and {a.written_by for a in calls} == {"tools/phema.py"}
 
 
 def test_a_meanflow_models_step_count_is_searched_by_default(tmp_path, monkeypatch):

@@ -78,7 +78,7 @@ def main(argv=None, feature_fn=None):
     rows = []
     for std in args.sweep:
         report = eval_fid.main(["--run", args.run, "--phema_std", str(std), "--num_samples", str(args.num_samples),
-                                *eval_args], feature_fn=feature_fn)
+                                *eval_args], feature_fn=feature_fn, written_by="tools/phema.py")
         if report is None:  # not the main process (accelerate launch): it only helps sample
             continue
         fid = next(v for k, v in report["metrics"].items() if k.startswith(("fid_", "fd_")))  # or the classifier's

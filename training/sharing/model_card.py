@@ -3,12 +3,14 @@
 The Hub's metadata header (licence, library, tags, datasets), then what was trained, on what, for how many steps
 and images; how to load and sample it in three lines; the command and the whole resolved config; the run's
 evaluation numbers with their setting, protocol and date (eval_fid.py's eval/*/report.json, the rows of
-quality.jsonl; not tools/tune.py's, which chose a setting on the held-out rows); the last validation grid; the
-recipe's reference curves (val.reference_curves) against the run's own protocol scores.
-Everything comes from the run folder as it is at export time: export again (tools/export.py) after evaluating.
+quality.jsonl; not those tools/tune.py or tools/phema.py --sweep ran, which chose a setting on the held-out rows);
+the last validation grid; the recipe's reference curves (val.reference_curves) against the run's own protocol scores.
+Everything comes from the run folder as it is at export time: export again (tools/export.py) after evaluating. No
+path of the machine that trained appears (public_config, public_command): the card is published.
 """
 import datetime
 import json
+import re
 from pathlib import Path
 
 from training.data import fashion_mnist, latents
@@ -33,6 +35,88 @@ def data_name(source):
     kind = ("local webdataset shards" if ".tar" in source else "local parquet files" if ".parquet" in source
             else "a local image folder")
     return f"the trainer's own data ({kind}, `{local.name}`)"
+
+
+def machine_path(text):
+    """Whether a string is a path of the machine that trained: absolute, under ~, or climbing out with '..'. A
+    relative path inside the repository (configs/..., classifiers/...) names the same file in any checkout."""
+    return isinstance(text, str) and (text.startswith(("/", "~")) or bool(re.match(r"[A-Za-z]:[\\/]", text))
+                                      or ".." in Path(text).parts)
+
+
+def public_name(path):
+    """A path as the card publishes it: its last name, with its run's where that name is a run's part (fm/export,
+    fm/checkpoints/step_00000500) or a shard pattern (cc12m/{00000..01242}.tar), never where the run kept it."""
+    p = Path(path)
+    if p.parent.name == "checkpoints":
+        return f"{p.parent.parent.name}/checkpoints/{p.name}"
+    if p.name in ("export", "checkpoints") or any(c in p.name for c in "{*"):
+        return f"{p.parent.name}/{p.name}"
+    return p.name
+
+
+def public_config(value):
+    """The run's config as the card embeds it: every path of the machine that trained by its public_name."""
+    if isinstance(value, dict):
+        return {k: public_config(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [public_config(v) for v in value]
+    return public_name(value) if machine_path(value) else value
+
+
+def public_command(command, run_dir, repo):
+    """A command as the card publishes it: the run's own folder or export (--run) by the Hub id (OWNER/NAME until
+    it is pushed: eval_fid.py --run and sample.py --run take it as they take the folder), any other path of the
+    machine that trained by its public_name."""
+    own = {Path(run_dir).resolve(), (Path(run_dir) / "export").resolve()}
+    words = command.split(" ")  # eval_fid.py records its arguments joined by spaces
+    for i, word in enumerate(words):
+        flag, eq, value = word.partition("=") if word.startswith("--") else ("", "", word)
+        run = flag == "--run" or (not eq and i > 0 and words[i - 1] == "--run")
+        if run and Path(value).expanduser().resolve() in own:
+            value = repo or "OWNER/NAME"
+        elif machine_path(value):
+            value = public_name(value)
+        words[i] = flag + eq + value
+    return " ".join(words)
+
+
+def source_name(source):
+    """A reference or a data source in an evaluation row: a Hub id or a named source as it is, a path by its name."""
+    return public_name(source) if machine_path(source) else source
+
+
+def run_label(source):
+    """The run a fine-tuning or a resume started from: its Hub id (as given, or the push_to_hub its config records)
+    beside its folder's public name, never its path."""
+    if on_hub(source):
+        return f"`{source}` (the Hub)"
+    folder = Path(source).expanduser()
+    run = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent  # of a checkpoint, an export
+    for candidate in (folder, run) if folder.parent.name == "checkpoints" or folder.name == "export" else (folder,):
+        path = candidate / "config.json"
+        repo = json.loads(path.read_text()).get("push_to_hub") if path.is_file() else None
+        if repo:
+            return f"`{repo}` (`{public_name(folder)}`)"
+    return f"`{public_name(folder)}`"
+
+
+def started_from(cfg, run_dir):
+    """The Training section's lines on what this run started from: init_from's source, whose weights and EMA it
+    took (with init_from.json's counts), and a checkpoint of another run that resume named."""
+    lines, source, resume = [], cfg.get("init_from"), cfg.get("resume")
+    if source:
+        record = Path(run_dir) / "init_from.json"
+        r = json.loads(record.read_text()) if record.is_file() else {}
+        counts = "".join([f"; {r['loaded']:,} tensors taken" if "loaded" in r else "",
+                          f", {len(r['adapted'])} adapted" if r.get("adapted") else "",
+                          f", {len(r['missing'])} new at their fresh initialisation" if r.get("missing") else ""])
+        lines.append(f"- fine-tuned from {run_label(source)}: its weights and EMA (`init_from`; the optimizer, step "
+                     f"and data order started fresh{counts})")
+    if resume not in (None, "latest") and Path(run_dir).resolve() not in Path(resume).expanduser().resolve().parents:
+        lines.append(f"- continued from {run_label(resume)}, a checkpoint of another run (`resume`: its weights, EMA, "
+                     f"optimizer and step)")
+    return lines
 
 
 def metadata(cfg, text):
@@ -116,14 +200,26 @@ def global_batch(cfg, rows):
     return tr["batch_size"] * tr["grad_accum"] * world
 
 
-def evaluations(cfg, run_dir, phema=None, tuned=None):
-    """Table rows (metric, value, setting, protocol, date) of eval_fid.py's reports on these weights (the export's
-    EMA, or the post-hoc EMA of phema's std) and of quality.jsonl (the export's: its rows name their step), and the
-    number of reports left out. A report on the held-out rows at a setting or seed other than the run's own chose a
-    setting (tools/tune.py's search and its confirmation blocks, seeds 1-5) and does not score the model: it is left
+CHOOSERS = ("tools/tune.py", "tools/phema.py")  # what runs eval_fid.py to choose a setting on the held-out rows
+
+
+def written_by(report):
+    """The program that ran eval_fid.py for a report: its record, or (a report written before it was recorded) the
+    program its command names first (tune.py, phema.py; a benchmark's name), else eval_fid.py itself."""
+    program = report.get("written_by") or report.get("command", "eval_fid.py").partition(" ")[0]
+    return f"tools/{program}" if program in ("tune.py", "phema.py") else program
+
+
+def evaluations(cfg, run_dir, phema=None, tuned=None, repo=None):
+    """Table rows (metric, value, setting, protocol, date, warnings) of eval_fid.py's reports on these weights (the
+    export's EMA, or the post-hoc EMA of phema's std) and of quality.jsonl (the export's: its rows name their step),
+    and the number of reports left out. A report written by tools/tune.py or tools/phema.py --sweep (written_by:
+    what ran it, never its settings) chose a setting on the held-out rows and does not score the model: it is left
     out, and counted. Every other row says its setting: the run's own, tune.py's choice (`tuned`: the tuned.json
     chosen for these weights, tuning.export_choice; a choice made for other weights labels nothing), or what
-    differs."""
+    differs; its metric names its bucket (a run with data.buckets scored at one shape), its protocol the reference's
+    image count, its warnings eval_fid.py's (a reference too small for the Frechet distance). No path of the
+    machine that trained appears (public_command, source_name)."""
     best = tuned["best"] if tuned else None
     as_tuned = best and {**cfg, "val": {**cfg["val"], **{k: best[k] for k in ("guidance_scale", "guidance_interval",
                                                                              "steps")}}}  # the run at tune.py's choice
@@ -133,27 +229,31 @@ def evaluations(cfg, run_dir, phema=None, tuned=None):
         std = r["model"].get("phema", {}).get("phema_std")
         if "step" in r["model"] or std != (phema or {}).get("phema_std"):  # a checkpoint's, or other weights'
             continue
-        differs = curves.sampling_differences(r, cfg)
-        if differs and curves.on_heldout_rows(r):
+        if written_by(r) in CHOOSERS:
             left_out += 1
             continue
+        differs = curves.sampling_differences(r, cfg)
         setting = ("the run's own" if not differs else "tools/tune.py's choice (tuned.json)"
                    if as_tuned and not curves.sampling_differences(r, as_tuned) else "; ".join(differs))
         ref = r.get("reference") or {}
-        # The command as eval_fid.py's: a report records the program that ran it (tune.py, a benchmark) before
-        # eval_fid.py's own arguments, which alone reproduce the report.
-        command = ("eval_fid.py " + r.get("command", "eval_fid.py").partition(" ")[2]).strip()
-        against = (f"the held-out rows of {ref['source']}" if curves.on_heldout_rows(r) else
-                   f"{ref.get('source', '?')} {ref.get('split', '')}")
+        # The command as eval_fid.py's: a report records the program that ran it (a benchmark) before eval_fid.py's
+        # own arguments, which alone reproduce the report.
+        command = public_command(("eval_fid.py " + r.get("command", "eval_fid.py").partition(" ")[2]).strip(),
+                                 run_dir, repo)
+        against = (f"the held-out rows of {source_name(ref['source'])}" if curves.on_heldout_rows(r) else
+                   f"{source_name(ref.get('source', '?'))} {ref.get('split') or ''}".strip())
+        count = f" ({r['reference_count']:,} images)" if r.get("reference_count") else ""
         protocol = (f"{r['num_samples']:,} samples ({r['model'].get('weights', '')}), {r['sampler']} {r['steps']} steps, "
                     f"guidance {r['guidance_scale']:g}, interval {r.get('guidance_interval', [0, 1])}, against "
-                    f"{against}, {r.get('feature_extractor') or 'inception'} features; `{command}`")
+                    f"{against}{count}, {r.get('feature_extractor') or 'inception'} features; `{command}`")
+        bucket = " ({}x{} bucket)".format(*r["shape"]) if r.get("shape") else ""
         date = datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
-        out += [(k, v, setting, protocol, date) for k, v in r["metrics"].items()]
+        out += [(k + bucket, v, setting, protocol, date, r.get("warnings") or []) for k, v in r["metrics"].items()]
     quality = Path(run_dir) / "quality.jsonl"
     for row in read_rows(quality) if phema is None else []:
         date = datetime.date.fromtimestamp(quality.stat().st_mtime).isoformat()
-        out += [(k, v, "not recorded", f"quality.jsonl, step {row['step']}", date) for k, v in row.items() if k != "step"]
+        out += [(k, v, "not recorded", f"quality.jsonl, step {row['step']}", date, []) for k, v in row.items()
+                if k != "step"]
     return out, left_out
 
 
@@ -259,28 +359,36 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
               "(model_index.json)") + ", or pass `vae=` / `text_encoder=` and `tokenizer=`.", "",
            "## Training", "",
            f"- {steps:,} optimizer steps of {batch:,} images: {steps * batch:,} images seen",
+           *started_from(cfg, run_dir),
            f"- command: `python train_{method}.py --config config.json` (config.json: this folder's, the run's "
-           f"resolved config, every key)", ""]
-    out += ["<details><summary>config.json</summary>", "", "```json", json.dumps(cfg, indent=1), "```", "", "</details>", ""]
+           f"resolved config, every key; below with the training machine's paths by their names)", ""]
+    out += ["<details><summary>config.json</summary>", "", "```json", json.dumps(public_config(cfg), indent=1), "```",
+            "", "</details>", ""]
     out += ["## Evaluation", ""]
-    scores, left_out = evaluations(cfg, run_dir, phema, tuned)
+    scores, left_out = evaluations(cfg, run_dir, phema, tuned, repo)
+    warnings = list(dict.fromkeys(w for *_, ws in scores for w in ws))  # each once, numbered in the order met
     if scores:
         out += ["| metric | value | setting | protocol | date |", "| --- | --- | --- | --- | --- |"]
-        out += [f"| {k} | {v:.4f} | {setting} | {protocol} | {date} |" for k, v, setting, protocol, date in scores]
+        out += [f"| {k} | {v:.4f} | {setting} | {protocol}"
+                + "".join(f"; warning {warnings.index(w) + 1}" for w in ws) + f" | {date} |"
+                for k, v, setting, protocol, date, ws in scores]
     else:
         out += ["Not evaluated yet: run eval_fid.py on the run, then export again (tools/export.py)."]
+    if warnings:
+        out += ["", "eval_fid.py's warnings on these evaluations:", ""]
+        out += [f"{i}. {w}" for i, w in enumerate(warnings, 1)]
     if left_out:
-        out += ["", f"{left_out} more evaluation{'s' if left_out > 1 else ''} of these weights on the held-out rows at "
-                f"other settings or seeds (tools/tune.py's search and confirmation) chose a setting, "
+        out += ["", f"{left_out} more evaluation{'s' if left_out > 1 else ''} of these weights, run by tools/tune.py "
+                f"(or tools/phema.py --sweep) on the held-out rows, chose a setting; "
                 f"{'they do' if left_out > 1 else 'it does'} not score it: not shown."]
     if (Path(folder) / GRID).is_file():
         out += ["", "## Samples", "", f"![the last validation grid]({GRID})", "",
                 f"The run's last validation grid: {val['steps']} {val['sampler']} steps, guidance {val['guidance_scale']:g}."]
     reference = reference_rows(cfg, run_dir, rows)
     if reference:
-        out += ["", "## Reference curves", "", f"The recipe's reference runs ({cfg['val']['reference_curves']}) at their "
-                f"last step: the band over their seeds and this run's value (a score only where the run was scored as "
-                f"they were: at its own settings, not on the held-out rows).", "",
+        out += ["", "## Reference curves", "", f"The recipe's reference runs ({source_name(val['reference_curves'])}) "
+                f"at their last step: the band over their seeds and this run's value (a score only where the run was "
+                f"scored as they were: at its own settings, not on the held-out rows).", "",
                 "| metric | step | band | mean | this run |", "| --- | --- | --- | --- | --- |"]
         out += [f"| {k} | {s} | {lo:.4f} .. {hi:.4f} | {mean:.4f} | {'-' if v is None else f'{v:.4f}'} |"
                 for k, s, lo, hi, mean, v in reference]
