@@ -259,7 +259,7 @@ def test_a_missing_wrong_or_truncated_package_is_refused_in_one_line_naming_the_
      "emoji 'woman mage': skin tone 1F3FA is none of the five modifiers"),
     (lambda es: es[3].update(image="gone.png"), "package/img/google/64/gone.png is missing (emoji.json lists it for "
                                                 "'maldives flag')"),
-])
+], ids=["category", "tone", "image"])
 def test_an_emoji_json_the_source_cannot_read_is_refused_naming_the_emoji(tmp_path, change, message):
     entries = json.loads(json.dumps(FIXTURE))
     change(entries)

@@ -3,8 +3,8 @@
 emoji-datasource-twitter@16.0.0 (packages MIT; Google's images Apache-2.0, Twitter's CC-BY-4.0), read straight
 from their .tgz files: no extracted copy, and nothing is downloaded at run time. Fetched once by
 
-    python tools/fetch_emoji.py         # npm pack, into ~/.cache/minimal-diffusion/emoji; data.source="emoji"
-    python tools/fetch_emoji.py --out /shared/emoji                               # data.source="emoji:/shared/emoji"
+    python tools/fetch_emoji.py                      # npm pack into ~/.cache/minimal-diffusion/emoji: data.source="emoji"
+    python tools/fetch_emoji.py --out /shared/emoji  # data.source="emoji:/shared/emoji"
 
 and checked against the npm registry's sha512 (PINNED) every time they are opened: a wrong or truncated file stops
 the run with one line naming the file and the command. Apple's and Facebook's sets are other packages, not read.
@@ -23,8 +23,9 @@ Each package holds emoji.json (1,911 emoji: name, category, subcategory, image f
     novelty      "trained" in train; in validation and test, "recombination" (a relative, i.e. the same emoji
                  in another tone or untoned, is in train) or "new" (none is: a flag never shown)
 
-The split is by caption, deterministic and a function of the words alone (sha256, never Python's hash), so both
-vendors' images of a caption are always on the same side. A group is an emoji with its skin-tone variants:
+The split is by caption, deterministic and fixed by the words (sha256, never Python's hash): a caption's side depends
+on its own words and its group's, so both vendors' images of a caption are always on the same side. A group is an
+emoji with its skin-tone variants:
     test         ~10% of the captions, never trained on by anything (refuse_test, problems). Two parts, reported
                  apart: "new": every caption of a group whose draw("new", base) < NEW_FRACTION (an emoji none of
                  whose relatives is in training); "recombination": of a group with variants, not new, whose
