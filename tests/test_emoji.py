@@ -286,13 +286,14 @@ def emoji_config(folder, *args, trainer=train_flow_matching):
 def test_the_trainers_refuse_the_test_split_and_rows_held_out_by_row(packages, tmp_path, trainer):
     """Each a config problem at start-up naming its key: training on test, holding out test (tools/tune.py chooses
     guidance on the held-out rows), held-out rows drawn by row (the other vendor's image of each caption trains),
-    packages not there (the fetch command). A good emoji config loads."""
+    streaming, packages not there (the fetch command). A good emoji config loads."""
     folder = packages[0]
     assert emoji_config(folder, trainer=trainer).data.source == f"emoji:{folder}"
     for args, line in ((["--data.split=test"], "data.split='test': the test captions of data.source="),
                        (["--data.val_split=test"], "data.val_split='test': the test captions"),
                        (["--data.val_split=null"], "data.val_split=None draws held-out rows from data.split, and the "
                                                    "other vendor's image of each caption stays in training"),
+                       (["--data.streaming=true"], "is read whole from its two packages, never streamed"),
                        ([f"--data.source=emoji:{tmp_path}"], f"{emoji.tarball(tmp_path, 'google')}, "
                                                              f"{emoji.tarball(tmp_path, 'twitter')} not found. Fetch "
                                                              f"the pinned packages once: python tools/fetch_emoji.py "
@@ -323,6 +324,13 @@ def test_the_tools_refuse_to_learn_from_the_test_split(packages, tmp_path):
         emoji.refuse_test("emoji", "test", "tools/clip.py")
     emoji.refuse_test("fashion_mnist", "test", "tools/clip.py")  # another source's test split: not this one's rule
     emoji.refuse_test("emoji", "train", "tools/clip.py")
+
+
+def test_a_model_card_names_the_packages_not_the_folder():
+    from training.sharing import model_card
+
+    name = model_card.data_name("emoji:/home/someone/private/emoji")
+    assert name == "`emoji` (the images of emoji-datasource-google and -twitter 16.0.0)" and "someone" not in name
 
 
 # ---- Through the trainers' path ----------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 emoji-datasource-twitter@16.0.0 (packages MIT; Google's images Apache-2.0, Twitter's CC-BY-4.0), read straight
 from their .tgz files: no extracted copy, and nothing is downloaded at run time. Fetched once by
 
-    python tools/fetch_emoji.py                      # npm pack into ~/.cache/minimal-diffusion/emoji: data.source="emoji"
+    python tools/fetch_emoji.py                      # into ~/.cache/minimal-diffusion/emoji: data.source="emoji"
     python tools/fetch_emoji.py --out /shared/emoji  # data.source="emoji:/shared/emoji"
 
 and checked against the npm registry's sha512 (PINNED) every time they are opened: a wrong or truncated file stops
@@ -267,13 +267,17 @@ def refuse_test(source, split, tool):
 def problems(cfg):
     """The trainers' start-up check of an emoji run (config.schema's checks): never trained on test, validation
     rows held out by caption (data.val_split='validation': rows drawn from train would share captions with it, the
-    other vendor's image of each), the packages present (their integrity is checked when they are opened)."""
+    other vendor's image of each), not streamed, the packages present (their integrity is checked when they are
+    opened)."""
     d, out = cfg["data"], []
     if not is_source(d["source"]):
         return out
     for key, why in (("data.split", ""), ("data.val_split", " (tools/tune.py chooses guidance on the held-out rows)")):
         if line := test_refusal(d["source"], d[key.split(".")[1]], key):
             out.append(line + why)
+    if d["streaming"]:
+        out.append(f"data.streaming=true: data.source='{d['source']}' is read whole from its two packages, never "
+                   f"streamed: set data.streaming=false")
     if d["val_split"] is None:
         out.append(f"data.val_split=None draws held-out rows from data.split, and the other vendor's image of each "
                    f"caption stays in training: set data.val_split='validation' (data.source='{d['source']}' holds "
