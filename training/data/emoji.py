@@ -36,6 +36,7 @@ emoji with its skin-tone variants:
     train        the rest
 """
 import base64
+import collections
 import hashlib
 import io
 import json
@@ -127,9 +128,9 @@ def tone_words(key, where):
 def catalogue(entries, vendor, where):
     """One dict per image of `vendor` in emoji.json's `entries`: caption, base, category, subcategory, image file."""
     names = [e["name"].lower() for e in entries]
-    rows = []
+    rows, shared = [], {name for name, n in collections.Counter(names).items() if n > 1}
     for e, name in zip(entries, names):
-        base = e["short_name"].replace("_", " ") if names.count(name) > 1 else name
+        base = e["short_name"].replace("_", " ") if name in shared else name
         if e["category"] not in CATEGORIES:
             raise ConfigError(f"{where}: emoji '{base}' has the category {e['category']!r}, none of {CATEGORIES}")
         kept = {"base": base, "category": e["category"], "subcategory": e["subcategory"]}
