@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field
 import common
 import eval_fid
 from training.config import config
-from training.data import batching, buckets, cache, encoders, latents, sources
+from training.data import batching, buckets, cache, emoji, encoders, latents, sources
 from training.model import mmdit
 from training.objectives import contrastive, meanflow, repa, xprediction
 from training.optimisation import muon, optimizers
@@ -89,7 +89,8 @@ class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in 
 # The whole typed config: the shared sections with these two, and the start-up checks of the options this trainer
 # runs, each in its own module (every problem reported at once, before any work).
 CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, hub.problems,
-                                                   muon.problems, contrastive.problems, meanflow.problems))
+                                                   muon.problems, contrastive.problems, meanflow.problems,
+                                                   emoji.problems))
 # The defaults changed here: 32 sampling steps, and the demo's budget and guidance, chosen by
 # benchmarks/demo_quality.py (docs/benchmarks.md, "Demo quality"): a cosine decay of a higher LR over 1000 steps
 # and guidance 7 draw the asked-for shape in >= 0.9 of samples, in under 5 min on 2 CPU cores. The recipes set

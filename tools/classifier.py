@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_flow_matching  # noqa: E402
 from training.config import config  # noqa: E402
+from training.data import emoji  # noqa: E402
 from training.data.sources import load_image, open_dataset, open_splits, preprocess  # noqa: E402
 from training.run.monitor import progress  # noqa: E402
 from training.evaluation import classifier  # noqa: E402
@@ -52,7 +53,9 @@ def training_and_test(data, test_split, tool):
     """(training rows, test rows, the test split's name) for a tool that learns from the recipe's training split
     and is measured on `test_split` (this one, tools/autoencoder.py). A test split that is the training split is
     refused before any work; one that reads the training split's images (a folder without a test folder) gives
-    way to the trainer's own split: its training rows, and the rows it holds out (test split 'heldout')."""
+    way to the trainer's own split: its training rows, and the rows it holds out (test split 'heldout'). An emoji
+    source's test split is never learnt from (emoji.refuse_test)."""
+    emoji.refuse_test(data.source, data.split, tool)
     if test_split == data.split:
         sys.exit(f"{tool}: --test_split '{test_split}' is the training split (data.split): it learns from that "
                  f"split and is measured on another")

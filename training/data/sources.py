@@ -19,7 +19,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from training.config.config import ConfigError
-from training.data import fashion_mnist
+from training.data import emoji, fashion_mnist
 from training.data.buckets import crop_extent
 from training.data.classes import check_labels, class_count, class_id_list, labels_are_the_condition
 
@@ -138,6 +138,8 @@ def open_dataset(data, split):
     if source == "embedded":
         ds = make_demo_dataset(data.demo_samples, seed=0, resolution=data.demo_resolution, sizes=data.get("demo_sizes"),
                                 render=data.get("demo_render", "native"))
+    elif emoji.is_source(source):  # the two pinned packages' images, split by caption
+        ds = emoji.load(split, emoji.folder_of(source))
     else:
         ds = fashion_mnist.load(split) if source == fashion_mnist.SOURCE else load_source(source, split)
     for key in ("image_column", "label_column", "caption_column"):
@@ -378,7 +380,7 @@ def preprocess(img, resolution, data, rng=random, flip=None, shape=None):
 
 
 def is_stream(data):
-    if data.source == "embedded":  # the demo data is generated, never streamed (a recipe run on it in the tests)
+    if data.source == "embedded" or emoji.is_source(data.source):  # generated, or read whole from its packages
         return False
     return bool(data.get("streaming")) or ".tar" in data.source  # .get: runs saved before streaming existed
 

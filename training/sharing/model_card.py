@@ -13,7 +13,7 @@ import json
 import re
 from pathlib import Path
 
-from training.data import fashion_mnist, latents
+from training.data import emoji, fashion_mnist, latents
 from training.run import hub
 from training.record import curves
 
@@ -31,6 +31,8 @@ def data_name(source):
     published)."""
     if source in ("embedded", fashion_mnist.SOURCE) or on_hub(source):
         return f"`{source}`"
+    if emoji.is_source(source):  # "emoji:/its/folder": the packages, not the folder
+        return f"`{emoji.SOURCE}` (the images of emoji-datasource-google and -twitter {emoji.VERSION})"
     local = Path(source.split("{")[0].rstrip("/") or "/").expanduser()  # a shard pattern: its folder
     kind = ("local webdataset shards" if ".tar" in source else "local parquet files" if ".parquet" in source
             else "a local image folder")
