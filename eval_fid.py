@@ -47,6 +47,7 @@ from training.evaluation.generation import load_prompts, make_condition, make_co
 from training.evaluation.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores,
                                          dinov2_features, feature_tag, fid_size_warning, size_tag)
 from training.evaluation.reference import inception_features, reference_for, reference_size, to_uint8
+from training.objectives import meanflow
 from training.record import curves
 
 # ----------------------------------------------------------------------------------------------------------
@@ -339,6 +340,8 @@ def main(argv=None, feature_fn=None):
     guidance = cfg["val"]["guidance_scale"] if args.guidance_scale is None else args.guidance_scale
     control_guidance = (cfg["val"].get("control_guidance_scale", 0.0) if args.control_guidance_scale is None
                         else args.control_guidance_scale)
+    if note := meanflow.sampling_note(cfg["objective"], sampler, steps, guidance):  # e.g. a run's Euler from before
+        accelerator.print(f"note: a MeanFlow model sampled otherwise: {note}")
     is_text, n_tag = bool(cfg["encoders"]["text_encoder"]), size_tag(args.num_samples)
     weights = f"{Path(args.checkpoint).name}-{args.weights}" if args.checkpoint else "export-ema"
     weights = weights if args.phema_std is None else f"{weights}-phema{args.phema_std:g}"

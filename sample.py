@@ -27,6 +27,7 @@ from training.data.buckets import default_shape, shape_arg
 from training.data.classes import readable_names
 from training.data.encoders import encode_text, load_encoders
 from training.evaluation import generation
+from training.objectives import meanflow
 from training.run import checkpoints, hub
 from training.record import runlog
 
@@ -172,6 +173,8 @@ def main(argv=None):
     control_guidance = (val.get("control_guidance_scale", 0.0) if args.control_guidance_scale is None
                         else args.control_guidance_scale)
     interval = args.guidance_interval or val.get("guidance_interval", [0.0, 1.0])
+    if note := meanflow.sampling_note(cfg["objective"], sampler, steps, guidance):  # e.g. a run's Euler from before
+        print(f"note: a MeanFlow model sampled otherwise: {note}")
     tag = (f"{sampler}{steps}-g{guidance:g}" + (f"-gi{interval[0]:g}-{interval[1]:g}" if list(interval) != [0, 1] else "")
            + (f"-phema{args.phema_std:g}" if args.phema_std is not None else "") + f"-seed{args.seed}"
            + (f"-{shape[0]}x{shape[1]}" if cfg["data"].get("bucket_shapes") or shape != default_shape(cfg) else ""))

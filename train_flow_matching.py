@@ -87,9 +87,10 @@ class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in 
 
 
 # The whole typed config: the shared sections with these two, and the start-up checks of the options this trainer
-# runs, each in its own module (every problem reported at once, before any work).
+# runs, each in its own module (every problem reported at once, before any work); MeanFlow's sampling defaults.
 CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, hub.problems,
-                                                   muon.problems, contrastive.problems, meanflow.problems))
+                                                   muon.problems, contrastive.problems, meanflow.problems),
+                       resolvers=(meanflow.sampling_defaults,))  # MeanFlow: its own sampler, steps and guidance
 # The defaults changed here: 32 sampling steps, and the demo's budget and guidance, chosen by
 # benchmarks/demo_quality.py (docs/benchmarks.md, "Demo quality"): a cosine decay of a higher LR over 1000 steps
 # and guidance 7 draw the asked-for shape in >= 0.9 of samples, in under 5 min on 2 CPU cores. The recipes set
