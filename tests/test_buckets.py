@@ -209,6 +209,54 @@ def test_a_sampling_shape_that_means_nothing_is_refused_in_one_line():
         buckets.shape_arg(bucketed, 0, 16)
 
 
+MERGED = {"data": {"resolution": 16, "buckets": "auto", "bucket_shapes": [[12, 18], [18, 12]]}}  # the square merged
+
+
+def test_the_shape_sampled_is_said_with_its_bucket_and_why():
+    """buckets.shape_note, sample.py's line: a run with data.buckets=auto whose square bucket was merged away keeps
+    12x18 and 18x12, so --aspect_ratio 1:1 gets a 3:2 or 2:3 bucket: the line names it width x height and says the
+    run kept no 1:1 bucket; a ratio whose bucket is there, the default and --width / --height (a bucket or not) are
+    said without that clause; a square run at its square says nothing."""
+    said = buckets.shape_note(MERGED, buckets.shape_arg(MERGED, aspect_ratio="1:1"), aspect_ratio="1:1")
+    assert said.startswith("sampling the bucket 18x12 (width x height, aspect 1.50): of this run's buckets (12x18, "
+                           "18x12) the nearest to --aspect_ratio 1:1; it kept no bucket for data.buckets' 1 (merged")
+    said = buckets.shape_note(MERGED, (12, 18), aspect_ratio="2:3")
+    assert "nearest to --aspect_ratio 2:3" in said and "kept no bucket" not in said
+    listed = {"data": {**MERGED["data"], "buckets": [0.5, 1, 1.5]}}  # data.buckets as a list: the same reading
+    assert "kept no bucket for data.buckets' 1 (" in buckets.shape_note(listed, (18, 12), aspect_ratio="1")
+    assert "kept no bucket" not in buckets.shape_note(listed, (18, 12), aspect_ratio="1.4")
+    assert "the squarest of this run's buckets (12x18, 18x12)" in buckets.shape_note(MERGED, (18, 12))
+    assert buckets.shape_note(MERGED, (12, 18), 12, 18).endswith("as --width and --height give: one of this run's "
+                                                                  "buckets (12x18, 18x12)")
+    assert "a shape it was not trained at" in buckets.shape_note(MERGED, (16, 16), 16, 16)
+    assert buckets.shape_note({"data": {"resolution": 16}}, (16, 16)) is None
+    assert "trained square at 16 px" in buckets.shape_note({"data": {"resolution": 16}}, (16, 8), 16, 8)
+
+
+@pytest.mark.slow
+def test_sample_says_which_bucket_it_samples_and_records_width_and_height_by_name(tmp_path, capsys):
+    """sample.py --aspect_ratio 1:1 on that run (an untrained export): images of the bucket its line names, which
+    sample.json records as width and height by name, beside the line."""
+    from training.model.mmdit import build_denoiser
+    from training.sharing import pipeline_export
+
+    cfg = config.load_config(fm.DEFAULTS, [*TINY_MODEL, "--model.num_layers=1", "--data.resolution=16",
+                                           "--data.num_classes=2", "--data.buckets=auto", "--run_dir", str(tmp_path / "run")])
+    cfg.data.bucket_shapes = MERGED["data"]["bucket_shapes"]
+    cfg = json.loads(json.dumps(cfg))
+    (tmp_path / "run").mkdir()
+    pipeline_export.write(build_denoiser(cfg, 3, 18).eval(), cfg, tmp_path / "run" / "export", run_dir=tmp_path / "run")
+    capsys.readouterr()
+    out = sample.main(["--run", str(tmp_path / "run"), "--classes", "0", "--per_class", "1", "--steps", "1",
+                       "--aspect_ratio", "1:1", "--out", str(tmp_path / "out")])
+    said = [line for line in capsys.readouterr().out.splitlines() if "(width x height" in line]
+    settings = json.loads((out / "sample.json").read_text())
+    assert len(said) == 1 and settings["shape_chosen"] == said[0] and "kept no bucket for data.buckets' 1" in said[0]
+    assert said[0].startswith(f"sampling the bucket {settings['width']}x{settings['height']} (width x height")
+    png = np.asarray(Image.open(next(out.glob("0000_*.png"))))
+    assert png.shape[:2] == (settings["height"], settings["width"]) and "shape" not in settings
+
+
 def test_eval_fid_refuses_a_square_reference_for_a_non_square_bucket():
     """clean-fid's named statistics are of square images: scoring a 22 x 12 bucket against them counts the shape as
     a difference, so eval_fid.bucket_arg refuses it before loading anything; a square bucket may use them."""

@@ -90,11 +90,7 @@ def shape_arg(cfg, width=None, height=None, aspect_ratio=None):
         if not cfg["data"].get("bucket_shapes"):  # one shape: its "nearest bucket" would be a square, silently
             raise ConfigError(f"--aspect_ratio {aspect_ratio} picks one of a run's data.buckets, and this run was "
                               f"trained square at {trained} px: give --width and --height instead")
-        a, _, b = str(aspect_ratio).partition(":")
-        try:
-            ratio = float(a) / float(b or 1)
-        except (ValueError, ZeroDivisionError):
-            ratio = float("nan")
+        ratio = ratio_of(aspect_ratio)
         if not (math.isfinite(ratio) and ratio > 0):
             raise ConfigError(f"--aspect_ratio {aspect_ratio}: a width / height above 0, as '3:2' or 1.5")
         return tuple(shapes[int(nearest([(ratio, 1)], shapes)[0])])
@@ -108,6 +104,46 @@ def shape_arg(cfg, width=None, height=None, aspect_ratio=None):
         raise ConfigError(f"--width {width} --height {height}: the model's positional grid covers {largest_side(cfg)} "
                          f"pixels a side; it was trained at {trained}")
     return width, height
+
+
+def ratio_of(aspect_ratio):
+    """--aspect_ratio ("3:2" or 1.5) as a number, nan where it is none."""
+    a, _, b = str(aspect_ratio).partition(":")
+    try:
+        return float(a) / float(b or 1)
+    except (ValueError, ZeroDivisionError):
+        return float("nan")
+
+
+def shape_note(cfg, shape, width=None, height=None, aspect_ratio=None):
+    """The line sample.py prints about the shape it samples, (width, height) from shape_arg: which bucket and why (the
+    squarest by default; the nearest to --aspect_ratio, saying where the run kept no bucket of that ratio, since
+    data.buckets' buckets with fewer training images than a global batch were merged at start-up; --width and
+    --height as given, a bucket or not). None for a square run sampled at its square."""
+    data = cfg["data"]
+    shapes, (w, h) = [tuple(s) for s in data.get("bucket_shapes") or []], shape
+    named, listed = f"{w}x{h} (width x height, aspect {w / h:.2f})", ", ".join(f"{a}x{b}" for a, b in shapes)
+    if width is not None:
+        if shapes:
+            trained = "one of" if shape in shapes else "a shape it was not trained at, not one of"
+            return f"sampling {named}, as --width and --height give: {trained} this run's buckets ({listed})"
+        square = (data["resolution"],) * 2
+        return f"sampling {named}, as --width and --height give" + (
+            f": the run was trained square at {square[0]} px" if shape != square else "")
+    if not shapes:
+        return None
+    if aspect_ratio is None:
+        return (f"sampling the bucket {named}: the squarest of this run's buckets ({listed}); --aspect_ratio or "
+                f"--width and --height choose another")
+    out = f"sampling the bucket {named}: of this run's buckets ({listed}) the nearest to --aspect_ratio {aspect_ratio}"
+    ratios = [a / b for a, b in AUTO] if data.get("buckets") == "auto" else data.get("buckets") or []
+    if ratios:  # the data.buckets ratio asked for, and the one this bucket was made for (nearest in log ratio)
+        asked, made = (ratios[int(nearest([(r, 1)], [(c, 1) for c in ratios])[0])]
+                       for r in (ratio_of(aspect_ratio), w / h))
+        if not math.isclose(asked, made):
+            out += (f"; it kept no bucket for data.buckets' {asked:.3g} (merged into its neighbours at start-up, with "
+                    f"fewer training images than a global batch, or left out with none nearest to it)")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
