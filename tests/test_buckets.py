@@ -127,7 +127,7 @@ def test_a_bucket_smaller_than_a_global_batch_is_merged_into_its_neighbours(tmp_
     assert cfg.data.bucket_shapes == [[22, 46], [32, 32]]  # 46x22 is gone: its 5 images went to the square
     assert "46x22  2.09: 5 images, fewer than a global batch of 8: merged into 32x32 (5)" in out
     # nothing dropped: 12 + 5 = 17, the 5 cropped square and upscaled (24 px short sides), the 60x24 ones lose 60%
-    assert "32x32  1.00      17  58.6%        5        2" in out
+    assert "32x32  1.00      17  58.6%        5        2   16%" in out  # lost: (3 x 50% + 2 x 60%) / 17 of the area
     assert "5 micro-batches of 4, the last filled with 3 of its images seen again" in out
     # The merged images are cached in the square bucket, cropped square.
     cached = CachedDataset(build_cache(ds, "train", lambda pixels, captions: {"x": pixels}, Accelerator(cpu=True), cfg))
@@ -135,6 +135,32 @@ def test_a_bucket_smaller_than_a_global_batch_is_merged_into_its_neighbours(tmp_
     # What is left after merging holds a global batch, unless the whole data is smaller than one micro-batch: refused.
     with pytest.raises(ValueError, match="the dataset has 3 samples, fewer than train.batch_size"):
         micro_batches(BucketRows([3]), 0, 1, 4)
+
+
+def image_rows(sizes):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"image": [Image.new("RGB", s) for s in sizes], "label": [0] * len(sizes)},
+                                    features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+    return ds.cast_column("image", datasets.Image(decode=False))
+
+
+def test_the_heldout_images_crops_are_counted_beside_the_training_images(capsys):
+    """The held-out rows (validation's, and eval_fid.py's reference images) are cropped to their nearest kept bucket
+    too, so the start-up prints their table: here the square bucket merged into 22x46 (3 images under a global batch
+    of 8), so the two held-out squares lose 53% of their area each (a 15 x 32 box of 32 x 32) and are upscaled, a 4:1
+    panorama in 46x22 loses 48% (a 209 x 100 box of 400 x 100) and a 48 x 24 image 4% (one row): by hand."""
+    cfg = config.load_config(fm.DEFAULTS, ["--data.resolution=32", "--data.buckets=[0.5,1,2]", "--data.num_classes=1",
+                                           "--train.batch_size=4", "--train.grad_accum=2"])
+    train = image_rows([(24, 48)] * 12 + [(48, 24)] * 12 + [(32, 32)] * 3)
+    buckets.resolve(cfg, train, Accelerator(cpu=True), image_rows([(32, 32)] * 2 + [(400, 100), (48, 24)]))
+    out = capsys.readouterr().out
+    assert cfg.data.bucket_shapes == [[22, 46], [46, 22]]
+    assert "22x46  0.48      15  55.6%        3        3   14%  1.9 global batches of 8" in out  # (12 x 4% + 3 x 53%) / 15
+    held = out[out.index("held-out images (the hold-out"):].splitlines()
+    assert held[0].endswith(": 4, each cropped to its nearest kept bucket")
+    assert held[2].split() == ["22x46", "0.48", "2", "50.0%", "2", "2", "53%"]
+    assert held[3].split() == ["46x22", "2.09", "2", "50.0%", "0", "0", "26%"]  # (48% + 4%) / 2
 
 
 def test_the_cache_holds_each_image_at_its_bucket_and_a_changed_bucket_list_is_another_cache(tmp_path, capsys):
@@ -325,7 +351,7 @@ np.save(sys.argv[2], np.stack([np.asarray(i) for i in images]))
 
 
 @pytest.mark.slow
-def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_export_samples_wide(tmp_path):
+def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_export_samples_wide(tmp_path, capsys):
     from accelerate.state import AcceleratorState
 
     source = shapes_folder(tmp_path / "shapes")
@@ -340,6 +366,7 @@ def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_expo
         return fm.main(args + ["--run_dir", str(tmp_path / name), f"--train.max_steps={steps}", *more])
 
     full = train("full", 4)
+    assert "held-out images (the hold-out" in capsys.readouterr().out  # the trainer hands its held-out rows over
     train("part", 2)
     part = train("part", 4, "--resume", "latest")
     weights = "transformer/diffusion_pytorch_model.safetensors"

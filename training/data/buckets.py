@@ -201,25 +201,30 @@ def merge_small(shapes, sizes, batch, min_side=1):
     return shapes, fate
 
 
-def table(shapes, sizes, fate, batch, micro=None, min_side=1):
-    """The start-up table: per bucket its images, their share, how many are upscaled (smaller than the bucket)
-    and how many lose more than half their area to the crop, and the batches an epoch gives; then the buckets
-    left out or merged, and the images skipped, each with why."""
+def table(shapes, sizes, fate, batch=None, micro=None, min_side=1):
+    """The start-up table: per bucket its images, their share, how many are upscaled (smaller than the bucket), how
+    many lose more than half their area to the crop and the mean share of area the crop takes from them (a square
+    photo in a 2:3 bucket loses a third), and (`batch`: the training images') the batches an epoch gives; then the
+    buckets left out or merged, and the images skipped, each with why."""
     usable = sizes.min(1) >= min_side
     where = nearest(sizes[usable], shapes) if usable.any() else np.zeros(0, dtype=np.int64)
-    lines = [f"{'bucket':>9} {'w/h':>5} {'images':>7} {'share':>6} {'upscaled':>8} {'crop>1/2':>8}  batches an epoch"]
+    lines = [f"{'bucket':>9} {'w/h':>5} {'images':>7} {'share':>6} {'upscaled':>8} {'crop>1/2':>8} {'lost':>5}"
+             + "  batches an epoch" * (batch is not None)]
     for k, (w, h) in enumerate(shapes):
         mine = sizes[usable][where == k]
         boxes = np.array([crop_extent(int(a), int(b), w, h) for a, b in mine]).reshape(-1, 2)
         up = int(((boxes[:, 0] < w) | (boxes[:, 1] < h)).sum())
         lost = int((boxes.prod(1) < mine.prod(1) / 2).sum())
+        mean_lost = float((1 - boxes.prod(1) / mine.prod(1)).mean()) if len(mine) else 0.0
         n = len(mine)
-        batches = f"{n / batch:.1f} global batches of {batch}"
-        if micro:
-            fill = -n % micro
-            batches += f"; {math.ceil(n / micro)} micro-batches of {micro}" + (
-                f", the last filled with {fill} of its images seen again" if fill else "")
-        lines.append(f"{f'{w}x{h}':>9} {w / h:5.2f} {n:7d} {n / max(len(where), 1):6.1%} {up:8d} {lost:8d}  {batches}")
+        line = f"{f'{w}x{h}':>9} {w / h:5.2f} {n:7d} {n / max(len(where), 1):6.1%} {up:8d} {lost:8d} {mean_lost:5.0%}"
+        if batch is not None:
+            line += f"  {n / batch:.1f} global batches of {batch}"
+            if micro:
+                fill = -n % micro
+                line += f"; {math.ceil(n / micro)} micro-batches of {micro}" + (
+                    f", the last filled with {fill} of its images seen again" if fill else "")
+        lines.append(line)
     lines += [f"{f'{w}x{h}':>9} {w / h:5.2f}: {why}" for (w, h), why in fate.items()]
     broken, tiny = int((sizes[:, 0] < 0).sum()), int(((sizes.min(1) >= 0) & ~usable).sum())
     if broken or tiny:
@@ -228,12 +233,13 @@ def table(shapes, sizes, fate, batch, micro=None, min_side=1):
     return lines
 
 
-def resolve(cfg, ds, accelerator):
+def resolve(cfg, ds, accelerator, heldout=None):
     """data.buckets on: the buckets this run trains at, set in data.bucket_shapes (config.json, checkpoints and the
-    export record them; sample.py and eval_fid.py read them), and the start-up table printed. The buckets follow
-    from data.buckets, data.resolution, the model's multiple, the training images' sizes and the global batch
-    (train.global_batch, else batch x processes x accumulation), so a resumed run finds the same ones; a
-    data.bucket_shapes given by hand must be what they come to. Off: nothing."""
+    export record them; sample.py and eval_fid.py read them), and the start-up table printed, then the same table of
+    the `heldout` rows (validation's, and eval_fid.py's reference images by default), cropped to their nearest kept
+    bucket as the training images are. The buckets follow from data.buckets, data.resolution, the model's multiple,
+    the training images' sizes and the global batch (train.global_batch, else batch x processes x accumulation), so
+    a resumed run finds the same ones; a data.bucket_shapes given by hand must be what they come to. Off: nothing."""
     from training.data.encoders import vae_factor
 
     data, tr, world = cfg.data, cfg.train, accelerator.num_processes
@@ -255,3 +261,9 @@ def resolve(cfg, ds, accelerator):
                           f"started with (set train.global_batch to its batch_size x processes x grad_accum); a new "
                           f"run: leave data.bucket_shapes unset (null), the run fills it")
     data.bucket_shapes = shapes
+    if heldout is not None and len(heldout):  # cropped to their buckets too: say how much, as for the training images
+        sizes, which = image_sizes(heldout, data.image_column), f"data.val_split={data.val_split!r}" if \
+            data.val_split else "the hold-out"
+        accelerator.print(f"held-out images ({which}: validation's, and eval_fid.py's reference by default): "
+                          f"{len(sizes)}, each cropped to its nearest kept bucket\n  " + "\n  ".join(
+                              table([tuple(s) for s in shapes], sizes, {}, min_side=data.min_image_side)))
