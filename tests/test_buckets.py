@@ -26,6 +26,7 @@ from training.data.batching import bucket_order, iterate_batches, same_bucket
 from training.data.cache import CachedDataset, build_cache
 from training.data.sources import preprocess
 from training.evaluation import generation
+from training.record import runlog
 
 
 def test_the_shapes_are_diffusers_ladder_and_each_side_a_multiple():
@@ -203,6 +204,44 @@ def test_the_cache_holds_each_image_at_its_bucket_and_a_changed_bucket_list_is_a
     assert "changed buckets: [[12, 22], [16, 16], [22, 12]] -> [[12, 22], [16, 16]]" in capsys.readouterr().out
     assert CachedDataset(build_cache(ds, "train", encode, accelerator, other)).shapes == [[12, 22], [16, 16]]
     assert build_cache(ds, "train", encode, accelerator, cfg) == folder and "cache hit" in capsys.readouterr().out
+
+
+class HeldOutBuckets:
+    """A bucket cache's held-out rows as validation reads them: `val_set[list of rows]` of one bucket, with buckets
+    and shapes (width, height)."""
+
+    def __init__(self, buckets_of_rows, shapes):
+        self.buckets, self.shapes = torch.tensor(buckets_of_rows), shapes
+
+    def __getitem__(self, rows):
+        w, h = self.shapes[int(self.buckets[rows[0]])]
+        return {"x": torch.zeros(len(rows), 3, h, w), "label": torch.zeros(len(rows), dtype=torch.long)}
+
+
+@pytest.mark.parametrize("present,num_samples,cells", [([0, 1, 2], 9, [3, 3, 3]), ([0, 1, 2], 7, [3, 2, 2]),
+                                                        ([0, 2], 9, [5, 4]), ([0, 1, 2], 2, [1, 1])])
+def test_the_validation_grid_has_val_num_samples_cells_a_row_a_bucket(tmp_path, present, num_samples, cells):
+    """A bucket run's validation grid: the squarest, widest and tallest buckets with held-out rows (up to three), a row
+    each, val.num_samples cells in all (9 in 2 buckets: 5 + 4, not 10), each bucket's cells classes 0, 1, 2, ... at
+    its shape; a shorter row ends in blank cells, so every row is one bucket, and the labels file names each sample's
+    row and column and no blank cell."""
+    from training.evaluation.validation import validation_inputs
+
+    shapes = [[12, 22], [16, 16], [22, 12]]
+    val_set = HeldOutBuckets([b for b in present for _ in range(2)], shapes)
+    noise, cond = validation_inputs(val_set, num_samples, 10, (3, 22, 22), 0, "cpu")
+    assert [len(n) for n in noise] == cells and [c["label"].tolist() for c in cond] == [list(range(n)) for n in cells]
+    labels = [f"class {k}" for k in range(num_samples)]
+    runlog.RunLog.samples(SimpleNamespace(run_dir=tmp_path, wandb=None), [n.clamp(-1, 1) for n in noise], 1, labels)
+    lines = (tmp_path / "samples" / "step_00000001.txt").read_text().splitlines()
+    assert len(lines) == num_samples
+    for row, (n, x) in enumerate(zip(cells, noise)):
+        mine = [line.split("\t") for line in lines if line.split("\t")[1].startswith(f"row {row + 1},")]
+        assert [m[1] for m in mine] == [f"row {row + 1}, column {c + 1}" for c in range(n)]
+        assert [m[2] for m in mine] == [f"{x.shape[-1]}x{x.shape[-2]}: class {c}" for c in range(n)]
+    w, h = max(x.shape[-1] for x in noise), max(x.shape[-2] for x in noise)  # every cell: the largest sides
+    factor = -(-64 // min(w, h))  # small cells enlarged to be seen
+    assert Image.open(tmp_path / "samples" / "step_00000001.png").width == (max(cells) * (w + 2) + 2) * factor
 
 
 def test_the_loader_refuses_what_buckets_cannot_do(tmp_path):
