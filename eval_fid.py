@@ -433,6 +433,9 @@ def main(argv=None, feature_fn=None):
                                                device))
     feats = common.gathered(pairs)
     key, ref = reference_for(args, cfg, feature_fn, accelerator)
+    real = None  # a bucket's real reference images: the classifier's accuracy there, the samples' bound at that shape
+    if judge is not None and args.shape and accelerator.is_main_process:
+        real = classifier.reference_accuracy(judge[0], key, cfg, device, judge[1].get("resolution"))
 
     # ---- Metrics, ADM export, report ------------------------------------------------------------------------
     metrics = all_scores(feats, ref, args.mode, args.num_samples, feature_tag(feature_fn), device)
@@ -462,7 +465,7 @@ def main(argv=None, feature_fn=None):
         "feature_weights_sha256": getattr(feature_fn, "sha256", None), "samples_dir": str(samples_dir),
         "dino": None if dino_ref is None else {"model": args.dino, "stats": dino_ref["path"],
                                                "key_sha256": dino_ref["key_sha256"], "stats_sha256": dino_ref["sha256"]},
-        "classifier": None if judge is None else {"path": args.classifier, **judge[1]},
+        "classifier": None if judge is None else {"path": args.classifier, **judge[1], "bucket_reference": real},
         "adm_npz": args.adm_npz, "warnings": warnings, "num_processes": world, "seconds": round(time.time() - t_start, 1),
         "versions": {"python": platform.python_version(), **{p: md.version(p) for p in (
             "torch", "diffusers", "transformers", "accelerate", "clean-fid", "numpy", "scipy", "pillow")}},
@@ -474,6 +477,9 @@ def main(argv=None, feature_fn=None):
              "sampler": f"{sampler}, {steps} steps, guidance {guidance:g} in t {interval}", "reference": key["source"], "report": path}
     if judge is not None:
         table["classifier"] = f"{args.classifier}: {judge[1]['test_accuracy']:.4f} on real '{judge[1]['test_split']}' images"
+        if real is not None:  # beside the samples' class accuracy at this bucket: the real images' of the same bucket
+            table["classifier"] += (f"; {real['accuracy']:.4f} on the {real['images']} real reference images of the "
+                                    f"{args.shape[0]}x{args.shape[1]} bucket, read as its samples are")
     print("\n".join(f"{k:<{max(map(len, table)) + 1}} {v}" for k, v in table.items()))
     accelerator.wait_for_everyone()
     return report

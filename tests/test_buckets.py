@@ -372,6 +372,39 @@ def shapes_folder(root):
     return root
 
 
+class ChannelJudge(torch.nn.Module):
+    """A stand-in evaluation classifier for shapes_folder's discs: class c's logit is the mean of channel (B, G, R)[c]
+    (blue, green, red, the folders' sorted names), so it is right on every disc; `wrong` reads red's logit off the
+    blue channel too, so a red disc ties with blue and is called blue: 2/3 right on the three classes in equal numbers."""
+
+    def __init__(self, wrong=False):
+        super().__init__()
+        self.order = [2, 1, 0] if not wrong else [2, 1, 2]
+
+    def forward(self, x, output_hidden_states=False):
+        return SimpleNamespace(logits=20 * x.mean((2, 3))[:, self.order])
+
+
+def test_the_classifiers_accuracy_on_a_buckets_real_reference_images(tmp_path):
+    """classifier.reference_accuracy, eval_fid.py's bound beside a bucket's class accuracy: the reference images of
+    that bucket alone (the 30 wide canvases of 90, 10 a class), cropped to it as eval_fid.py scores them and read as
+    its samples are (square windows), against their own labels: 1 for a judge right on every disc, 2/3 for one that
+    calls red blue; a folder of images given as --reference has no labels: None."""
+    from training.evaluation import classifier
+    from training.evaluation.reference import reference_key
+
+    source = shapes_folder(tmp_path / "shapes")
+    cfg = {"data": {**config.load_config(fm.DEFAULTS, ["--data.resolution=16"]).data, "source": str(source),
+                    "num_classes": 3, "bucket_shapes": [[12, 22], [16, 16], [22, 12]]}}
+    args = SimpleNamespace(reference=None, reference_num=None, reference_split="train", reference_crop="center",
+                           reference_resolution=None, reference_image_column=None, shape=(22, 12))
+    key = reference_key(args, cfg, "classifier")
+    assert classifier.reference_accuracy(ChannelJudge(), key, cfg) == {"images": 30, "accuracy": 1.0}
+    wrong = classifier.reference_accuracy(ChannelJudge(wrong=True), key, cfg, batch_size=7)  # batches of 7: the same
+    assert wrong["images"] == 30 and wrong["accuracy"] == pytest.approx(2 / 3)
+    assert classifier.reference_accuracy(ChannelJudge(), {**key, "kind": "folder"}, cfg) is None
+
+
 # Loads the export with diffusers alone (python -I: this repository is not importable) and samples it wide.
 LOAD_AND_SAMPLE = """
 import json, sys
@@ -427,6 +460,22 @@ def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_expo
     pngs = {name: np.stack([np.asarray(Image.open(p)) for p in sorted(out.glob("0*.png"))])
             for name, out in (("wide", wide), ("tall", tall))}
     assert pngs["wide"].shape == (2, 12, 22, 3) and pngs["tall"].shape == (1, 22, 12, 3)
+    # eval_fid.py at the wide bucket with --classifier: beside the samples' class accuracy, the classifier's on that
+    # bucket's 30 real reference images (of 90), in the table and the report
+    from training.evaluation import classifier
+
+    judge = tmp_path / "judge"
+    classifier.build(3, ["blue", "green", "red"]).save_pretrained(judge)
+    (judge / classifier.RECORD).write_text(json.dumps({"test_accuracy": 0.5, "test_split": "test", "resolution": 16}))
+    capsys.readouterr()
+    report = eval_fid.main(["--run", str(full), "--aspect_ratio", "2:1", "--num_samples", "3", "--steps", "1",
+                            "--classifier", str(judge), "--features", "classifier", "--reference_split", "train",
+                            "--stats_cache", str(tmp_path / "stats"), "--clip_model", "none"])
+    real = report["classifier"]["bucket_reference"]
+    key = {k: v for k, v in report["reference"].items() if k not in ("stats", "key_sha256", "stats_sha256")}
+    assert real == classifier.reference_accuracy(classifier.load(judge)[0], key, cfg, side=16) and real["images"] == 30
+    assert (f"on the 30 real reference images of the 22x12 bucket, read as its samples are" in capsys.readouterr().out
+            and "class_accuracy_3" in report["metrics"])
     # the export, with diffusers alone, at height 12 x width 22: sample.py's images for the same seeds
     job = {"folder": str(full / "export"), "classes": ["blue", "red"], "seeds": [generation.seed_for(0, 0, i) for i in range(2)]}
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
