@@ -47,6 +47,7 @@ from training.evaluation.generation import load_prompts, make_condition, make_co
 from training.evaluation.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores,
                                          dinov2_features, feature_tag, fid_size_warning, size_tag)
 from training.evaluation.reference import inception_features, reference_for, reference_size, to_uint8
+from training.objectives import meanflow
 from training.record import curves
 
 # ----------------------------------------------------------------------------------------------------------
@@ -340,6 +341,8 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
     guidance = cfg["val"]["guidance_scale"] if args.guidance_scale is None else args.guidance_scale
     control_guidance = (cfg["val"].get("control_guidance_scale", 0.0) if args.control_guidance_scale is None
                         else args.control_guidance_scale)
+    if note := meanflow.sampling_note(cfg["objective"], sampler, steps, guidance):  # e.g. a run's Euler from before
+        accelerator.print(f"note: a MeanFlow model sampled otherwise: {note}")
     is_text, n_tag = bool(cfg["encoders"]["text_encoder"]), size_tag(args.num_samples)
     weights = f"{Path(args.checkpoint).name}-{args.weights}" if args.checkpoint else "export-ema"
     weights = weights if args.phema_std is None else f"{weights}-phema{args.phema_std:g}"
@@ -431,6 +434,9 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
                                                device))
     feats = common.gathered(pairs)
     key, ref = reference_for(args, cfg, feature_fn, accelerator)
+    real = None  # a bucket's real reference images: the classifier's accuracy there, the samples' bound at that shape
+    if judge is not None and args.shape and accelerator.is_main_process:
+        real = classifier.reference_accuracy(judge[0], key, cfg, device, judge[1].get("resolution"))
 
     # ---- Metrics, ADM export, report ------------------------------------------------------------------------
     metrics = all_scores(feats, ref, args.mode, args.num_samples, feature_tag(feature_fn), device)
@@ -460,7 +466,7 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         "feature_weights_sha256": getattr(feature_fn, "sha256", None), "samples_dir": str(samples_dir),
         "dino": None if dino_ref is None else {"model": args.dino, "stats": dino_ref["path"],
                                                "key_sha256": dino_ref["key_sha256"], "stats_sha256": dino_ref["sha256"]},
-        "classifier": None if judge is None else {"path": args.classifier, **judge[1]},
+        "classifier": None if judge is None else {"path": args.classifier, **judge[1], "bucket_reference": real},
         "adm_npz": args.adm_npz, "warnings": warnings, "written_by": written_by, "reference_count": n_ref,
         "num_processes": world, "seconds": round(time.time() - t_start, 1),
         "versions": {"python": platform.python_version(), **{p: md.version(p) for p in (
@@ -473,6 +479,9 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
              "sampler": f"{sampler}, {steps} steps, guidance {guidance:g} in t {interval}", "reference": key["source"], "report": path}
     if judge is not None:
         table["classifier"] = f"{args.classifier}: {judge[1]['test_accuracy']:.4f} on real '{judge[1]['test_split']}' images"
+        if real is not None:  # beside the samples' class accuracy at this bucket: the real images' of the same bucket
+            table["classifier"] += (f"; {real['accuracy']:.4f} on the {real['images']} real reference images of the "
+                                    f"{args.shape[0]}x{args.shape[1]} bucket, read as its samples are")
     print("\n".join(f"{k:<{max(map(len, table)) + 1}} {v}" for k, v in table.items()))
     accelerator.wait_for_everyone()
     return report

@@ -23,10 +23,11 @@ from PIL import Image
 
 import eval_fid
 from training.config import config
-from training.data.buckets import default_shape, shape_arg
+from training.data.buckets import default_shape, shape_arg, shape_note
 from training.data.classes import readable_names
 from training.data.encoders import encode_text, load_encoders
 from training.evaluation import generation
+from training.objectives import meanflow
 from training.run import checkpoints, hub
 from training.record import runlog
 
@@ -152,6 +153,8 @@ def main(argv=None):
         rows = pick_classes(args.classes, model.conditioner.num_classes, run_class_ids(args.run, args.checkpoint))
     items = [row for row in rows for _ in range(args.per_class)]
     shape = shape_arg(cfg, args.width, args.height, args.aspect_ratio)  # (width, height) in pixels
+    if why := shape_note(cfg, shape, args.width, args.height, args.aspect_ratio):  # which bucket, and why
+        print(why)
     controls = generation.make_controls(cfg, "square", shape)  # an uncropped, unflipped original of that shape
 
     def cond(idx):
@@ -172,6 +175,8 @@ def main(argv=None):
     control_guidance = (val.get("control_guidance_scale", 0.0) if args.control_guidance_scale is None
                         else args.control_guidance_scale)
     interval = args.guidance_interval or val.get("guidance_interval", [0.0, 1.0])
+    if note := meanflow.sampling_note(cfg["objective"], sampler, steps, guidance):  # e.g. a run's Euler from before
+        print(f"note: a MeanFlow model sampled otherwise: {note}")
     tag = (f"{sampler}{steps}-g{guidance:g}" + (f"-gi{interval[0]:g}-{interval[1]:g}" if list(interval) != [0, 1] else "")
            + (f"-phema{args.phema_std:g}" if args.phema_std is not None else "") + f"-seed{args.seed}"
            + (f"-{shape[0]}x{shape[1]}" if cfg["data"].get("bucket_shapes") or shape != default_shape(cfg) else ""))
@@ -199,7 +204,8 @@ def main(argv=None):
     runlog.save_image_grid(pixels, part / "grid.png", nrow=args.per_class, labels=[label for _, label in items])
     settings = {"model": {"run": str(args.run), **model_desc}, "sampler": sampler, "steps": steps,
                 "mixed_precision": precision, "guidance_scale": guidance, "control_guidance_scale": control_guidance,
-                "guidance_interval": list(interval), "seed": args.seed, "shape": list(shape),
+                "guidance_interval": list(interval), "seed": args.seed, "width": shape[0], "height": shape[1],
+                "shape_chosen": why or "the run's square",
                 "noise": "image i: eval_fid.seed_for(seed, 0, i)", "batch_size": args.batch_size,
                 "conditions": [label for _, label in items]}
     (part / "sample.json").write_text(json.dumps(settings, indent=1))

@@ -375,7 +375,7 @@ def main(argv=None):
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
     train_ds, val_ds = sources.open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
-    buckets.resolve(cfg, train_ds, accelerator)  # data.buckets: each image's bucket, small ones merged, the table
+    buckets.resolve(cfg, train_ds, accelerator, val_ds)  # data.buckets: each image's bucket, small ones merged, tables
     run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
     cache.check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids

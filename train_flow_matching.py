@@ -87,10 +87,11 @@ class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in 
 
 
 # The whole typed config: the shared sections with these two, and the start-up checks of the options this trainer
-# runs, each in its own module (every problem reported at once, before any work).
+# runs, each in its own module (every problem reported at once, before any work); MeanFlow's sampling defaults.
 CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, hub.problems,
                                                    muon.problems, contrastive.problems, meanflow.problems,
-                                                   emoji.problems))
+                                                   emoji.problems),
+                       resolvers=(meanflow.sampling_defaults,))  # MeanFlow: its own sampler, steps and guidance
 # The defaults changed here: 32 sampling steps, and the demo's budget and guidance, chosen by
 # benchmarks/demo_quality.py (docs/benchmarks.md, "Demo quality"): a cosine decay of a higher LR over 1000 steps
 # and guidance 7 draw the asked-for shape in >= 0.9 of samples, in under 5 min on 2 CPU cores. The recipes set
@@ -235,7 +236,7 @@ def main(argv=None):
 
     # ---- Data: open -> cache check -> hit: load / miss: encode and write -> batches -----------------------
     train_ds, val_ds = sources.open_splits(data, accelerator.print)  # labels checked; unset data.num_classes read
-    buckets.resolve(cfg, train_ds, accelerator)  # data.buckets: each image's bucket, small ones merged, the table
+    buckets.resolve(cfg, train_ds, accelerator, val_ds)  # data.buckets: each image's bucket, small ones merged, tables
     run_dir = runlog.start_run(cfg, accelerator)  # writes the resolved config.json
     cache.check_cache_shared(data.cache_dir, accelerator)  # every rank must see the same cache folder
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids

@@ -26,6 +26,7 @@ from training.data.batching import bucket_order, iterate_batches, same_bucket
 from training.data.cache import CachedDataset, build_cache
 from training.data.sources import preprocess
 from training.evaluation import generation
+from training.record import runlog
 
 
 def test_the_shapes_are_diffusers_ladder_and_each_side_a_multiple():
@@ -127,7 +128,7 @@ def test_a_bucket_smaller_than_a_global_batch_is_merged_into_its_neighbours(tmp_
     assert cfg.data.bucket_shapes == [[22, 46], [32, 32]]  # 46x22 is gone: its 5 images went to the square
     assert "46x22  2.09: 5 images, fewer than a global batch of 8: merged into 32x32 (5)" in out
     # nothing dropped: 12 + 5 = 17, the 5 cropped square and upscaled (24 px short sides), the 60x24 ones lose 60%
-    assert "32x32  1.00      17  58.6%        5        2" in out
+    assert "32x32  1.00      17  58.6%        5        2   16%" in out  # lost: (3 x 50% + 2 x 60%) / 17 of the area
     assert "5 micro-batches of 4, the last filled with 3 of its images seen again" in out
     # The merged images are cached in the square bucket, cropped square.
     cached = CachedDataset(build_cache(ds, "train", lambda pixels, captions: {"x": pixels}, Accelerator(cpu=True), cfg))
@@ -135,6 +136,32 @@ def test_a_bucket_smaller_than_a_global_batch_is_merged_into_its_neighbours(tmp_
     # What is left after merging holds a global batch, unless the whole data is smaller than one micro-batch: refused.
     with pytest.raises(ValueError, match="the dataset has 3 samples, fewer than train.batch_size"):
         micro_batches(BucketRows([3]), 0, 1, 4)
+
+
+def image_rows(sizes):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"image": [Image.new("RGB", s) for s in sizes], "label": [0] * len(sizes)},
+                                    features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+    return ds.cast_column("image", datasets.Image(decode=False))
+
+
+def test_the_heldout_images_crops_are_counted_beside_the_training_images(capsys):
+    """The held-out rows (validation's, and eval_fid.py's reference images) are cropped to their nearest kept bucket
+    too, so the start-up prints their table: here the square bucket merged into 22x46 (3 images under a global batch
+    of 8), so the two held-out squares lose 53% of their area each (a 15 x 32 box of 32 x 32) and are upscaled, a 4:1
+    panorama in 46x22 loses 48% (a 209 x 100 box of 400 x 100) and a 48 x 24 image 4% (one row): by hand."""
+    cfg = config.load_config(fm.DEFAULTS, ["--data.resolution=32", "--data.buckets=[0.5,1,2]", "--data.num_classes=1",
+                                           "--train.batch_size=4", "--train.grad_accum=2"])
+    train = image_rows([(24, 48)] * 12 + [(48, 24)] * 12 + [(32, 32)] * 3)
+    buckets.resolve(cfg, train, Accelerator(cpu=True), image_rows([(32, 32)] * 2 + [(400, 100), (48, 24)]))
+    out = capsys.readouterr().out
+    assert cfg.data.bucket_shapes == [[22, 46], [46, 22]]
+    assert "22x46  0.48      15  55.6%        3        3   14%  1.9 global batches of 8" in out  # (12 x 4% + 3 x 53%) / 15
+    held = out[out.index("held-out images (the hold-out"):].splitlines()
+    assert held[0].endswith(": 4, each cropped to its nearest kept bucket")
+    assert held[2].split() == ["22x46", "0.48", "2", "50.0%", "2", "2", "53%"]
+    assert held[3].split() == ["46x22", "2.09", "2", "50.0%", "0", "0", "26%"]  # (48% + 4%) / 2
 
 
 def test_the_cache_holds_each_image_at_its_bucket_and_a_changed_bucket_list_is_another_cache(tmp_path, capsys):
@@ -179,6 +206,44 @@ def test_the_cache_holds_each_image_at_its_bucket_and_a_changed_bucket_list_is_a
     assert build_cache(ds, "train", encode, accelerator, cfg) == folder and "cache hit" in capsys.readouterr().out
 
 
+class HeldOutBuckets:
+    """A bucket cache's held-out rows as validation reads them: `val_set[list of rows]` of one bucket, with buckets
+    and shapes (width, height)."""
+
+    def __init__(self, buckets_of_rows, shapes):
+        self.buckets, self.shapes = torch.tensor(buckets_of_rows), shapes
+
+    def __getitem__(self, rows):
+        w, h = self.shapes[int(self.buckets[rows[0]])]
+        return {"x": torch.zeros(len(rows), 3, h, w), "label": torch.zeros(len(rows), dtype=torch.long)}
+
+
+@pytest.mark.parametrize("present,num_samples,cells", [([0, 1, 2], 9, [3, 3, 3]), ([0, 1, 2], 7, [3, 2, 2]),
+                                                        ([0, 2], 9, [5, 4]), ([0, 1, 2], 2, [1, 1])])
+def test_the_validation_grid_has_val_num_samples_cells_a_row_a_bucket(tmp_path, present, num_samples, cells):
+    """A bucket run's validation grid: the squarest, widest and tallest buckets with held-out rows (up to three), a row
+    each, val.num_samples cells in all (9 in 2 buckets: 5 + 4, not 10), each bucket's cells classes 0, 1, 2, ... at
+    its shape; a shorter row ends in blank cells, so every row is one bucket, and the labels file names each sample's
+    row and column and no blank cell."""
+    from training.evaluation.validation import validation_inputs
+
+    shapes = [[12, 22], [16, 16], [22, 12]]
+    val_set = HeldOutBuckets([b for b in present for _ in range(2)], shapes)
+    noise, cond = validation_inputs(val_set, num_samples, 10, (3, 22, 22), 0, "cpu")
+    assert [len(n) for n in noise] == cells and [c["label"].tolist() for c in cond] == [list(range(n)) for n in cells]
+    labels = [f"class {k}" for k in range(num_samples)]
+    runlog.RunLog.samples(SimpleNamespace(run_dir=tmp_path, wandb=None), [n.clamp(-1, 1) for n in noise], 1, labels)
+    lines = (tmp_path / "samples" / "step_00000001.txt").read_text().splitlines()
+    assert len(lines) == num_samples
+    for row, (n, x) in enumerate(zip(cells, noise)):
+        mine = [line.split("\t") for line in lines if line.split("\t")[1].startswith(f"row {row + 1},")]
+        assert [m[1] for m in mine] == [f"row {row + 1}, column {c + 1}" for c in range(n)]
+        assert [m[2] for m in mine] == [f"{x.shape[-1]}x{x.shape[-2]}: class {c}" for c in range(n)]
+    w, h = max(x.shape[-1] for x in noise), max(x.shape[-2] for x in noise)  # every cell: the largest sides
+    factor = -(-64 // min(w, h))  # small cells enlarged to be seen
+    assert Image.open(tmp_path / "samples" / "step_00000001.png").width == (max(cells) * (w + 2) + 2) * factor
+
+
 def test_the_loader_refuses_what_buckets_cannot_do(tmp_path):
     base = ["--data.buckets=[0.5,1,2]", "--run_dir", str(tmp_path / "run")]
     for extra, says in ((["--objective.repa_weight=0.5"], "REPA's targets are one square grid"),
@@ -207,6 +272,54 @@ def test_a_sampling_shape_that_means_nothing_is_refused_in_one_line():
             buckets.shape_arg(bucketed, aspect_ratio=ratio)
     with pytest.raises(config.ConfigError, match="each at least 1"):
         buckets.shape_arg(bucketed, 0, 16)
+
+
+MERGED = {"data": {"resolution": 16, "buckets": "auto", "bucket_shapes": [[12, 18], [18, 12]]}}  # the square merged
+
+
+def test_the_shape_sampled_is_said_with_its_bucket_and_why():
+    """buckets.shape_note, sample.py's line: a run with data.buckets=auto whose square bucket was merged away keeps
+    12x18 and 18x12, so --aspect_ratio 1:1 gets a 3:2 or 2:3 bucket: the line names it width x height and says the
+    run kept no 1:1 bucket; a ratio whose bucket is there, the default and --width / --height (a bucket or not) are
+    said without that clause; a square run at its square says nothing."""
+    said = buckets.shape_note(MERGED, buckets.shape_arg(MERGED, aspect_ratio="1:1"), aspect_ratio="1:1")
+    assert said.startswith("sampling the bucket 18x12 (width x height, aspect 1.50): of this run's buckets (12x18, "
+                           "18x12) the nearest to --aspect_ratio 1:1; it kept no bucket for data.buckets' 1 (merged")
+    said = buckets.shape_note(MERGED, (12, 18), aspect_ratio="2:3")
+    assert "nearest to --aspect_ratio 2:3" in said and "kept no bucket" not in said
+    listed = {"data": {**MERGED["data"], "buckets": [0.5, 1, 1.5]}}  # data.buckets as a list: the same reading
+    assert "kept no bucket for data.buckets' 1 (" in buckets.shape_note(listed, (18, 12), aspect_ratio="1")
+    assert "kept no bucket" not in buckets.shape_note(listed, (18, 12), aspect_ratio="1.4")
+    assert "the squarest of this run's buckets (12x18, 18x12)" in buckets.shape_note(MERGED, (18, 12))
+    assert buckets.shape_note(MERGED, (12, 18), 12, 18).endswith("as --width and --height give: one of this run's "
+                                                                  "buckets (12x18, 18x12)")
+    assert "a shape it was not trained at" in buckets.shape_note(MERGED, (16, 16), 16, 16)
+    assert buckets.shape_note({"data": {"resolution": 16}}, (16, 16)) is None
+    assert "trained square at 16 px" in buckets.shape_note({"data": {"resolution": 16}}, (16, 8), 16, 8)
+
+
+@pytest.mark.slow
+def test_sample_says_which_bucket_it_samples_and_records_width_and_height_by_name(tmp_path, capsys):
+    """sample.py --aspect_ratio 1:1 on that run (an untrained export): images of the bucket its line names, which
+    sample.json records as width and height by name, beside the line."""
+    from training.model.mmdit import build_denoiser
+    from training.sharing import pipeline_export
+
+    cfg = config.load_config(fm.DEFAULTS, [*TINY_MODEL, "--model.num_layers=1", "--data.resolution=16",
+                                           "--data.num_classes=2", "--data.buckets=auto", "--run_dir", str(tmp_path / "run")])
+    cfg.data.bucket_shapes = MERGED["data"]["bucket_shapes"]
+    cfg = json.loads(json.dumps(cfg))
+    (tmp_path / "run").mkdir()
+    pipeline_export.write(build_denoiser(cfg, 3, 18).eval(), cfg, tmp_path / "run" / "export", run_dir=tmp_path / "run")
+    capsys.readouterr()
+    out = sample.main(["--run", str(tmp_path / "run"), "--classes", "0", "--per_class", "1", "--steps", "1",
+                       "--aspect_ratio", "1:1", "--out", str(tmp_path / "out")])
+    said = [line for line in capsys.readouterr().out.splitlines() if "(width x height" in line]
+    settings = json.loads((out / "sample.json").read_text())
+    assert len(said) == 1 and settings["shape_chosen"] == said[0] and "kept no bucket for data.buckets' 1" in said[0]
+    assert said[0].startswith(f"sampling the bucket {settings['width']}x{settings['height']} (width x height")
+    png = np.asarray(Image.open(next(out.glob("0000_*.png"))))
+    assert png.shape[:2] == (settings["height"], settings["width"]) and "shape" not in settings
 
 
 def test_eval_fid_refuses_a_square_reference_for_a_non_square_bucket():
@@ -259,6 +372,39 @@ def shapes_folder(root):
     return root
 
 
+class ChannelJudge(torch.nn.Module):
+    """A stand-in evaluation classifier for shapes_folder's discs: class c's logit is the mean of channel (B, G, R)[c]
+    (blue, green, red, the folders' sorted names), so it is right on every disc; `wrong` reads red's logit off the
+    blue channel too, so a red disc ties with blue and is called blue: 2/3 right on the three classes in equal numbers."""
+
+    def __init__(self, wrong=False):
+        super().__init__()
+        self.order = [2, 1, 0] if not wrong else [2, 1, 2]
+
+    def forward(self, x, output_hidden_states=False):
+        return SimpleNamespace(logits=20 * x.mean((2, 3))[:, self.order])
+
+
+def test_the_classifiers_accuracy_on_a_buckets_real_reference_images(tmp_path):
+    """classifier.reference_accuracy, eval_fid.py's bound beside a bucket's class accuracy: the reference images of
+    that bucket alone (the 30 wide canvases of 90, 10 a class), cropped to it as eval_fid.py scores them and read as
+    its samples are (square windows), against their own labels: 1 for a judge right on every disc, 2/3 for one that
+    calls red blue; a folder of images given as --reference has no labels: None."""
+    from training.evaluation import classifier
+    from training.evaluation.reference import reference_key
+
+    source = shapes_folder(tmp_path / "shapes")
+    cfg = {"data": {**config.load_config(fm.DEFAULTS, ["--data.resolution=16"]).data, "source": str(source),
+                    "num_classes": 3, "bucket_shapes": [[12, 22], [16, 16], [22, 12]]}}
+    args = SimpleNamespace(reference=None, reference_num=None, reference_split="train", reference_crop="center",
+                           reference_resolution=None, reference_image_column=None, shape=(22, 12))
+    key = reference_key(args, cfg, "classifier")
+    assert classifier.reference_accuracy(ChannelJudge(), key, cfg) == {"images": 30, "accuracy": 1.0}
+    wrong = classifier.reference_accuracy(ChannelJudge(wrong=True), key, cfg, batch_size=7)  # batches of 7: the same
+    assert wrong["images"] == 30 and wrong["accuracy"] == pytest.approx(2 / 3)
+    assert classifier.reference_accuracy(ChannelJudge(), {**key, "kind": "folder"}, cfg) is None
+
+
 # Loads the export with diffusers alone (python -I: this repository is not importable) and samples it wide.
 LOAD_AND_SAMPLE = """
 import json, sys
@@ -277,7 +423,7 @@ np.save(sys.argv[2], np.stack([np.asarray(i) for i in images]))
 
 
 @pytest.mark.slow
-def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_export_samples_wide(tmp_path):
+def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_export_samples_wide(tmp_path, capsys):
     from accelerate.state import AcceleratorState
 
     source = shapes_folder(tmp_path / "shapes")
@@ -292,6 +438,7 @@ def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_expo
         return fm.main(args + ["--run_dir", str(tmp_path / name), f"--train.max_steps={steps}", *more])
 
     full = train("full", 4)
+    assert "held-out images (the hold-out" in capsys.readouterr().out  # the trainer hands its held-out rows over
     train("part", 2)
     part = train("part", 4, "--resume", "latest")
     weights = "transformer/diffusion_pytorch_model.safetensors"
@@ -313,6 +460,22 @@ def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_expo
     pngs = {name: np.stack([np.asarray(Image.open(p)) for p in sorted(out.glob("0*.png"))])
             for name, out in (("wide", wide), ("tall", tall))}
     assert pngs["wide"].shape == (2, 12, 22, 3) and pngs["tall"].shape == (1, 22, 12, 3)
+    # eval_fid.py at the wide bucket with --classifier: beside the samples' class accuracy, the classifier's on that
+    # bucket's 30 real reference images (of 90), in the table and the report
+    from training.evaluation import classifier
+
+    judge = tmp_path / "judge"
+    classifier.build(3, ["blue", "green", "red"]).save_pretrained(judge)
+    (judge / classifier.RECORD).write_text(json.dumps({"test_accuracy": 0.5, "test_split": "test", "resolution": 16}))
+    capsys.readouterr()
+    report = eval_fid.main(["--run", str(full), "--aspect_ratio", "2:1", "--num_samples", "3", "--steps", "1",
+                            "--classifier", str(judge), "--features", "classifier", "--reference_split", "train",
+                            "--stats_cache", str(tmp_path / "stats"), "--clip_model", "none"])
+    real = report["classifier"]["bucket_reference"]
+    key = {k: v for k, v in report["reference"].items() if k not in ("stats", "key_sha256", "stats_sha256")}
+    assert real == classifier.reference_accuracy(classifier.load(judge)[0], key, cfg, side=16) and real["images"] == 30
+    assert (f"on the 30 real reference images of the 22x12 bucket, read as its samples are" in capsys.readouterr().out
+            and "class_accuracy_3" in report["metrics"])
     # the export, with diffusers alone, at height 12 x width 22: sample.py's images for the same seeds
     job = {"folder": str(full / "export"), "classes": ["blue", "red"], "seeds": [generation.seed_for(0, 0, i) for i in range(2)]}
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",

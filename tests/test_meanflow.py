@@ -285,17 +285,97 @@ def test_the_sampler_steps_the_average_velocity():
     assert torch.equal(fm.sample(plain, noise, cond, 3, method="meanflow"), fm.sample(plain, noise, cond, 3))
 
 
+def resolved(args, capsys):
+    """(val.sampler, val.steps, val.guidance_scale) of a flow-matching start with `args`, and the lines it printed
+    about them."""
+    cfg = config.load_config(fm.DEFAULTS, args, method="flow_matching", schema=fm.CONFIG)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "meanflow" in line]
+    return (cfg.val.sampler, cfg.val.steps, cfg.val.guidance_scale), lines
+
+
+def test_a_meanflow_run_samples_its_own_way_unless_it_chooses_another_and_then_says_so(tmp_path, capsys):
+    """objective.meanflow: val.sampler, val.steps and val.guidance_scale that the run does not choose become its own
+    (the meanflow sampler, OWN_STEPS, guidance 1 on top of the 2 in the weights), also over a flow-matching recipe's
+    (its 20 Euler steps at guidance 2 are for Euler); a MeanFlow recipe's own choice and the command line's are kept,
+    and a choice of another sampler or of guidance on top prints one line saying what it does."""
+    MF = "--objective.meanflow=true"
+    assert resolved([], capsys) == (("euler", 32, 7.0), [])  # flow matching: untouched
+    own, lines = resolved([MF], capsys)
+    assert own == ("meanflow", meanflow.OWN_STEPS, 1.0) and len(lines) == 1 and "sampled its own way" in lines[0]
+    own, lines = resolved(["--config", "configs/fashion_mnist.json", MF], capsys)
+    assert own == ("meanflow", meanflow.OWN_STEPS, 1.0) and len(lines) == 1
+    assert "not the flow-matching sampler's val.steps=20 (from configs/fashion_mnist.json)" in lines[0]
+    recipe = tmp_path / "mf.json"
+    recipe.write_text(json.dumps({"objective": {"meanflow": True}, "val": {"steps": 1}}))
+    assert resolved(["--config", str(recipe)], capsys)[0] == ("meanflow", 1, 1.0)  # a MeanFlow recipe's choice
+    assert resolved([MF, "--val.steps=4"], capsys)[0] == ("meanflow", 4, 1.0)
+    own, lines = resolved([MF, "--val.sampler=euler"], capsys)
+    assert own == ("euler", 32, 1.0) and len(lines) == 1  # Euler's own steps; no guidance on top
+    assert "val.sampler='euler' (from --val.sampler=euler): the euler sampler's 32 steps follow the model's r = t" \
+        in lines[0]
+    own, lines = resolved([MF, "--val.guidance_scale=3"], capsys)
+    assert own == ("meanflow", meanflow.OWN_STEPS, 3.0) and len(lines) == 1
+    assert "guidance 3 comes on top of the 2 trained into its weights" in lines[0]
+    assert resolved([MF, "--objective.meanflow_guidance=1"], capsys)[0] == ("meanflow", meanflow.OWN_STEPS, 7.0)
+    assert meanflow.sampling_note(OBJECTIVE, "meanflow", 2, 1.0) is None  # its own way: nothing to say
+    assert meanflow.sampling_note({"prediction": "v"}, "euler", 32, 7.0) is None  # no MeanFlow model
+
+
+@pytest.mark.slow
+def test_a_meanflow_model_recorded_with_eulers_settings_says_so_wherever_it_is_sampled(tmp_path, monkeypatch, capsys):
+    """A MeanFlow run trained before it sampled its own way by default records val.sampler='euler', 32 steps and
+    guidance 7: its export, sample.py, eval_fid.py and tools/tune.py each say so in one line (with the flags of its
+    own way), and say nothing when it is sampled its own way; tune.py searches guidance 1 unless told."""
+    import eval_fid
+    from tools import tune
+
+    run = tmp_path / "run"
+    cfg = config.load_config(fm.DEFAULTS, ["--objective.meanflow=true", "--data.resolution=8", "--data.num_classes=4",
+                                           "--model.num_layers=1", "--model.num_attention_heads=2",
+                                           "--model.attention_head_dim=8", "--run_dir", str(run)])  # as before: no resolver
+    cfg = json.loads(json.dumps(cfg))
+    assert (cfg["val"]["sampler"], cfg["val"]["steps"], cfg["val"]["guidance_scale"]) == ("euler", 32, 7.0)
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(cfg))
+    pipeline_export.write(build_denoiser(cfg, 3, 8).eval(), cfg, run / "export", run_dir=run)
+    said = [line for line in capsys.readouterr().out.splitlines() if "MeanFlow" in line]
+    assert len(said) == 1 and "the pipeline's defaults sample a MeanFlow model otherwise: the euler sampler's 32" in \
+        said[0] and "guidance 7 comes on top of the 2" in said[0]
+
+    def notes(main, *flags):
+        main(["--run", str(run), "--steps", "1", *flags])
+        return [line for line in capsys.readouterr().out.splitlines() if "MeanFlow" in line]
+
+    for main, flags in ((sample.main, ["--classes", "0", "--per_class", "1", "--out"]),
+                        (eval_fid.main, ["--num_samples", "1", "--generate_only", "--out_dir"])):
+        said = notes(main, *flags, str(tmp_path / "euler"))
+        assert len(said) == 1 and "the euler sampler's 1 step follows" in said[0], main
+        assert "(its own way: --sampler meanflow --steps 2 --guidance_scale 1)" in said[0]
+        assert notes(main, *flags, str(tmp_path / "own"), "--sampler", "meanflow", "--guidance_scale", "1") == []
+    calls = []
+    monkeypatch.setattr(eval_fid, "main", lambda argv, feature_fn=None: calls.append(eval_fid.parse_args(argv)) or {
+        "metrics": {"fd_classifier_1": float(len(calls)), "class_accuracy_1": 0.5}, "warnings": []})
+    tune.main(["--run", str(run), "--sampler", "meanflow", "--num_samples", "1", "--confirm_samples", "0"])
+    assert sorted(a.steps for a in calls) == [1, 2, 4] and all(a.guidance_scale == 1.0 for a in calls)
+    assert [line for line in capsys.readouterr().out.splitlines() if "MeanFlow" in line] == []
+    tune.main(["--run", str(run), "--num_samples", "1", "--confirm_samples", "0", "--guidance", "1,3"])
+    said = [line for line in capsys.readouterr().out.splitlines() if "MeanFlow" in line]
+    assert len(said) == 1 and "the euler sampler's 32 steps" in said[0]  # once, not per evaluation
+
+
 @pytest.mark.slow
 def test_a_meanflow_run_trains_resumes_exactly_exports_and_samples_in_one_step_with_diffusers_alone(tmp_path):
     """The Fashion-MNIST variant's settings on the tiny demo: 4 steps straight, and the same run stopped at its step-2
     checkpoint and resumed: the same losses and, bitwise, the same weights (MeanFlow's draws come from the run's
-    RNG). The export, loaded where this repository cannot be imported, samples in one step what sample.py does."""
+    RNG). Validation and the export sample its own way by default (the meanflow sampler, no guidance on top): the
+    export, loaded where this repository cannot be imported, samples in one step what sample.py does."""
     args = tiny_run_args(tmp_path, "straight", steps=4) + [
         "--model.num_layers=1", "--log.every=1", "--ckpt.every=2", "--log.report=false", "--objective.meanflow=true",
-        "--objective.prediction=x0", "--val.sampler=meanflow", "--val.steps=1", "--val.guidance_scale=1"]
+        "--objective.prediction=x0", "--val.steps=1"]  # its own sampler and guidance 1 by default
     run = fm.main(args)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("loss_adaptive_weight" in r for r in rows if "loss" in r)
+    assert [r["val_nfe"] for r in rows if "val_nfe" in r] == [1.0]  # validation: one evaluation an image
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000004"), shutil.rmtree(resumed / "export")
@@ -322,5 +402,6 @@ def test_a_meanflow_run_trains_resumes_exactly_exports_and_samples_in_one_step_w
     with torch.no_grad(), common.counting_evaluations(model) as rows:
         fm.generate(model, torch.randn(2, 3, 16, 16), cond, cfg)
     assert rows[0] == 2  # one evaluation an image
-    assert json.loads((run / "export" / "model_index.json").read_text())["num_inference_steps"] == 1
+    index = json.loads((run / "export" / "model_index.json").read_text())
+    assert (index["sampler"], index["num_inference_steps"], index["guidance_scale"]) == ("meanflow", 1, 1.0)
     assert "made for sampling in 1 step of its `meanflow` sampler" in (run / "export" / "README.md").read_text()

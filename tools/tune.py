@@ -1,7 +1,7 @@
 """Choose a checkpoint's sampling settings on images held out from the training split: guidance scale, guidance
-interval, sampler steps (a MeanFlow model's: 1, 2 and 4 unless --steps says) and (where the run kept post-hoc EMA
-snapshots) EMA length, a grid searched at a small sample count with eval_fid.py,
-then the best two confirmed at the full count.
+interval, sampler steps (a MeanFlow model's: 1, 2 and 4 unless --steps says, at guidance 1 unless --guidance says)
+and (where the run kept post-hoc EMA snapshots) EMA length, a grid searched at a small sample count with
+eval_fid.py, then the best two confirmed at the full count.
 
     python tools/tune.py --run runs/flow_matching_fashion_mnist --guidance 1,1.5,2,3 --steps 16,32 \\
         --guidance_interval 0,1 0.1,0.9 --num_samples 2000 --confirm_samples 10000 \\
@@ -54,6 +54,7 @@ import eval_fid  # noqa: E402
 from tools.compare import paired_comparison, t_interval  # noqa: E402
 from training.evaluation import tuning  # noqa: E402
 from training.evaluation.reference import check_selection  # noqa: E402
+from training.objectives import meanflow  # noqa: E402
 
 
 def floats(text):
@@ -75,6 +76,13 @@ MEANFLOW_STEPS = (1, 2, 4)
 
 def default_steps(cfg, sampler):
     return list(MEANFLOW_STEPS) if sampler == "meanflow" else [cfg["val"]["steps"]]
+
+
+def default_guidance(cfg):
+    """The run's val.guidance_scale; a MeanFlow model with guidance trained into its weights: 1, none on top (a run
+    recorded before MeanFlow sampled its own way by default holds the flow-matching sampler's, guidance 7)."""
+    obj = cfg.get("objective", {})
+    return [1.0] if obj.get("meanflow") and obj["meanflow_guidance"] > 1 else [cfg["val"]["guidance_scale"]]
 
 
 CONFIRM_BLOCKS = 5  # disjoint seed blocks of the confirmation (tools/compare.py: 3 seeds at least, 5 where open)
@@ -121,7 +129,8 @@ def main(argv=None, feature_fn=None):
                                 epilog=eval_fid.passed_on(OWN, "in every evaluation"))
     p.add_argument("--run", required=True, help="the run folder: its export, or the checkpoint that --checkpoint "
                    "names; tuned.json is written there")
-    p.add_argument("--guidance", type=floats, default=None, help="guidance scales; default: the run's val.guidance_scale")
+    p.add_argument("--guidance", type=floats, default=None, help="guidance scales; default: the run's "
+                   "val.guidance_scale (a MeanFlow model with guidance in its weights: 1)")
     p.add_argument("--guidance_interval", type=eval_fid.interval_arg, nargs="+", default=None, help="'lo,hi' "
                    "intervals (flow-matching t, 1 = noise), e.g. 0,1 0.1,0.9; default: the run's val.guidance_interval")
     p.add_argument("--steps", type=floats, default=None, help="sampler steps; default: the run's val.steps (the "
@@ -143,7 +152,7 @@ def main(argv=None, feature_fn=None):
     model = tuning.model_identity(args.run, given.checkpoint, given.weights)
     sampler = given.sampler or model["sampler"]
     pinned = ["--checkpoint", str(Path(args.run) / model["model"])] if given.checkpoint else []
-    grid = list(itertools.product(args.guidance or [cfg["val"]["guidance_scale"]],
+    grid = list(itertools.product(args.guidance or default_guidance(cfg),
                                   args.guidance_interval or [list(cfg["val"].get("guidance_interval", [0.0, 1.0]))],
                                   [int(s) for s in args.steps or default_steps(cfg, sampler)], args.phema_std or [None]))
     warned = set()
@@ -171,6 +180,10 @@ def main(argv=None, feature_fn=None):
                       f"samples" if args.confirm_samples else "no confirmation")
         print(f"tune: {len(grid)} settings at {args.num_samples:,} samples each, then {confirming}; "
               f"{tuning.describe(model)}, {sampler} sampler, against the run's held-out rows", flush=True)
+        # a MeanFlow model searched otherwise than its own way: said once, not in every evaluation's hidden lines
+        if note := next(filter(None, (meanflow.sampling_note(cfg.get("objective", {}), sampler, steps, guidance)
+                                      for guidance, _, steps, _ in grid)), None):
+            print(f"note: a MeanFlow model sampled otherwise: {note}", flush=True)
     rows = []
     for i, (guidance, interval, steps, std) in enumerate(grid):
         row = {"guidance_scale": guidance, "guidance_interval": list(interval), "steps": steps, "phema_std": std}

@@ -151,7 +151,9 @@ def load_config(defaults, argv=None, method="run", schema=None):
     init_from the trainer's name, so one recipe runs under both trainers side by side. Unknown keys are always
     problems; `schema` (the trainer's model) marks a trainer's start-up: every value is validated, then, once all
     are valid, the combinations and the files the run needs together with the checks of the options the trainer
-    runs (schema.checks: REPA, sharding, its objective's). All problems raise at once in one ConfigError. `--help` prints every key and `--print_config` the resolved config; both then exit.
+    runs (schema.checks: REPA, sharding, its objective's), after the defaults that follow another key are filled
+    (schema.resolvers: MeanFlow's sampler), whose lines are printed. All problems raise at once in one ConfigError.
+    `--help` prints every key and `--print_config` the resolved config; both then exit.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
@@ -183,9 +185,11 @@ def load_config(defaults, argv=None, method="run", schema=None):
     if cfg.get("init_from"):
         cfg.init_from = cfg.init_from.replace("{method}", method)
     object.__setattr__(cfg, "origin", dict(origin))  # the layer that set each key ("from configs/x.json"), for the checks
+    notes = []  # the resolvers' lines: the defaults that follow another key, filled once every value is valid
     if schema is not None:  # the values beside any unknown key (never merged), combinations once all are right
         problems += schema_problems(schema, cfg, origin)
         if not problems:
+            notes = [line for resolve in schema.resolvers for line in resolve(cfg)]
             problems += combination_problems(cfg) + [p for check in schema.checks for p in check(cfg)]
     if problems:
         raise ConfigError(f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  " + "\n  ".join(problems))
@@ -194,6 +198,8 @@ def load_config(defaults, argv=None, method="run", schema=None):
         raise SystemExit(0)
     for warning in budget_warnings(cfg) if schema is not None and int(os.environ.get("RANK", 0)) == 0 else []:
         print(f"warning: {warning}")
+    for note in notes if int(os.environ.get("RANK", 0)) == 0 else []:
+        print(note)
     object.__setattr__(cfg, "explicit", frozenset(origin))  # the keys a --config file or the command line set
     return cfg
 

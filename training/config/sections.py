@@ -202,6 +202,9 @@ class Run(BaseModel, extra="forbid", strict=True):
     # The start-up checks of the options a trainer runs (REPA, sharding, its objective's, ...): functions cfg ->
     # [problem], each in the option's own module, handed over by the trainer (schema); this module imports none.
     checks: ClassVar[tuple] = ()
+    # Keys whose default follows another key (objective.meanflow's sampler): functions cfg -> [start-up line] that
+    # fill the keys neither a recipe nor the command line chose, each in its option's module (schema).
+    resolvers: ClassVar[tuple] = ()
     run_dir: Str = Field(None, description="None: runs/{method}_{config name}, runs/{method}_demo without one")
     seed: int = Field(0, ge=0, description="each rank adds its index")
     resume: Str = Field(None, description='"latest" (this run_dir\'s newest checkpoint) or a checkpoint folder')
@@ -220,17 +223,18 @@ class Run(BaseModel, extra="forbid", strict=True):
     ckpt: Ckpt = Field(default_factory=Ckpt, description="checkpoints")
 
 
-def schema(objective, sampler, checks=()):
+def schema(objective, sampler, checks=(), resolvers=()):
     """A trainer's whole config: the shared sections with its `objective` section (plus the REPA keys) and its
     `sampler` keys in val, carrying `checks`, the start-up checks of the options it runs (config.load_config runs
-    them with combination_problems, every problem at once)."""
+    them with combination_problems, every problem at once), and `resolvers`, the defaults that follow another key
+    (run once every value is valid, before those checks)."""
     val = create_model("Val", __base__=Val, **{k: (f.annotation, f) for k, f in sampler.model_fields.items()})
     objective = create_model("Objective", __base__=objective, __doc__=objective.__doc__,
                              **{k: (f.annotation, f) for k, f in Repa.model_fields.items()})
     about = Run.model_fields["val"].description
     run = create_model("Run", __base__=Run, val=(val, Field(default_factory=val, description=about)),
                        objective=(objective, Field(default_factory=objective, description=objective.__doc__)))
-    run.checks = tuple(checks)
+    run.checks, run.resolvers = tuple(checks), tuple(resolvers)
     return run
 
 

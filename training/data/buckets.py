@@ -90,11 +90,7 @@ def shape_arg(cfg, width=None, height=None, aspect_ratio=None):
         if not cfg["data"].get("bucket_shapes"):  # one shape: its "nearest bucket" would be a square, silently
             raise ConfigError(f"--aspect_ratio {aspect_ratio} picks one of a run's data.buckets, and this run was "
                               f"trained square at {trained} px: give --width and --height instead")
-        a, _, b = str(aspect_ratio).partition(":")
-        try:
-            ratio = float(a) / float(b or 1)
-        except (ValueError, ZeroDivisionError):
-            ratio = float("nan")
+        ratio = ratio_of(aspect_ratio)
         if not (math.isfinite(ratio) and ratio > 0):
             raise ConfigError(f"--aspect_ratio {aspect_ratio}: a width / height above 0, as '3:2' or 1.5")
         return tuple(shapes[int(nearest([(ratio, 1)], shapes)[0])])
@@ -108,6 +104,46 @@ def shape_arg(cfg, width=None, height=None, aspect_ratio=None):
         raise ConfigError(f"--width {width} --height {height}: the model's positional grid covers {largest_side(cfg)} "
                          f"pixels a side; it was trained at {trained}")
     return width, height
+
+
+def ratio_of(aspect_ratio):
+    """--aspect_ratio ("3:2" or 1.5) as a number, nan where it is none."""
+    a, _, b = str(aspect_ratio).partition(":")
+    try:
+        return float(a) / float(b or 1)
+    except (ValueError, ZeroDivisionError):
+        return float("nan")
+
+
+def shape_note(cfg, shape, width=None, height=None, aspect_ratio=None):
+    """The line sample.py prints about the shape it samples, (width, height) from shape_arg: which bucket and why (the
+    squarest by default; the nearest to --aspect_ratio, saying where the run kept no bucket of that ratio, since
+    data.buckets' buckets with fewer training images than a global batch were merged at start-up; --width and
+    --height as given, a bucket or not). None for a square run sampled at its square."""
+    data = cfg["data"]
+    shapes, (w, h) = [tuple(s) for s in data.get("bucket_shapes") or []], shape
+    named, listed = f"{w}x{h} (width x height, aspect {w / h:.2f})", ", ".join(f"{a}x{b}" for a, b in shapes)
+    if width is not None:
+        if shapes:
+            trained = "one of" if shape in shapes else "a shape it was not trained at, not one of"
+            return f"sampling {named}, as --width and --height give: {trained} this run's buckets ({listed})"
+        square = (data["resolution"],) * 2
+        return f"sampling {named}, as --width and --height give" + (
+            f": the run was trained square at {square[0]} px" if shape != square else "")
+    if not shapes:
+        return None
+    if aspect_ratio is None:
+        return (f"sampling the bucket {named}: the squarest of this run's buckets ({listed}); --aspect_ratio or "
+                f"--width and --height choose another")
+    out = f"sampling the bucket {named}: of this run's buckets ({listed}) the nearest to --aspect_ratio {aspect_ratio}"
+    ratios = [a / b for a, b in AUTO] if data.get("buckets") == "auto" else data.get("buckets") or []
+    if ratios:  # the data.buckets ratio asked for, and the one this bucket was made for (nearest in log ratio)
+        asked, made = (ratios[int(nearest([(r, 1)], [(c, 1) for c in ratios])[0])]
+                       for r in (ratio_of(aspect_ratio), w / h))
+        if not math.isclose(asked, made):
+            out += (f"; it kept no bucket for data.buckets' {asked:.3g} (merged into its neighbours at start-up, with "
+                    f"fewer training images than a global batch, or left out with none nearest to it)")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -165,25 +201,30 @@ def merge_small(shapes, sizes, batch, min_side=1):
     return shapes, fate
 
 
-def table(shapes, sizes, fate, batch, micro=None, min_side=1):
-    """The start-up table: per bucket its images, their share, how many are upscaled (smaller than the bucket)
-    and how many lose more than half their area to the crop, and the batches an epoch gives; then the buckets
-    left out or merged, and the images skipped, each with why."""
+def table(shapes, sizes, fate, batch=None, micro=None, min_side=1):
+    """The start-up table: per bucket its images, their share, how many are upscaled (smaller than the bucket), how
+    many lose more than half their area to the crop and the mean share of area the crop takes from them (a square
+    photo in a 2:3 bucket loses a third), and (`batch`: the training images') the batches an epoch gives; then the
+    buckets left out or merged, and the images skipped, each with why."""
     usable = sizes.min(1) >= min_side
     where = nearest(sizes[usable], shapes) if usable.any() else np.zeros(0, dtype=np.int64)
-    lines = [f"{'bucket':>9} {'w/h':>5} {'images':>7} {'share':>6} {'upscaled':>8} {'crop>1/2':>8}  batches an epoch"]
+    lines = [f"{'bucket':>9} {'w/h':>5} {'images':>7} {'share':>6} {'upscaled':>8} {'crop>1/2':>8} {'lost':>5}"
+             + "  batches an epoch" * (batch is not None)]
     for k, (w, h) in enumerate(shapes):
         mine = sizes[usable][where == k]
         boxes = np.array([crop_extent(int(a), int(b), w, h) for a, b in mine]).reshape(-1, 2)
         up = int(((boxes[:, 0] < w) | (boxes[:, 1] < h)).sum())
         lost = int((boxes.prod(1) < mine.prod(1) / 2).sum())
+        mean_lost = float((1 - boxes.prod(1) / mine.prod(1)).mean()) if len(mine) else 0.0
         n = len(mine)
-        batches = f"{n / batch:.1f} global batches of {batch}"
-        if micro:
-            fill = -n % micro
-            batches += f"; {math.ceil(n / micro)} micro-batches of {micro}" + (
-                f", the last filled with {fill} of its images seen again" if fill else "")
-        lines.append(f"{f'{w}x{h}':>9} {w / h:5.2f} {n:7d} {n / max(len(where), 1):6.1%} {up:8d} {lost:8d}  {batches}")
+        line = f"{f'{w}x{h}':>9} {w / h:5.2f} {n:7d} {n / max(len(where), 1):6.1%} {up:8d} {lost:8d} {mean_lost:5.0%}"
+        if batch is not None:
+            line += f"  {n / batch:.1f} global batches of {batch}"
+            if micro:
+                fill = -n % micro
+                line += f"; {math.ceil(n / micro)} micro-batches of {micro}" + (
+                    f", the last filled with {fill} of its images seen again" if fill else "")
+        lines.append(line)
     lines += [f"{f'{w}x{h}':>9} {w / h:5.2f}: {why}" for (w, h), why in fate.items()]
     broken, tiny = int((sizes[:, 0] < 0).sum()), int(((sizes.min(1) >= 0) & ~usable).sum())
     if broken or tiny:
@@ -192,12 +233,13 @@ def table(shapes, sizes, fate, batch, micro=None, min_side=1):
     return lines
 
 
-def resolve(cfg, ds, accelerator):
+def resolve(cfg, ds, accelerator, heldout=None):
     """data.buckets on: the buckets this run trains at, set in data.bucket_shapes (config.json, checkpoints and the
-    export record them; sample.py and eval_fid.py read them), and the start-up table printed. The buckets follow
-    from data.buckets, data.resolution, the model's multiple, the training images' sizes and the global batch
-    (train.global_batch, else batch x processes x accumulation), so a resumed run finds the same ones; a
-    data.bucket_shapes given by hand must be what they come to. Off: nothing."""
+    export record them; sample.py and eval_fid.py read them), and the start-up table printed, then the same table of
+    the `heldout` rows (validation's, and eval_fid.py's reference images by default), cropped to their nearest kept
+    bucket as the training images are. The buckets follow from data.buckets, data.resolution, the model's multiple,
+    the training images' sizes and the global batch (train.global_batch, else batch x processes x accumulation), so
+    a resumed run finds the same ones; a data.bucket_shapes given by hand must be what they come to. Off: nothing."""
     from training.data.encoders import vae_factor
 
     data, tr, world = cfg.data, cfg.train, accelerator.num_processes
@@ -219,3 +261,9 @@ def resolve(cfg, ds, accelerator):
                           f"started with (set train.global_batch to its batch_size x processes x grad_accum); a new "
                           f"run: leave data.bucket_shapes unset (null), the run fills it")
     data.bucket_shapes = shapes
+    if heldout is not None and len(heldout):  # cropped to their buckets too: say how much, as for the training images
+        sizes, which = image_sizes(heldout, data.image_column), f"data.val_split={data.val_split!r}" if \
+            data.val_split else "the hold-out"
+        accelerator.print(f"held-out images ({which}: validation's, and eval_fid.py's reference by default): "
+                          f"{len(sizes)}, each cropped to its nearest kept bucket\n  " + "\n  ".join(
+                              table([tuple(s) for s in shapes], sizes, {}, min_side=data.min_image_side)))

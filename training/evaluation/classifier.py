@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from training.evaluation.reference import reference_images, reference_rows
+
 RECORD = "classifier.json"  # beside the weights: what it was trained on and its test accuracy
 
 
@@ -76,10 +78,35 @@ def accuracy(model, images, labels, batch_size=500):
 def class_hits(model, images, indices, num_classes, device="cpu", side=None):
     """1.0 where the classifier labels sample i with the class it was asked for, i % num_classes, else 0.0.
     Non-square images (a run with data.buckets) are read as window_logits does."""
-    asked = torch.tensor([i % num_classes for i in indices])
+    return hits(model, images, [i % num_classes for i in indices], device, side)
+
+
+def hits(model, images, labels, device="cpu", side=None):
+    """1.0 where the classifier labels image k (uint8 (H, W, 3), one shape) labels[k], else 0.0; non-square images
+    through window_logits (`side`: the classifier's training resolution)."""
+    labels = torch.as_tensor(labels).long()
     if images[0].shape[0] != images[0].shape[1]:
-        return (window_logits(model, images, side, device).argmax(1).cpu() == asked).double().numpy()
-    return (logits_and_features(model, images, device)[0].argmax(1).cpu() == asked).double().numpy()
+        return (window_logits(model, images, side, device).argmax(1).cpu() == labels).double().numpy()
+    return (logits_and_features(model, images, device)[0].argmax(1).cpu() == labels).double().numpy()
+
+
+def reference_accuracy(model, key, cfg, device="cpu", side=None, batch_size=256):
+    """{"images", "accuracy"} of the classifier on the real reference images of `key` (reference.reference_key: a
+    dataset's split; a bucket run's, that bucket's images cropped to it, as eval_fid.py scores them), against their
+    labels (data.label_column), read as the samples of that shape are (hits): beside the samples' class accuracy at a
+    bucket, the bound a perfect generator could reach there, which the test accuracy on squares is not. None where
+    the reference has no labels (a folder, an .npz, a split without the column)."""
+    column = cfg["data"].get("label_column")
+    if key.get("kind") != "dataset" or not column:
+        return None
+    rows, items = reference_rows(key, cfg)[0], reference_images(key, cfg)
+    if column not in rows.column_names or not len(items):
+        return None
+    labels, right = rows[column][:len(items)], []
+    for start in range(0, len(items), batch_size):
+        chunk = range(start, min(start + batch_size, len(items)))
+        right.append(hits(model, [items[i]() for i in chunk], [labels[i] for i in chunk], device, side))
+    return {"images": len(items), "accuracy": float(np.concatenate(right).mean())}
 
 
 @torch.no_grad()

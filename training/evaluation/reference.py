@@ -195,19 +195,26 @@ def image_files(source):
     return sorted(f for f in p.rglob("*") if f.suffix.lower() in {".png", ".jpg", ".jpeg", ".webp", ".bmp"})
 
 
+def reference_rows(key, cfg):
+    """(rows, data) of a dataset reference `key`: its split's rows (a bucket's: those whose nearest bucket it is), in
+    the order reference_images reads them, their other columns (the labels) kept; data: the config they are read
+    with."""
+    data = config.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
+                          "label_column": None, "caption_column": None, "max_samples": None,
+                          "crop": key["crop"], "random_flip": False})
+    ds = heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
+    if key.get("bucket"):  # the images whose nearest bucket it is, each cropped to it as the cache crops them
+        ds = ds.select(rows_in(ds, key["image_column"], key["buckets"], key["bucket"]))
+    return ds, data
+
+
 def reference_images(key, cfg):
     """One loader per reference image, each returning uint8 (H, W, 3): a folder's files as they are, or
     dataset rows through load_image and preprocess, exactly as the trainer's cache sees them."""
     if key["kind"] == "folder":
         items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in image_files(key["source"])]
     else:
-        data = config.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
-                              "label_column": None, "caption_column": None, "max_samples": None,
-                              "crop": key["crop"], "random_flip": False})
-        ds = heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
-        shape = key.get("bucket")
-        if shape:  # the images whose nearest bucket it is, each cropped to it as the cache crops them
-            ds = ds.select(rows_in(ds, key["image_column"], key["buckets"], shape))
+        (ds, data), shape = reference_rows(key, cfg), key.get("bucket")
 
         def load(i):
             x, _ = preprocess(load_image(ds[i][key["image_column"]]), key["resolution"], data, shape=shape)

@@ -42,12 +42,16 @@ def grid_buckets(val_set):
 
 
 def bucket_inputs(val_set, num_samples, num_classes, seed, device, text=None):
-    """validation_inputs of a bucket cache: ([noise], [conditions]), one of each per grid_buckets, each of
-    ceil(num_samples / buckets) cells: the grid's first cells (classes 0, 1, 2, ... or the first prompts), with
-    the controls of that bucket's held-out rows, cycled."""
+    """validation_inputs of a bucket cache: ([noise], [conditions]), one of each per grid_buckets, num_samples cells
+    in all, split as evenly as they go (the first buckets one more; a bucket left with none is not shown): each
+    bucket's cells are the grid's first cells (classes 0, 1, 2, ... or the first prompts), with the controls of that
+    bucket's held-out rows, cycled."""
     shown = grid_buckets(val_set)
-    per, noises, conds = -(-num_samples // len(shown)), [], []
-    for k, b in enumerate(shown):
+    cells = [num_samples // len(shown) + (k < num_samples % len(shown)) for k in range(len(shown))]
+    noises, conds = [], []
+    for k, (b, per) in enumerate(zip(shown, cells)):
+        if not per:
+            continue
         members = torch.nonzero(val_set.buckets == b).flatten().tolist()
         batch = val_set[[members[i % len(members)] for i in range(per)]]
         cond = conditions_of(batch, device)

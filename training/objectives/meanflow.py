@@ -170,3 +170,77 @@ def problems(cfg):
         out.append("objective.meanflow with train.sharding='fsdp': the JVP runs the bare module eager, which the "
                    "sharded, per-block compiled model is not; use train.sharding='ddp'")
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampling: a MeanFlow model's own sampler, steps and guidance, where the run does not choose others, and one line
+# wherever it is sampled otherwise (validation and export follow the resolved config; sample.py, eval_fid.py and
+# tools/tune.py follow the run's recorded one, and say so for a run that recorded another sampler).
+
+# Two meanflow steps: at the scale docs/benchmarks.md measured ("One- and two-step sampling", fine-tuned, 3 seeds),
+# two evaluations score FD 8.5 where one scores 19.1; four gain less (5.5) for twice the cost.
+OWN_STEPS = 2
+
+
+def chosen(cfg, key):
+    """Whether the run chose `key` for a MeanFlow model: on the command line, or in a --config file that turns
+    objective.meanflow on itself. A recipe's sampling settings without it are its flow-matching sampler's (every
+    recipe sets val.steps and val.guidance_scale for Euler, 20-50 steps guided), not a MeanFlow model's."""
+    origin = getattr(cfg, "origin", {})
+    where = origin.get(key)
+    return where is not None and (where.startswith("from --") or where == origin.get("objective.meanflow"))
+
+
+def sampling_note(obj, sampler, steps, guidance_scale, flags=True):
+    """For a MeanFlow model (objective section `obj`) sampled otherwise than by its own sampler or with guidance on
+    top of the guidance trained into its weights, what that does, in words (with `flags`: sample.py's and
+    eval_fid.py's flags for its own way), for one line; None where it is sampled its own way, or is no MeanFlow
+    model."""
+    if not obj.get("meanflow"):
+        return None
+    trained, out = obj["meanflow_guidance"], []
+    if sampler != "meanflow":
+        out.append(f"the {sampler} sampler's {steps} step{'s' * (steps != 1)} follow{'s' * (steps == 1)} the "
+                   f"model's r = t velocity as a flow-matching model's, not the average velocity over each step that "
+                   f"it was trained for")
+    if guidance_scale != 1 and trained > 1:
+        out.append(f"guidance {guidance_scale:g} comes on top of the {trained:g} trained into its weights "
+                   f"(objective.meanflow_guidance): the two compound, at two evaluations a step")
+    if not out:
+        return None
+    own = f"--sampler meanflow --steps {OWN_STEPS}" + " --guidance_scale 1" * (trained > 1)
+    return "; ".join(out) + (f" (its own way: {own})" if flags else "")
+
+
+def sampling_defaults(cfg):
+    """The config loader's resolver for objective.meanflow (handed over by train_flow_matching.py): val.sampler,
+    val.steps and val.guidance_scale that the run does not choose (chosen) become the model's own, its sampler at
+    OWN_STEPS steps and guidance 1 (none on top of objective.meanflow_guidance; with that 1, the trainer's
+    guidance stays the only one); validation, the export and every tool that reads the run's config follow them.
+    Returns the start-up lines: what was filled, and one line where the run chose another way (sampling_note)."""
+    obj, val = cfg["objective"], cfg["val"]
+    if not obj.get("meanflow"):
+        return []
+    sampler = val["sampler"] if chosen(cfg, "val.sampler") else "meanflow"
+    own = {"sampler": sampler, "steps": OWN_STEPS if sampler == "meanflow" else val["steps"],  # Euler's: the trainer's
+           "guidance_scale": 1.0 if obj["meanflow_guidance"] > 1 else val["guidance_scale"]}
+    filled, replaced = [], []
+    for leaf, value in own.items():
+        key = f"val.{leaf}"
+        if chosen(cfg, key) or val[leaf] == value:
+            continue
+        if key in cfg.origin:  # a recipe's, for the flow-matching sampler
+            replaced.append(f"{key}={val[leaf]!r} ({cfg.origin[key]})")
+        val[leaf] = value
+        filled.append(f"{key}={value!r}")
+    line = []
+    if filled:
+        line.append(f"sampled its own way, {', '.join(filled)}" + (f", not the flow-matching sampler's "
+                                                                    f"{', '.join(replaced)}" if replaced else ""))
+    note = sampling_note(obj, val["sampler"], val["steps"], val["guidance_scale"], flags=False)
+    if note:  # a choice of the run's: the sampler, or guidance on top
+        keys = ["val.sampler"] * (val["sampler"] != "meanflow") + ["val.guidance_scale"] * (
+            val["guidance_scale"] != 1 and obj["meanflow_guidance"] > 1)
+        line.append(", ".join(f"{k}={val[k[4:]]!r} ({cfg.origin[k]})" for k in keys) + f": {note}; unset, "
+                    f"{'they are' if len(keys) > 1 else 'it is'} its own")
+    return [f"objective.meanflow: {'; '.join(line)}"] if line else []

@@ -24,7 +24,7 @@ from training.record import curves
 def save_image_grid(images, path, nrow, labels=None):
     """images in [-1, 1], (N, 3, H, W) -> one PNG grid; returns the PIL image. `labels` (one per image: class
     names or prompts) are written under their cells, shortened to fit, and in full to a text file beside the
-    grid (the same name, .txt), one line per cell in grid order."""
+    grid (the same name, .txt), one line per labelled cell in grid order."""
     from torchvision.utils import make_grid
 
     grid = make_grid(images.float().clamp(-1, 1).add(1).mul(127.5).round().byte().cpu(), nrow=nrow, padding=2)
@@ -38,8 +38,9 @@ def save_image_grid(images, path, nrow, labels=None):
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     if labels is not None:
         img = caption_cells(img, labels, nrow, (images.shape[-1] + 2) * factor, (images.shape[-2] + 2) * factor)
-        Path(path).with_suffix(".txt").write_text("".join(
-            f"{i}\trow {i // nrow + 1}, column {i % nrow + 1}\t{label}\n" for i, label in enumerate(labels)))
+        Path(path).with_suffix(".txt").write_text("".join(  # a blank cell (a bucket row's end) has no line
+            f"{i}\trow {i // nrow + 1}, column {i % nrow + 1}\t{label}\n" for i, label in enumerate(labels)
+            if label != ""))
     img.save(path)
     return img
 
@@ -215,10 +216,13 @@ class RunLog:
         shape each): a row of cells a bucket, each cell its shape centred on grey, its label led by its shape."""
         path = self.run_dir / "samples" / f"step_{step:08d}.png"
         nrow = math.ceil(math.sqrt(len(images)))
-        if isinstance(images, list):
-            nrow, labels = len(images[0]), [f"{x.shape[-1]}x{x.shape[-2]}: {label}" for x in images
-                                             for label in (labels or [""] * len(x))[:len(x)]]
-            images = bucket_rows(images)
+        if isinstance(images, list):  # a row a bucket: a shorter one ends in blank grey cells
+            nrow, cells = max(len(x) for x in images), []
+            for x in images:
+                cells += [f"{x.shape[-1]}x{x.shape[-2]}: {label}" for label in (labels or [""] * len(x))[:len(x)]]
+                cells += [""] * (nrow - len(x))
+            images = bucket_rows([torch.cat([x, x.new_zeros(nrow - len(x), *x.shape[1:])]) for x in images])
+            labels = cells
         grid = save_image_grid(images, path, nrow=nrow, labels=labels)
         if self.wandb is not None:
             import wandb

@@ -40,6 +40,7 @@ from training.data import latents
 from training.data.classes import readable_names
 from training.run import hub
 from training.evaluation import tuning
+from training.objectives import meanflow
 from training.record import curves
 from training.sharing import model_card
 from training.sharing.exported.conditioner import Conditioner as ExportedConditioner
@@ -145,7 +146,11 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
               f"({run_dir / 'tuned.json'})")
     elif untuned:
         print(f"the pipeline's sampling defaults are the run's own: {run_dir / 'tuned.json'} {untuned}")
-    (part / "model_index.json").write_text(json.dumps(model_index(cfg, scheduler, tuned and tuned["best"]), indent=2))
+    index = model_index(cfg, scheduler, tuned and tuned["best"])
+    (part / "model_index.json").write_text(json.dumps(index, indent=2))
+    if note := meanflow.sampling_note(cfg["objective"], index["sampler"], index["num_inference_steps"],
+                                      index["guidance_scale"], flags=False):  # a run recorded before, or its choice
+        print(f"note: the pipeline's defaults sample a MeanFlow model otherwise: {note}")
     if class_ids:
         (part / "class_ids.json").write_text(json.dumps(class_ids))
     if phema is not None:
