@@ -210,31 +210,39 @@ def layout(args):
 
 def table(args):
     """Markdown rows: per shape and score, each arm's mean and 95% interval over its seeds, the paired difference
-    where both arms sample that shape, and the real images' value."""
+    over the seeds both arms have where both sample that shape (the seeds named; a seed one arm lacks is said, not
+    paired with another seed), and the real images' value."""
     out = Path(args.out)
-    runs = {arm: [json.loads(p.read_text()) for p in sorted(out.glob(f"{arm}_s*/scores.json"))] for arm in SHAPES}
+    runs = {arm: dict(sorted((int(p.parent.name.rsplit("_s", 1)[1]), json.loads(p.read_text()))
+                             for p in out.glob(f"{arm}_s*/scores.json"))) for arm in SHAPES}  # {seed: scores}
     real = json.loads((out / "reals.json").read_text()) if (out / "reals.json").is_file() else {}
 
     def cell(values):
         mean, low, high = t_interval(values)
         return f"{mean:.3f} [{low:.3f}, {high:.3f}]" if len(values) > 1 else f"{mean:.3f}"
 
-    print("| shape | score | buckets | square crops | buckets - square (paired) | real test images |")
+    print("| shape | score | buckets | square crops | buckets - square (paired by seed) | real test images |")
     print("| --- | --- | --- | --- | --- | --- |")
     for w, h in SHAPES["buckets"]:
         shape = f"{w}x{h}"
         for key, better in (("fd_classifier", False), ("class_accuracy", True), ("cut_share", False)):
-            a = [r["scores"][shape][key] for r in runs["buckets"] if shape in r["scores"]]
-            b = [r["scores"][shape][key] for r in runs["square"] if shape in r["scores"]]
-            diff = ""
-            if len(a) == len(b) > 1:
-                d = paired_comparison(a, b, better)
-                diff = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+            a, b = ({seed: r["scores"][shape][key] for seed, r in runs[arm].items() if shape in r["scores"]}
+                    for arm in ("buckets", "square"))
+            seeds, diff = sorted(set(a) & set(b)), ""
+            if len(seeds) > 1:
+                d = paired_comparison([a[s] for s in seeds], [b[s] for s in seeds], better)
+                diff = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] (seeds {','.join(map(str, seeds))})"
             bound = f"{real[shape][key]:.3f}" if key in real.get(shape, {}) else ""
-            print(f"| {shape} | {key} | {cell(a) if a else ''} | {cell(b) if b else 'cannot draw it'} | {diff} | {bound} |")
+            print(f"| {shape} | {key} | {cell(list(a.values())) if a else ''} | "
+                  f"{cell(list(b.values())) if b else 'cannot draw it'} | {diff} | {bound} |")
+    unpaired = [f"{arm} seed(s) {','.join(map(str, sorted(set(runs[arm]) - set(runs[other]))))}"
+                for arm, other in (("buckets", "square"), ("square", "buckets")) if set(runs[arm]) - set(runs[other])]
+    if unpaired:
+        print("unpaired (in the arm's own column, not in the paired difference): " + "; ".join(unpaired))
     for arm, rows in runs.items():
         if rows:
-            print(f"{arm}: {len(rows)} seeds, CPU s per step {cell([r['cpu_s_per_step'] for r in rows])}")
+            print(f"{arm}: {len(rows)} seeds ({','.join(map(str, rows))}), CPU s per step "
+                  f"{cell([r['cpu_s_per_step'] for r in rows.values()])}")
 
 
 def main(argv=None):
