@@ -1,11 +1,182 @@
-"""The campaign scripts of benchmarks/ (the studies run in stages, docs/benchmarks/): their tables pair arms by seed."""
-import argparse
-import json
+"""The campaign scripts of benchmarks/ (the studies run in stages, docs/benchmarks/): each documented stage runs its
+own code on a tiny Fashion-MNIST (a few IDX rows written here, read through the real reader) with a tiny model, a
+few steps and a few samples, so a change to a helper they share (benchmarks/fashion_mnist.py's `ours`, eval_fid.py,
+tools/compare.py, tools/sweep.py) cannot break a documented command unnoticed; and their tables pair arms by seed.
 
+The stages' child processes (`python train_*.py ...`, `python tools/*.py ...`) run in this process as runpy runs a
+script (`children_in_process`): the tiny data source reaches them, and no interpreter start-up (3-4 s each) is paid."""
+import argparse
+import gzip
+import json
+import os
+import resource
+import runpy
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
 import pytest
 from scipy.stats import ttest_rel
 
 from benchmarks import buckets
+from benchmarks import fashion_mnist as bench
+from conftest import ROOT
+from training.data import fashion_mnist
+
+# The recipe's runs scaled down: a one-block model of width 16, 2 steps of 8 images, 20 held-out rows, a checkpoint
+# every step (the quality curve's), 2-step validation sampling, no report.md (its plots are most of a tiny run); what
+# each campaign passes to every trainer run.
+TINY = ["--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=8", "--data.val_holdout=20",
+        "--train.batch_size=8", "--train.max_steps=2", "--train.warmup_steps=1", "--val.steps=2", "--val.num_samples=4",
+        "--val.loss_samples=8", "--val.every=2", "--ckpt.every=1", "--log.every=1", "--val.reference_curves=null",
+        "--log.report=false"]
+SAMPLES = "10"  # samples a score draws
+
+
+def write_idx(path, array):
+    """An IDX file as upstream writes them (tests/test_fashion_mnist.py's)."""
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    path.write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes()))
+
+
+@pytest.fixture(scope="module")
+def tiny_fashion_mnist(tmp_path_factory):
+    """A folder of Fashion-MNIST's four IDX files, 100 training and 40 test rows (classes in turn, each class a
+    bright bar at its own height on noise), and the evaluation classifier tools/classifier.py trains on them."""
+    folder, rng = tmp_path_factory.mktemp("fashion_mnist"), np.random.default_rng(0)
+    for split, n in (("train", 100), ("test", 40)):
+        labels = np.arange(n) % 10
+        images = rng.integers(0, 60, (n, 28, 28))
+        for image, label in zip(images, labels):
+            image[2 + 2 * label: 5 + 2 * label, 4:24] = 220
+        write_idx(folder / fashion_mnist.FILES[split][0], images)
+        write_idx(folder / fashion_mnist.FILES[split][1], labels)
+    with pytest.MonkeyPatch.context() as patch:
+        reads_the_folder(patch, folder)
+        from tools import classifier as classifier_tool
+        classifier_tool.main(["--config", str(bench.RECIPE), "--out", str(folder / "classifier")])
+    return folder
+
+
+def reads_the_folder(monkeypatch, folder):
+    load, split_arrays = fashion_mnist.load, fashion_mnist.split_arrays
+    monkeypatch.setattr(fashion_mnist, "load", lambda split, where=folder: load(split, where))
+    monkeypatch.setattr(fashion_mnist, "split_arrays", lambda split, where=folder: split_arrays(split, where))
+
+
+@pytest.fixture
+def tiny(tiny_fashion_mnist, monkeypatch):
+    """data.source='fashion_mnist' reads the tiny folder; returns the classifier's folder."""
+    reads_the_folder(monkeypatch, tiny_fashion_mnist)
+    return str(tiny_fashion_mnist / "classifier")
+
+
+@pytest.fixture
+def children_in_process(monkeypatch):
+    """`subprocess.run([sys.executable, SCRIPT, ...])` of a script of this repository runs SCRIPT here, as
+    `python SCRIPT ...` would (runpy, run_name "__main__", sys.argv, cwd), with a fresh accelerate state as a new
+    process has; its exit code comes back as a process's would, an exception propagates (the test shows its
+    traceback). The children's CPU clock (benchmarks' cpu_seconds(RUSAGE_CHILDREN)) counts these children's CPU.
+    Other commands run as processes."""
+    from accelerate.state import AcceleratorState
+
+    run, clock, spent = subprocess.run, bench.cpu_seconds, [0.0]
+
+    def child(cmd, *args, check=False, cwd=None, env=None, **kwargs):
+        script = Path(str(cmd[1])) if len(cmd) > 1 else None
+        if cmd[0] != sys.executable or script is None or script.suffix != ".py" or ROOT not in script.resolve().parents:
+            return run(cmd, *args, check=check, cwd=cwd, env=env, **kwargs)
+        argv, here, started, code = sys.argv, os.getcwd(), time.process_time(), 0
+        sys.argv = [str(script), *map(str, cmd[2:])]
+        try:
+            os.chdir(cwd or here)
+            runpy.run_path(str(script), run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+            if code:
+                print(stop.code, file=sys.stderr)
+        finally:
+            sys.argv = argv
+            os.chdir(here)
+            spent[0] += time.process_time() - started
+            AcceleratorState._reset_state(reset_partial_state=True)
+        if check and code:
+            raise subprocess.CalledProcessError(code, cmd)
+        return subprocess.CompletedProcess(cmd, code)
+
+    def cpu_seconds(who=resource.RUSAGE_SELF):
+        return spent[0] if who == resource.RUSAGE_CHILDREN else clock(who)
+
+    monkeypatch.setattr(subprocess, "run", child)
+    monkeypatch.setattr(bench, "cpu_seconds", cpu_seconds)
+    monkeypatch.setattr(buckets, "cpu_seconds", cpu_seconds)
+
+
+def rows_of(printed, first):
+    """The markdown rows of a printed table whose first cell is `first`, split into cells."""
+    return [[c.strip() for c in line.strip("|").split("|")] for line in printed.splitlines()
+            if line.startswith(f"| {first} |")]
+
+
+# ---- benchmarks/fashion_mnist.py and benchmarks/meanflow_fashion_mnist.py -------------------------------------
+
+
+@pytest.mark.slow
+def test_the_meanflow_campaign_runs_each_documented_stage(tmp_path, tiny, children_in_process, capsys):
+    """docs/benchmarks/meanflow.md's commands, one seed: the baseline (fashion_mnist.py ours), its scores at other
+    settings, the meanflow and finetune arms (train, then score), and the table: an arm for the recipe's runs,
+    "flow_matching", never one named after their folder ("base"), each MeanFlow row read against the recipe's FD of
+    its seed, and the training CPU of the two MeanFlow arms alone."""
+    from benchmarks import meanflow_fashion_mnist as mf
+
+    out, base = tmp_path / "bench", tmp_path / "bench" / "base"
+    o = ["--out", str(out), "--classifier", tiny, "--num_samples", SAMPLES]
+    bench.main(["ours", "--trainer", "flow_matching", "--seed", "0", "--num_samples", SAMPLES, "--fractions",
+                "--out", str(base), "--classifier", tiny, *TINY])
+    mf.main(["score", "--run", str(base / "flow_matching_s0"), "--sampler", "euler", "--steps", "1", "--guidance",
+             "1", "2", *o])
+    mf.main(["train", "--arm", "meanflow", "--seed", "0", *o, *TINY, "--val.steps=1"])  # the arm's own: 1 step
+    mf.main(["score", "--run", str(out / "meanflow" / "flow_matching_s0"), "--steps", "2", *o])
+    mf.main(["train", "--arm", "finetune", "--seed", "0", "--base", str(base), *o, *TINY, "--val.steps=1"])
+    mf.main(["score", "--run", str(out / "finetune" / "flow_matching_s0"), "--steps", "2", *o])
+    capsys.readouterr()
+    mf.main(["table", *o, "--base", str(base)])
+    printed = capsys.readouterr().out
+    rows = {(r[0], r[1]): r for arm in ("flow_matching", "meanflow", "finetune", "base") for r in rows_of(printed, arm)}
+    assert sorted(rows) == [("finetune", "meanflow 1, guidance 1 (1 evaluations)"),
+                            ("finetune", "meanflow 2, guidance 1 (2 evaluations)"),
+                            ("flow_matching", "euler 1, guidance 1 (1 evaluations)"),
+                            ("flow_matching", "euler 1, guidance 2 (2 evaluations)"),
+                            ("flow_matching", "euler 2, guidance 2 (4 evaluations)"),
+                            ("meanflow", "meanflow 1, guidance 1 (1 evaluations)"),
+                            ("meanflow", "meanflow 2, guidance 1 (2 evaluations)")]
+    assert rows[("flow_matching", "euler 2, guidance 2 (4 evaluations)")][-1] == "1.00"  # the recipe's own score
+    assert all(float(r[-1]) > 0 for r in rows.values())  # every row read against the recipe's FD of seed 0
+    finetune = json.loads((out / "finetune" / "flow_matching_s0" / "config.json").read_text())
+    assert finetune["init_from"] == str(base / "flow_matching_s0" / "export") and finetune["train"]["max_steps"] == 2
+    assert [line.split(":")[0] for line in printed.splitlines() if "training steps' CPU" in line] == \
+        ["finetune", "meanflow"]
+
+
+@pytest.mark.slow
+def test_the_peer_trains_for_its_cpu_samples_and_is_scored(tmp_path, tiny, monkeypatch):
+    """fashion_mnist.py peer: torchcfm's example (on 8 training images: its batch of 128 holds the split, and one
+    step of its U-Net on the whole tiny split costs seconds) until --cpu_seconds, dopri5 samples, the protocol's
+    scores against the test split."""
+    split_arrays = fashion_mnist.split_arrays
+    monkeypatch.setattr(fashion_mnist, "split_arrays", lambda split, *folder: [a[:8] for a in split_arrays(
+        split, *folder)] if split == "train" else split_arrays(split, *folder))
+    bench.main(["peer", "--seed", "0", "--cpu_seconds", "0.1", "--num_samples", "6", "--out", str(tmp_path),
+                "--classifier", tiny])
+    result = json.loads((tmp_path / "torchcfm_s0" / "result.json").read_text())
+    assert result["steps"] == 1 and result["num_samples"] == 6 and result["nfe_per_batch"] > 1
+    assert {"fd_classifier_6", "class_accuracy_6"} <= set(result["metrics"])
+    assert (tmp_path / "torchcfm_s0" / "quality.jsonl").read_text().count("\n") == 1
+
+
+# ---- benchmarks/buckets.py -------------------------------------------------------------------------------------
 
 
 def test_the_buckets_table_pairs_the_arms_by_seed_and_names_the_unpaired_seeds(tmp_path, capsys):
