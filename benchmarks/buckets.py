@@ -45,6 +45,7 @@ from training.evaluation import classifier  # noqa: E402
 BUCKETS = [0.5, 1, 2]
 SHAPES = {"buckets": [(28, 28), (40, 20), (20, 40)], "square": [(28, 28)]}  # (width, height) each arm samples
 INK = 0.2  # a border line is touched where its brightest pixel is above this (0 .. 1; the canvas is 0)
+LAYOUT_READS = 200  # layout: micro-batches read in the training order, timed
 
 
 def canvases(split, seed):
@@ -171,8 +172,9 @@ def reals(args):
 def layout(args):
     """The cache layout, measured (issue 60, item 2): the same canvases (the first --layout_images training rows) cached
     square and with buckets (each bucket's rows as tensors of their own in each shard file): bytes on disk per image,
-    the time to read their sizes (the start-up pass) and to build each, and micro-batches of 128 read per second in
-    the training order (iterate_batches); beside them, what padding every image to the largest bucket would store."""
+    the time to read their sizes (the start-up pass) and to build each, and micro-batches of the recipe's
+    train.batch_size (128; other arguments override the recipe's keys) read per second in the training order
+    (iterate_batches); beside them, what padding every image to the largest bucket would store."""
     import datasets
     from accelerate import Accelerator
 
@@ -188,20 +190,20 @@ def layout(args):
     for name, extra in (("square", []), ("buckets", [f"--data.buckets={json.dumps(BUCKETS)}"])):
         cfg = config.load_config(fm.DEFAULTS, ["--config", str(RECIPE), *extra, "--data.cache_dir",
                                                str(Path(args.out) / "layout"), "--data.num_classes=10",
-                                               f"--data.source={Path(args.out) / 'data' / 'train'}"])
+                                               f"--data.source={Path(args.out) / 'data' / 'train'}", *args.extra])
         started = time.perf_counter()
         buckets.resolve(cfg, ds, accelerator)
         sized = time.perf_counter() - started
         folder = build_cache(ds, "train", lambda pixels, captions: {"x": pixels}, accelerator, cfg)
         built = time.perf_counter() - started - sized
         cached, disk = CachedDataset(folder), sum(f.stat().st_size for f in folder.glob("shard_*.safetensors"))
-        batches = iterate_batches(cached, 0, 128, 0, 0, 1, {})
+        batches = iterate_batches(cached, 0, cfg.train.batch_size, 0, 0, 1, {})
         next(batches)  # every shard mapped once before the clock
         started = time.perf_counter()
-        for _ in range(200):
+        for _ in range(LAYOUT_READS):
             next(batches)
         rows[name] = {"bytes_per_image": disk / len(cached), "sizes_s": sized, "build_s": built,
-                      "micro_batches_per_s": 200 / (time.perf_counter() - started)}
+                      "micro_batches_per_s": LAYOUT_READS / (time.perf_counter() - started)}
     rows["padded to the largest bucket"] = {"bytes_per_image": rows["square"]["bytes_per_image"] * 40 * 40 / (28 * 28)}
     for name, row in rows.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()))

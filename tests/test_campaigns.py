@@ -179,6 +179,31 @@ def test_the_peer_trains_for_its_cpu_samples_and_is_scored(tmp_path, tiny, monke
 # ---- benchmarks/buckets.py -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+def test_the_buckets_campaign_runs_each_documented_stage(tmp_path, tiny, children_in_process, capsys, monkeypatch):
+    """docs/benchmarks/buckets.md's commands, one seed an arm: the canvases, each arm trained and scored at its
+    shapes, the real images' bounds, the cache layout (--layout_images, micro-batches of 8, 5 of them read), and the
+    table."""
+    monkeypatch.setattr(buckets, "LAYOUT_READS", 5)
+    out = ["--out", str(tmp_path)]
+    buckets.main(["data", *out])
+    for arm in ("buckets", "square"):
+        buckets.main(["run", "--arm", arm, "--seed", "0", *out, "--classifier", tiny, "--num_samples", SAMPLES, *TINY])
+    buckets.main(["reals", *out, "--classifier", tiny])
+    buckets.main(["layout", *out, "--layout_images", "40", "--train.batch_size=8"])
+    capsys.readouterr()
+    buckets.main(["table", *out])
+    printed = capsys.readouterr().out
+    scores = {arm: json.loads((tmp_path / f"{arm}_s0" / "scores.json").read_text())["scores"] for arm in buckets.SHAPES}
+    assert sorted(scores["buckets"]) == ["20x40", "28x28", "40x20"] and list(scores["square"]) == ["28x28"]
+    assert sorted(json.loads((tmp_path / "reals.json").read_text())) == ["20x40", "28x28", "40x20", "square crops"]
+    assert list(json.loads((tmp_path / "layout.json").read_text())) == ["square", "buckets",
+                                                                        "padded to the largest bucket"]
+    rows = {(r[0], r[1]): r for shape in ("28x28", "40x20", "20x40") for r in rows_of(printed, shape)}
+    assert len(rows) == 9 and rows[("28x28", "fd_classifier")][3] != "cannot draw it"
+    assert rows[("40x20", "cut_share")][3] == "cannot draw it"
+
+
 def test_the_buckets_table_pairs_the_arms_by_seed_and_names_the_unpaired_seeds(tmp_path, capsys):
     """Buckets seeds {0, 1, 2} and square seeds {0, 1, 3}: the paired difference is over seeds 0 and 1 alone (the
     issue's table paired by position: buckets' seed 2 against square's seed 3), and the seeds left out are named.
