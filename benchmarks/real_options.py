@@ -127,7 +127,7 @@ def steps_for(args, trainer, arm, budget, recipe_steps):
         sys.exit(f"budget 'cpu' needs the CPU per step of base and {key} ({trainer}) at --steps {recipe_steps} in "
                  f"{path}: train the equal-steps runs (--budgets steps), then `python benchmarks/real_options.py cost`")
     ratio = rows["base"]["cpu_s_per_step"] / rows[key]["cpu_s_per_step"]
-    return recipe_steps if abs(ratio - 1) <= COST_TIE else round(recipe_steps * ratio)
+    return recipe_steps if abs(ratio - 1) <= COST_TIE else max(1, round(recipe_steps * ratio))  # a run is a step or more
 
 
 def name(args, arm):

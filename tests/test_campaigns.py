@@ -25,13 +25,15 @@ from benchmarks import fashion_mnist as bench
 from conftest import ROOT
 from training.data import fashion_mnist
 
-# The recipe's runs scaled down: a one-block model of width 16, 2 steps of 8 images, 20 held-out rows, a checkpoint
-# every step (the quality curve's), 2-step validation sampling, no report.md (its plots are most of a tiny run); what
-# each campaign passes to every trainer run.
-TINY = ["--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=8", "--data.val_holdout=20",
-        "--train.batch_size=8", "--train.max_steps=2", "--train.warmup_steps=1", "--val.steps=2", "--val.num_samples=4",
-        "--val.loss_samples=8", "--val.every=2", "--ckpt.every=1", "--log.every=1", "--val.reference_curves=null",
-        "--log.report=false"]
+# The recipe's runs scaled down: a one-block model of width 16, 8 images a step, 20 held-out rows, 2-step validation
+# sampling, no report.md (its plots are most of a tiny run); TINY adds 2 steps and a checkpoint at every step (the
+# quality curve's). What each campaign passes to every trainer run (TINY_MODEL where the stage sets the budget),
+# with the test's own data.cache_dir (`tiny`: the campaigns run from the repository's root, as documented).
+TINY_MODEL = ["--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=8",
+              "--data.val_holdout=20", "--train.batch_size=8", "--train.warmup_steps=1", "--val.steps=2",
+              "--val.num_samples=4", "--val.loss_samples=8", "--log.every=1", "--val.reference_curves=null",
+              "--log.report=false"]
+TINY_BUDGET = ["--train.max_steps=2", "--val.every=2", "--ckpt.every=1"]
 SAMPLES = "10"  # samples a score draws
 
 
@@ -67,10 +69,13 @@ def reads_the_folder(monkeypatch, folder):
 
 
 @pytest.fixture
-def tiny(tiny_fashion_mnist, monkeypatch):
-    """data.source='fashion_mnist' reads the tiny folder; returns the classifier's folder."""
+def tiny(tiny_fashion_mnist, monkeypatch, tmp_path):
+    """data.source='fashion_mnist' reads the tiny folder. `classifier`: its folder; `model`: TINY_MODEL with a
+    data.cache_dir of the test's own (the trainers' default, cache/, is the repository's); `run`: with TINY_BUDGET."""
     reads_the_folder(monkeypatch, tiny_fashion_mnist)
-    return str(tiny_fashion_mnist / "classifier")
+    model = [*TINY_MODEL, f"--data.cache_dir={tmp_path / 'cache'}"]
+    return argparse.Namespace(classifier=str(tiny_fashion_mnist / "classifier"), model=model,
+                              run=[*model, *TINY_BUDGET])
 
 
 @pytest.fixture
@@ -132,14 +137,14 @@ def test_the_meanflow_campaign_runs_each_documented_stage(tmp_path, tiny, childr
     from benchmarks import meanflow_fashion_mnist as mf
 
     out, base = tmp_path / "bench", tmp_path / "bench" / "base"
-    o = ["--out", str(out), "--classifier", tiny, "--num_samples", SAMPLES]
+    o = ["--out", str(out), "--classifier", tiny.classifier, "--num_samples", SAMPLES]
     bench.main(["ours", "--trainer", "flow_matching", "--seed", "0", "--num_samples", SAMPLES, "--fractions",
-                "--out", str(base), "--classifier", tiny, *TINY])
+                "--out", str(base), "--classifier", tiny.classifier, *tiny.run])
     mf.main(["score", "--run", str(base / "flow_matching_s0"), "--sampler", "euler", "--steps", "1", "--guidance",
              "1", "2", *o])
-    mf.main(["train", "--arm", "meanflow", "--seed", "0", *o, *TINY, "--val.steps=1"])  # the arm's own: 1 step
+    mf.main(["train", "--arm", "meanflow", "--seed", "0", *o, *tiny.run, "--val.steps=1"])  # the arm's own: 1 step
     mf.main(["score", "--run", str(out / "meanflow" / "flow_matching_s0"), "--steps", "2", *o])
-    mf.main(["train", "--arm", "finetune", "--seed", "0", "--base", str(base), *o, *TINY, "--val.steps=1"])
+    mf.main(["train", "--arm", "finetune", "--seed", "0", "--base", str(base), *o, *tiny.run, "--val.steps=1"])
     mf.main(["score", "--run", str(out / "finetune" / "flow_matching_s0"), "--steps", "2", *o])
     capsys.readouterr()
     mf.main(["table", *o, "--base", str(base)])
@@ -169,11 +174,131 @@ def test_the_peer_trains_for_its_cpu_samples_and_is_scored(tmp_path, tiny, monke
     monkeypatch.setattr(fashion_mnist, "split_arrays", lambda split, *folder: [a[:8] for a in split_arrays(
         split, *folder)] if split == "train" else split_arrays(split, *folder))
     bench.main(["peer", "--seed", "0", "--cpu_seconds", "0.1", "--num_samples", "6", "--out", str(tmp_path),
-                "--classifier", tiny])
+                "--classifier", tiny.classifier])
     result = json.loads((tmp_path / "torchcfm_s0" / "result.json").read_text())
     assert result["steps"] == 1 and result["num_samples"] == 6 and result["nfe_per_batch"] > 1
     assert {"fd_classifier_6", "class_accuracy_6"} <= set(result["metrics"])
     assert (tmp_path / "torchcfm_s0" / "quality.jsonl").read_text().count("\n") == 1
+
+
+# ---- benchmarks/control_ablation.py ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_control_ablation_runs_each_documented_stage(tmp_path, tiny, children_in_process, monkeypatch,
+                                                          unrendered_figures):
+    """docs/benchmarks/control_ablation.md's commands at --steps 2 --seeds 0,1 (each sweep through tools/sweep.py
+    --local, each comparison through tools/compare.py), the demo runs made tiny through the overrides every run
+    gets (DEMO): positive_control, main's five arms, switch_time on main's runs, real on the tiny Fashion-MNIST."""
+    from benchmarks import control_ablation as ca
+
+    for key, value in {"model.num_layers": 1, "model.num_attention_heads": 2, "model.attention_head_dim": 8,
+                       "data.demo_samples": 160, "data.val_holdout": 16, "train.batch_size": 8,
+                       "train.warmup_steps": 1, "val.steps": 2, "val.loss_samples": 8, "val.num_samples": 4,
+                       "val.reference_curves": None, "data.cache_dir": str(tmp_path / "cache")}.items():
+        monkeypatch.setitem(ca.DEMO, key, value)
+    monkeypatch.setattr(ca, "PER_CLASS", 2)
+    out = ["--out", str(tmp_path), "--steps", "2", "--seeds", "0,1"]
+    for stage in ca.STAGES:
+        ca.main([stage, *out])
+    tables = {stage: (tmp_path / f"{stage}.md").read_text() for stage in ca.STAGES}
+    assert [r[0] for r in rows_of(tables["positive_control"], "adanorm")] == ["adanorm"]
+    assert sorted(r[0] for r in rows_of(tables["main"], "both p=0") + rows_of(tables["main"], "both p=1")
+                  + rows_of(tables["main"], "disentangled p=0") + rows_of(tables["main"], "disentangled p=1")
+                  + rows_of(tables["main"], "adanorm")) == ["adanorm", "both p=0", "both p=1", "disentangled p=0",
+                                                            "disentangled p=1"]
+    assert "- interaction ((dis p1 - p0) - (both p1 - p0)): " in tables["main"] and "Verdict: " in tables["real"]
+    assert len(rows_of(tables["switch_time"], "disentangled p=1")) == 1
+    for stage, metric in (("main", "layout_change"), ("real", "sharpness_ratio")):
+        assert (tmp_path / stage / f"compare_{metric}" / "compare.md").is_file()
+
+
+# ---- benchmarks/paper_claims.py ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_paper_claims_campaign_runs_each_documented_stage(tmp_path, tiny, children_in_process, monkeypatch,
+                                                               unrendered_figures):
+    """docs/benchmarks/paper_claims.md's commands at --steps 2, two seeds (the report's contrasts and verdicts need
+    two): the mixed-size data, the cost (runs of 1 and 2 steps), both conditioning arms, the pre-training and the five
+    transfer arms, and the report with its contrasts, verdicts, comparisons, CPU lines and floors."""
+    from benchmarks import control_ablation, paper_claims as pc
+
+    monkeypatch.setattr(pc, "SAMPLES", 10)
+    monkeypatch.setattr(pc, "TIMING_STEPS", (1, 2))
+    monkeypatch.setattr(control_ablation, "PER_CLASS", 2)
+    o = ["--out", str(tmp_path), "--classifier", tiny.classifier, *tiny.model]
+    pc.main(["data", *o])
+    pc.main(["cost", *o])
+    for seed in ("0", "1"):
+        for arm in pc.CONDITIONING:
+            if arm != "both":
+                pc.main(["conditioning", arm, seed, "--steps", "2", *o])
+        pc.main(["pretrain", seed, "--steps", "2", *o])
+        for arm in pc.TRANSFER:
+            pc.main(["transfer", arm, seed, "--steps", "2", *o])
+    pc.main(["report", *o])
+    report = (tmp_path / "report.md").read_text()
+    for said in ("Verdict: ", "Secondary, the same at 28 px", "- resample - extend (mean over shift): ",
+                 "- resample_shift - scratch: ", "verdict: ", "- mixed sizes (conditioning): FD ",
+                 "- plain (transfer): FD ", "conditioning/adanorm/s1: "):
+        assert said in report, said
+    assert sorted(p.name for p in (tmp_path / "compare").iterdir()) == sorted(
+        [f"conditioning_{m}" for m in ("fd_classifier_10", "fd_classifier_10_at28", "class_accuracy_10")]
+        + [f"transfer_{m}" for m in ("fd_classifier_10", "class_accuracy_10")])
+    scratch = json.loads((tmp_path / "transfer" / "s0" / "scratch" / "config.json").read_text())
+    resampled = json.loads((tmp_path / "transfer" / "s0" / "resample" / "config.json").read_text())
+    assert scratch["data"]["resolution"] == 28 and resampled["init_from"] == pc.PRETRAIN
+
+
+# ---- benchmarks/latent_space.py ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_latent_space_campaign_runs_each_documented_stage(tmp_path, tiny, children_in_process, capsys):
+    """docs/benchmarks/latent_space.md's commands, one seed of each trainer: the autoencoder (tools/autoencoder.py,
+    2 steps), each latent run and its pixel peer (fashion_mnist.py ours), and the comparison, at --num_samples."""
+    from benchmarks import latent_space
+
+    out, pixel = ["--out", str(tmp_path / "latent"), "--classifier", tiny.classifier], tmp_path / "pixel"
+    latent_space.main(["autoencoder", *out, "--steps", "2", "--batch_size", "8"])
+    for trainer in latent_space.TRAINERS:
+        latent_space.main(["run", "--trainer", trainer, "--seed", "0", *out, "--num_samples", SAMPLES, *tiny.run])
+        bench.main(["ours", "--trainer", trainer, "--seed", "0", "--num_samples", SAMPLES, "--fractions", "--out",
+                    str(pixel), "--classifier", tiny.classifier, *tiny.run])
+    capsys.readouterr()
+    latent_space.main(["compare", *out, "--pixel", str(pixel), "--seeds", "0", "--num_samples", SAMPLES])
+    printed = capsys.readouterr().out
+    vae = json.loads((tmp_path / "latent" / "flow_matching_s0" / "config.json").read_text())["encoders"]["vae"]
+    assert vae == str(tmp_path / "latent" / "autoencoder")
+    for trainer in latent_space.TRAINERS:
+        assert f"| {trainer}, 1 seeds, 10 samples | fd_classifier_10 |" in printed
+    assert len(rows_of(printed, "latents")) == 2 and len(rows_of(printed, "latents - pixels, paired by seed")) == 2
+    assert "real test images: fd_classifier_40 " in printed and "decoding 10 samples" in printed
+
+
+# ---- benchmarks/real_options.py ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_real_options_campaign_runs_each_documented_stage(tmp_path, tiny, children_in_process,
+                                                              unrendered_figures):
+    """docs/benchmarks/real_options.md's commands at --steps 4, one arm, trainer and seed: the equal-steps runs,
+    their cost, the equal-CPU runs, and the comparisons (tools/compare.py)."""
+    from benchmarks import real_options
+
+    ro = ["--seeds", "0", "--trainers", "ddpm", "--steps", "4", "--num_samples", SAMPLES, "--out", str(tmp_path),
+          "--classifier", tiny.classifier, *tiny.model]
+    real_options.main(["run", "--budgets", "steps", "--arms", "base,muon", *ro])
+    real_options.main(["cost", "--arms", "muon", *ro])
+    real_options.main(["run", "--budgets", "cpu", "--arms", "muon", *ro])
+    real_options.main(["compare", "--arms", "muon", *ro])
+    cost = json.loads((tmp_path / "cost.json").read_text())["ddpm"]
+    steps = real_options.steps_for(argparse.Namespace(out=str(tmp_path)), "ddpm", "muon", "cpu", 4)
+    assert sorted(cost) == ["base", "muon"] and (tmp_path / f"steps{steps}/muon/ddpm_s0/quality.jsonl").is_file()
+    for budget in ("steps", "cpu"):
+        compared = tmp_path / "compare" / f"ddpm_steps4_{budget}_fd_classifier_10" / "base_vs_muon"
+        assert (compared / "compare.md").is_file()
 
 
 # ---- benchmarks/buckets.py -------------------------------------------------------------------------------------
@@ -188,8 +313,9 @@ def test_the_buckets_campaign_runs_each_documented_stage(tmp_path, tiny, childre
     out = ["--out", str(tmp_path)]
     buckets.main(["data", *out])
     for arm in ("buckets", "square"):
-        buckets.main(["run", "--arm", arm, "--seed", "0", *out, "--classifier", tiny, "--num_samples", SAMPLES, *TINY])
-    buckets.main(["reals", *out, "--classifier", tiny])
+        buckets.main(["run", "--arm", arm, "--seed", "0", *out, "--classifier", tiny.classifier, "--num_samples",
+                      SAMPLES, *tiny.run])
+    buckets.main(["reals", *out, "--classifier", tiny.classifier])
     buckets.main(["layout", *out, "--layout_images", "40", "--train.batch_size=8"])
     capsys.readouterr()
     buckets.main(["table", *out])
