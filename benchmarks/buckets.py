@@ -1,4 +1,4 @@
-"""Feeds docs/benchmarks.md, "Aspect-ratio buckets: garments on wide and tall canvases".
+"""Feeds docs/benchmarks/buckets.md (aspect-ratio buckets: garments on wide and tall canvases).
 
 Fashion-MNIST garments placed on wide (56 x 28) and tall (28 x 56) black canvases at a random place along the long
 side, a third of the images each, the last third the square originals (issue 60, item 6); the flow-matching recipe

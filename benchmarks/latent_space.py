@@ -1,4 +1,4 @@
-"""Feeds docs/benchmarks.md, "Latent space: an autoencoder made here against pixels".
+"""Feeds docs/benchmarks/latent_space.md (latent space: an autoencoder made here against pixels).
 
 Issue 59, item 5: configs/fashion_mnist_latent.json (the real-image recipe in the latents of an autoencoder that
 tools/autoencoder.py trains on Fashion-MNIST's training split) against configs/fashion_mnist.json (pixels), both
@@ -64,7 +64,7 @@ def final_scores(run):
 def compare(args):
     """Per trainer: each metric's mean [95% t-interval] over the seeds in pixels and in latents, the paired
     difference latent - pixel (tools/compare.py's statistic), the training steps' CPU of each; then the
-    autoencoder's scores and costs. Markdown on stdout, for docs/benchmarks.md."""
+    autoencoder's scores and costs. Markdown on stdout, for docs/benchmarks/latent_space.md."""
     from tools.compare import ci_text, paired_comparison, t_interval
 
     record = json.loads((Path(args.out) / "autoencoder" / "autoencoder.json").read_text())

@@ -1,4 +1,4 @@
-"""Feeds docs/benchmarks.md, "One- and two-step sampling: MeanFlow on Fashion-MNIST".
+"""Feeds docs/benchmarks/meanflow_fashion_mnist.md (one- and two-step sampling: MeanFlow on Fashion-MNIST).
 
 Does MeanFlow (objective.meanflow, training/objectives/meanflow.py) give one- and two-evaluation samples near the
 flow-matching recipe's 20-step ones? configs/fashion_mnist.json and its MeanFlow variant (MEANFLOW: the paper's
