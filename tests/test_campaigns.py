@@ -130,10 +130,10 @@ def rows_of(printed, first):
 
 @pytest.mark.slow
 def test_the_meanflow_campaign_runs_each_documented_stage(tmp_path, tiny, children_in_process, capsys):
-    """docs/benchmarks/meanflow.md's commands, one seed: the baseline (fashion_mnist.py ours), its scores at other
-    settings, the meanflow and finetune arms (train, then score), and the table: an arm for the recipe's runs,
-    "flow_matching", never one named after their folder ("base"), each MeanFlow row read against the recipe's FD of
-    its seed, and the training CPU of the two MeanFlow arms alone."""
+    """docs/benchmarks/meanflow_fashion_mnist.md's commands, one seed: the baseline (fashion_mnist.py ours), its
+    scores at other settings, the meanflow and finetune arms (train, then score), and the table: an arm for the
+    recipe's runs, "flow_matching", never one named after their folder ("base"), each MeanFlow row read against the
+    recipe's FD of its seed, and the training CPU of the two MeanFlow arms alone."""
     from benchmarks import meanflow_fashion_mnist as mf
 
     out, base = tmp_path / "bench", tmp_path / "bench" / "base"
