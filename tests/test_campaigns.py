@@ -166,6 +166,33 @@ def test_the_meanflow_campaign_runs_each_documented_stage(tmp_path, tiny, childr
 
 
 @pytest.mark.slow
+def test_ours_scores_its_quality_curve_and_its_first_samples_alone(tmp_path, tiny, children_in_process):
+    """fashion_mnist.py ours as docs/benchmarks/fashion_mnist.md first runs it (the default --fractions 0.25 0.5,
+    --num_samples above --curve_samples), DDPM, 4 steps: checkpoints 1 and 2 scored at --curve_samples, the export at
+    --num_samples and its first --curve_samples alone (the same PNGs, hard links), quality.jsonl one row a step, the
+    CPU record; a second call trains and scores nothing again."""
+    import os
+
+    out = ["--out", str(tmp_path), "--classifier", tiny.classifier]
+    bench.main(["ours", "--trainer", "ddpm", "--seed", "0", "--num_samples", "12", "--curve_samples", SAMPLES, *out,
+                *tiny.model, "--train.max_steps=4", "--ckpt.every=1", "--val.every=4"])
+    run = tmp_path / "ddpm_s0"
+    reports = {p.parent.name: json.loads(p.read_text()) for p in (run / "eval").glob("*/report.json")}
+    assert {name: r["num_samples"] for name, r in reports.items()} == {
+        "test-step1": 10, "test-step2": 10, "test-step4": 12, "test-step4-first": 10}
+    assert os.path.samefile(run / "eval" / "test-step4-first" / "samples" / "000009.png",
+                            run / "eval" / "test-step4" / "samples" / "000009.png")
+    assert [json.loads(r)["step"] for r in (run / "quality.jsonl").read_text().splitlines()] == [1, 2, 4, 4]
+    record = json.loads((run / "cpu_seconds.json").read_text())
+    assert len(record["processes"]) == 1 and record["train"] > 0 and record["steps"] > 0
+    stamps = {p: p.stat().st_mtime_ns for p in (run / "eval").glob("*/report.json")}
+    bench.main(["ours", "--trainer", "ddpm", "--seed", "0", "--num_samples", "12", "--curve_samples", SAMPLES, *out,
+                *tiny.model, "--train.max_steps=4", "--ckpt.every=1", "--val.every=4"])
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps and len(json.loads(
+        (run / "cpu_seconds.json").read_text())["processes"]) == 1
+
+
+@pytest.mark.slow
 def test_the_peer_trains_for_its_cpu_samples_and_is_scored(tmp_path, tiny, monkeypatch):
     """fashion_mnist.py peer: torchcfm's example (on 8 training images: its batch of 128 holds the split, and one
     step of its U-Net on the whole tiny split costs seconds) until --cpu_seconds, dopri5 samples, the protocol's
