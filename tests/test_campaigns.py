@@ -26,7 +26,7 @@ from conftest import ROOT
 from training.data import fashion_mnist
 
 # The recipe's runs scaled down: a one-block model of width 16, 8 images a step, 20 held-out rows, 2-step validation
-# sampling, no report.md (its plots are most of a tiny run); TINY adds 2 steps and a checkpoint at every step (the
+# sampling, no report.md (its plots are most of a tiny run); TINY_BUDGET: 2 steps and a checkpoint at every step (the
 # quality curve's). What each campaign passes to every trainer run (TINY_MODEL where the stage sets the budget),
 # with the test's own data.cache_dir (`tiny`: the campaigns run from the repository's root, as documented).
 TINY_MODEL = ["--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=8",
@@ -100,7 +100,7 @@ def children_in_process(monkeypatch):
             runpy.run_path(str(script), run_name="__main__")
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-            if code:
+            if isinstance(stop.code, str):  # sys.exit("message"): what the interpreter would print
                 print(stop.code, file=sys.stderr)
         finally:
             sys.argv = argv
@@ -169,10 +169,8 @@ def test_the_meanflow_campaign_runs_each_documented_stage(tmp_path, tiny, childr
 def test_ours_scores_its_quality_curve_and_its_first_samples_alone(tmp_path, tiny, children_in_process):
     """fashion_mnist.py ours as docs/benchmarks/fashion_mnist.md first runs it (the default --fractions 0.25 0.5,
     --num_samples above --curve_samples), DDPM, 4 steps: checkpoints 1 and 2 scored at --curve_samples, the export at
-    --num_samples and its first --curve_samples alone (the same PNGs, hard links), quality.jsonl one row a step, the
+    --num_samples and its first --curve_samples alone (the same PNGs, hard links), quality.jsonl one row a score, the
     CPU record; a second call trains and scores nothing again."""
-    import os
-
     out = ["--out", str(tmp_path), "--classifier", tiny.classifier]
     bench.main(["ours", "--trainer", "ddpm", "--seed", "0", "--num_samples", "12", "--curve_samples", SAMPLES, *out,
                 *tiny.model, "--train.max_steps=4", "--ckpt.every=1", "--val.every=4"])
