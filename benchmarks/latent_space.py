@@ -3,8 +3,9 @@
 Issue 59, item 5: configs/fashion_mnist_latent.json (the real-image recipe in the latents of an autoencoder that
 tools/autoencoder.py trains on Fashion-MNIST's training split) against configs/fashion_mnist.json (pixels), both
 trainers, 3 seeds, at equal training CPU, scored by docs/evaluation.md's protocol (benchmarks/fashion_mnist.py ours:
-2,000 samples against the test split in the evaluation classifier's features) and compared pairwise by seed
-(tools/compare.py's paired t-interval), beside the autoencoder's own reconstruction scores (its rFD: the floor).
+2,000 samples, --num_samples, against the test split in the evaluation classifier's features) and compared pairwise
+by seed (tools/compare.py's paired t-interval), beside the autoencoder's own reconstruction scores (its rFD: the
+floor).
 
     python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist   # once
     python benchmarks/latent_space.py autoencoder                     # tools/autoencoder.py into OUT/autoencoder
@@ -80,7 +81,8 @@ def compare(args):
               + " | CPU s per step |")
         print("| --- |" + " --- |" * (len(metrics) + 1))
         for space in runs:  # mean [95% t-interval] (each seed's value)
-            cells = [[s[m] for s in scores[space]] for m in metrics] + [[fashion_mnist.step_cpu(r) for r in runs[space]]]
+            cells = [[s[m] for s in scores[space]] for m in metrics] + [[fashion_mnist.step_cpu(r)
+                                                                          for r in runs[space]]]
             print(f"| {space} | " + " | ".join(f"{ci_text(*t_interval(v))} ({', '.join(f'{x:.3f}' for x in v)})"
                                                for v in cells) + " |")
         diffs = [paired_comparison([s[m] for s in scores["latents"]], [s[m] for s in scores["pixels"]],
