@@ -107,8 +107,9 @@ def check_objective(cfg):
 # runs, each in its own module (every problem reported at once, before any work).
 CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, hub.problems,
                                                    muon.problems, check_objective, emoji.problems))
-# The defaults changed here: the demo's budget and guidance, chosen by benchmarks/demo_quality.py (docs/benchmarks.md,
-# "Demo quality"), as in train_flow_matching.py. The recipes set their own and pin the paper's constant LR.
+# The defaults changed here: the demo's budget and guidance, chosen by benchmarks/demo_quality.py
+# (docs/benchmarks/demo_quality.md), as in train_flow_matching.py. The recipes set their own and pin the paper's
+# constant LR.
 DEFAULTS = config.defaults(CONFIG, {"train.max_steps": 1000, "train.lr": 2e-3, "train.lr_schedule": "cosine",
                                     "val.guidance_scale": 7.0})
 

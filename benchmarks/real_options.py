@@ -1,11 +1,11 @@
-"""Feeds docs/benchmarks.md, "The training options on the real-image recipe".
+"""Feeds docs/benchmarks/real_options.md (the training options on the real-image recipe).
 
 The training options on the real-image recipe (issue 43, item 3): Muon, x-prediction, contrastive flow matching
 and REPA (in-domain encoder, and its random control) against the baseline, and a combination, on
 configs/fashion_mnist.json, for both trainers where an option applies; at equal steps and at equal CPU time; scored
 by docs/evaluation.md's protocol (benchmarks/fashion_mnist.py: eval_fid.py --classifier --features classifier
---reference_split test); compared with tools/compare.py (paired over seeds, 95% intervals). docs/benchmarks.md
-has the commands and the numbers.
+--reference_split test); compared with tools/compare.py (paired over seeds, 95% intervals).
+docs/benchmarks/real_options.md has the commands and the numbers.
 
     python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist   # once
     python tools/repa_encoder.py --out encoders/fashion_mnist                                         # once
@@ -55,7 +55,7 @@ TRAINERS = ("flow_matching", "ddpm")
 # x0 and muon arms and the combinations override them, and --train.muon_lr=1e-2 after those sets Muon's LR).
 RUN = ["--log.wandb=off", "--log.report=false", "--objective.prediction=v", "--train.optimizer=adamw",
        "--train.muon_lr=null"]
-COST_TIE = 0.05  # below this, a difference in CPU per step is within the seeds' spread (docs/benchmarks.md)
+COST_TIE = 0.05  # below this, a CPU per step difference is within the seeds' spread (docs/benchmarks/real_options.md)
 
 
 def arms(combo):
@@ -127,7 +127,7 @@ def steps_for(args, trainer, arm, budget, recipe_steps):
         sys.exit(f"budget 'cpu' needs the CPU per step of base and {key} ({trainer}) at --steps {recipe_steps} in "
                  f"{path}: train the equal-steps runs (--budgets steps), then `python benchmarks/real_options.py cost`")
     ratio = rows["base"]["cpu_s_per_step"] / rows[key]["cpu_s_per_step"]
-    return recipe_steps if abs(ratio - 1) <= COST_TIE else round(recipe_steps * ratio)
+    return recipe_steps if abs(ratio - 1) <= COST_TIE else max(1, round(recipe_steps * ratio))  # a run is a step or more
 
 
 def name(args, arm):
@@ -208,7 +208,7 @@ def main(argv=None):
     p.add_argument("--out", default="runs/real_options")
     p.add_argument("--classifier", default="classifiers/fashion_mnist")
     p.add_argument("--num_samples", type=int, default=2000, help="samples scored per run (the protocol's "
-                   "final score: 10,000; 2,000 as in docs/benchmarks.md's 3-seed comparison)")
+                   "final score: 10,000; 2,000 as in docs/benchmarks/real_options.md's 3-seed comparison)")
     args, args.extra = p.parse_known_args(argv)
     if bad := [a for a in args.extra if a.startswith("--train.max_steps")]:
         p.error(f"{bad[0]}: give the budget as --steps (the equal-CPU step counts are computed from it)")

@@ -1,4 +1,4 @@
-"""Feeds docs/benchmarks.md, "The embedded demo" (resolution transfer).
+"""Feeds docs/benchmarks/resolution_transfer.md (resolution transfer on the demo).
 
 Resolution transfer on the embedded data: pre-train at a low resolution, fine-tune at twice the resolution.
 

@@ -1,4 +1,4 @@
-"""Feeds docs/benchmarks.md, "The embedded demo" (step overhead).
+"""Feeds docs/benchmarks/step_overhead.md (the trainer's step against a bare loop).
 
 What does the trainer's bookkeeping cost? Ratio of train_flow_matching.py's images/s to a bare
 forward-backward-optimizer loop on the same model, batch size and optimizer (fused AdamW), in one process, one run.

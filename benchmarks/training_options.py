@@ -1,4 +1,4 @@
-"""Feeds docs/benchmarks.md, "Training options on real images".
+"""Feeds docs/benchmarks/training_options.md (training options on real images).
 
 Do contrastive flow matching, x-prediction and REPA help? Measured on real images that ship inside scikit-learn.
 

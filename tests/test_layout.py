@@ -218,14 +218,19 @@ def test_a_planted_import_is_caught_naming_the_files(tmp_path, planted):
             "training/run/stability.py -> training/optimisation/time_density.py)"]
 
 
-def test_each_benchmark_names_the_section_of_docs_benchmarks_it_feeds():
-    """A benchmark's docstring opens with 'Feeds docs/benchmarks.md, "<a section's title, or its start>"'; one whose
-    numbers stand in another doc feeds "Numbers kept in other docs", whose table names it."""
-    doc = (ROOT / "docs" / "benchmarks.md").read_text()
-    sections = re.findall(r"^#{2,3} (.+)$", doc, re.MULTILINE)
+def test_each_benchmark_names_the_study_file_it_feeds_and_the_index_lists_every_file():
+    """A benchmark's docstring opens with 'Feeds docs/benchmarks/<study>.md', a file whose row in the index
+    (docs/benchmarks.md's table of studies) names the script; one whose numbers stand in another doc feeds
+    docs/benchmarks.md, "Numbers kept in other docs", whose table names it. Every file in docs/benchmarks/ has its
+    row in the index, and every row its file."""
+    index = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = {re.search(r"\]\(benchmarks/([^)]+)\)", line)[1]: line for line in index.splitlines()
+            if line.startswith("|") and "](benchmarks/" in line}
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
         first = ast.get_docstring(ast.parse(path.read_text())).splitlines()[0]
-        named = re.match(r'Feeds docs/benchmarks\.md, "([^"]+)"', first)
-        assert named and any(s.startswith(named[1]) for s in sections), f"{path.name}: {first!r}"
-        if named[1] == "Numbers kept in other docs":
-            assert f"| `{path.name}` |" in doc, f"{path.name}: not in the table of docs/benchmarks.md's last section"
+        if study := re.match(r"Feeds docs/benchmarks/([a-z_]+\.md)\b", first):
+            assert f"`{path.name}`" in rows.get(study[1], ""), f"{path.name}: no row of {study[1]} naming it in the index"
+        else:
+            assert first.startswith('Feeds docs/benchmarks.md, "Numbers kept in other docs"'), f"{path.name}: {first!r}"
+            assert f"| `{path.name}` |" in index, f"{path.name}: not in the table of docs/benchmarks.md's last section"
+    assert sorted(rows) == sorted(p.name for p in (ROOT / "docs" / "benchmarks").glob("*.md")), "index vs files"

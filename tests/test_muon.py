@@ -138,7 +138,7 @@ def test_muon_is_refused_with_fsdp_on_an_old_torch_and_its_lr_without_it(tmp_pat
 
 
 def test_the_recipe_trains_with_muon_and_says_how_to_leave_it(monkeypatch):
-    """configs/fashion_mnist.json sets Muon at 1e-2 (docs/benchmarks.md); AdamW alone is refused naming the
+    """configs/fashion_mnist.json sets Muon at 1e-2 (docs/benchmarks/real_options.md); AdamW alone is refused naming the
     argument that unsets Muon's LR, and with it the recipe loads on AdamW."""
     monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the recipe names its curves from the root
 

@@ -108,7 +108,7 @@ def main(argv=None):
                    "scores")
     p.add_argument("--stats_cache", default="cache/fid_stats", help="eval_fid.py's cached reference statistics")
     p.add_argument("--channels", type=channels_arg, default=[16, 32], help="width per level; each level but the "
-                   "last halves the side (16,32: 28 px -> 14 x 14; docs/benchmarks.md, latent space, chose it)")
+                   "last halves the side (16,32: 28 px -> 14 x 14; docs/benchmarks/latent_space.md chose it)")
     p.add_argument("--latent_channels", type=int, default=4)
     p.add_argument("--steps", type=int, default=1500, help="AdamW steps of --batch_size images")
     p.add_argument("--batch_size", type=int, default=128)

@@ -24,7 +24,7 @@ Written to --out:
   encoder.json  rows trained on and held out, the CPU time, and for both: k-NN and linear-probe accuracy on the
             held-out rows of the training split (features: the mean patch token) and the mean cosine between the
             tokens at one position of two different images (near 1: the targets hardly depend on the image, as
-            with the 8 px digits, docs/benchmarks.md).
+            with the 8 px digits, docs/benchmarks/training_options.md).
 """
 import argparse
 import copy
