@@ -177,8 +177,9 @@ def problems(cfg):
 # wherever it is sampled otherwise (validation and export follow the resolved config; sample.py, eval_fid.py and
 # tools/tune.py follow the run's recorded one, and say so for a run that recorded another sampler).
 
-# Two meanflow steps: at the scale docs/benchmarks/meanflow_fashion_mnist.md measured ("One- and two-step sampling", fine-tuned, 3 seeds),
-# two evaluations score FD 8.5 where one scores 19.1; four gain less (5.5) for twice the cost.
+# Two meanflow steps: at the scale docs/benchmarks/meanflow_fashion_mnist.md measured ("One- and two-step
+# sampling", fine-tuned, 3 seeds), two evaluations score FD 8.5 where one scores 19.1; four gain less (5.5) for
+# twice the cost.
 OWN_STEPS = 2
 
 
