@@ -12,7 +12,8 @@ resolved config) -> generation (sample i always has the same seed, so the images
 count; lossless PNGs) -> features -> reference statistics (computed once, cached in our own .npz keyed on the
 source and its preprocessing) -> metrics (FID/KID with clean-fid's math and resizing; precision, recall, density
 and coverage on the same features; FD-DINOv2; CLIP score) -> report (JSON + table).
-`fid_during_training` is the same path at small N, in memory, for the trainers' validation.
+Reading the model back, sampling a batch and the trainers' small-N FID (the same path, in memory) are
+training/evaluation/sampling.py's; the run's own sampler is its trainer's `generate` (method_of).
 
 Conventions: generated pixels in [-1, 1] become uint8 by round((x + 1) * 127.5), as in runlog.save_image_grid.
 A feature extractor is any feature_fn(list of uint8 (H, W, 3) images) -> (N, D) array; the default is
@@ -23,7 +24,6 @@ import argparse
 import hashlib
 import importlib
 import json
-import math
 import os
 import platform
 import sys
@@ -31,22 +31,22 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 
 import common
+import train_ddpm
+import train_flow_matching
 from training.config import config
 from training.data.buckets import shape_arg
-from training.data.encoders import decode, load_encoders
-from training.model.mmdit import build_denoiser, load_exported
-from training.run import checkpoints, hub
+from training.data.encoders import load_encoders
 from training.run.monitor import progress
-from training.run.phema import apply_reconstruction
-from training.evaluation import classifier, tuning
-from training.evaluation.generation import load_prompts, make_condition, make_controls, noise_shape, seed_for
-from training.evaluation.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores,
-                                         dinov2_features, feature_tag, fid_size_warning, size_tag)
-from training.evaluation.reference import inception_features, reference_for, reference_size, to_uint8
+from training.evaluation import classifier, reference, sampling
+from training.evaluation.generation import load_prompts, make_condition, make_controls
+from training.evaluation.metrics import (CLIP_DEFAULT, DINO_DEFAULT, all_scores, check_dino_reference, clip_scores,
+                                         dino_scores, dinov2_features, feature_tag, fid_size_warning, size_tag)
+from training.evaluation.reference import inception_features, reference_for, reference_size
+from training.evaluation.sampling import png_path, read_png
+from training.evaluation.tuning import tuned_defaults
 from training.record import curves
 
 # ----------------------------------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def parser():
     a("--steps", type=int, default=None, help="default: the run's val.steps")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
-    a("--guidance_interval", type=interval_arg, default=None, help="'lo,hi': guide only at noise levels lo <= t <= "
+    a("--guidance_interval", type=sampling.interval_arg, default=None, help="'lo,hi': guide only at noise levels lo <= t <= "
       "hi (flow-matching t, 1 = noise; docs/methods.md converts published intervals); default: the run's")
     a("--phema_std", type=float, default=None, help="the post-hoc EMA of this relative std in (0, 0.28], "
       "reconstructed from the run's snapshots (ckpt.phema_every), instead of the export's EMA")
@@ -83,15 +83,7 @@ def parser():
     a("--aspect_ratio", default=None, help="instead of --width and --height: the run's bucket nearest this "
       "width / height ('3:2' or 1.5)")
     a("--prompts", default=None, help="text models: a captions file (one per line) or 'heldout' (default)")
-    a("--reference", default=None, help="image folder, dataset (hub id, local path, 'embedded'), one of our "
-      "statistics .npz files, or cleanfid:NAME:RES:SPLIT (clean-fid's precomputed ones); default: data.source")
-    a("--reference_split", default="heldout", help="'heldout': the rows the trainer validated on")
-    a("--reference_resolution", type=int, default=None, help="default: the run's data.resolution")
-    a("--reference_crop", default="center")
-    a("--reference_image_column", default=None, help="default: the run's data.image_column")
-    a("--reference_num", type=int, default=None, help="use only the first N reference images")
-    a("--stats_cache", default="cache/fid_stats", help="folder of cached reference statistics (.npz)")
-    a("--mode", default="clean", choices=["clean", "legacy_tensorflow"], help="clean-fid's resizing mode")
+    reference.add_arguments(p)  # --reference, --reference_split, ..., --stats_cache, --mode
     a("--inception_weights", default=None, help="a local inception-2015-12-05.pt (offline clusters)")
     a("--features", default="inception", help="'inception', 'classifier' (--classifier's features: FD, KID, "
       "precision, recall named fd_classifier_N, kd_classifier_N, ...: never FID) or module:factory, returning a feature_fn")
@@ -99,7 +91,7 @@ def parser():
       "(sample i asks for class i %% num_classes), beside the classifier's own accuracy on real test images")
     a("--dino", nargs="?", const=DINO_DEFAULT, default=None, help="also FD-DINOv2 (and precision/recall/density/"
       f"coverage) on DINOv2 features: a transformers Dinov2Model hub id or folder; bare --dino: {DINO_DEFAULT}")
-    a("--clip_model", default="openai/clip-vit-large-patch14", help="hub id or local path; 'none' to skip")
+    a("--clip_model", default=CLIP_DEFAULT, help="hub id or local path; 'none' to skip")
     a("--adm_npz", default=None, help="also write the samples as uint8 NHWC 'arr_0' for ADM's evaluator")
     a("--generate_only", action="store_true", help="write the PNGs and stop (score later, anywhere)")
     a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
@@ -113,33 +105,6 @@ def passed_on(mine, when):
     rows = [(", ".join(a.option_strings), (a.help or "").replace("%%", "%")) for a in parser()._actions
             if a.option_strings and not (mine | {"-h"}) & set(a.option_strings)]
     return f"passed on to eval_fid.py {when}, as they are:\n" + "\n".join(f"  {o:26} {h}" for o, h in rows)
-
-
-def tuned_defaults(args):
-    """`args` with RUN/tuned.json's chosen setting ("best", tools/tune.py) in each of TUNED that no flag sets, when
-    the file was chosen for the model being sampled, by what it is (its weights' digest, EMA or raw) and the sampler
-    (training/evaluation/tuning.py), and --untuned is not given; prints where each setting comes from (eval_fid.py and
-    sample.py call it first). A run folder that does not exist stops here, before any work (hub.local_folder)."""
-    run = hub.local_folder(args.run)  # a folder, or the hub id of an exported pipeline folder
-    path, tuned, note = run / "tuned.json", None, ""
-    if path.is_file() and not args.untuned:
-        model = tuning.model_identity(run, args.checkpoint, args.weights)
-        tuned, why = tuning.read_choice(path, model, args.sampler or model["sampler"])
-        note = f" ({path} {why}: its settings are not used)" if why else ""
-    where = {}
-    for key in tuning.TUNED:
-        if getattr(args, key) is not None:
-            where[key] = f"--{key}"
-        elif tuned is not None and tuned["best"][key] is not None:
-            setattr(args, key, tuned["best"][key])
-            where[key] = str(path)
-        else:
-            where[key] = "the run's config" if key != "phema_std" else "the model's own EMA"
-    if int(os.environ.get("RANK", 0)) == 0:
-        print("sampling settings: " + "; ".join(f"{key} {getattr(args, key)} ({where[key]})" if getattr(args, key)
-                                                is not None else f"{key} from {where[key]}" for key in tuning.TUNED)
-              + note)
-    return args
 
 
 def bucket_arg(cfg, args):
@@ -163,159 +128,13 @@ def bucket_arg(cfg, args):
     return tuple(shape)
 
 
-def interval_arg(text):
-    """--guidance_interval 'lo,hi' -> [lo, hi], checked as val.guidance_interval is."""
-    try:
-        value = [float(v) for v in text.split(",")]
-    except ValueError:
-        value = text
-    if not (isinstance(value, list) and len(value) == 2 and 0 <= value[0] <= value[1] <= 1):
-        raise argparse.ArgumentTypeError(f"--guidance_interval={text!r} must be 'lo,hi' with 0 <= lo <= hi <= 1 "
-                                         f"(noise levels: flow-matching t, 1 = pure noise; '0,1' guides every step)")
-    return value
-
-
 # ----------------------------------------------------------------------------------------------------------
-# Model: the exported EMA model, or a checkpoint's EMA or raw weights, and the run's own sampler.
+# The run's own sampler: its trainer's generate(model, noise, cond, cfg, steps, guidance_scale, sampler, ...).
 
 
 def method_of(cfg):
-    """The trainer whose generate(model, noise, cond, cfg, steps, guidance_scale, sampler) samples this run:
-    Flow-matching configs have objective.time_sampling (both have objective.prediction)."""
-    return importlib.import_module(f"train_{curves.method_of(cfg)}")
-
-
-def load_model(run, checkpoint=None, weights="ema", phema_std=None):
-    """(model, cfg, description). A checkpoint's shapes come from its tensors (channels from the patch
-    projection, side from the positional grid), so rebuilding it needs neither data nor encoders. phema_std:
-    the export's model with the post-hoc EMA of that std reconstructed from the run's snapshots (with a checkpoint:
-    at the checkpoint's step, from the snapshots before it and its own profiles, so the label is true)."""
-    run = hub.local_folder(run)  # a folder, or the hub id of an exported pipeline folder
-    if phema_std is not None:
-        model, cfg, desc = load_model(run, checkpoint, weights)
-        info = apply_reconstruction(model, run, phema_std, None if checkpoint is None else desc["source"])
-        return model, cfg, {**desc, "weights": f"post-hoc EMA, std {phema_std:g}", "phema": info}
-    if checkpoint is None:
-        export = run if (run / "transformer").is_dir() else run / "export"
-        model, cfg = load_exported(export)
-        return model, cfg, {"source": str(export), "weights": "ema (export)"}
-    ckpt = checkpoints.find_checkpoint(run, checkpoint)
-    if ckpt is None:
-        raise FileNotFoundError(f"no finished checkpoint under {run}/checkpoints")
-    state = checkpoints.read_state(ckpt)  # the small part, on the CPU (never the optimizer)
-    cfg = config.Config(state["config"])
-    tensors = checkpoints.read_tensors(ckpt, "ema" if weights == "ema" else "model")  # (sharded: gathered whole)
-    channels = tensors["transformer.pos_embed.proj.weight"].shape[1]
-    size = math.isqrt(tensors["transformer.pos_embed.pos_embed"].shape[1]) * cfg["model"]["patch_size"]
-    text_dims = None
-    if "conditioner.null_tokens" in tensors:
-        text_dims = (*tensors["conditioner.null_tokens"].shape, tensors["conditioner.null_pooled"].shape[0])
-    model = build_denoiser(cfg, channels, size, text_dims)
-    model.load_state_dict(tensors)
-    return model.eval(), cfg, {"source": str(ckpt), "weights": weights, "step": state["step"]}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Generation. Work is cut into fixed batches of sample indices [b B, (b + 1) B), dealt to ranks round robin.
-# Sample i's noise has its own seed (training/evaluation/generation.py: what sample i is) and a stochastic
-# sampler's RNG is seeded per batch, so the PNGs are the same with 1 or 64 processes (on the same kind of
-# device, with the same batch size).
-
-
-@torch.no_grad()
-def sample_batch(model, cfg, cond, idx, seed, steps=None, guidance_scale=None, sampler=None, vae=None,
-                 control_guidance_scale=None, guidance_interval=None, shape=None):
-    """uint8 images of samples `idx` (`shape`: width, height in pixels; None: the run's square); the caller's RNG
-    state is left as it was."""
-    device = next(model.parameters()).device
-    size = noise_shape(cfg, model.transformer, shape)
-    noise = torch.stack([torch.randn(size, generator=torch.Generator().manual_seed(seed_for(seed, 0, i))) for i in idx])
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed_for(seed, 1, idx[0]))  # ancestral samplers' fresh noise, fixed per batch
-        x = method_of(cfg).generate(model, noise.to(device), cond(idx), cfg, steps=steps, sampler=sampler,
-                                    guidance_scale=guidance_scale, control_guidance_scale=control_guidance_scale,
-                                    guidance_interval=guidance_interval)
-    return to_uint8(decode(vae, x))
-
-
-def png_path(folder, i):
-    return Path(folder) / f"{i:06d}.png"
-
-
-def read_png(folder, i):
-    return np.asarray(Image.open(png_path(folder, i)).convert("RGB"))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# In training: a small-N FID every M steps, in memory (no PNGs), on all ranks.
-
-
-def fid_of_run(ema, cfg, accelerator, val_set, vae=None, text=False, log=None, step=None):
-    """Small-N FID/KID during training (val.fid_every): fid_during_training with the run's settings; text runs
-    take their conditions from the held-out cache's caption features. Every rank takes part. With `log` (a
-    runlog.RunLog), the metrics are logged at `step` and printed."""
-    val, n = cfg["val"], min(cfg["val"]["fid_samples"], len(val_set))
-    conditions = None if not text else {
-        k: torch.stack([val_set[i][k] for i in range(n)]) for k in ("text_tokens", "text_mask", "text_pooled")}
-    if vae is not None:
-        vae.to(accelerator.device)
-    metrics = fid_during_training(ema, cfg, accelerator, val["fid_samples"], val["fid_reference"], vae=vae,
-                                  conditions=conditions, inception_weights=val["inception_weights"],
-                                  dino=val.get("fid_dino"),
-                                  stats_cache=str(Path(cfg["data"]["cache_dir"]) / "fid_stats"),
-                                  batch_size=cfg["train"]["batch_size"])
-    if vae is not None:
-        vae.cpu()
-    if log is not None:
-        log({"step": step, **metrics})
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-    return metrics
-
-
-def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *, vae=None, conditions=None,
-                        feature_fn=None, mode="clean", inception_weights=None, stats_cache="cache/fid_stats",
-                        steps=None, guidance_scale=None, control_guidance_scale=None, sampler=None, batch_size=64,
-                        seed=0, dino=None):
-    """{'fid_clean_1k': .., 'kid_clean_1k': .., 'precision_inception_1k': .., ..} of `model` (unwrapped, e.g. the
-    EMA) sampled as `cfg` says; with `dino` (a DINOv2 model id or folder) also 'fd_dinov2_1k' and its kin.
-
-    reference: one of our statistics .npz files, a --reference source (folder, dataset, 'embedded',
-    cleanfid:NAME:RES:SPLIT), or None for the run's own held-out rows. vae: on the device, for latent runs.
-    conditions: None for balanced class labels (and held-out controls), else a dict of per-sample tensors
-    named as in batching.COND_FIELDS (e.g. the held-out cache's rows), sample i taking row i % len; text runs
-    must pass it. Same seeds as eval_fid.py's CLI, so the numbers of successive calls are comparable."""
-    device = accelerator.device
-    feature_fn = feature_fn or inception_features(mode, inception_weights, device, accelerator)
-    if dino:
-        check_dino_reference(reference or "")
-    dino_fn, dino_pairs = dinov2_features(dino, device, accelerator) if dino else None, []
-    if conditions is None and cfg["encoders"]["text_encoder"]:
-        raise ValueError("fid_during_training: a text run needs conditions (e.g. the held-out cache's text rows)")
-    if conditions is None:
-        cond = make_condition(cfg, model, None, device, make_controls(cfg, "heldout"))
-    else:
-        rows = len(next(iter(conditions.values())))
-        cond = lambda idx: {**{k: v[[i % rows for i in idx]].to(device) for k, v in conditions.items()},  # noqa
-                            "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
-    pairs, was_training = [], model.training
-    model.eval()
-    for idx in progress(common.my_batches(num_samples, batch_size, accelerator.process_index, accelerator.num_processes),
-                        "FID samples", accelerator.is_local_main_process):
-        with accelerator.autocast():
-            images = sample_batch(model, cfg, cond, idx, seed, steps, guidance_scale, sampler, vae,
-                                  control_guidance_scale)
-        pairs += zip(idx, feature_fn(list(images)))
-        if dino_fn is not None:
-            dino_pairs += zip(idx, dino_fn(list(images)))
-    model.train(was_training)
-    args = parse_args(["--run", "-", "--mode", mode, "--stats_cache", stats_cache, "--batch_size", str(batch_size),
-                       *(["--reference", str(reference)] if reference else [])])
-    ref = reference_for(args, cfg, feature_fn, accelerator)[1]
-    out = all_scores(common.gathered(pairs), ref, mode, num_samples, feature_tag(feature_fn), device)
-    if dino_fn is not None:
-        out.update(dino_scores(common.gathered(dino_pairs), reference_for(args, cfg, dino_fn, accelerator)[1], num_samples,
-                               device))
-    return out
+    """The trainer of this run (flow-matching configs have objective.time_sampling: curves.method_of)."""
+    return {"flow_matching": train_flow_matching, "ddpm": train_ddpm}[curves.method_of(cfg)]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -327,7 +146,7 @@ def main(argv=None, feature_fn=None):
     t_start = time.time()
 
     # ---- Model and settings ---------------------------------------------------------------------------------
-    model, cfg, model_desc = load_model(args.run, args.checkpoint, args.weights, args.phema_std)
+    model, cfg, model_desc = sampling.load_model(args.run, args.checkpoint, args.weights, args.phema_std)
     args.shape = bucket_arg(cfg, args)  # data.buckets: the bucket sampled and scored (None: a square run)
     precision = args.mixed_precision or cfg["train"]["mixed_precision"]  # sampled at the run's precision
     # cpu=True without CUDA, as in the trainers: `accelerate launch --multi_gpu` then runs CPU processes over gloo.
@@ -402,8 +221,8 @@ def main(argv=None, feature_fn=None):
         if all(png_path(samples_dir, i).exists() for i in idx):
             continue
         with accelerator.autocast(), common.counting_evaluations(model) as rows:
-            images = sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae, control_guidance,
-                                  interval, args.shape)
+            images = sampling.sample_batch(method_of(cfg).generate, model, cfg, cond, idx, args.seed, steps, guidance,
+                                           sampler, vae, control_guidance, interval, args.shape)
         nfe = [nfe[0] + rows[0], nfe[1] + len(idx)]
         for i, img in zip(idx, images):  # PNG: lossless; written atomically, so a resumed run can trust it
             Image.fromarray(img).save(png_path(samples_dir, i).with_suffix(".tmp"), format="PNG")

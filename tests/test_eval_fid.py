@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_fid  # noqa: E402
 from training.config import config  # noqa: E402
-from training.evaluation import generation, metrics, reference  # noqa: E402
+from training.evaluation import generation, metrics, reference, sampling  # noqa: E402
 import train_flow_matching  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))  # conftest's helpers, also when accelerate launch imports this file
@@ -225,15 +225,15 @@ def test_fid_during_training(run, tmp_path):
     at float rounding (CPU matrix kernels block by batch size: bitwise equality is not a claim to make)."""
     from accelerate import Accelerator
 
-    model, cfg = eval_fid.load_model(run)[:2]
-    metrics = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, None, feature_fn=TinyFeatures(),
+    model, cfg = sampling.load_model(run)[:2]
+    metrics = sampling.fid_during_training(train_flow_matching.generate, model, cfg, Accelerator(), 12, None, feature_fn=TinyFeatures(),
                                            stats_cache=str(tmp_path / "stats"), steps=2, batch_size=6)
     manifold = {f"{m}_tiny_random_conv_12" for m in ("precision", "recall", "density", "coverage")}
     assert set(metrics) == {"fid_clean_12", "kid_clean_12"} | manifold
     assert not model.training
     # Closed form: ||mu - mu_r||^2 + Tr(S + S_r - 2 sqrtm(S S_r)) of the same 12 samples' features.
     cond = generation.make_condition(cfg, model, None, "cpu", generation.make_controls(cfg, "heldout"))
-    images = {b: np.concatenate([eval_fid.sample_batch(model, cfg, cond, idx, 0, 2)
+    images = {b: np.concatenate([sampling.sample_batch(train_flow_matching.generate, model, cfg, cond, idx, 0, 2)
                                  for idx in common.my_batches(12, b, 0, 1)]) for b in (6, 4)}
     feats = TinyFeatures()(list(images[6]))
     stats_file = next((tmp_path / "stats").glob("*.npz"))  # our cached statistics also serve as a reference
@@ -250,7 +250,7 @@ def test_fid_during_training(run, tmp_path):
     # Another batch size: the same images up to a rounding flip of a pixel, and the same FID to float accuracy.
     diff = np.abs(images[6].astype(int) - images[4].astype(int))
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01
-    again = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, str(stats_file), feature_fn=TinyFeatures(),
+    again = sampling.fid_during_training(train_flow_matching.generate, model, cfg, Accelerator(), 12, str(stats_file), feature_fn=TinyFeatures(),
                                          steps=2, batch_size=4)
     assert again == pytest.approx(metrics, rel=1e-3)
 
@@ -472,7 +472,7 @@ def test_few_reference_images_are_flagged_before_sampling_and_a_missing_network_
         eval_fid.main(["--run", str(run), "--num_samples", "8", *GEN, "--out_dir", str(tmp_path / "none"),
                        "--inception_weights", str(tmp_path / "nope.pt")])
     assert not (tmp_path / "none").exists()  # stopped before any folder was made
-    monkeypatch.setattr(eval_fid, "sample_batch", lambda *a, **k: pytest.fail("sampled before the reference check"))
+    monkeypatch.setattr(sampling, "sample_batch", lambda *a, **k: pytest.fail("sampled before the reference check"))
     with pytest.raises(pytest.fail.Exception, match="sampled before"):
         eval_fid.main(["--run", str(run), "--num_samples", "8", *GEN, "--out_dir", str(tmp_path / "e"),
                        "--stats_cache", str(tmp_path / "stats")], feature_fn=TinyFeatures(dim=64))

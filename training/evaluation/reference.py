@@ -3,6 +3,7 @@ downloaded, fetched with a bound, verified by its sha256) and the reference stat
 the run's held-out rows (computed once, shared by the ranks, cached in an .npz keyed on the source and all its
 preprocessing), or clean-fid's named statistics. eval_fid.py and the small-N FID in training use these.
 """
+import argparse
 import contextlib
 import hashlib
 import json
@@ -151,6 +152,33 @@ def check_selection(args, cfg):
 def to_uint8(x):
     """Pixels in [-1, 1] (N, 3, H, W) -> uint8 (N, H, W, 3), rounded as runlog.save_image_grid does."""
     return x.float().clamp(-1, 1).add(1).mul(127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The options that say what samples are scored against: eval_fid.py's, and every command that scores images as it
+# does (the in-training FID, tools/autoencoder.py, the benchmarks) parses them with reference_args.
+
+
+def add_arguments(p):
+    a = p.add_argument
+    a("--reference", default=None, help="image folder, dataset (hub id, local path, 'embedded'), one of our "
+      "statistics .npz files, or cleanfid:NAME:RES:SPLIT (clean-fid's precomputed ones); default: data.source")
+    a("--reference_split", default="heldout", help="'heldout': the rows the trainer validated on")
+    a("--reference_resolution", type=int, default=None, help="default: the run's data.resolution")
+    a("--reference_crop", default="center")
+    a("--reference_image_column", default=None, help="default: the run's data.image_column")
+    a("--reference_num", type=int, default=None, help="use only the first N reference images")
+    a("--stats_cache", default="cache/fid_stats", help="folder of cached reference statistics (.npz)")
+    a("--mode", default="clean", choices=["clean", "legacy_tensorflow"], help="clean-fid's resizing mode")
+    return p
+
+
+def reference_args(argv=()):
+    """The reference options of `argv` with eval_fid.py's defaults, and --batch_size (images per feature batch,
+    64); any other option in `argv` (eval_fid.py's) is passed over."""
+    p = add_arguments(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    p.add_argument("--batch_size", type=int, default=64)
+    return p.parse_known_args(list(argv))[0]
 
 
 # ----------------------------------------------------------------------------------------------------------
