@@ -382,7 +382,7 @@ def floors(args):
     """What a perfect generator scores at SAMPLES samples: SAMPLES held-out training rows (of the recipe's 5,000,
     balanced over classes), preprocessed as in training, against each reference, plain and mixed-size; and the
     evaluation classifier's accuracy on each test split (class accuracy's ceiling)."""
-    from tools.classifier import split_images
+    from training.evaluation.reference import split_images
     from training.config import config
     from training.data.sources import load_image, open_dataset, preprocess
     from training.evaluation import classifier

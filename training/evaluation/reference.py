@@ -137,6 +137,39 @@ def heldout(data):
     return open_dataset(data, data.val_split) if data.val_split else open_splits(data)[1]
 
 
+def same_rows(data, a, b, chunk=1000):
+    """Whether two splits hold the same images, row for row (undecoded: the same files, or the same bytes); read
+    a chunk at a time, stopping at the first that differs (two real splits differ in the first)."""
+    return len(a) == len(b) and all(a[i:i + chunk][data.image_column] == b[i:i + chunk][data.image_column]
+                                    for i in range(0, len(a), chunk))
+
+
+def training_and_test(data, test_split, tool):
+    """(training rows, test rows, the test split's name) for a tool that learns from the recipe's training split
+    and is measured on `test_split` (tools/classifier.py, tools/autoencoder.py). A test split that is the training
+    split is refused before any work (ConfigError); one that reads the training split's images (a folder without a
+    test folder) gives way to the trainer's own split: its training rows, and the rows it holds out (test split
+    'heldout'), and `tool` says so."""
+    if test_split == data.split:
+        raise config.ConfigError(f"--test_split '{test_split}' is the training split (data.split): it learns from "
+                                 f"that split and is measured on another")
+    train_ds, test_ds = open_dataset(data, data.split), open_dataset(data, test_split)
+    if same_rows(data, train_ds, test_ds):  # scored on them, training images would pass for test images
+        print(f"{tool}: split '{test_split}' of {data.source} holds the images of its training split "
+              f"'{data.split}' (no {test_split} folder?): trained on the trainer's training rows and measured on "
+              f"the rows the trainer holds out, never trained on (test split 'heldout')")
+        return (*open_splits(data), "heldout")
+    return train_ds, test_ds, test_split
+
+
+def split_images(data, ds, split):
+    """(uint8 images (N, R, R, 3), int labels (N,), class names or None) of the dataset `ds` (split `split`), as
+    the trainer's cache would preprocess them."""
+    images = np.stack([to_uint8(preprocess(load_image(row[data.image_column]), data.resolution, data,
+                                           flip=False)[0][None])[0] for row in progress(ds, f"read {split}", True)])
+    return images, np.asarray(ds[data.label_column]), getattr(ds.features[data.label_column], "names", None)
+
+
 def check_selection(args, cfg):
     """Settings are chosen on images held out from the training split, never on the images that report the final
     score (docs/evaluation.md): a selecting command (tools/tune.py, tools/phema.py --sweep) refuses any other
