@@ -37,7 +37,6 @@ import common
 import train_ddpm
 import train_flow_matching
 from training.config import config
-from training.data.buckets import shape_arg
 from training.data.encoders import load_encoders
 from training.run.monitor import progress
 from training.evaluation import classifier, reference, sampling
@@ -62,7 +61,8 @@ def parser():
     a("--run", required=True, help="run folder (uses run/export) or an export folder")
     a("--checkpoint", default=None, help="score a checkpoint folder (or 'latest') instead of the export")
     a("--weights", default="ema", choices=["ema", "raw"], help="checkpoint weights; the export is always EMA")
-    a("--out_dir", default=None, help="default: <run>/eval/<weights>-<sampler><steps>-g<guidance>-seed<seed>")
+    a("--out_dir", default=None, help="default: <run>/eval/<weights>-<sampler><steps>-g<guidance>-seed<seed>, then "
+      "-<w>x<h> for a bucket and -ref-<reference> for any reference but the held-out rows")
     a("--num_samples", type=int, default=50_000)
     a("--batch_size", type=int, default=64, help="per process; stochastic samplers depend on it, noise does not")
     a("--seed", type=int, default=0, help="sample i's noise: seed_for(seed, 0, i)")
@@ -70,15 +70,15 @@ def parser():
     a("--steps", type=int, default=None, help="default: the run's val.steps")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
-    a("--guidance_interval", type=sampling.interval_arg, default=None, help="'lo,hi': guide only at noise levels lo <= t <= "
-      "hi (flow-matching t, 1 = noise; docs/methods.md converts published intervals); default: the run's")
+    a("--guidance_interval", type=sampling.interval_arg, default=None, help="'lo,hi': guide only at noise levels lo "
+      "<= t <= hi (flow-matching t, 1 = noise; docs/methods.md converts published intervals); default: the run's")
     a("--phema_std", type=float, default=None, help="the post-hoc EMA of this relative std in (0, 0.28], "
       "reconstructed from the run's snapshots (ckpt.phema_every), instead of the export's EMA")
     a("--controls", default="heldout", choices=["heldout", "square"], help="runs with size/crop/flip controls: "
       "'heldout': row i %% n's original size, centre crop, no flip; 'square': an uncropped R x R original (with "
       "--width / --height: an uncropped original of that shape)")
     a("--width", type=int, default=None, help="a run with data.buckets: sample and score one of its buckets, "
-      "width x height pixels, against the reference images of that bucket; default: its squarest")
+      "width x height pixels, against the reference images of that bucket; default: the one with the most of them")
     a("--height", type=int, default=None, help="see --width")
     a("--aspect_ratio", default=None, help="instead of --width and --height: the run's bucket nearest this "
       "width / height ('3:2' or 1.5)")
@@ -107,25 +107,30 @@ def passed_on(mine, when):
     return f"passed on to eval_fid.py {when}, as they are:\n" + "\n".join(f"  {o:26} {h}" for o, h in rows)
 
 
-def bucket_arg(cfg, args):
-    """(width, height) of the bucket that eval_fid.py samples and scores (--width / --height, or --aspect_ratio: the
-    nearest bucket; default: the squarest) for a run with data.buckets, else None (a square run, which takes
-    neither). FD at a shape is against the reference images of that bucket: docs/evaluation.md."""
-    if not cfg["data"].get("bucket_shapes"):
-        if args.width or args.height or args.aspect_ratio:
-            raise config.ConfigError(f"--width / --height / --aspect_ratio: {args.run} was trained square at "
-                             f"{cfg['data']['resolution']} px (no data.buckets); sample other shapes with sample.py")
-        return None
-    shape = shape_arg(cfg, args.width, args.height, args.aspect_ratio)
-    if list(shape) not in [list(s) for s in cfg["data"]["bucket_shapes"]]:
-        raise config.ConfigError(f"--width {shape[0]} --height {shape[1]}: eval_fid.py scores a bucket the run trained at, "
-                         f"whose reference images exist: one of " + ", ".join(f"{w}x{h}" for w, h in
-                                                                               cfg["data"]["bucket_shapes"]))
-    if shape[0] != shape[1] and str(args.reference).startswith("cleanfid:"):  # clean-fid's are square images
-        raise config.ConfigError(f"--reference {args.reference}: clean-fid's statistics are of square images, so FD at "
-                                 f"the {shape[0]}x{shape[1]} bucket would count the shape as a difference; leave "
-                                 f"--reference out (that bucket's own reference images) or score a square bucket")
-    return tuple(shape)
+def scored_as(report):
+    """What a report measured besides its samples (generation.json holds those): its reference (the statistics'
+    key), the sample count, clean-fid's mode, the feature network, the classifier, DINOv2's and CLIP's models."""
+    ref = report.get("reference") or {}
+    return json.loads(json.dumps({
+        "reference": {k: v for k, v in ref.items() if k not in ("stats", "key_sha256", "stats_sha256", "images")},
+        "num_samples": report.get("num_samples"), "mode": report.get("mode"),
+        "feature_extractor": report.get("feature_extractor"), "clip_model": report.get("clip_model"),
+        "classifier": (report.get("classifier") or {}).get("path"), "dino": (report.get("dino") or {}).get("model")}))
+
+
+def check_report(path, scoring):
+    """An evaluation never overwrites another: report.json at `path` may be replaced only by one that measured the
+    same (scored_as); else a ConfigError naming what differs, before any sampling."""
+    if not path.is_file():
+        return
+    old = scored_as(json.loads(path.read_text()))
+    diff = [f"reference {k} {old['reference'].get(k)!r} -> {scoring['reference'].get(k)!r}"
+            for k in sorted({*old["reference"], *scoring["reference"]})
+            if old["reference"].get(k) != scoring["reference"].get(k)]
+    diff += [f"{k} {old[k]!r} -> {v!r}" for k, v in scoring.items() if k != "reference" and old[k] != v]
+    if diff:
+        raise config.ConfigError(f"{path} is the report of another evaluation of these samples ({'; '.join(diff)}): "
+                                 f"give another --out_dir, or move that report away")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -147,7 +152,8 @@ def main(argv=None, feature_fn=None):
 
     # ---- Model and settings ---------------------------------------------------------------------------------
     model, cfg, model_desc = sampling.load_model(args.run, args.checkpoint, args.weights, args.phema_std)
-    args.shape = bucket_arg(cfg, args)  # data.buckets: the bucket sampled and scored (None: a square run)
+    args.reference_split, split_note = reference.reference_split(args, cfg)  # a test split that is the training one
+    args.shape, bucket_note = reference.scored_bucket(cfg, args)  # data.buckets: the bucket scored (None: square)
     precision = args.mixed_precision or cfg["train"]["mixed_precision"]  # sampled at the run's precision
     # cpu=True without CUDA, as in the trainers: `accelerate launch --multi_gpu` then runs CPU processes over gloo.
     accelerator = common.make_accelerator(precision)
@@ -164,7 +170,7 @@ def main(argv=None, feature_fn=None):
     cg = f"-cg{control_guidance:g}" if control_guidance else ""
     gi = f"-gi{interval[0]:g}-{interval[1]:g}" if list(interval) != [0, 1] else ""
     tag = f"{weights}-{sampler}{steps}-g{guidance:g}{cg}{gi}-seed{args.seed}" + (
-        f"-{args.shape[0]}x{args.shape[1]}" if args.shape else "")
+        f"-{args.shape[0]}x{args.shape[1]}" if args.shape else "") + reference.reference_tag(args, cfg)
     out_dir = Path(args.out_dir or Path(args.run) / "eval" / tag)
     samples_dir = out_dir / "samples"
     prompts = load_prompts(args.prompts, cfg) if is_text else None
@@ -198,17 +204,24 @@ def main(argv=None, feature_fn=None):
     if args.dino and not args.generate_only:  # as early: a missing DINOv2 or a reference it cannot use
         check_dino_reference(args.reference or "")
         dino_fn = dinov2_features(args.dino, device, accelerator)
-    warnings = []  # the Frechet distance's covariances against the feature dimension, before any sampling
+    if bucket_note:
+        accelerator.print(bucket_note)
+    warnings = [split_note] if split_note else []  # and the covariances against the feature dimension
+    feature_name, use_clip = getattr(feature_fn, "name", "custom"), is_text and args.clip_model != "none"
     if feature_fn is not None:
         dim = feature_fn([np.zeros((cfg["data"]["resolution"],) * 2 + (3,), np.uint8)]).shape[1]
-        n_ref = reference_size(args, cfg, getattr(feature_fn, "name", "custom"))
+        n_ref = reference_size(args, cfg, feature_name)
         warnings += [w for w in [fid_size_warning(n_ref, args.num_samples, dim, feature_tag(feature_fn))] if w]
-        for w in warnings:
-            accelerator.print(f"warning: {w}")
-    samples_dir.mkdir(parents=True, exist_ok=True)  # only now: a run stopped above leaves no empty folder
+        check_report(out_dir / "report.json", scored_as({
+            "reference": reference.key_of(args, cfg, feature_name), "num_samples": args.num_samples, "mode": args.mode,
+            "feature_extractor": feature_name, "clip_model": args.clip_model if use_clip else None,
+            "classifier": judge and {"path": args.classifier}, "dino": dino_fn and {"model": args.dino}}))
+    for w in warnings:
+        accelerator.print(f"warning: {w}")
     record = out_dir / "generation.json"  # PNGs made with other settings are never silently reused
     if record.exists() and json.loads(record.read_text()) != json.loads(json.dumps(settings)):
-        raise ValueError(f"{out_dir} holds samples made with other settings ({record}); use another --out_dir")
+        raise config.ConfigError(f"{out_dir} holds samples made with other settings ({record}); use another --out_dir")
+    samples_dir.mkdir(parents=True, exist_ok=True)  # only now: a run stopped above leaves no empty folder
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         record.write_text(json.dumps(settings, indent=1))
@@ -234,7 +247,6 @@ def main(argv=None, feature_fn=None):
         return None
 
     # ---- Features of the samples (and CLIP scores), then the reference statistics --------------------------
-    feature_name, use_clip = getattr(feature_fn, "name", "custom"), is_text and args.clip_model != "none"
     pairs, clip_pairs, dino_pairs, judged = [], [], [], []
     for idx in progress(batches, "features", accelerator.is_local_main_process):
         images = [read_png(samples_dir, i) for i in idx]
@@ -273,7 +285,8 @@ def main(argv=None, feature_fn=None):
         "metrics": metrics, "num_samples": args.num_samples, **settings,
         "nfe_per_sample": nfe[0] / nfe[1] if nfe[1] else None,  # network evaluations (this rank's new samples)
         "clip_model": args.clip_model if use_clip else None,
-        "reference": {**key, "stats": ref["path"], "key_sha256": ref["key_sha256"], "stats_sha256": ref["sha256"]},
+        "reference": {**key, "stats": ref["path"], "key_sha256": ref["key_sha256"], "stats_sha256": ref["sha256"],
+                      "images": None if ref["feats"] is None else len(ref["feats"])},  # the rows its statistics rest on
         "mode": args.mode, "feature_extractor": feature_name, "feature_weights": getattr(feature_fn, "path", None),
         "feature_weights_sha256": getattr(feature_fn, "sha256", None), "samples_dir": str(samples_dir),
         "dino": None if dino_ref is None else {"model": args.dino, "stats": dino_ref["path"],

@@ -252,7 +252,8 @@ def test_a_run_validated_on_a_test_split_is_refused(run, monkeypatch):
 
 
 def test_the_phema_sweep_refuses_the_test_split_too(run, monkeypatch):
-    monkeypatch.setattr(phema_tool, "load_model", lambda *a, **k: (None, json.loads((run / "config.json").read_text()), {}))
+    cfg = json.loads((run / "config.json").read_text())
+    monkeypatch.setattr(phema_tool, "load_model", lambda *a, **k: (None, cfg, {}))
     monkeypatch.setattr(phema_tool, "list_snapshots", lambda folder: [])
     calls = []
     monkeypatch.setattr(eval_fid, "main", fake_eval(calls))

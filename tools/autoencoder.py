@@ -7,9 +7,9 @@ quality on the test split is recorded beside it (autoencoder.json): no model in 
         --classifier classifiers/fashion_mnist       # 15 min of one thread; without --classifier: PSNR alone
     python train_flow_matching.py --config configs/fashion_mnist_latent.json   # its encoders.vae is that folder
 
-The splits are tools/classifier.py's (reference.training_and_test): every row of the training split (data.split, held-out rows included: none
-is a test image); a --test_split that is the training split is refused; a source whose test split reads its
-training images is measured on the rows the trainer holds out (test split "heldout").
+The splits are tools/classifier.py's (reference.training_and_test): every row of the training split (data.split,
+held-out rows included: none is a test image); a --test_split that is the training split is refused; a source whose
+test split reads its training images is measured on the rows the trainer holds out (test split "heldout").
 
 autoencoder.json: the settings; "factors" (scaling_factor = 1 / std and shift_factor = the mean of the training
 latents, the posterior's draws); "test": the reconstructions of the test images through the trainers' own encode

@@ -53,7 +53,8 @@ def plan(cfg, dino=None):
     if cfg.objective.get("repa_weight"):
         items.append({"key": "objective.repa_encoder", "name": cfg.objective.repa_encoder, "what": "REPA's encoder"})
     if d.caption_column or d.label_captions:
-        items.append({"key": "eval_fid.py --clip_model", "name": metrics.CLIP_DEFAULT, "what": "CLIP model of the CLIP score"})
+        items.append({"key": "eval_fid.py --clip_model", "name": metrics.CLIP_DEFAULT,
+                      "what": "CLIP model of the CLIP score"})
     for name in dict.fromkeys(d for d in (cfg.val.fid_dino, dino) if d):
         items.append({"key": "eval_fid.py --dino", "name": name, "what": "DINOv2 model of FD-DINOv2"})
     for item in items:

@@ -155,8 +155,8 @@ def fid_during_training(generate, model, cfg, accelerator, num_samples, referenc
                             "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
     pairs, was_training = [], model.training
     model.eval()
-    for idx in progress(common.my_batches(num_samples, batch_size, accelerator.process_index, accelerator.num_processes),
-                        "FID samples", accelerator.is_local_main_process):
+    batches = common.my_batches(num_samples, batch_size, accelerator.process_index, accelerator.num_processes)
+    for idx in progress(batches, "FID samples", accelerator.is_local_main_process):
         with accelerator.autocast():
             images = sample_batch(generate, model, cfg, cond, idx, seed, steps, guidance_scale, sampler, vae,
                                   control_guidance_scale)
