@@ -298,7 +298,8 @@ def scored_bucket(cfg, args):
         raise config.ConfigError(f"--reference {args.reference}: clean-fid's statistics are of square images, so FD "
                                  f"at the {shape[0]}x{shape[1]} bucket would count the shape as a difference; leave "
                                  f"--reference out (that bucket's own reference images) or score a square bucket")
-    counts = bucket_counts(args, cfg)
+    generate_only = getattr(args, "generate_only", False)  # nothing scored: a bucket asked for needs no reference
+    counts = None if shape is not None and generate_only else bucket_counts(args, cfg)
     squarest = min(shapes, key=lambda s: abs(math.log(s[0] / s[1])))
     if counts is None:  # statistics of one shape: the squarest bucket unless told
         return shape or squarest, None
@@ -308,7 +309,7 @@ def scored_bucket(cfg, args):
         shape = max(shapes, key=lambda s: (counts[s], s == squarest))
         note = (f"data.buckets: scoring the {shape[0]}x{shape[1]} bucket, the one with the most reference images "
                 f"(of each bucket: {listed}); --aspect_ratio or --width / --height scores another")
-    if counts[shape] < 2 and not getattr(args, "generate_only", False):
+    if counts[shape] < 2 and not generate_only:
         raise config.ConfigError(
             f"the {shape[0]}x{shape[1]} bucket has {counts[shape]} reference image(s) (of each bucket: {listed}): "
             f"FD needs at least 2. Score a bucket that has them (--aspect_ratio, --width / --height), or against "
