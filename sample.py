@@ -29,7 +29,6 @@ from training.data.classes import readable_names
 from training.data.encoders import encode_text, load_encoders
 from training.evaluation import generation, sampling
 from training.evaluation.tuning import tuned_defaults
-from training.run import checkpoints, hub
 from training.record import curves, runlog
 
 # ----------------------------------------------------------------------------------------------------------
@@ -83,17 +82,6 @@ def publish(part, out):
 
 # ----------------------------------------------------------------------------------------------------------
 # Conditions: which classes or prompts, and their labels.
-
-
-def run_class_ids(run, checkpoint):
-    """The class ids a run saved with its model (export/class_ids.json, or a checkpoint's state), or None."""
-    if checkpoint is None:
-        run = hub.local_folder(run)  # a folder, or the hub id of an exported pipeline folder
-        export = run if (run / "transformer").is_dir() else run / "export"
-        path = export / "class_ids.json"
-        return json.loads(path.read_text()) if path.is_file() else None
-    ckpt = checkpoints.find_checkpoint(run, checkpoint)
-    return checkpoints.read_state(ckpt).get("class_ids") if ckpt else None  # on the CPU, never the optimizer
 
 
 def pick_classes(spec, num_classes, ids):
@@ -151,7 +139,7 @@ def main(argv=None):
         rows = list(enumerate(prompts))
         tokenizer, text_encoder = load_encoders(config.Config({**cfg["encoders"], "vae": None}), device)[1:]
     else:
-        rows = pick_classes(args.classes, model.conditioner.num_classes, run_class_ids(args.run, args.checkpoint))
+        rows = pick_classes(args.classes, model.conditioner.num_classes, sampling.run_class_ids(args.run, args.checkpoint))
     items = [row for row in rows for _ in range(args.per_class)]
     shape = shape_arg(cfg, args.width, args.height, args.aspect_ratio)  # (width, height) in pixels
     controls = generation.make_controls(cfg, "square", shape)  # an uncropped, unflipped original of that shape

@@ -178,19 +178,21 @@ def test_a_command_imports_no_other_but_the_trainer_whose_generate_it_samples_wi
         assert others <= TAKES_GENERATE.get(name, set()), f"{name}.py imports the command(s) {sorted(others)}"
 
 
-def test_tools_and_benchmarks_use_eval_fid_as_a_command_alone():
-    """eval_fid.py is a command: a script may run it (main) and parse or list the options it hands on to it
-    (parse_args, passed_on). What eval_fid.py shares with the others (the model read back, a batch sampled, the
-    PNGs, the reference's options, tuned.json's defaults) lives in the package, where they import it from."""
+def test_tools_and_benchmarks_use_eval_fid_and_sample_as_commands_alone():
+    """eval_fid.py and sample.py are commands: a script may run them (main) and parse or list the options it hands
+    on to eval_fid.py (parse_args, passed_on). What they share with the others (the model read back and its class
+    ids, a batch sampled, the PNGs, the reference's options, tuned.json's defaults) lives in the package, where they
+    import it from."""
     used = {}
     for path in [*ROOT.glob("*.py"), *(ROOT / "tools").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "eval_fid":
-                used.setdefault(node.attr, set()).add(path.name)
-            elif isinstance(node, ast.ImportFrom) and node.module == "eval_fid":
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in (
+                    "eval_fid", "sample"):
+                used.setdefault(f"{node.value.id}.{node.attr}", set()).add(path.name)
+            elif isinstance(node, ast.ImportFrom) and node.module in ("eval_fid", "sample"):
                 for a in node.names:
-                    used.setdefault(a.name, set()).add(path.name)
-    assert "main" in used and set(used) <= {"main", "parse_args", "passed_on"}, used
+                    used.setdefault(f"{node.module}.{a.name}", set()).add(path.name)
+    assert "eval_fid.main" in used and set(used) <= {"eval_fid.main", "eval_fid.parse_args", "eval_fid.passed_on"}, used
 
 
 def test_common_imports_nothing_from_the_repository():

@@ -8,6 +8,7 @@ the run's trainer. A trainer passes its own; a command that samples a finished r
 config (training/record/curves.method_of). This package never imports a command.
 """
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -58,6 +59,18 @@ def load_model(run, checkpoint=None, weights="ema", phema_std=None):
     model = build_denoiser(cfg, channels, size, text_dims)
     model.load_state_dict(tensors)
     return model.eval(), cfg, {"source": str(ckpt), "weights": weights, "step": state["step"]}
+
+
+def run_class_ids(run, checkpoint):
+    """The class ids a run saved with its model (export/class_ids.json, or a checkpoint's state), or None: what
+    sample.py and tools/rate.py name the classes by."""
+    if checkpoint is None:
+        run = hub.local_folder(run)  # a folder, or the hub id of an exported pipeline folder
+        export = run if (run / "transformer").is_dir() else run / "export"
+        path = export / "class_ids.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+    ckpt = checkpoints.find_checkpoint(run, checkpoint)
+    return checkpoints.read_state(ckpt).get("class_ids") if ckpt else None  # on the CPU, never the optimizer
 
 
 def interval_arg(text):
