@@ -12,7 +12,8 @@ resolved config) -> generation (sample i always has the same seed, so the images
 count; lossless PNGs) -> features -> reference statistics (computed once, cached in our own .npz keyed on the
 source and its preprocessing) -> metrics (FID/KID with clean-fid's math and resizing; precision, recall, density
 and coverage on the same features; FD-DINOv2; CLIP score) -> report (JSON + table).
-`fid_during_training` is the same path at small N, in memory, for the trainers' validation.
+Reading the model back, sampling a batch and the trainers' small-N FID (the same path, in memory) are
+training/evaluation/sampling.py's; the run's own sampler is its trainer's `generate` (method_of).
 
 Conventions: generated pixels in [-1, 1] become uint8 by round((x + 1) * 127.5), as in runlog.save_image_grid.
 A feature extractor is any feature_fn(list of uint8 (H, W, 3) images) -> (N, D) array; the default is
@@ -23,7 +24,6 @@ import argparse
 import hashlib
 import importlib
 import json
-import math
 import os
 import platform
 import sys
@@ -31,22 +31,21 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 
 import common
+import train_ddpm
+import train_flow_matching
 from training.config import config
-from training.data.buckets import shape_arg
-from training.data.encoders import decode, load_encoders
-from training.model.mmdit import build_denoiser, load_exported
-from training.run import checkpoints, hub
+from training.data.encoders import load_encoders
 from training.run.monitor import progress
-from training.run.phema import apply_reconstruction
-from training.evaluation import classifier, tuning
-from training.evaluation.generation import load_prompts, make_condition, make_controls, noise_shape, seed_for
-from training.evaluation.metrics import (DINO_DEFAULT, all_scores, check_dino_reference, clip_scores, dino_scores,
-                                         dinov2_features, feature_tag, fid_size_warning, size_tag)
-from training.evaluation.reference import inception_features, reference_for, reference_size, to_uint8
+from training.evaluation import classifier, reference, sampling
+from training.evaluation.generation import load_prompts, make_condition, make_controls
+from training.evaluation.metrics import (CLIP_DEFAULT, DINO_DEFAULT, all_scores, check_dino_reference, clip_scores,
+                                         dino_scores, dinov2_features, feature_tag, fid_size_warning, size_tag)
+from training.evaluation.reference import inception_features, reference_for, reference_size
+from training.evaluation.sampling import png_path, read_png
+from training.evaluation.tuning import tuned_defaults
 from training.objectives import meanflow
 from training.record import curves
 
@@ -63,7 +62,8 @@ def parser():
     a("--run", required=True, help="run folder (uses run/export) or an export folder")
     a("--checkpoint", default=None, help="score a checkpoint folder (or 'latest') instead of the export")
     a("--weights", default="ema", choices=["ema", "raw"], help="checkpoint weights; the export is always EMA")
-    a("--out_dir", default=None, help="default: <run>/eval/<weights>-<sampler><steps>-g<guidance>-seed<seed>")
+    a("--out_dir", default=None, help="default: <run>/eval/<weights>-<sampler><steps>-g<guidance>-seed<seed>, then "
+      "-<w>x<h> for a bucket and -ref-<reference> for any reference but the held-out rows")
     a("--num_samples", type=int, default=50_000)
     a("--batch_size", type=int, default=64, help="per process; stochastic samplers depend on it, noise does not")
     a("--seed", type=int, default=0, help="sample i's noise: seed_for(seed, 0, i)")
@@ -71,28 +71,20 @@ def parser():
     a("--steps", type=int, default=None, help="default: the run's val.steps")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
-    a("--guidance_interval", type=interval_arg, default=None, help="'lo,hi': guide only at noise levels lo <= t <= "
-      "hi (flow-matching t, 1 = noise; docs/methods.md converts published intervals); default: the run's")
+    a("--guidance_interval", type=sampling.interval_arg, default=None, help="'lo,hi': guide only at noise levels lo "
+      "<= t <= hi (flow-matching t, 1 = noise; docs/methods.md converts published intervals); default: the run's")
     a("--phema_std", type=float, default=None, help="the post-hoc EMA of this relative std in (0, 0.28], "
       "reconstructed from the run's snapshots (ckpt.phema_every), instead of the export's EMA")
     a("--controls", default="heldout", choices=["heldout", "square"], help="runs with size/crop/flip controls: "
       "'heldout': row i %% n's original size, centre crop, no flip; 'square': an uncropped R x R original (with "
       "--width / --height: an uncropped original of that shape)")
     a("--width", type=int, default=None, help="a run with data.buckets: sample and score one of its buckets, "
-      "width x height pixels, against the reference images of that bucket; default: its squarest")
+      "width x height pixels, against the reference images of that bucket; default: the one with the most of them")
     a("--height", type=int, default=None, help="see --width")
     a("--aspect_ratio", default=None, help="instead of --width and --height: the run's bucket nearest this "
       "width / height ('3:2' or 1.5)")
     a("--prompts", default=None, help="text models: a captions file (one per line) or 'heldout' (default)")
-    a("--reference", default=None, help="image folder, dataset (hub id, local path, 'embedded'), one of our "
-      "statistics .npz files, or cleanfid:NAME:RES:SPLIT (clean-fid's precomputed ones); default: data.source")
-    a("--reference_split", default="heldout", help="'heldout': the rows the trainer validated on")
-    a("--reference_resolution", type=int, default=None, help="default: the run's data.resolution")
-    a("--reference_crop", default="center")
-    a("--reference_image_column", default=None, help="default: the run's data.image_column")
-    a("--reference_num", type=int, default=None, help="use only the first N reference images")
-    a("--stats_cache", default="cache/fid_stats", help="folder of cached reference statistics (.npz)")
-    a("--mode", default="clean", choices=["clean", "legacy_tensorflow"], help="clean-fid's resizing mode")
+    reference.add_arguments(p)  # --reference, --reference_split, ..., --stats_cache, --mode
     a("--inception_weights", default=None, help="a local inception-2015-12-05.pt (offline clusters)")
     a("--features", default="inception", help="'inception', 'classifier' (--classifier's features: FD, KID, "
       "precision, recall named fd_classifier_N, kd_classifier_N, ...: never FID) or module:factory, returning a feature_fn")
@@ -100,7 +92,7 @@ def parser():
       "(sample i asks for class i %% num_classes), beside the classifier's own accuracy on real test images")
     a("--dino", nargs="?", const=DINO_DEFAULT, default=None, help="also FD-DINOv2 (and precision/recall/density/"
       f"coverage) on DINOv2 features: a transformers Dinov2Model hub id or folder; bare --dino: {DINO_DEFAULT}")
-    a("--clip_model", default="openai/clip-vit-large-patch14", help="hub id or local path; 'none' to skip")
+    a("--clip_model", default=CLIP_DEFAULT, help="hub id or local path; 'none' to skip")
     a("--adm_npz", default=None, help="also write the samples as uint8 NHWC 'arr_0' for ADM's evaluator")
     a("--generate_only", action="store_true", help="write the PNGs and stop (score later, anywhere)")
     a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
@@ -116,207 +108,39 @@ def passed_on(mine, when):
     return f"passed on to eval_fid.py {when}, as they are:\n" + "\n".join(f"  {o:26} {h}" for o, h in rows)
 
 
-def tuned_defaults(args):
-    """`args` with RUN/tuned.json's chosen setting ("best", tools/tune.py) in each of TUNED that no flag sets, when
-    the file was chosen for the model being sampled, by what it is (its weights' digest, EMA or raw) and the sampler
-    (training/evaluation/tuning.py), and --untuned is not given; prints where each setting comes from (eval_fid.py and
-    sample.py call it first). A run folder that does not exist stops here, before any work (hub.local_folder)."""
-    run = hub.local_folder(args.run)  # a folder, or the hub id of an exported pipeline folder
-    path, tuned, note = run / "tuned.json", None, ""
-    if path.is_file() and not args.untuned:
-        model = tuning.model_identity(run, args.checkpoint, args.weights)
-        tuned, why = tuning.read_choice(path, model, args.sampler or model["sampler"])
-        note = f" ({path} {why}: its settings are not used)" if why else ""
-    where = {}
-    for key in tuning.TUNED:
-        if getattr(args, key) is not None:
-            where[key] = f"--{key}"
-        elif tuned is not None and tuned["best"][key] is not None:
-            setattr(args, key, tuned["best"][key])
-            where[key] = str(path)
-        else:
-            where[key] = "the run's config" if key != "phema_std" else "the model's own EMA"
-    if int(os.environ.get("RANK", 0)) == 0:
-        print("sampling settings: " + "; ".join(f"{key} {getattr(args, key)} ({where[key]})" if getattr(args, key)
-                                                is not None else f"{key} from {where[key]}" for key in tuning.TUNED)
-              + note)
-    return args
+def scored_as(report):
+    """What a report measured besides its samples (generation.json holds those): its reference (the statistics'
+    key), the sample count, clean-fid's mode, the feature network, the classifier, DINOv2's and CLIP's models."""
+    ref = report.get("reference") or {}
+    return json.loads(json.dumps({
+        "reference": {k: v for k, v in ref.items() if k not in ("stats", "key_sha256", "stats_sha256", "images")},
+        "num_samples": report.get("num_samples"), "mode": report.get("mode"),
+        "feature_extractor": report.get("feature_extractor"), "clip_model": report.get("clip_model"),
+        "classifier": (report.get("classifier") or {}).get("path"), "dino": (report.get("dino") or {}).get("model")}))
 
 
-def bucket_arg(cfg, args):
-    """(width, height) of the bucket that eval_fid.py samples and scores (--width / --height, or --aspect_ratio: the
-    nearest bucket; default: the squarest) for a run with data.buckets, else None (a square run, which takes
-    neither). FD at a shape is against the reference images of that bucket: docs/evaluation.md."""
-    if not cfg["data"].get("bucket_shapes"):
-        if args.width or args.height or args.aspect_ratio:
-            raise config.ConfigError(f"--width / --height / --aspect_ratio: {args.run} was trained square at "
-                             f"{cfg['data']['resolution']} px (no data.buckets); sample other shapes with sample.py")
-        return None
-    shape = shape_arg(cfg, args.width, args.height, args.aspect_ratio)
-    if list(shape) not in [list(s) for s in cfg["data"]["bucket_shapes"]]:
-        raise config.ConfigError(f"--width {shape[0]} --height {shape[1]}: eval_fid.py scores a bucket the run trained at, "
-                         f"whose reference images exist: one of " + ", ".join(f"{w}x{h}" for w, h in
-                                                                               cfg["data"]["bucket_shapes"]))
-    if shape[0] != shape[1] and str(args.reference).startswith("cleanfid:"):  # clean-fid's are square images
-        raise config.ConfigError(f"--reference {args.reference}: clean-fid's statistics are of square images, so FD at "
-                                 f"the {shape[0]}x{shape[1]} bucket would count the shape as a difference; leave "
-                                 f"--reference out (that bucket's own reference images) or score a square bucket")
-    return tuple(shape)
-
-
-def interval_arg(text):
-    """--guidance_interval 'lo,hi' -> [lo, hi], checked as val.guidance_interval is."""
-    try:
-        value = [float(v) for v in text.split(",")]
-    except ValueError:
-        value = text
-    if not (isinstance(value, list) and len(value) == 2 and 0 <= value[0] <= value[1] <= 1):
-        raise argparse.ArgumentTypeError(f"--guidance_interval={text!r} must be 'lo,hi' with 0 <= lo <= hi <= 1 "
-                                         f"(noise levels: flow-matching t, 1 = pure noise; '0,1' guides every step)")
-    return value
+def check_report(path, scoring):
+    """An evaluation never overwrites another: report.json at `path` may be replaced only by one that measured the
+    same (scored_as); else a ConfigError naming what differs, before any sampling."""
+    if not path.is_file():
+        return
+    old = scored_as(json.loads(path.read_text()))
+    diff = [f"reference {k} {old['reference'].get(k)!r} -> {scoring['reference'].get(k)!r}"
+            for k in sorted({*old["reference"], *scoring["reference"]})
+            if old["reference"].get(k) != scoring["reference"].get(k)]
+    diff += [f"{k} {old[k]!r} -> {v!r}" for k, v in scoring.items() if k != "reference" and old[k] != v]
+    if diff:
+        raise config.ConfigError(f"{path} is the report of another evaluation of these samples ({'; '.join(diff)}): "
+                                 f"give another --out_dir, or move that report away")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Model: the exported EMA model, or a checkpoint's EMA or raw weights, and the run's own sampler.
+# The run's own sampler: its trainer's generate(model, noise, cond, cfg, steps, guidance_scale, sampler, ...).
 
 
 def method_of(cfg):
-    """The trainer whose generate(model, noise, cond, cfg, steps, guidance_scale, sampler) samples this run:
-    Flow-matching configs have objective.time_sampling (both have objective.prediction)."""
-    return importlib.import_module(f"train_{curves.method_of(cfg)}")
-
-
-def load_model(run, checkpoint=None, weights="ema", phema_std=None):
-    """(model, cfg, description). A checkpoint's shapes come from its tensors (channels from the patch
-    projection, side from the positional grid), so rebuilding it needs neither data nor encoders. phema_std:
-    the export's model with the post-hoc EMA of that std reconstructed from the run's snapshots (with a checkpoint:
-    at the checkpoint's step, from the snapshots before it and its own profiles, so the label is true)."""
-    run = hub.local_folder(run)  # a folder, or the hub id of an exported pipeline folder
-    if phema_std is not None:
-        model, cfg, desc = load_model(run, checkpoint, weights)
-        info = apply_reconstruction(model, run, phema_std, None if checkpoint is None else desc["source"])
-        return model, cfg, {**desc, "weights": f"post-hoc EMA, std {phema_std:g}", "phema": info}
-    if checkpoint is None:
-        export = run if (run / "transformer").is_dir() else run / "export"
-        model, cfg = load_exported(export)
-        return model, cfg, {"source": str(export), "weights": "ema (export)"}
-    ckpt = checkpoints.find_checkpoint(run, checkpoint)
-    if ckpt is None:
-        raise FileNotFoundError(f"no finished checkpoint under {run}/checkpoints")
-    state = checkpoints.read_state(ckpt)  # the small part, on the CPU (never the optimizer)
-    cfg = config.Config(state["config"])
-    tensors = checkpoints.read_tensors(ckpt, "ema" if weights == "ema" else "model")  # (sharded: gathered whole)
-    channels = tensors["transformer.pos_embed.proj.weight"].shape[1]
-    size = math.isqrt(tensors["transformer.pos_embed.pos_embed"].shape[1]) * cfg["model"]["patch_size"]
-    text_dims = None
-    if "conditioner.null_tokens" in tensors:
-        text_dims = (*tensors["conditioner.null_tokens"].shape, tensors["conditioner.null_pooled"].shape[0])
-    model = build_denoiser(cfg, channels, size, text_dims)
-    model.load_state_dict(tensors)
-    return model.eval(), cfg, {"source": str(ckpt), "weights": weights, "step": state["step"]}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Generation. Work is cut into fixed batches of sample indices [b B, (b + 1) B), dealt to ranks round robin.
-# Sample i's noise has its own seed (training/evaluation/generation.py: what sample i is) and a stochastic
-# sampler's RNG is seeded per batch, so the PNGs are the same with 1 or 64 processes (on the same kind of
-# device, with the same batch size).
-
-
-@torch.no_grad()
-def sample_batch(model, cfg, cond, idx, seed, steps=None, guidance_scale=None, sampler=None, vae=None,
-                 control_guidance_scale=None, guidance_interval=None, shape=None):
-    """uint8 images of samples `idx` (`shape`: width, height in pixels; None: the run's square); the caller's RNG
-    state is left as it was."""
-    device = next(model.parameters()).device
-    size = noise_shape(cfg, model.transformer, shape)
-    noise = torch.stack([torch.randn(size, generator=torch.Generator().manual_seed(seed_for(seed, 0, i))) for i in idx])
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed_for(seed, 1, idx[0]))  # ancestral samplers' fresh noise, fixed per batch
-        x = method_of(cfg).generate(model, noise.to(device), cond(idx), cfg, steps=steps, sampler=sampler,
-                                    guidance_scale=guidance_scale, control_guidance_scale=control_guidance_scale,
-                                    guidance_interval=guidance_interval)
-    return to_uint8(decode(vae, x))
-
-
-def png_path(folder, i):
-    return Path(folder) / f"{i:06d}.png"
-
-
-def read_png(folder, i):
-    return np.asarray(Image.open(png_path(folder, i)).convert("RGB"))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# In training: a small-N FID every M steps, in memory (no PNGs), on all ranks.
-
-
-def fid_of_run(ema, cfg, accelerator, val_set, vae=None, text=False, log=None, step=None):
-    """Small-N FID/KID during training (val.fid_every): fid_during_training with the run's settings; text runs
-    take their conditions from the held-out cache's caption features. Every rank takes part. With `log` (a
-    runlog.RunLog), the metrics are logged at `step` and printed."""
-    val, n = cfg["val"], min(cfg["val"]["fid_samples"], len(val_set))
-    conditions = None if not text else {
-        k: torch.stack([val_set[i][k] for i in range(n)]) for k in ("text_tokens", "text_mask", "text_pooled")}
-    if vae is not None:
-        vae.to(accelerator.device)
-    metrics = fid_during_training(ema, cfg, accelerator, val["fid_samples"], val["fid_reference"], vae=vae,
-                                  conditions=conditions, inception_weights=val["inception_weights"],
-                                  dino=val.get("fid_dino"),
-                                  stats_cache=str(Path(cfg["data"]["cache_dir"]) / "fid_stats"),
-                                  batch_size=cfg["train"]["batch_size"])
-    if vae is not None:
-        vae.cpu()
-    if log is not None:
-        log({"step": step, **metrics})
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-    return metrics
-
-
-def fid_during_training(model, cfg, accelerator, num_samples, reference=None, *, vae=None, conditions=None,
-                        feature_fn=None, mode="clean", inception_weights=None, stats_cache="cache/fid_stats",
-                        steps=None, guidance_scale=None, control_guidance_scale=None, sampler=None, batch_size=64,
-                        seed=0, dino=None):
-    """{'fid_clean_1k': .., 'kid_clean_1k': .., 'precision_inception_1k': .., ..} of `model` (unwrapped, e.g. the
-    EMA) sampled as `cfg` says; with `dino` (a DINOv2 model id or folder) also 'fd_dinov2_1k' and its kin.
-
-    reference: one of our statistics .npz files, a --reference source (folder, dataset, 'embedded',
-    cleanfid:NAME:RES:SPLIT), or None for the run's own held-out rows. vae: on the device, for latent runs.
-    conditions: None for balanced class labels (and held-out controls), else a dict of per-sample tensors
-    named as in batching.COND_FIELDS (e.g. the held-out cache's rows), sample i taking row i % len; text runs
-    must pass it. Same seeds as eval_fid.py's CLI, so the numbers of successive calls are comparable."""
-    device = accelerator.device
-    feature_fn = feature_fn or inception_features(mode, inception_weights, device, accelerator)
-    if dino:
-        check_dino_reference(reference or "")
-    dino_fn, dino_pairs = dinov2_features(dino, device, accelerator) if dino else None, []
-    if conditions is None and cfg["encoders"]["text_encoder"]:
-        raise ValueError("fid_during_training: a text run needs conditions (e.g. the held-out cache's text rows)")
-    if conditions is None:
-        cond = make_condition(cfg, model, None, device, make_controls(cfg, "heldout"))
-    else:
-        rows = len(next(iter(conditions.values())))
-        cond = lambda idx: {**{k: v[[i % rows for i in idx]].to(device) for k, v in conditions.items()},  # noqa
-                            "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
-    pairs, was_training = [], model.training
-    model.eval()
-    for idx in progress(common.my_batches(num_samples, batch_size, accelerator.process_index, accelerator.num_processes),
-                        "FID samples", accelerator.is_local_main_process):
-        with accelerator.autocast():
-            images = sample_batch(model, cfg, cond, idx, seed, steps, guidance_scale, sampler, vae,
-                                  control_guidance_scale)
-        pairs += zip(idx, feature_fn(list(images)))
-        if dino_fn is not None:
-            dino_pairs += zip(idx, dino_fn(list(images)))
-    model.train(was_training)
-    args = parse_args(["--run", "-", "--mode", mode, "--stats_cache", stats_cache, "--batch_size", str(batch_size),
-                       *(["--reference", str(reference)] if reference else [])])
-    ref = reference_for(args, cfg, feature_fn, accelerator)[1]
-    out = all_scores(common.gathered(pairs), ref, mode, num_samples, feature_tag(feature_fn), device)
-    if dino_fn is not None:
-        out.update(dino_scores(common.gathered(dino_pairs), reference_for(args, cfg, dino_fn, accelerator)[1], num_samples,
-                               device))
-    return out
+    """The trainer of this run (flow-matching configs have objective.time_sampling: curves.method_of)."""
+    return {"flow_matching": train_flow_matching, "ddpm": train_ddpm}[curves.method_of(cfg)]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -329,8 +153,9 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
     t_start = time.time()
 
     # ---- Model and settings ---------------------------------------------------------------------------------
-    model, cfg, model_desc = load_model(args.run, args.checkpoint, args.weights, args.phema_std)
-    args.shape = bucket_arg(cfg, args)  # data.buckets: the bucket sampled and scored (None: a square run)
+    model, cfg, model_desc = sampling.load_model(args.run, args.checkpoint, args.weights, args.phema_std)
+    args.reference_split, split_note = reference.reference_split(args, cfg)  # a test split that is the training one
+    args.shape, bucket_note = reference.scored_bucket(cfg, args)  # data.buckets: the bucket scored (None: square)
     precision = args.mixed_precision or cfg["train"]["mixed_precision"]  # sampled at the run's precision
     # cpu=True without CUDA, as in the trainers: `accelerate launch --multi_gpu` then runs CPU processes over gloo.
     accelerator = common.make_accelerator(precision)
@@ -349,7 +174,7 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
     cg = f"-cg{control_guidance:g}" if control_guidance else ""
     gi = f"-gi{interval[0]:g}-{interval[1]:g}" if list(interval) != [0, 1] else ""
     tag = f"{weights}-{sampler}{steps}-g{guidance:g}{cg}{gi}-seed{args.seed}" + (
-        f"-{args.shape[0]}x{args.shape[1]}" if args.shape else "")
+        f"-{args.shape[0]}x{args.shape[1]}" if args.shape else "") + reference.reference_tag(args, cfg)
     out_dir = Path(args.out_dir or Path(args.run) / "eval" / tag)
     samples_dir = out_dir / "samples"
     prompts = load_prompts(args.prompts, cfg) if is_text else None
@@ -383,17 +208,24 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
     if args.dino and not args.generate_only:  # as early: a missing DINOv2 or a reference it cannot use
         check_dino_reference(args.reference or "")
         dino_fn = dinov2_features(args.dino, device, accelerator)
-    warnings = []  # the Frechet distance's covariances against the feature dimension, before any sampling
+    if bucket_note:
+        accelerator.print(bucket_note)
+    warnings = [split_note] if split_note else []  # and the covariances against the feature dimension
+    feature_name, use_clip = getattr(feature_fn, "name", "custom"), is_text and args.clip_model != "none"
     if feature_fn is not None:
         dim = feature_fn([np.zeros((cfg["data"]["resolution"],) * 2 + (3,), np.uint8)]).shape[1]
-        n_ref = reference_size(args, cfg, getattr(feature_fn, "name", "custom"))
+        n_ref = reference_size(args, cfg, feature_name)
         warnings += [w for w in [fid_size_warning(n_ref, args.num_samples, dim, feature_tag(feature_fn))] if w]
-        for w in warnings:
-            accelerator.print(f"warning: {w}")
-    samples_dir.mkdir(parents=True, exist_ok=True)  # only now: a run stopped above leaves no empty folder
+        check_report(out_dir / "report.json", scored_as({
+            "reference": reference.key_of(args, cfg, feature_name), "num_samples": args.num_samples, "mode": args.mode,
+            "feature_extractor": feature_name, "clip_model": args.clip_model if use_clip else None,
+            "classifier": judge and {"path": args.classifier}, "dino": dino_fn and {"model": args.dino}}))
+    for w in warnings:
+        accelerator.print(f"warning: {w}")
     record = out_dir / "generation.json"  # PNGs made with other settings are never silently reused
     if record.exists() and json.loads(record.read_text()) != json.loads(json.dumps(settings)):
-        raise ValueError(f"{out_dir} holds samples made with other settings ({record}); use another --out_dir")
+        raise config.ConfigError(f"{out_dir} holds samples made with other settings ({record}); use another --out_dir")
+    samples_dir.mkdir(parents=True, exist_ok=True)  # only now: a run stopped above leaves no empty folder
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         record.write_text(json.dumps(settings, indent=1))
@@ -406,8 +238,8 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         if all(png_path(samples_dir, i).exists() for i in idx):
             continue
         with accelerator.autocast(), common.counting_evaluations(model) as rows:
-            images = sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae, control_guidance,
-                                  interval, args.shape)
+            images = sampling.sample_batch(method_of(cfg).generate, model, cfg, cond, idx, args.seed, steps, guidance,
+                                           sampler, vae, control_guidance, interval, args.shape)
         nfe = [nfe[0] + rows[0], nfe[1] + len(idx)]
         for i, img in zip(idx, images):  # PNG: lossless; written atomically, so a resumed run can trust it
             Image.fromarray(img).save(png_path(samples_dir, i).with_suffix(".tmp"), format="PNG")
@@ -419,7 +251,6 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         return None
 
     # ---- Features of the samples (and CLIP scores), then the reference statistics --------------------------
-    feature_name, use_clip = getattr(feature_fn, "name", "custom"), is_text and args.clip_model != "none"
     pairs, clip_pairs, dino_pairs, judged = [], [], [], []
     for idx in progress(batches, "features", accelerator.is_local_main_process):
         images = [read_png(samples_dir, i) for i in idx]
@@ -461,7 +292,8 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         "metrics": metrics, "num_samples": args.num_samples, **settings,
         "nfe_per_sample": nfe[0] / nfe[1] if nfe[1] else None,  # network evaluations (this rank's new samples)
         "clip_model": args.clip_model if use_clip else None,
-        "reference": {**key, "stats": ref["path"], "key_sha256": ref["key_sha256"], "stats_sha256": ref["sha256"]},
+        "reference": {**key, "stats": ref["path"], "key_sha256": ref["key_sha256"], "stats_sha256": ref["sha256"],
+                      "images": None if ref["feats"] is None else len(ref["feats"])},  # the rows its statistics rest on
         "mode": args.mode, "feature_extractor": feature_name, "feature_weights": getattr(feature_fn, "path", None),
         "feature_weights_sha256": getattr(feature_fn, "sha256", None), "samples_dir": str(samples_dir),
         "dino": None if dino_ref is None else {"model": args.dino, "stats": dino_ref["path"],

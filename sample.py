@@ -6,7 +6,7 @@
 
 Pipeline: arguments -> model (the run's export, or a checkpoint's EMA or raw weights, as eval_fid.py loads
 them) -> conditions (class ids or names, or a text file of prompts encoded by the run's own text encoder) ->
-samples (the run's own sampler, `generate` of its trainer, through eval_fid.sample_batch: image i has the
+samples (the run's own sampler, `generate` of its trainer, through sampling.sample_batch: image i has the
 noise seed_for(seed, 0, i), so the same command gives the same images, and image i is eval_fid.py's sample i
 when its condition is the same) -> out/grid.png (one row per class or prompt, labelled), out/grid.txt,
 out/NNNN_<label>.png and out/sample.json (the settings); a second call to the same out replaces it whole.
@@ -21,15 +21,16 @@ import numpy as np
 import torch
 from PIL import Image
 
-import eval_fid
+import train_ddpm
+import train_flow_matching
 from training.config import config
 from training.data.buckets import default_shape, shape_arg, shape_note
 from training.data.classes import readable_names
 from training.data.encoders import encode_text, load_encoders
-from training.evaluation import generation
+from training.evaluation import generation, sampling
+from training.evaluation.tuning import tuned_defaults
 from training.objectives import meanflow
-from training.run import checkpoints, hub
-from training.record import runlog
+from training.record import curves, runlog
 
 # ----------------------------------------------------------------------------------------------------------
 # Arguments. None means "as the run was configured".
@@ -51,7 +52,7 @@ def parse_args(argv=None):
       "nearest this width / height ('3:2' or 1.5)")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
-    a("--guidance_interval", type=eval_fid.interval_arg, default=None, help="'lo,hi': guide only at noise levels "
+    a("--guidance_interval", type=sampling.interval_arg, default=None, help="'lo,hi': guide only at noise levels "
       "lo <= t <= hi (flow-matching t, 1 = noise); default: the run's val.guidance_interval")
     a("--phema_std", type=float, default=None, help="sample the post-hoc EMA of this relative std, reconstructed "
       "from the run's snapshots (ckpt.phema_every), instead of the export's EMA")
@@ -82,17 +83,6 @@ def publish(part, out):
 
 # ----------------------------------------------------------------------------------------------------------
 # Conditions: which classes or prompts, and their labels.
-
-
-def run_class_ids(run, checkpoint):
-    """The class ids a run saved with its model (export/class_ids.json, or a checkpoint's state), or None."""
-    if checkpoint is None:
-        run = hub.local_folder(run)  # a folder, or the hub id of an exported pipeline folder
-        export = run if (run / "transformer").is_dir() else run / "export"
-        path = export / "class_ids.json"
-        return json.loads(path.read_text()) if path.is_file() else None
-    ckpt = checkpoints.find_checkpoint(run, checkpoint)
-    return checkpoints.read_state(ckpt).get("class_ids") if ckpt else None  # on the CPU, never the optimizer
 
 
 def pick_classes(spec, num_classes, ids):
@@ -132,11 +122,11 @@ def read_prompts(path):
 
 @torch.no_grad()
 def main(argv=None):
-    args = eval_fid.tuned_defaults(parse_args(argv))  # RUN/tuned.json's setting where no flag gives one
+    args = tuned_defaults(parse_args(argv))  # RUN/tuned.json's setting where no flag gives one
     if args.out:
         check_out(Path(args.out))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, cfg, model_desc = eval_fid.load_model(args.run, args.checkpoint, args.weights, args.phema_std)
+    model, cfg, model_desc = sampling.load_model(args.run, args.checkpoint, args.weights, args.phema_std)
     model.to(device)
     is_text = bool(cfg["encoders"]["text_encoder"])
     if is_text and args.classes:
@@ -150,7 +140,7 @@ def main(argv=None):
         rows = list(enumerate(prompts))
         tokenizer, text_encoder = load_encoders(config.Config({**cfg["encoders"], "vae": None}), device)[1:]
     else:
-        rows = pick_classes(args.classes, model.conditioner.num_classes, run_class_ids(args.run, args.checkpoint))
+        rows = pick_classes(args.classes, model.conditioner.num_classes, sampling.run_class_ids(args.run, args.checkpoint))
     items = [row for row in rows for _ in range(args.per_class)]
     shape = shape_arg(cfg, args.width, args.height, args.aspect_ratio)  # (width, height) in pixels
     if why := shape_note(cfg, shape, args.width, args.height, args.aspect_ratio):  # which bucket, and why
@@ -186,12 +176,13 @@ def main(argv=None):
     precision = args.mixed_precision or cfg["train"]["mixed_precision"]  # the run's, as its validation sampled
     autocast = torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16,
                               enabled=precision != "no")
+    generate = {"flow_matching": train_flow_matching, "ddpm": train_ddpm}[curves.method_of(cfg)].generate  # its own
     images = []
     for start in range(0, len(items), args.batch_size):
         idx = list(range(start, min(start + args.batch_size, len(items))))
         with autocast:
-            images += list(eval_fid.sample_batch(model, cfg, cond, idx, args.seed, steps, guidance, sampler, vae,
-                                                 control_guidance, interval, shape))
+            images += list(sampling.sample_batch(generate, model, cfg, cond, idx, args.seed, steps, guidance, sampler,
+                                                 vae, control_guidance, interval, shape))
         print(f"sampled {idx[-1] + 1}/{len(items)}", flush=True)
 
     # ---- Out: single PNGs, the labelled grid, the settings, written beside out and then moved there whole ---
@@ -206,7 +197,7 @@ def main(argv=None):
                 "mixed_precision": precision, "guidance_scale": guidance, "control_guidance_scale": control_guidance,
                 "guidance_interval": list(interval), "seed": args.seed, "width": shape[0], "height": shape[1],
                 "shape_chosen": why or "the run's square",
-                "noise": "image i: eval_fid.seed_for(seed, 0, i)", "batch_size": args.batch_size,
+                "noise": "image i: generation.seed_for(seed, 0, i)", "batch_size": args.batch_size,
                 "conditions": [label for _, label in items]}
     (part / "sample.json").write_text(json.dumps(settings, indent=1))
     replaced = out.exists()

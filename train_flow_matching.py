@@ -29,7 +29,6 @@ from accelerate.utils import set_seed
 from pydantic import BaseModel, Field
 
 import common
-import eval_fid
 from training.config import config
 from training.data import batching, buckets, cache, emoji, encoders, latents, sources
 from training.model import mmdit
@@ -38,7 +37,7 @@ from training.optimisation import muon, optimizers
 from training.run import checkpoints, fit, hub, sharding, stability, start
 from training.run.monitor import Monitor
 from training.run.phema import PowerEMA
-from training.evaluation import validation
+from training.evaluation import sampling, validation
 from training.record import runlog
 from training.sharing import pipeline_export
 
@@ -301,7 +300,7 @@ def main(argv=None):
 
     @ema_update.on_device
     def fid(step, ema):  # every rank samples its share
-        eval_fid.fid_of_run(ema, cfg, accelerator, val_set, d.vae, d.null_text is not None, log, step)
+        sampling.fid_of_run(generate, ema, cfg, accelerator, val_set, d.vae, d.null_text is not None, log, step)
 
     # ---- Training loop --------------------------------------------------------------------------------------
     def batches_from(step):  # on the device, wait timed; after a rollback without the window it skipped

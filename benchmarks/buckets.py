@@ -41,6 +41,7 @@ from tools.compare import paired_comparison, t_interval  # noqa: E402
 from training.data import buckets, fashion_mnist  # noqa: E402
 from training.data.sources import preprocess  # noqa: E402
 from training.evaluation import classifier  # noqa: E402
+from training.evaluation.sampling import read_png  # noqa: E402
 
 BUCKETS = [0.5, 1, 2]
 SHAPES = {"buckets": [(28, 28), (40, 20), (20, 40)], "square": [(28, 28)]}  # (width, height) each arm samples
@@ -129,7 +130,7 @@ def run(args):
                 if args.arm == "buckets" else ["--reference", str(out / "data" / "test_square")]
             eval_fid.main(["--run", str(run_dir), "--out_dir", str(folder), *score_args(args), *where])
         report = json.loads((folder / "report.json").read_text())
-        images = [eval_fid.read_png(folder / "samples", i) for i in range(report["num_samples"])]
+        images = [read_png(folder / "samples", i) for i in range(report["num_samples"])]
         scores[f"{w}x{h}"] = {**{k.rsplit("_", 1)[0]: v for k, v in report["metrics"].items()},
                               "cut_share": cut_share(images)}
         print(f"{run_dir.name} {w}x{h}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores[f"{w}x{h}"].items()))

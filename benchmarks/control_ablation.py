@@ -55,10 +55,12 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
-import eval_fid  # noqa: E402
+import train_ddpm  # noqa: E402
+import train_flow_matching  # noqa: E402
 from compare import t_interval  # noqa: E402
 from training.data.sources import DEMO_CLASSES, DEMO_COLORS  # noqa: E402
 from training.model.mmdit import load_exported  # noqa: E402
+from training.record.curves import method_of  # noqa: E402
 
 STAGES = ("positive_control", "main", "switch_time", "real")
 # Every demo run: size the only control, the whole image (centre crop), guidance 1 in training's validation.
@@ -195,7 +197,8 @@ def sample(model, cfg, labels, side, noise_seed, guidance=1.0, switch=None):
     res = cfg["data"]["resolution"]
     noise = torch.randn((len(labels), 3, res, res), generator=torch.Generator().manual_seed(noise_seed))
     net = SizeSwitch(model, *switch) if switch else model
-    return eval_fid.method_of(cfg).generate(net, noise, conditions(labels, side), cfg, guidance_scale=guidance).clamp(-1, 1)
+    trainer = {"flow_matching": train_flow_matching, "ddpm": train_ddpm}[method_of(cfg)]  # the run's own sampler
+    return trainer.generate(net, noise, conditions(labels, side), cfg, guidance_scale=guidance).clamp(-1, 1)
 
 
 @torch.no_grad()

@@ -31,8 +31,8 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from eval_fid import interval_arg, load_model  # noqa: E402
 from training.data.sources import DEMO_CLASSES, DEMO_SHAPES, make_demo_dataset  # noqa: E402
+from training.evaluation.sampling import interval_arg, load_model  # noqa: E402
 
 
 def demo_images(num_samples, seed, resolution=32):

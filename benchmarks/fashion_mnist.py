@@ -41,7 +41,8 @@ from training.config import config  # noqa: E402
 from training.data import fashion_mnist  # noqa: E402
 from training.evaluation import classifier  # noqa: E402
 from training.evaluation.metrics import all_scores, size_tag  # noqa: E402
-from training.evaluation.reference import reference_for  # noqa: E402
+from training.evaluation.reference import reference_args, reference_for  # noqa: E402
+from training.evaluation.sampling import png_path  # noqa: E402
 
 RECIPE = ROOT / "configs" / "fashion_mnist.json"
 
@@ -129,9 +130,9 @@ def first_samples(final, out, args):
         return
     (out / "samples").mkdir(parents=True, exist_ok=True)
     for i in range(args.curve_samples):  # hard links: no copies of the images
-        link = eval_fid.png_path(out / "samples", i)
+        link = png_path(out / "samples", i)
         if not link.exists():
-            os.link(eval_fid.png_path(final / "samples", i), link)
+            os.link(png_path(final / "samples", i), link)
     generation = json.loads((final / "generation.json").read_text())
     (out / "generation.json").write_text(json.dumps(generation, indent=1))
     eval_fid.main(["--run", generation["model"]["run"], "--out_dir", str(out), *score_args(args, args.curve_samples),
@@ -228,7 +229,7 @@ def score_images(images, args):
     feature_fn = classifier.feature_fn(judge)
     cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", str(RECIPE)], method="flow_matching",
                              schema=train_flow_matching.CONFIG)
-    eval_args = eval_fid.parse_args(["--run", "-", *score_args(args, len(images))])
+    eval_args = reference_args(score_args(args, len(images)))
     feats, hits = [], []
     for first in range(0, len(images), 500):
         batch = list(images[first:first + 500])

@@ -18,7 +18,7 @@ device-side skip, optimizer.step(), zeroing in place, EMA. It prints
     against the card's dense bf16 peak (benchmarks/gpu_throughput.py's table), which it names;
   * a checkpoint written and read back with common's own functions, and whether the steps after it give the
     same losses as the steps before it was read (the next step after a resume must be bitwise the same);
-  * eval_fid's sampling throughput: eval_fid.sample_batch from the EMA at the recipe's val sampler, steps and
+  * eval_fid's sampling throughput: sampling.sample_batch from the EMA at the recipe's val sampler, steps and
     guidance, under autocast, as eval_fid.py samples.
 
 A bare GPU machine without network lacks diffusers (and its importlib_metadata): put their wheels in .whl/
@@ -65,12 +65,12 @@ from torch._dynamo.utils import counters  # noqa: E402
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402
-import eval_fid  # noqa: E402
 import gpu_throughput  # noqa: E402
 import sizing  # noqa: E402
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
 from training.config import config  # noqa: E402
+from training.evaluation import sampling  # noqa: E402
 from training.model.mmdit import build_denoiser  # noqa: E402
 from training.objectives import meanflow  # noqa: E402
 from training.optimisation import optimizers  # noqa: E402
@@ -220,10 +220,10 @@ def check(name, args, overrides):
         "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
     batch = list(range(args.sample_batch or tr.batch_size))
     with accelerator.autocast():
-        eval_fid.sample_batch(ema, cfg, sample_cond, batch, 0, steps=2)  # warm-up
+        sampling.sample_batch(trainer.generate, ema, cfg, sample_cond, batch, 0, steps=2)  # warm-up
         synchronize(device)
         start = time.perf_counter()
-        eval_fid.sample_batch(ema, cfg, sample_cond, batch, 0)
+        sampling.sample_batch(trainer.generate, ema, cfg, sample_cond, batch, 0)
         synchronize(device)
     row.update(sampling_images_per_s=len(batch) / (time.perf_counter() - start), sampler=cfg.val.sampler,
                sampling_steps=cfg.val.steps, guidance_scale=cfg.val.guidance_scale)

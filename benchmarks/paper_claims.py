@@ -146,12 +146,12 @@ def reference(run, extra, args):
 
     from training.config import config
     from training.evaluation import classifier
-    from training.evaluation.reference import reference_for
+    from training.evaluation.reference import reference_args, reference_for
 
     cfg = config.Config(json.loads((run / "config.json").read_text()))
     judge, _ = classifier.load(args.classifier)
     feature_fn = classifier.feature_fn(judge)
-    eval_args = eval_fid.parse_args(["--run", str(run), *fashion_mnist.score_args(args, SAMPLES), *extra])
+    eval_args = reference_args([*fashion_mnist.score_args(args, SAMPLES), *extra])
     return cfg, judge, feature_fn, reference_for(eval_args, cfg, feature_fn, Accelerator(cpu=True))[1]
 
 
@@ -383,7 +383,7 @@ def floors(args):
     """What a perfect generator scores at SAMPLES samples: SAMPLES held-out training rows (of the recipe's 5,000,
     balanced over classes), preprocessed as in training, against each reference, plain and mixed-size; and the
     evaluation classifier's accuracy on each test split (class accuracy's ceiling)."""
-    from tools.classifier import split_images
+    from training.evaluation.reference import split_images
     from training.config import config
     from training.data.sources import load_image, open_dataset, preprocess
     from training.evaluation import classifier

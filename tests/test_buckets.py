@@ -25,7 +25,7 @@ from training.data import buckets
 from training.data.batching import bucket_order, iterate_batches, same_bucket
 from training.data.cache import CachedDataset, build_cache
 from training.data.sources import preprocess
-from training.evaluation import generation
+from training.evaluation import generation, reference
 from training.record import runlog
 
 
@@ -324,14 +324,79 @@ def test_sample_says_which_bucket_it_samples_and_records_width_and_height_by_nam
 
 def test_eval_fid_refuses_a_square_reference_for_a_non_square_bucket():
     """clean-fid's named statistics are of square images: scoring a 22 x 12 bucket against them counts the shape as
-    a difference, so eval_fid.bucket_arg refuses it before loading anything; a square bucket may use them."""
+    a difference, so reference.scored_bucket refuses it before loading anything; a square bucket may use them, and
+    a statistics file (one shape, no images to count) is taken at the bucket asked for."""
     bucketed = {"data": {"resolution": 16, "bucket_shapes": [[12, 22], [16, 16], [22, 12]]}}
     args = SimpleNamespace(run="RUN", width=22, height=12, aspect_ratio=None, reference="cleanfid:cifar10:32:train")
     with pytest.raises(config.ConfigError, match="--reference cleanfid:cifar10:32:train: .* square images.*22x12"):
-        eval_fid.bucket_arg(bucketed, args)
-    assert eval_fid.bucket_arg(bucketed, SimpleNamespace(**{**vars(args), "width": 16, "height": 16})) == (16, 16)
-    assert eval_fid.bucket_arg(bucketed, SimpleNamespace(**{**vars(args), "reference": None})) == (22, 12)
+        reference.scored_bucket(bucketed, args)
+    square, npz = (SimpleNamespace(**{**vars(args), **change}) for change in ({"width": 16, "height": 16},
+                                                                              {"reference": "s.npz"}))
+    assert reference.scored_bucket(bucketed, square) == ((16, 16), None)
+    assert reference.scored_bucket(bucketed, npz) == ((22, 12), None)
 
+
+def bucket_reference(args, cfg, shape=None):
+    """A reference's key at `shape` (args as eval_fid.py's with a bucket run's cfg)."""
+    return reference.reference_key(SimpleNamespace(**{**vars(args), "shape": shape}), cfg, "f")
+
+
+def test_eval_fid_scores_the_bucket_with_the_most_reference_images_and_a_folder_by_its_buckets(tmp_path):
+    """Issue 68: the default bucket was the squarest, even with one reference image (a traceback followed), and
+    --reference FOLDER scored the folder's images of every shape at any bucket. Now the default is the bucket with
+    the most reference images, a bucket with fewer than 2 is refused in one line naming each bucket's count (but
+    for --generate_only, which scores nothing), and a folder reference at a bucket is its images of that bucket,
+    each cropped to it as the cache crops them."""
+    folder = tmp_path / "real"
+    folder.mkdir()
+    for i, size in enumerate([(16, 16)] + [(32, 16)] * 5 + [(16, 32)] * 2):  # 1 square, 5 wide, 2 tall
+        Image.new("RGB", size, (30 * i, 90, 200)).save(folder / f"{i}.png")
+    cfg = config.load_config(fm.DEFAULTS, ["--data.resolution=16", f"--data.source={tmp_path / 'own'}"])
+    cfg.data.bucket_shapes = [[12, 22], [16, 16], [22, 12]]
+    args = eval_fid.parse_args(["--run", "RUN", "--reference", str(folder)])
+    assert reference.bucket_counts(args, cfg) == {(12, 22): 2, (16, 16): 1, (22, 12): 5}
+    shape, note = reference.scored_bucket(cfg, args)
+    assert shape == (22, 12) and "12x22: 2, 16x16: 1, 22x12: 5" in note
+    images = [load() for load in reference.reference_images(bucket_reference(args, cfg, shape), cfg)]
+    assert [img.shape for img in images] == [(12, 22, 3)] * 5  # the 5 wide ones, cropped to the bucket
+    wide = np.asarray(Image.open(folder / "1.png").convert("RGB"))
+    x, _ = preprocess(Image.fromarray(wide), 16, config.Config({**cfg.data, "random_flip": False}), shape=(22, 12))
+    assert np.array_equal(images[0], reference.to_uint8(x[None])[0])  # as the cache crops it
+    square = eval_fid.parse_args(["--run", "RUN", "--reference", str(folder), "--width", "16", "--height", "16"])
+    with pytest.raises(config.ConfigError, match=r"the 16x16 bucket has 1 reference image\(s\) \(of each bucket: "
+                                                 r"12x22: 2, 16x16: 1, 22x12: 5\): FD needs at least 2") as e:
+        reference.scored_bucket(cfg, square)
+    assert "\n" not in str(e.value)
+    square.generate_only = True  # nothing is scored: the samples are made
+    assert reference.scored_bucket(cfg, square) == ((16, 16), None)
+    for f in list(folder.glob("*.png"))[2:]:
+        f.unlink()
+    with pytest.raises(config.ConfigError, match="FD needs at least 2.*--reference FOLDER"):
+        reference.scored_bucket(cfg, args)  # no bucket has two: one line, not a traceback
+    square_run = {"data": {"resolution": 16, "bucket_shapes": None}}
+    assert reference.scored_bucket(square_run, args) == (None, None)
+
+
+def test_a_bucket_runs_default_reference_counts_the_held_out_rows_of_each_bucket(tmp_path):
+    """The run's own held-out rows, counted per bucket from their headers: the counts of the rows open_splits holds
+    out, each at its nearest bucket; --reference naming the run's own source at 'heldout' (which changed nothing)
+    is refused in one line that names --reference_split train."""
+    from training.data.sources import open_splits
+
+    source = shapes_folder(tmp_path / "shapes")
+    cfg = config.load_config(fm.DEFAULTS, [f"--data.source={source}", "--data.resolution=16", "--data.val_holdout=9"])
+    cfg.data.bucket_shapes = [[12, 22], [16, 16], [22, 12]]
+    held = open_splits(config.Config({**cfg.data}), lambda line: None)[1]
+    sizes = [Image.open(row["image"]["path"]).size for row in held]
+    expected = {(12, 22): sizes.count((16, 32)), (16, 16): sizes.count((24, 24)), (22, 12): sizes.count((32, 16))}
+    args = eval_fid.parse_args(["--run", "RUN"])
+    assert reference.bucket_counts(args, cfg) == expected and sum(expected.values()) == 9
+    shape, _ = reference.scored_bucket(cfg, args)
+    assert expected[shape] == max(expected.values())
+    assert len(reference.reference_images(bucket_reference(args, cfg, shape), cfg)) == expected[shape]
+    mine = eval_fid.parse_args(["--run", "RUN", "--reference", str(source)])
+    with pytest.raises(config.ConfigError, match=r"is the run's own data.source.*add --reference_split train"):
+        reference.reference_split(mine, cfg)
 
 
 def test_the_pipelines_shape_and_controls_are_the_trainers():

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import eval_fid  # noqa: E402
 from training.config import config  # noqa: E402
-from training.evaluation import generation, metrics, reference  # noqa: E402
+from training.evaluation import generation, metrics, reference, sampling  # noqa: E402
 import train_flow_matching  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))  # conftest's helpers, also when accelerate launch imports this file
@@ -185,6 +185,64 @@ def test_a_class_folder_runs_heldout_reference_is_the_rows_the_trainer_held_out(
     assert reference.reference_key(args, cfg, "f")["kind"] == "folder"
 
 
+def test_a_test_split_that_reads_the_training_images_is_not_scored_and_each_reference_names_its_folder(tmp_path):
+    """Issue 68: --reference_split test of a folder without a test folder (and of the embedded demo) read the
+    training images. Such a split gives way to the rows the trainer held out, with a line that says so; a folder
+    with a test folder keeps it. Every reference but the held-out rows names eval_fid.py's output folder."""
+    for split in ("", "train/", "test/"):  # a flat folder, and one with a real test split
+        for i in range(12):
+            (tmp_path / ("flat" if not split else "split") / split / "ab"[i % 2]).mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (8, 8), (i * 20, 9 * len(split), 50)).save(
+                tmp_path / ("flat" if not split else "split") / split / "ab"[i % 2] / f"{i:03d}.png")
+    args = eval_fid.parse_args(["--run", "RUN", "--reference_split", "test"])
+    for source, kept in (("flat", False), ("split", True), ("embedded", False)):
+        cfg = config.load_config(train_flow_matching.DEFAULTS, [
+            f"--data.source={tmp_path / source if source != 'embedded' else source}", "--data.resolution=8",
+            "--data.demo_samples=40"])
+        split, note = reference.reference_split(args, cfg)
+        assert (split, note is None) == (("test", True) if kept else ("heldout", False)), source
+        assert kept or "holds the images of its training split 'train'" in note
+    cfg = config.load_config(train_flow_matching.DEFAULTS, [f"--data.source={tmp_path / 'flat'}",
+                                                             "--data.resolution=8"])
+    assert reference.reference_split(eval_fid.parse_args(["--run", "RUN", "--reference_split", "train"]), cfg) == (
+        "train", None)  # the training split by its name: scored as asked
+
+    def tag(*flags):
+        return reference.reference_tag(eval_fid.parse_args(["--run", "RUN", *flags]), cfg)
+    assert tag() == "" and tag("--reference", str(tmp_path / "flat"), "--reference_split", "heldout") == ""
+    assert tag("--reference_split", "test") == "-ref-test"
+    assert tag("--reference", str(tmp_path / "split" / "test")) == "-ref-test"  # a plain folder: its name
+    assert tag("--reference", "ILSVRC/imagenet-1k", "--reference_split", "validation") == \
+        "-ref-ILSVRC-imagenet-1k-validation"
+    assert tag("--reference", "cleanfid:cifar10:32:train") == "-ref-cleanfid-cifar10-32-train"
+    assert tag("--reference_num", "100", "--reference_resolution", "16") == "-ref-16px-first100"
+
+
+@pytest.mark.slow
+def test_a_test_score_on_training_images_is_refused_and_no_evaluation_overwrites_another(run, tmp_path, monkeypatch):
+    """The embedded demo has no test split: --reference_split test scores the 64 held-out rows, says so in its report
+    and writes where the held-out score goes (it is that score); the training split goes to its own folder and
+    leaves that report alone; and an evaluation at other settings sent into a folder with a report is refused
+    before any sampling, naming what differs, the report kept as it was."""
+    base = ["--run", str(run), "--num_samples", "8", *GEN, "--stats_cache", str(tmp_path / "stats")]
+    test = eval_fid.main([*base, "--reference_split", "test"], feature_fn=TinyFeatures())
+    folder = Path(test["samples_dir"]).parent
+    assert folder.name == "export-ema-euler2-g7-seed0" and test["reference"]["split"] == "heldout"
+    assert test["reference"]["images"] == 64 and any("holds the images of its training split" in w
+                                                     for w in test["warnings"])
+    train = eval_fid.main([*base, "--reference_split", "train"], feature_fn=TinyFeatures())
+    assert Path(train["samples_dir"]).parent.name == folder.name + "-ref-train"
+    assert train["reference"]["split"] == "train" and train["reference"]["images"] == 320
+    kept = (folder / "report.json").read_text()
+    assert json.loads(kept)["reference"]["split"] == "heldout"
+    monkeypatch.setattr(sampling, "sample_batch", lambda *a, **k: pytest.fail("sampled before the report check"))
+    for other, differs in ((["--reference_split", "train"], "reference split 'heldout' -> 'train'"),
+                           (["--num_samples", "12"], "num_samples 8 -> 12")):
+        with pytest.raises(config.ConfigError, match=differs):
+            eval_fid.main([*base, "--out_dir", str(folder), *other], feature_fn=TinyFeatures())
+    assert (folder / "report.json").read_text() == kept
+
+
 @pytest.mark.xdist_group("gloo")
 @pytest.mark.slow
 def test_two_processes_make_the_same_images_and_scores_as_one(run, tmp_path):
@@ -226,15 +284,16 @@ def test_fid_during_training(run, tmp_path):
     at float rounding (CPU matrix kernels block by batch size: bitwise equality is not a claim to make)."""
     from accelerate import Accelerator
 
-    model, cfg = eval_fid.load_model(run)[:2]
-    metrics = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, None, feature_fn=TinyFeatures(),
+    model, cfg = sampling.load_model(run)[:2]
+    generate = train_flow_matching.generate
+    metrics = sampling.fid_during_training(generate, model, cfg, Accelerator(), 12, None, feature_fn=TinyFeatures(),
                                            stats_cache=str(tmp_path / "stats"), steps=2, batch_size=6)
     manifold = {f"{m}_tiny_random_conv_12" for m in ("precision", "recall", "density", "coverage")}
     assert set(metrics) == {"fid_clean_12", "kid_clean_12"} | manifold
     assert not model.training
     # Closed form: ||mu - mu_r||^2 + Tr(S + S_r - 2 sqrtm(S S_r)) of the same 12 samples' features.
     cond = generation.make_condition(cfg, model, None, "cpu", generation.make_controls(cfg, "heldout"))
-    images = {b: np.concatenate([eval_fid.sample_batch(model, cfg, cond, idx, 0, 2)
+    images = {b: np.concatenate([sampling.sample_batch(generate, model, cfg, cond, idx, 0, 2)
                                  for idx in common.my_batches(12, b, 0, 1)]) for b in (6, 4)}
     feats = TinyFeatures()(list(images[6]))
     stats_file = next((tmp_path / "stats").glob("*.npz"))  # our cached statistics also serve as a reference
@@ -251,8 +310,8 @@ def test_fid_during_training(run, tmp_path):
     # Another batch size: the same images up to a rounding flip of a pixel, and the same FID to float accuracy.
     diff = np.abs(images[6].astype(int) - images[4].astype(int))
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01
-    again = eval_fid.fid_during_training(model, cfg, Accelerator(), 12, str(stats_file), feature_fn=TinyFeatures(),
-                                         steps=2, batch_size=4)
+    again = sampling.fid_during_training(generate, model, cfg, Accelerator(), 12, str(stats_file),
+                                         feature_fn=TinyFeatures(), steps=2, batch_size=4)
     assert again == pytest.approx(metrics, rel=1e-3)
 
 
@@ -473,7 +532,7 @@ def test_few_reference_images_are_flagged_before_sampling_and_a_missing_network_
         eval_fid.main(["--run", str(run), "--num_samples", "8", *GEN, "--out_dir", str(tmp_path / "none"),
                        "--inception_weights", str(tmp_path / "nope.pt")])
     assert not (tmp_path / "none").exists()  # stopped before any folder was made
-    monkeypatch.setattr(eval_fid, "sample_batch", lambda *a, **k: pytest.fail("sampled before the reference check"))
+    monkeypatch.setattr(sampling, "sample_batch", lambda *a, **k: pytest.fail("sampled before the reference check"))
     with pytest.raises(pytest.fail.Exception, match="sampled before"):
         eval_fid.main(["--run", str(run), "--num_samples", "8", *GEN, "--out_dir", str(tmp_path / "e"),
                        "--stats_cache", str(tmp_path / "stats")], feature_fn=TinyFeatures(dim=64))

@@ -24,7 +24,7 @@ from training.config import config
 from training.data.encoders import encode_text, load_encoders
 from training.model.mmdit import Conditioner, build_denoiser
 from training.run import hub
-from training.evaluation import generation, tuning
+from training.evaluation import generation, sampling, tuning
 from training.evaluation.metrics import size_tag
 from training.sharing import model_card, pipeline_export
 from training.sharing.exported.conditioner import Conditioner as ExportedConditioner
@@ -62,7 +62,7 @@ def train(trainer, tmp, name, extra):
 def repo_latents(run, labels=None, prompts=None, **overrides):
     """The repository's own sampler (the trainer's generate, as sample.py calls it) on sample.py's noise and
     conditions: image i's noise from generation.seed_for(0, 0, i), controls of an uncropped square original."""
-    model, cfg, _ = eval_fid.load_model(run)
+    model, cfg, _ = sampling.load_model(run)
     tc, n = model.transformer.config, len(labels or prompts)
     noise = torch.stack([torch.randn((tc.in_channels, tc.sample_size, tc.sample_size),
                                      generator=torch.Generator().manual_seed(generation.seed_for(0, 0, i))) for i in range(n)])
@@ -452,7 +452,7 @@ def test_the_export_takes_tune_pys_choice_made_for_its_weights_and_no_other(tmp_
             "by tools/tune.py on the held-out rows of the training split") in text
     assert "(searched: guidance_scale 1.5, 3, at guidance_interval (0.1, 0.9) and num_inference_steps 12: 2 settings" in text
     assert "fd_classifier_2k 4.5000 (95% interval [4.2500, 4.7500])" in text
-    args = eval_fid.tuned_defaults(eval_fid.parse_args(["--run", str(folder)]))  # the folder's own record
+    args = tuning.tuned_defaults(eval_fid.parse_args(["--run", str(folder)]))  # the folder's own record
     assert (args.steps, args.guidance_scale) == (12, 1.5)
     with torch.no_grad():  # the run trained on: other weights
         next(model.parameters()).add_(1.0)
@@ -521,7 +521,8 @@ def test_a_push_is_refused_before_any_work(tmp_path, monkeypatch):
     import tools.phema as phema_tool
     import tools.export as export_tool
 
-    monkeypatch.setattr(eval_fid, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(phema_tool, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(export_tool, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit, match=r"^tools/phema.py: --push_to_hub=me/demo: no Hugging Face token"):
         phema_tool.main(["--run", str(tmp_path), "--std", "0.1", "--push_to_hub", "me/demo"])
     with pytest.raises(SystemExit, match=r"^tools/export.py: --push_to_hub='me/a/b' is not a Hub repository name"):

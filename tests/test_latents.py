@@ -23,7 +23,7 @@ from conftest import ROOT, tiny_run_args
 from test_fashion_mnist import installed, write_idx
 from test_robustness import assert_same_checkpoint
 from tools import autoencoder as autoencoder_tool
-from tools.classifier import split_images
+from training.evaluation.reference import split_images
 from training.config import config
 from training.data import cache, fashion_mnist, latents
 from training.data.encoders import decode, make_encode
@@ -61,7 +61,7 @@ def judge(folder):
 
 def test_the_autoencoder_is_never_measured_on_its_training_split(tmp_path, monkeypatch):
     idx_source(tmp_path, monkeypatch)
-    with pytest.raises(SystemExit, match="--test_split 'train' is the training split \\(data.split\\)"):
+    with pytest.raises(config.ConfigError, match="--test_split 'train' is the training split \\(data.split\\)"):
         autoencoder_tool.main(["--config", LATENT_RECIPE, "--out", str(tmp_path / "ae"), "--test_split", "train",
                                *TINY_AE])
     assert not (tmp_path / "ae").exists()

@@ -29,7 +29,9 @@ def modules(root=ROOT):
 def imports(path, known):
     """The modules of `known` that the file at `path` imports, anywhere in it. `from training.data import cache` is
     an import of training.data.cache; `from training.data.cache import x` of training.data.cache; `from training
-    import data` of the folder's __init__ (which holds nothing)."""
+    import data` of the folder's __init__ (which holds nothing). An import by name as the program runs
+    (importlib.import_module, __import__) is one too: of each module its string names, and for an f-string, of
+    every module whose name starts with its fixed head (f"train_{method}": both trainers)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -37,6 +39,13 @@ def imports(path, known):
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             subs = {f"{node.module}.{a.name}" for a in node.names} & known.keys()
             out.update(subs or ({node.module} & known.keys()))
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                "import_module", "__import__") and node.args:
+            for part in ast.walk(node.args[0]):
+                if isinstance(part, ast.Constant) and part.value in known:
+                    out.add(part.value)
+                elif isinstance(part, ast.JoinedStr) and part.values and isinstance(part.values[0], ast.Constant):
+                    out.update(name for name in known if name.startswith(part.values[0].value))
     return out
 
 
@@ -154,6 +163,38 @@ def test_each_folder_is_a_stage_that_says_what_it_holds_and_re_exports_nothing()
     assert tuple(table) == ORDER, f"README.md's folder table: {table}, not the order {ORDER}"
 
 
+# The top level's commands (common.py is none). A command imports the package, never another command, but for one
+# thing: a command that samples a finished run takes the run's own sampler, its trainer's generate.
+COMMANDS = ("train_flow_matching", "train_ddpm", "eval_fid", "sample")
+TAKES_GENERATE = {"eval_fid": {"train_flow_matching", "train_ddpm"}, "sample": {"train_flow_matching", "train_ddpm"}}
+
+
+def test_a_command_imports_no_other_but_the_trainer_whose_generate_it_samples_with():
+    """The trainers import no command (their in-training FID is training/evaluation/sampling.py's, handed their own
+    generate); eval_fid.py and sample.py import the trainers for generate alone and not each other."""
+    g = graph()
+    for name in COMMANDS:
+        others = g[name] & set(COMMANDS)
+        assert others <= TAKES_GENERATE.get(name, set()), f"{name}.py imports the command(s) {sorted(others)}"
+
+
+def test_tools_and_benchmarks_use_eval_fid_and_sample_as_commands_alone():
+    """eval_fid.py and sample.py are commands: a script may run them (main) and parse or list the options it hands
+    on to eval_fid.py (parse_args, passed_on). What they share with the others (the model read back and its class
+    ids, a batch sampled, the PNGs, the reference's options, tuned.json's defaults) lives in the package, where they
+    import it from."""
+    used = {}
+    for path in [*ROOT.glob("*.py"), *(ROOT / "tools").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in (
+                    "eval_fid", "sample"):
+                used.setdefault(f"{node.value.id}.{node.attr}", set()).add(path.name)
+            elif isinstance(node, ast.ImportFrom) and node.module in ("eval_fid", "sample"):
+                for a in node.names:
+                    used.setdefault(f"{node.module}.{a.name}", set()).add(path.name)
+    assert "eval_fid.main" in used and set(used) <= {"eval_fid.main", "eval_fid.parse_args", "eval_fid.passed_on"}, used
+
+
 def test_common_imports_nothing_from_the_repository():
     upward = graph()["common"]
     assert not upward, f"common.py, the ground floor, imports {sorted(map(file_of, upward))}"
@@ -216,6 +257,26 @@ def test_a_planted_import_is_caught_naming_the_files(tmp_path, planted):
             "(training/run/fit.py -> training/optimisation/muon.py, training/run/stability.py -> "
             "training/optimisation/clipping.py, training/run/stability.py -> training/optimisation/convergence.py, "
             "training/run/stability.py -> training/optimisation/time_density.py)"]
+
+
+def test_an_import_by_name_as_the_program_runs_is_read_as_an_import(tmp_path):
+    """importlib.import_module(f"train_{method}") in a function of the package (as eval_fid.py's method_of was,
+    while the trainers imported eval_fid.py) is an import of both trainers: the package reaching a command, and the
+    circle it closes, both named."""
+    for path in modules().values():
+        copy = tmp_path / path.relative_to(ROOT)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(path.read_text())
+    target = tmp_path / "training/evaluation/sampling.py"
+    target.write_text(target.read_text() + "\n\ndef planted(method):\n    import importlib\n\n"
+                      "    return importlib.import_module(f\"train_{method}\")\n")
+    g = graph(tmp_path)
+    assert {"train_ddpm", "train_flow_matching"} <= g["training.evaluation.sampling"]
+    assert [f for f in against_the_order(g, tmp_path) if "sampling.py" in f] == [
+        f"training/evaluation/sampling.py -> {name}.py: the package imports only itself and common.py"
+        for name in ("train_ddpm", "train_flow_matching")]
+    named = [" -> ".join(file_of(m, tmp_path) for m in c) for c in circles(g)]
+    assert "train_ddpm.py -> training/evaluation/sampling.py -> train_ddpm.py" in named, named
 
 
 def test_each_benchmark_names_the_study_file_it_feeds_and_the_index_lists_every_file():

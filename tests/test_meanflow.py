@@ -397,7 +397,7 @@ def test_a_meanflow_run_trains_resumes_exactly_exports_and_samples_in_one_step_w
     assert str(ROOT) not in done.stderr
     theirs = torch.load(tmp_path / "out.pt")["meanflow"]["latent"]
     torch.testing.assert_close(theirs, repo_latents(run, [0, 8]), atol=2e-4, rtol=1e-4)
-    model, cfg, _ = sample.eval_fid.load_model(run)
+    model, cfg, _ = sample.sampling.load_model(run)
     cond = {"label": torch.tensor([0, 8]), "drop": torch.zeros(2, dtype=torch.bool)}
     with torch.no_grad(), common.counting_evaluations(model) as rows:
         fm.generate(model, torch.randn(2, 3, 16, 16), cond, cfg)

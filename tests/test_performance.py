@@ -319,6 +319,7 @@ def test_bf16_reaches_the_denoisers_linear_layers_in_training_validation_and_eva
     import eval_fid
     import sample
     from test_eval_fid import TinyFeatures
+    from training.evaluation import sampling
 
     module, phase, seen = __import__(trainer), ["training"], {}
 
@@ -332,7 +333,7 @@ def test_bf16_reaches_the_denoisers_linear_layers_in_training_validation_and_eva
                 layer.register_forward_pre_hook(record)
         return model
 
-    prepare_model, pause, load_model = start.prepare_model, monitor.Monitor.pause, eval_fid.load_model
+    prepare_model, pause, load_model = start.prepare_model, monitor.Monitor.pause, sampling.load_model
     monkeypatch.setattr(start, "prepare_model",
                         lambda *a: (lambda m, e, c: (hooked(m), hooked(e), c))(*prepare_model(*a)))
 
@@ -341,8 +342,8 @@ def test_bf16_reaches_the_denoisers_linear_layers_in_training_validation_and_eva
         pause(self, work, step, name)
         phase[0] = "training"
     monkeypatch.setattr(monitor.Monitor, "pause", named_pause)
-    monkeypatch.setattr(eval_fid, "inception_features", lambda *a, **k: TinyFeatures())
-    monkeypatch.setattr(eval_fid, "load_model", lambda *a: (lambda m, c, d: (hooked(m), c, d))(*load_model(*a)))
+    monkeypatch.setattr(sampling, "inception_features", lambda *a, **k: TinyFeatures())  # the FID of val.fid_every
+    monkeypatch.setattr(sampling, "load_model", lambda *a: (lambda m, c, d: (hooked(m), c, d))(*load_model(*a)))
     weights = tmp_path / "inception.pt"
     weights.write_bytes(b"")
     run = module.main(tiny_run_args(tmp_path, steps=2) + [

@@ -358,9 +358,9 @@ def test_profiles_resume_bitwise_and_the_tool_exports_a_reconstruction(tmp_path)
     model, _ = load_exported(export)
     weights, _ = phema.reconstruct(tmp_path / "straight" / "phema", 0.08)
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
-    import eval_fid  # --checkpoint X --phema_std: the EMA at X's step (32 images), labelled with X
+    from training.evaluation import sampling  # --checkpoint X --phema_std: the EMA at X's step (32 images)
     ckpt = tmp_path / "straight" / "checkpoints" / "step_00000002"
-    model, _, desc = eval_fid.load_model(tmp_path / "straight", str(ckpt), phema_std=0.08)
+    model, _, desc = sampling.load_model(tmp_path / "straight", str(ckpt), phema_std=0.08)
     weights, _ = phema.reconstruct(tmp_path / "straight" / "phema", 0.08, checkpoint=ckpt)
     assert desc["step"] == 2 and desc["phema"]["images"] == 32 and desc["phema"]["checkpoint"] == str(ckpt)
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())

@@ -139,11 +139,12 @@ def scorer(monkeypatch, last_step):
     """eval_fid.main for benchmarks/fashion_mnist.py, as far as the sampling settings go (eval_fid.py's own parser
     and tuned_defaults), then a report where it writes one; returns the (checkpoint, guidance, steps) it sees."""
     import eval_fid
+    from training.evaluation import tuning
 
     settings = []
 
     def scored(argv):
-        args = eval_fid.tuned_defaults(eval_fid.parse_args(argv))
+        args = tuning.tuned_defaults(eval_fid.parse_args(argv))
         settings.append((args.checkpoint, args.guidance_scale, args.steps))
         step = int(Path(args.checkpoint).name.split("_")[1]) if args.checkpoint else last_step
         Path(args.out_dir).mkdir(parents=True)

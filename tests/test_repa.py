@@ -185,10 +185,10 @@ def test_a_run_with_repa_resumes_bitwise_logs_its_term_and_exports_without_the_p
     export = tmp_path / "straight" / "export"
     exported = [k for f in export.rglob("*.safetensors") for k in load_file(str(f))]
     assert exported and not any("projector" in k for k in exported)
-    import eval_fid
+    from training.evaluation import sampling
 
     for checkpoint in (None, "latest"):  # the snapshots alone, and with the checkpoint's own profiles
-        assert eval_fid.load_model(tmp_path / "resumed", checkpoint, phema_std=0.1)[2]["phema"]["images"] == 96
+        assert sampling.load_model(tmp_path / "resumed", checkpoint, phema_std=0.1)[2]["phema"]["images"] == 96
 
 
 def test_prefetch_plans_the_encoder_and_fetches_it_through_the_training_call(tiny_dino):

@@ -140,13 +140,12 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_every_checkpoint_load_maps_to_the_cpu(tmp_path, monkeypatch):
-    """Resume, init_from (a run folder), eval_fid.load_model and sample.py's class ids: every torch.load and
+    """Resume, init_from (a run folder), sampling.load_model and run_class_ids (sample.py's class names): every torch.load and
     safetensors load of a checkpoint file maps to the CPU. (Rank 0 saved tensors tagged cuda:0: without
     map_location every rank of a node would load its copy onto GPU 0.)"""
     import safetensors.torch
 
-    import eval_fid
-    import sample
+    from training.evaluation import sampling
 
     run = fm.main(tiny_run_args(tmp_path, "cpu", steps=2) + ["--ckpt.every=2"])
     loads, real_load, real_load_file = [], torch.load, safetensors.torch.load_file
@@ -164,8 +163,8 @@ def test_every_checkpoint_load_maps_to_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoints, "load_file", load_file)
     fm.main(tiny_run_args(tmp_path, "cpu", steps=3) + ["--resume=latest"])
     fm.main(tiny_run_args(tmp_path, "tuned", steps=1) + [f"--init_from={run}"])
-    eval_fid.load_model(run, "latest")
-    assert sample.run_class_ids(run, "latest") is not None
+    sampling.load_model(run, "latest")
+    assert sampling.run_class_ids(run, "latest") is not None
     assert {"state.pt", "rng_0.pt", "model.safetensors", "ema.safetensors"} <= {name for name, _ in loads}
     assert [(name, where) for name, where in loads if where != "cpu"] == []
     assert not any(name == "optimizer.safetensors" for name, _ in loads)  # read through safe_open, on the CPU

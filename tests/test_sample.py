@@ -8,6 +8,7 @@ from PIL import Image
 
 import eval_fid
 import sample
+from training.evaluation import sampling
 import train_flow_matching as fm
 from conftest import tiny_run_args, trained_for_the_module
 
@@ -68,7 +69,7 @@ def test_unknown_class_and_wrong_kind_of_condition_are_refused(run, tmp_path):
 def test_a_folder_sample_py_did_not_write_is_refused_before_any_work(tmp_path, monkeypatch):
     (tmp_path / "mine.txt").write_text("not samples")
     (tmp_path / "run").mkdir()  # a run folder that exists (one that does not is refused first)
-    monkeypatch.setattr(eval_fid, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(sampling, "load_model", lambda *a: pytest.fail("the model was loaded"))
     with pytest.raises(ValueError, match=r"--out .* holds files that sample.py did not write \(no sample.json\)"):
         sample.main(["--run", str(tmp_path / "run"), "--out", str(tmp_path)])
     assert (tmp_path / "mine.txt").exists()

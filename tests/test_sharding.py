@@ -174,13 +174,13 @@ def test_a_sharded_checkpoint_is_intact_only_once_its_metadata_is_written(tmp_pa
 def test_evaluation_sampling_and_init_from_read_a_sharded_checkpoint_whole(runs):
     """eval_fid.py / sample.py --checkpoint (EMA, raw, post-hoc EMA of any std) and init_from read a sharded
     checkpoint in one process, no group: the DDP run's checkpoint read the same way is the oracle."""
-    import eval_fid
+    from training.evaluation import sampling
     from training.run.start import read_weights
 
     tmp, _ = runs
     saved = sharded_checkpoint(tmp / "fsdp", STEPS)
     for weights, phema_std in (("ema", None), ("raw", None), ("ema", 0.1)):
-        (sharded, _, desc), (ddp, _, _) = (eval_fid.load_model(tmp / run, "latest", weights, phema_std)
+        (sharded, _, desc), (ddp, _, _) = (sampling.load_model(tmp / run, "latest", weights, phema_std)
                                            for run in ("fsdp", "ddp"))
         assert desc["source"].endswith(f"step_{STEPS:08d}")
         for key, value in ddp.state_dict().items():

@@ -558,14 +558,14 @@ def test_a_rollback_to_a_preemption_checkpoint_is_kept_there_and_repeats_no_vali
     step in the slope history). A second preemption before the next checkpoint (checkpoints 8 and 10 removed)
     resumes from step 5 at the lower LR past the skipped window, and the same divergence then meets
     train.max_rollbacks=1 instead of rolling back forever."""
-    import eval_fid
+    from training.evaluation import sampling
 
     fid_steps = []
 
-    def fid(ema, cfg, accelerator, val_set, vae=None, text=False, log=None, step=None):  # only when it runs
+    def fid(generate, ema, cfg, accelerator, val_set, vae=None, text=False, log=None, step=None):  # only when it runs
         fid_steps.append(step)
 
-    monkeypatch.setattr(eval_fid, "fid_of_run", fid)
+    monkeypatch.setattr(sampling, "fid_of_run", fid)
     args = tiny_run_args(tmp_path, "off", steps=5) + [
         "--log.every=1", "--ckpt.every=4", "--ckpt.keep=10", "--val.every=5", "--val.fid_every=5", "--log.report=false",
         "--train.max_nonfinite_steps=2", "--train.on_divergence=rollback", "--train.rollback_lr_factor=0.5", *CONSTANT_LR]

@@ -185,13 +185,13 @@ def test_two_processes_compiled_give_the_one_process_validation_and_keep_gradien
 
 @pytest.mark.slow
 def test_small_fid_during_training_is_logged(tmp_path, monkeypatch):
-    # The trainer calls eval_fid.py's own code; a 16-dimensional random-conv extractor stands in for
-    # Inception (whose 2048 x 2048 matrix square root alone takes a minute on 2 CPU cores at small N).
-    import eval_fid
+    # The trainer calls eval_fid.py's own code (training/evaluation/sampling.py); a 16-dimensional random-conv extractor
+    # stands in for Inception (whose 2048 x 2048 matrix square root alone takes a minute on 2 CPU cores at small N).
     from test_eval_fid import TinyFeatures
+    from training.evaluation import sampling
 
     asked = []
-    monkeypatch.setattr(eval_fid, "inception_features", lambda mode, weights, device, accelerator:
+    monkeypatch.setattr(sampling, "inception_features", lambda mode, weights, device, accelerator:
                         asked.append((mode, weights)) or TinyFeatures())
     weights = tmp_path / "inception.pt"
     weights.write_bytes(b"")  # the start-up check wants the file to be there

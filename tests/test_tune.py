@@ -16,7 +16,7 @@ import eval_fid  # noqa: E402
 import sample  # noqa: E402
 from tools import phema as phema_tool  # noqa: E402
 from tools import tune  # noqa: E402
-from training.evaluation import tuning  # noqa: E402
+from training.evaluation import sampling, tuning  # noqa: E402
 from training.evaluation.metrics import size_tag  # noqa: E402
 
 CFG = {"data": {"val_split": None}, "val": {"guidance_scale": 3.0, "steps": 32, "guidance_interval": [0.0, 1.0],
@@ -141,16 +141,16 @@ def test_eval_fid_and_sample_take_the_tuned_setting_unless_a_flag_or_untuned_say
                                                                                           capsys):
     write_tuned(run)
     parse = eval_fid.parse_args if script is eval_fid else sample.parse_args
-    args = eval_fid.tuned_defaults(parse(["--run", str(run)]))
+    args = tuning.tuned_defaults(parse(["--run", str(run)]))
     assert (args.guidance_scale, args.guidance_interval, args.steps, args.phema_std) == (1.5, [0.1, 0.9], 12, 0.1)
     assert f"steps 12 ({run / 'tuned.json'})" in capsys.readouterr().out
-    args = eval_fid.tuned_defaults(parse(["--run", str(run), "--steps", "7", "--guidance_interval", "0,1"]))
+    args = tuning.tuned_defaults(parse(["--run", str(run), "--steps", "7", "--guidance_interval", "0,1"]))
     assert (args.guidance_scale, args.guidance_interval, args.steps) == (1.5, [0.0, 1.0], 7)
     assert "steps 7 (--steps)" in capsys.readouterr().out
-    args = eval_fid.tuned_defaults(parse(["--run", str(run), "--untuned"]))
+    args = tuning.tuned_defaults(parse(["--run", str(run), "--untuned"]))
     assert (args.guidance_scale, args.guidance_interval, args.steps, args.phema_std) == (None,) * 4
     add_checkpoint(run, 10, 3)
-    args = eval_fid.tuned_defaults(parse(["--run", str(run), "--checkpoint", "latest"]))  # tuned for the export
+    args = tuning.tuned_defaults(parse(["--run", str(run), "--checkpoint", "latest"]))  # tuned for the export
     assert args.steps is None and "was chosen for other weights, export (ema" in capsys.readouterr().out
 
     class Loaded(Exception):
@@ -159,7 +159,7 @@ def test_eval_fid_and_sample_take_the_tuned_setting_unless_a_flag_or_untuned_say
     def load_model(run_, checkpoint=None, weights="ema", phema_std=None):  # main's first use of the settings
         raise Loaded(phema_std)
 
-    monkeypatch.setattr(eval_fid, "load_model", load_model)
+    monkeypatch.setattr(sampling, "load_model", load_model)
     for flags, std in (([], 0.1), (["--phema_std", "0.05"], 0.05), (["--untuned"], None)):
         with pytest.raises(Loaded) as e:
             script.main(["--run", str(run), *flags])
@@ -180,7 +180,7 @@ def test_tuned_json_holds_for_the_model_it_was_chosen_for_not_for_the_name_it_wa
     assert (saved["model"]["model"], saved["model"]["step"], saved["sampler"]) == ("checkpoints/step_00000100", 100, "euler")
 
     def steps(*flags):
-        return eval_fid.tuned_defaults(eval_fid.parse_args(["--run", str(run), *flags])).steps
+        return tuning.tuned_defaults(eval_fid.parse_args(["--run", str(run), *flags])).steps
 
     assert steps("--checkpoint", "latest") == 16 and steps("--checkpoint", str(first)) == 16
     assert steps("--checkpoint", str(first), "--sampler", "euler") == 16
@@ -257,7 +257,8 @@ def test_a_run_validated_on_a_test_split_is_refused(run, monkeypatch):
 
 
 def test_the_phema_sweep_refuses_the_test_split_too(run, monkeypatch):
-    monkeypatch.setattr(eval_fid, "load_model", lambda *a, **k: (None, json.loads((run / "config.json").read_text()), {}))
+    cfg = json.loads((run / "config.json").read_text())
+    monkeypatch.setattr(phema_tool, "load_model", lambda *a, **k: (None, cfg, {}))
     monkeypatch.setattr(phema_tool, "list_snapshots", lambda folder: [])
     calls = []
     monkeypatch.setattr(eval_fid, "main", fake_eval(calls))
@@ -295,5 +296,5 @@ def test_a_meanflow_models_step_count_is_searched_by_default(tmp_path, monkeypat
     ranked = tune.main(["--run", str(run), "--num_samples", "100", "--confirm_samples", "0"])
     assert sorted(a.steps for a in calls) == [1, 2, 4] and all(a.guidance_scale == 1.0 for a in calls)
     assert ranked[0]["steps"] == 2 and json.loads((run / "tuned.json").read_text())["sampler"] == "meanflow"
-    args = eval_fid.tuned_defaults(eval_fid.parse_args(["--run", str(run)]))
+    args = tuning.tuned_defaults(eval_fid.parse_args(["--run", str(run)]))
     assert args.steps == 2

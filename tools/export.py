@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import eval_fid  # noqa: E402
 from training.run import hub  # noqa: E402
+from training.evaluation.sampling import load_model  # noqa: E402
 from training.sharing import pipeline_export  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def main(argv=None):
     if not (run / "export" / "transformer").is_dir():
         raise SystemExit(f"tools/export.py: {run / 'export'} holds no exported model (transformer/): train the run to "
                          f"its end, or export a post-hoc EMA with tools/phema.py")
-    model, cfg, _ = eval_fid.load_model(run)
+    model, cfg, _ = load_model(run)
     ids = run / "export" / "class_ids.json"
     folder = pipeline_export.write(model, cfg, run / "export", json.loads(ids.read_text()) if ids.is_file() else None,
                                    run, repo=args.push_to_hub)

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval_fid  # noqa: E402
 from training.run import hub  # noqa: E402
 from training.run.phema import list_snapshots, snapshot_folder  # noqa: E402
-from training.evaluation.reference import check_selection  # noqa: E402
+from training.evaluation.reference import check_selection, reference_args  # noqa: E402
+from training.evaluation.sampling import load_model  # noqa: E402
 from training.sharing import pipeline_export  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def stds_arg(text):
 def export_std(run, std, out=None, push_to_hub=None):
     """Reconstruct std's EMA and write it as an export, a pipeline folder whose card records the std (and push
     it when asked); returns the folder holding export/."""
-    model, cfg, desc = eval_fid.load_model(run, phema_std=std)
+    model, cfg, desc = load_model(run, phema_std=std)
     folder = Path(out or snapshot_folder(run) / "exports" / f"std_{std:g}")
     export_dir = Path(run) if (Path(run) / "transformer").is_dir() else Path(run) / "export"
     ids = export_dir / "class_ids.json"
@@ -74,7 +75,7 @@ def main(argv=None, feature_fn=None):
     if not args.sweep:
         return None
 
-    check_selection(eval_fid.parse_args(["--run", args.run, *eval_args]), eval_fid.load_model(args.run)[1])
+    check_selection(reference_args(eval_args), load_model(args.run)[1])
     rows = []
     for std in args.sweep:
         report = eval_fid.main(["--run", args.run, "--phema_std", str(std), "--num_samples", str(args.num_samples),

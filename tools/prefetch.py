@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from training.config import config  # noqa: E402
 from training.data import encoders, repa_targets, sources  # noqa: E402
 from training.evaluation import metrics, reference  # noqa: E402
-import eval_fid  # noqa: E402
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
 
@@ -54,8 +53,8 @@ def plan(cfg, dino=None):
     if cfg.objective.get("repa_weight"):
         items.append({"key": "objective.repa_encoder", "name": cfg.objective.repa_encoder, "what": "REPA's encoder"})
     if d.caption_column or d.label_captions:
-        clip = eval_fid.parse_args(["--run", "-"]).clip_model
-        items.append({"key": "eval_fid.py --clip_model", "name": clip, "what": "CLIP model of the CLIP score"})
+        items.append({"key": "eval_fid.py --clip_model", "name": metrics.CLIP_DEFAULT,
+                      "what": "CLIP model of the CLIP score"})
     for name in dict.fromkeys(d for d in (cfg.val.fid_dino, dino) if d):
         items.append({"key": "eval_fid.py --dino", "name": name, "what": "DINOv2 model of FD-DINOv2"})
     for item in items:

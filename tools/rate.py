@@ -100,11 +100,11 @@ def condition_names(side):
     """names(i) -> the condition of sample i in words: 'class 3: blue square' or the prompt."""
     cond, run = side["generation"]["conditioning"], side["run"]
     if "labels" in cond:
-        import sample  # (torch: class runs only)
+        from training.evaluation.sampling import run_class_ids  # (torch: class runs only)
 
         source = side["generation"]["model"]
         ckpt = source["source"] if "step" in source else None
-        ids = (sample.run_class_ids(run, ckpt) if (run / "export").is_dir() or ckpt else None)
+        ids = (run_class_ids(run, ckpt) if (run / "export").is_dir() or ckpt else None)
         names = readable_names(ids) if ids else None
         k = cond["num_classes"]
         return lambda i: f"class {i % k}" + (f": {names[i % k]}" if names else "")

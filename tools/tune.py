@@ -30,7 +30,7 @@ it is: the digest of its weights, where they were, its step, EMA or raw; --check
 checkpoint it names when the search starts) and the sampler, and "at_edge": a note for each setting searched at
 three or more values whose chosen value is the smallest or largest of them (printed too: the best may lie beyond
 the grid). eval_fid.py and sample.py then sample that model, with that sampler, with "best" wherever no flag sets a
-setting (eval_fid.tuned_defaults, training/evaluation/tuning.py; --untuned: the run's own settings), and the export
+setting (tuning.tuned_defaults; --untuned: the run's own settings), and the export
 takes it as its pipeline's defaults (tools/export.py). Any other argument goes to eval_fid.py as is (--help lists them:
 --classifier, --features, --checkpoint, --batch_size, ...).
 
@@ -54,6 +54,7 @@ import eval_fid  # noqa: E402
 from tools.compare import paired_comparison, t_interval  # noqa: E402
 from training.evaluation import tuning  # noqa: E402
 from training.evaluation.reference import check_selection  # noqa: E402
+from training.evaluation.sampling import interval_arg, load_model  # noqa: E402
 from training.objectives import meanflow  # noqa: E402
 
 
@@ -131,7 +132,7 @@ def main(argv=None, feature_fn=None):
                    "names; tuned.json is written there")
     p.add_argument("--guidance", type=floats, default=None, help="guidance scales; default: the run's "
                    "val.guidance_scale (a MeanFlow model with guidance in its weights: 1)")
-    p.add_argument("--guidance_interval", type=eval_fid.interval_arg, nargs="+", default=None, help="'lo,hi' "
+    p.add_argument("--guidance_interval", type=interval_arg, nargs="+", default=None, help="'lo,hi' "
                    "intervals (flow-matching t, 1 = noise), e.g. 0,1 0.1,0.9; default: the run's val.guidance_interval")
     p.add_argument("--steps", type=floats, default=None, help="sampler steps; default: the run's val.steps (the "
                    f"meanflow sampler: {','.join(map(str, MEANFLOW_STEPS))})")
@@ -145,7 +146,7 @@ def main(argv=None, feature_fn=None):
         raise ValueError(f"--confirm_samples={args.confirm_samples}: at least {2 * CONFIRM_BLOCKS} ({CONFIRM_BLOCKS} "
                          f"blocks of 2), or 0 for no confirmation")
     cfg = json.loads((Path(args.run) / "config.json").read_text()) if (Path(args.run) / "config.json").is_file() \
-        else eval_fid.load_model(args.run)[1]
+        else load_model(args.run)[1]
     given = eval_fid.parse_args(["--run", args.run, *eval_args])
     check_selection(given, cfg)
     # The model, by what it is: 'latest' is the checkpoint it names now, for every evaluation and in tuned.json.

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.evaluation.reference import reference_images, reference_rows
+from training.evaluation.reference import bucket_rows, reference_images
 
 RECORD = "classifier.json"  # beside the weights: what it was trained on and its test accuracy
 
@@ -99,7 +99,7 @@ def reference_accuracy(model, key, cfg, device="cpu", side=None, batch_size=256)
     column = cfg["data"].get("label_column")
     if key.get("kind") != "dataset" or not column:
         return None
-    rows, items = reference_rows(key, cfg)[0], reference_images(key, cfg)
+    rows, items = bucket_rows(key, cfg), reference_images(key, cfg)
     if column not in rows.column_names or not len(items):
         return None
     labels, right = rows[column][:len(items)], []

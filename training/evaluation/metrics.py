@@ -203,6 +203,9 @@ def check_dino_reference(reference):
                          f"images (a folder or a dataset) to compute its own, cached like Inception's")
 
 
+CLIP_DEFAULT = "openai/clip-vit-large-patch14"  # eval_fid.py's --clip_model (the CC12M recipe's text encoder)
+
+
 @torch.no_grad()
 def clip_scores(model_id, images, captions, device):
     """Per image, 100 * max(cos(E_img, E_txt), 0) (CLIPScore, Hessel et al. 2021, w = 100 as torchmetrics),

@@ -3,9 +3,11 @@ downloaded, fetched with a bound, verified by its sha256) and the reference stat
 the run's held-out rows (computed once, shared by the ranks, cached in an .npz keyed on the source and all its
 preprocessing), or clean-fid's named statistics. eval_fid.py and the small-N FID in training use these.
 """
+import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -18,7 +20,8 @@ from PIL import Image
 
 import common
 from training.config import config
-from training.data.buckets import rows_in
+from training.data import emoji
+from training.data.buckets import image_sizes, nearest, rows_in, shape_arg
 from training.data.sources import is_stream, load_image, open_dataset, open_splits, preprocess, stream_heldout
 from training.run.monitor import progress
 
@@ -136,6 +139,41 @@ def heldout(data):
     return open_dataset(data, data.val_split) if data.val_split else open_splits(data)[1]
 
 
+def same_rows(data, a, b, chunk=1000):
+    """Whether two splits hold the same images, row for row (undecoded: the same files, or the same bytes); read
+    a chunk at a time, stopping at the first that differs (two real splits differ in the first)."""
+    return len(a) == len(b) and all(a[i:i + chunk][data.image_column] == b[i:i + chunk][data.image_column]
+                                    for i in range(0, len(a), chunk))
+
+
+def training_and_test(data, test_split, tool):
+    """(training rows, test rows, the test split's name) for a tool that learns from the recipe's training split
+    and is measured on `test_split` (tools/classifier.py, tools/autoencoder.py). A test split that is the training
+    split is refused before any work (ConfigError); one that reads the training split's images (a folder without a
+    test folder) gives way to the trainer's own split: its training rows, and the rows it holds out (test split
+    'heldout'), and `tool` says so. An emoji source's test split is never learnt from (emoji.test_refusal)."""
+    if line := emoji.test_refusal(data.source, data.split, "data.split"):
+        raise config.ConfigError(line)
+    if test_split == data.split:
+        raise config.ConfigError(f"--test_split '{test_split}' is the training split (data.split): it learns from "
+                                 f"that split and is measured on another")
+    train_ds, test_ds = open_dataset(data, data.split), open_dataset(data, test_split)
+    if same_rows(data, train_ds, test_ds):  # scored on them, training images would pass for test images
+        print(f"{tool}: split '{test_split}' of {data.source} holds the images of its training split "
+              f"'{data.split}' (no {test_split} folder?): trained on the trainer's training rows and measured on "
+              f"the rows the trainer holds out, never trained on (test split 'heldout')")
+        return (*open_splits(data), "heldout")
+    return train_ds, test_ds, test_split
+
+
+def split_images(data, ds, split):
+    """(uint8 images (N, R, R, 3), int labels (N,), class names or None) of the dataset `ds` (split `split`), as
+    the trainer's cache would preprocess them."""
+    images = np.stack([to_uint8(preprocess(load_image(row[data.image_column]), data.resolution, data,
+                                           flip=False)[0][None])[0] for row in progress(ds, f"read {split}", True)])
+    return images, np.asarray(ds[data.label_column]), getattr(ds.features[data.label_column], "names", None)
+
+
 def check_selection(args, cfg):
     """Settings are chosen on images held out from the training split, never on the images that report the final
     score (docs/evaluation.md): a selecting command (tools/tune.py, tools/phema.py --sweep) refuses any other
@@ -154,19 +192,160 @@ def to_uint8(x):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The options that say what samples are scored against: eval_fid.py's, and every command that scores images as it
+# does (the in-training FID, tools/autoencoder.py, the benchmarks) parses them with reference_args.
+
+
+def add_arguments(p):
+    a = p.add_argument
+    a("--reference", default=None, help="image folder, dataset (hub id, local path, 'embedded'), one of our "
+      "statistics .npz files, or cleanfid:NAME:RES:SPLIT (clean-fid's precomputed ones); default: data.source")
+    a("--reference_split", default="heldout", help="'heldout': the rows the trainer validated on")
+    a("--reference_resolution", type=int, default=None, help="default: the run's data.resolution")
+    a("--reference_crop", default="center")
+    a("--reference_image_column", default=None, help="default: the run's data.image_column")
+    a("--reference_num", type=int, default=None, help="use only the first N reference images")
+    a("--stats_cache", default="cache/fid_stats", help="folder of cached reference statistics (.npz)")
+    a("--mode", default="clean", choices=["clean", "legacy_tensorflow"], help="clean-fid's resizing mode")
+    return p
+
+
+def reference_args(argv=()):
+    """The reference options of `argv` with eval_fid.py's defaults, and --batch_size (images per feature batch,
+    64); any other option in `argv` (eval_fid.py's) is passed over."""
+    p = add_arguments(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    p.add_argument("--batch_size", type=int, default=64)
+    return p.parse_known_args(list(argv))[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which reference, which split and which bucket eval_fid.py scores against, and what its folder is called.
+
+
+def reference_split(args, cfg):
+    """(the split eval_fid.py scores against, a line saying why it is not the one asked for, or None).
+    --reference_split as given, but where it names a split of the run's own data.source that reads the very images
+    of its training split (same_rows: a local folder without a folder of that name, parquet files, the embedded demo;
+    a hub dataset's splits are its own and are not read): then the rows the trainer held out ('heldout'), as
+    tools/classifier.py measures itself. The training split named as such is scored as asked. --reference naming
+    the run's own source at 'heldout' would change nothing and is refused in one line (ConfigError)."""
+    data, split = config.Config(cfg["data"]), args.reference_split
+    if args.reference is not None and not same_source(args.reference, data.source):
+        return split, None  # another source: its own splits
+    if args.reference is not None and split == "heldout":
+        raise config.ConfigError(
+            f"--reference {args.reference} is the run's own data.source, which eval_fid.py reads as the dataset it "
+            f"trained on at --reference_split, here 'heldout': the rows the trainer held out, the reference without "
+            f"--reference. Drop it, or add --reference_split {data.split} to score against the images it trained on")
+    local = data.source == "embedded" or Path(data.source).expanduser().exists()
+    if split in ("heldout", data.split) or not local or is_stream(data):
+        return split, None
+    if not same_rows(data, open_dataset(data, data.split), open_dataset(data, split)):
+        return split, None
+    return "heldout", (f"--reference_split {split}: split '{split}' of {data.source} holds the images of its "
+                       f"training split '{data.split}' (no {split} folder?), which the model trained on; scored "
+                       f"against the rows the trainer held out instead (--reference_split heldout)")
+
+
+def reference_tag(args, cfg):
+    """What eval_fid.py's output folder name says of the reference: '' for the run's own held-out rows (the
+    default), else '-ref-' and the split of the run's source, or another source's name (and split), and any
+    other preprocessing, so that scores against different references never share a folder."""
+    data, source = cfg["data"], args.reference or cfg["data"]["source"]
+    own = same_source(source, data["source"])
+    whole = not own and (str(source).endswith(".npz") or str(source).startswith("cleanfid:") or image_files(source))
+    parts = [] if own else [Path(source).stem if Path(source).expanduser().exists() else source]
+    parts += [] if whole or (own and args.reference_split == "heldout") else [args.reference_split]
+    parts += [f"{args.reference_resolution}px"] if args.reference_resolution not in (None, data["resolution"]) else []
+    parts += [args.reference_crop] if args.reference_crop != "center" else []
+    parts += [args.reference_image_column] if args.reference_image_column not in (None, data["image_column"]) else []
+    parts += [f"first{args.reference_num}"] if args.reference_num else []
+    return "-ref-" + re.sub(r"[^A-Za-z0-9._]+", "-", "-".join(map(str, parts))).strip("-") if parts else ""
+
+
+def bucket_counts(args, cfg):
+    """{(width, height): the reference images whose nearest bucket it is} over a bucket run's buckets, read from the
+    image headers alone (--reference_num caps each); None for statistics (an .npz, clean-fid's): one shape."""
+    if str(args.reference).endswith(".npz") or str(args.reference).startswith("cleanfid:"):
+        return None
+    shapes = [tuple(s) for s in cfg["data"]["bucket_shapes"]]
+    key = reference_key(argparse.Namespace(**{**vars(args), "shape": shapes[0]}), cfg, "")
+    if key["kind"] == "folder":
+        sizes = folder_sizes(image_files(key["source"]))
+    else:
+        sizes = image_sizes(reference_rows(key, reference_data(key, cfg)), key["image_column"], log=lambda line: None)
+    counts = np.bincount(bucket_of_each(sizes, shapes), minlength=len(shapes))
+    return {s: min(int(n), args.reference_num or int(n)) for s, n in zip(shapes, counts)}
+
+
+def scored_bucket(cfg, args):
+    """(the (width, height) that eval_fid.py samples and scores, a line saying why) for a run with data.buckets;
+    (None, None) for a square run, which takes no --width / --height / --aspect_ratio. --width / --height or
+    --aspect_ratio pick a bucket; unset, the bucket with the most reference images (the squarest of equals). FD at
+    a shape is against the reference images of that bucket (docs/evaluation.md), and a covariance needs 2 of them:
+    a bucket with fewer is refused in one line (ConfigError) naming each bucket's count and where more are."""
+    data, given = cfg["data"], args.width or args.height or args.aspect_ratio
+    if not data.get("bucket_shapes"):
+        if given:
+            raise config.ConfigError(f"--width / --height / --aspect_ratio: {args.run} was trained square at "
+                                     f"{data['resolution']} px (no data.buckets); sample other shapes with sample.py")
+        return None, None
+    shapes = [tuple(s) for s in data["bucket_shapes"]]
+    shape = tuple(shape_arg(cfg, args.width, args.height, args.aspect_ratio)) if given else None
+    if shape is not None and shape not in shapes:
+        raise config.ConfigError(f"--width {shape[0]} --height {shape[1]}: eval_fid.py scores a bucket the run "
+                                 f"trained at, whose reference images exist: one of "
+                                 + ", ".join(f"{w}x{h}" for w, h in shapes))
+    cleanfid = str(args.reference).startswith("cleanfid:")
+    if shape is not None and shape[0] != shape[1] and cleanfid:  # clean-fid's are square images
+        raise config.ConfigError(f"--reference {args.reference}: clean-fid's statistics are of square images, so FD "
+                                 f"at the {shape[0]}x{shape[1]} bucket would count the shape as a difference; leave "
+                                 f"--reference out (that bucket's own reference images) or score a square bucket")
+    generate_only = getattr(args, "generate_only", False)  # nothing scored: a bucket asked for needs no reference
+    counts = None if shape is not None and generate_only else bucket_counts(args, cfg)
+    squarest = min(shapes, key=lambda s: abs(math.log(s[0] / s[1])))
+    if counts is None:  # statistics of one shape: the squarest bucket unless told
+        return shape or squarest, None
+    listed = ", ".join(f"{w}x{h}: {n}" for (w, h), n in counts.items())
+    note = None
+    if shape is None:
+        shape = max(shapes, key=lambda s: (counts[s], s == squarest))
+        note = (f"data.buckets: scoring the {shape[0]}x{shape[1]} bucket, the one with the most reference images "
+                f"(of each bucket: {listed}); --aspect_ratio or --width / --height scores another")
+    if counts[shape] < 2 and not generate_only:
+        raise config.ConfigError(
+            f"the {shape[0]}x{shape[1]} bucket has {counts[shape]} reference image(s) (of each bucket: {listed}): "
+            f"FD needs at least 2. Score a bucket that has them (--aspect_ratio, --width / --height), or against "
+            f"more real images: --reference FOLDER (its images of each bucket, cropped as the cache crops them) or "
+            f"--reference_split SPLIT")
+    return shape, note
+
+
+def key_of(args, cfg, feature_name):
+    """The reference's key, as reference_for reads it: a statistics file's or clean-fid's name alone."""
+    if str(args.reference).endswith(".npz") or str(args.reference).startswith("cleanfid:"):
+        return {"source": args.reference}
+    return reference_key(args, cfg, feature_name)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Reference statistics: mu and sigma (FID) and the features (KID), computed once and cached in
 # <stats_cache>/<source>-<hash>.npz. The hash covers the source and all preprocessing: a change is a miss.
 
 
 def reference_key(args, cfg, feature_name):
-    """What the reference statistics depend on: a folder of images given as --reference, scored as they are;
-    else a dataset's split, preprocessed as in training. The run's own data.source is always a dataset, class
-    folders too: its split "heldout" is then the rows the trainer held out, not every image it trained on."""
+    """What the reference statistics depend on: a folder of images given as --reference, scored as they are (at a
+    bucket of a run with data.buckets: its images of that bucket, cropped to it); else a dataset's split,
+    preprocessed as in training. The run's own data.source is always a dataset, class folders too: its split
+    "heldout" is then the rows the trainer held out, not every image it trained on."""
     data, source = cfg["data"], args.reference or cfg["data"]["source"]
     key = {"source": source, "feature": feature_name, "num": args.reference_num, "format": 1}
     if not same_source(source, data["source"]) and (files := image_files(source)):
         listing = "\n".join(f"{f.relative_to(source)}:{f.stat().st_size}" for f in files)
-        return {**key, "kind": "folder", "files": hashlib.sha256(listing.encode()).hexdigest()}
+        key.update(kind="folder", files=hashlib.sha256(listing.encode()).hexdigest())
+        if getattr(args, "shape", None):  # a bucket run: the folder's images of that bucket, cropped to it
+            key.update(bucket=list(args.shape), buckets=data["bucket_shapes"], crop=args.reference_crop)
+        return key
     key.update(kind="dataset", split=args.reference_split, crop=args.reference_crop,
                resolution=args.reference_resolution or data["resolution"],
                image_column=args.reference_image_column or data["image_column"])
@@ -195,32 +374,66 @@ def image_files(source):
     return sorted(f for f in p.rglob("*") if f.suffix.lower() in {".png", ".jpg", ".jpeg", ".webp", ".bmp"})
 
 
-def reference_rows(key, cfg):
-    """(rows, data) of a dataset reference `key`: its split's rows (a bucket's: those whose nearest bucket it is), in
-    the order reference_images reads them, their other columns (the labels) kept; data: the config they are read
-    with."""
-    data = config.Config({**cfg["data"], "source": key["source"], "image_column": key["image_column"],
-                          "label_column": None, "caption_column": None, "max_samples": None,
-                          "crop": key["crop"], "random_flip": False})
-    ds = heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
-    if key.get("bucket"):  # the images whose nearest bucket it is, each cropped to it as the cache crops them
-        ds = ds.select(rows_in(ds, key["image_column"], key["buckets"], key["bucket"]))
-    return ds, data
-
-
 def reference_images(key, cfg):
     """One loader per reference image, each returning uint8 (H, W, 3): a folder's files as they are, or
-    dataset rows through load_image and preprocess, exactly as the trainer's cache sees them."""
-    if key["kind"] == "folder":
-        items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in image_files(key["source"])]
-    else:
-        (ds, data), shape = reference_rows(key, cfg), key.get("bucket")
+    dataset rows through load_image and preprocess, exactly as the trainer's cache sees them. At a bucket (a run
+    with data.buckets), the images whose nearest bucket it is, of a folder or a dataset, each cropped to it as the
+    cache crops them."""
+    shape, data, resolution = key.get("bucket"), reference_data(key, cfg), key.get("resolution")
 
-        def load(i):
-            x, _ = preprocess(load_image(ds[i][key["image_column"]]), key["resolution"], data, shape=shape)
-            return to_uint8(x[None])[0]
-        items = [lambda i=i: load(i) for i in range(len(ds))]
+    def cropped(value):
+        return to_uint8(preprocess(load_image(value), resolution, data, shape=shape)[0][None])[0]
+    if key["kind"] == "folder":
+        files = image_files(key["source"])
+        if shape:
+            picked = np.flatnonzero(bucket_of_each(folder_sizes(files), key["buckets"]) == index_of(shape, key))
+            items = [lambda f=files[i]: cropped({"path": str(f)}) for i in picked]
+        else:
+            items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in files]
+    else:
+        ds = reference_rows(key, data)
+        if shape:  # the images whose nearest bucket it is, each cropped to it as the cache crops them
+            ds = ds.select(rows_in(ds, key["image_column"], key["buckets"], shape))
+        items = [lambda i=i: cropped(ds[i][key["image_column"]]) for i in range(len(ds))]
     return items[:key["num"]] if key["num"] else items
+
+
+def reference_data(key, cfg):
+    """The run's data section as the reference reads it: its source and image column, the reference's crop, no
+    flip, no labels or captions."""
+    return config.Config({**cfg["data"], "source": key["source"], "label_column": None, "caption_column": None,
+                          "image_column": key.get("image_column") or cfg["data"]["image_column"], "max_samples": None,
+                          "crop": key.get("crop", "center"), "random_flip": False})
+
+
+def reference_rows(key, data):
+    """A dataset reference's rows: the held-out rows, or the split named."""
+    return heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
+
+
+def bucket_rows(key, cfg):
+    """A dataset reference's rows in the order reference_images reads them (at a bucket: those whose nearest
+    bucket it is), their other columns (the labels) kept: what the classifier's accuracy on them reads."""
+    ds = reference_rows(key, reference_data(key, cfg))
+    return ds.select(rows_in(ds, key["image_column"], key["buckets"], key["bucket"])) if key.get("bucket") else ds
+
+
+def folder_sizes(files):
+    """(N, 2) (width, height) of image files, from their headers alone."""
+    sizes = np.ones((len(files), 2), dtype=np.int64)
+    for i, f in enumerate(files):
+        with Image.open(f) as img:
+            sizes[i] = img.size
+    return sizes
+
+
+def bucket_of_each(sizes, shapes):
+    """The index in `shapes` of each image's nearest bucket, as the cache sorts them (buckets.nearest)."""
+    return nearest(np.maximum(sizes, 1), shapes) if len(sizes) else np.zeros(0, dtype=np.int64)
+
+
+def index_of(shape, key):
+    return [list(s) for s in key["buckets"]].index(list(shape))
 
 
 def stats_path(key, cache_dir):

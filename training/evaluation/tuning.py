@@ -4,16 +4,17 @@ A choice holds for one model sampled by one sampler: the step count tuned for Eu
 checkpoint named 'latest', or an export written again after more training, is another model. So tuned.json
 records what the model is, not how it was named: the SHA-256 of its weight files (an export's transformer and
 conditioner, a checkpoint's ema or model file, or its shards), beside where they were, the step and EMA or raw,
-and the sampler it was searched with. eval_fid.py and sample.py (eval_fid.tuned_defaults) and the export
+and the sampler it was searched with. eval_fid.py and sample.py (tuned_defaults) and the export
 (training/sharing/pipeline_export.py) use the choice only for a model whose weights have that digest, with that sampler;
 the same checkpoint named by its path or by 'latest' is the same model.
 """
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
-from training.run import checkpoints, sharding
+from training.run import checkpoints, hub, sharding
 
 TUNED = ("guidance_scale", "guidance_interval", "steps", "phema_std")  # what tools/tune.py chooses
 
@@ -74,6 +75,33 @@ def read_choice(path, model, sampler):
     if tuned["sampler"] != sampler:
         return None, f"was chosen for the {tuned['sampler']} sampler, not {sampler}"
     return tuned, None
+
+
+def tuned_defaults(args):
+    """`args` with RUN/tuned.json's chosen setting ("best", tools/tune.py) in each of TUNED that no flag sets, when
+    the file was chosen for the model being sampled, by what it is (its weights' digest, EMA or raw) and the sampler,
+    and --untuned is not given; prints where each setting comes from (eval_fid.py and sample.py call it first). A
+    run folder that does not exist stops here, before any work (hub.local_folder)."""
+    run = hub.local_folder(args.run)  # a folder, or the hub id of an exported pipeline folder
+    path, tuned, note = run / "tuned.json", None, ""
+    if path.is_file() and not args.untuned:
+        model = model_identity(run, args.checkpoint, args.weights)
+        tuned, why = read_choice(path, model, args.sampler or model["sampler"])
+        note = f" ({path} {why}: its settings are not used)" if why else ""
+    where = {}
+    for key in TUNED:
+        if getattr(args, key) is not None:
+            where[key] = f"--{key}"
+        elif tuned is not None and tuned["best"][key] is not None:
+            setattr(args, key, tuned["best"][key])
+            where[key] = str(path)
+        else:
+            where[key] = "the run's config" if key != "phema_std" else "the model's own EMA"
+    if int(os.environ.get("RANK", 0)) == 0:
+        print("sampling settings: " + "; ".join(f"{key} {getattr(args, key)} ({where[key]})" if getattr(args, key)
+                                                is not None else f"{key} from {where[key]}" for key in TUNED)
+              + note)
+    return args
 
 
 def export_choice(run_dir, folder, sampler, phema=None):

@@ -132,7 +132,8 @@ def load(cfg):
 
 
 def method_of(cfg):
-    """The trainer of a run's config: flow matching's objective has time_sampling (eval_fid.method_of imports it)."""
+    """The trainer of a run's config: flow matching's objective has time_sampling (eval_fid.py and sample.py sample
+    with its generate)."""
     return "flow_matching" if "time_sampling" in cfg.get("objective", {}) else "ddpm"
 
 
