@@ -275,7 +275,7 @@ def test_tune_and_the_phema_sweep_say_that_they_ran_each_evaluation(run, monkeyp
     tune.main(["--run", str(run), "--guidance", "1,2", "--num_samples", "100", "--confirm_samples", "10"])
     assert len(calls) == 2 + 2 * tune.CONFIRM_BLOCKS and {a.written_by for a in calls} == {"tools/tune.py"}
     cfg = json.loads((run / "config.json").read_text())
-    monkeypatch.setattr(eval_fid, "load_model", lambda *a, **k: (None, cfg, {}))
+    monkeypatch.setattr(phema_tool, "load_model", lambda *a, **k: (None, cfg, {}))
     monkeypatch.setattr(phema_tool, "list_snapshots", lambda folder: [])
     (run / "phema").mkdir()
     calls.clear()
