@@ -54,8 +54,9 @@ PINNED = {"google": "sha512-ZRexfzs7MVoLnmzZmNsO4TKhnAJp5D++Vm6PpUpH/jEQQlemp3l8
           "twitter": "sha512-7F+uCuHH+7Qnrc15P5tnbvKkg9E6tlzi4MnT2uW1RlN4pLYTza6cP/dstIfSDMtpjFLWuZewWg8jBbuL2eyELQ=="}
 # The terms of what a model trained here learned from, for its card (training/sharing/model_card.py): the packages'
 # LICENSE (MIT, Copyright (c) 2013 Cal Henderson) and README.md ("Image Sources": each vendor's source, version and
-# licence); the README names no holder of Twemoji's graphics, so theirs is Twemoji's own notice (jdecked/twemoji's
-# README, "License"), which CC-BY 4.0 requires to be kept with the images and what is made from them.
+# licence); the README names no holder of Twemoji's graphics, so theirs is Twemoji's own notice (twitter/twemoji's
+# README, "License", of which jdecked/twemoji is the fork the package draws from), which CC-BY 4.0 requires to be kept
+# with the images and what is made from them.
 LICENCES = [
     f"emoji-datasource-google and emoji-datasource-twitter {VERSION} (iamcal/emoji-data): MIT License, Copyright (c) "
     f"2013 Cal Henderson",
