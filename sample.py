@@ -2,6 +2,7 @@
 
     python sample.py --run runs/flow_matching_demo --classes "red circle,blue square,7"
     python sample.py --run runs/flow_matching_cc12m --prompts prompts.txt --guidance_scale 4 --steps 50
+    python sample.py --run runs/flow_matching_emoji --prompt "a red apple" --prompt "maldives flag"
     python sample.py --run runs/ddpm_imagenet256 --checkpoint latest --classes "tench,n01443537,2" --per_class 8
 
 Pipeline: arguments -> model (the run's export, or a checkpoint's EMA or raw weights, as eval_fid.py loads
@@ -44,6 +45,7 @@ def parse_args(argv=None):
     a("--classes", default=None, help="class runs: comma-separated class ids or names (default: every class, "
       "if there are at most 64)")
     a("--prompts", default=None, help="text runs: a text file, one prompt per line")
+    a("--prompt", action="append", default=None, help="text runs: a prompt (repeat for more), after --prompts' own")
     a("--per_class", type=int, default=4, help="images per class or prompt (one grid row each)")
     a("--width", type=int, default=None, help="pixels, with --height: any shape whose sides are whole patches and fit "
       "the model's positional grid; default: data.resolution square, or a run with data.buckets its squarest bucket")
@@ -111,7 +113,8 @@ def pick_classes(spec, num_classes, ids):
 
 def read_prompts(path):
     if path is None or not Path(path).is_file():
-        raise FileNotFoundError(f"--prompts {path}: this is a text-to-image run; give a text file, one prompt per line")
+        raise FileNotFoundError(f"--prompts {path}: this is a text-to-image run; give a text file, one prompt per line "
+                                f"(or --prompt TEXT)")
     prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"--prompts {path} holds no prompts (one per line)")
@@ -130,13 +133,14 @@ def main(argv=None):
     model.to(device)
     is_text = bool(cfg["encoders"]["text_encoder"])
     if is_text and args.classes:
-        raise ValueError("--classes: this is a text-to-image run; give --prompts FILE")
-    if not is_text and args.prompts:
-        raise ValueError("--prompts: this is a class-conditional run; give --classes (ids or names)")
+        raise ValueError("--classes: this is a text-to-image run; give --prompts FILE or --prompt TEXT")
+    if not is_text and (args.prompts or args.prompt):
+        raise ValueError(f"{'--prompts' if args.prompts else '--prompt'}: this is a class-conditional run; give "
+                         f"--classes (ids or names)")
 
     # ---- Conditions: row r of the grid is class or prompt r, repeated --per_class times ---------------------
     if is_text:
-        prompts = read_prompts(args.prompts)
+        prompts = (read_prompts(args.prompts) if args.prompts or not args.prompt else []) + (args.prompt or [])
         rows = list(enumerate(prompts))
         tokenizer, text_encoder = load_encoders(config.Config({**cfg["encoders"], "vae": None}), device)[1:]
     else:

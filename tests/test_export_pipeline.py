@@ -4,8 +4,10 @@ matching, DDPM with a VAE, a text run); its sampling loop is the trainer's at DD
 1000 and for x-prediction; the exported conditioner is the trained one; the model card holds the run's numbers; a
 push is refused before any work without a repo name, network or token, and goes private."""
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,6 +23,7 @@ import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
 from training.config import config
+from training.data import emoji
 from training.data.encoders import encode_text, load_encoders
 from training.model.mmdit import Conditioner, build_denoiser
 from training.run import hub
@@ -123,6 +126,59 @@ def test_the_folder_samples_as_sample_py_where_this_repository_is_not_importable
     again = sample.main(["--run", str(runs["flow"] / "export"), "--classes", ",".join(classes), "--per_class", "1",
                          "--out", str(tmp_path / "from_folder")])
     assert np.array_equal(pngs(again), pngs(tmp_path / "sampled_flow"))
+
+
+@pytest.mark.slow
+def test_a_text_run_trains_resumes_exactly_and_its_export_carries_the_text_encoder(tmp_path, tiny_text_encoder):
+    """Issue 69: a text run's export named its text encoder's local folder (text_encoder_id), and once that folder
+    was gone the pipeline failed (OSError: Repo id must be in the form ...). A text run on a local text encoder: 4
+    steps straight equal 2 and a resume to 4, bitwise; its export carries the encoder and tokenizer (text_encoder/,
+    tokenizer/: components of model_index.json) and the card names the folder, not its path. With the folder gone,
+    pipe("a red apple") loads and samples with diffusers alone where this repository cannot be imported, and gives
+    sample.py --prompt's image at the same seed, steps and guidance; tools/export.py re-exports it (carrying the old
+    export's copy, config.json keeping the run's name) and sample.py on that gives the same image again."""
+    import tools.export as export_tool
+    from test_robustness import assert_same_checkpoint
+
+    clip = shutil.copytree(tiny_text_encoder, tmp_path / "clip")  # the session's fixture stays where it is
+    args = tiny_run_args(tmp_path, steps=4) + [
+        "--data.caption_column=caption", "--encoders.max_tokens=8", f"--encoders.text_encoder={clip}",
+        "--model.num_layers=1", "--log.report=false", "--log.every=1", "--ckpt.every=2", "--val.guidance_scale=2"]
+    straight = train(fm, tmp_path, "straight", args + ["--run_dir", str(tmp_path / "straight")])
+    train(fm, tmp_path, "resumed", args + ["--run_dir", str(tmp_path / "resumed"), "--train.max_steps=2"])
+    train(fm, tmp_path, "resumed", args + ["--run_dir", str(tmp_path / "resumed"), "--resume=latest"])
+    assert_same_checkpoint(straight, tmp_path / "resumed", 4)
+
+    export = straight / "export"
+    index = json.loads((export / "model_index.json").read_text())
+    assert index["text_encoder"] == ["transformers", "CLIPTextModel"] and index["text_encoder_id"] is None
+    assert index["tokenizer"] == ["transformers", "PreTrainedTokenizerFast"]
+    card = (export / "README.md").read_text()
+    assert "conditioned on captions encoded by `clip` (this folder's `text_encoder/`)" in card and str(clip) not in card
+    assert "the text encoder and its tokenizer are this folder's `text_encoder/` and `tokenizer/`" in card
+    shutil.move(clip, tmp_path / "elsewhere")  # the folder it was trained with is gone
+    prompt, steps, seed = "a red apple", 4, generation.seed_for(0, 0, 0)  # sample.py --seed 0's noise of image 0
+    job = {"name": "text", "folder": str(export), "prompts": [prompt], "seeds": [seed],
+           "kwargs": {"num_inference_steps": steps, "guidance_scale": 2.0}}
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SAMPLE, json.dumps([job]), str(tmp_path / "out.pt")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = torch.load(tmp_path / "out.pt")["text"]
+    out = sample.main(["--run", str(export), "--prompt", prompt, "--per_class", "1", "--steps", str(steps),
+                       "--guidance_scale", "2", "--seed", "0", "--out", str(tmp_path / "sampled")])
+    ours = repo_latents(export, prompts=[prompt], steps=steps, guidance_scale=2.0)
+    torch.testing.assert_close(theirs["latent"], ours, atol=2e-4, rtol=1e-4, msg="the sampler's output")
+    diff = np.abs(theirs["pixels"].numpy().astype(int) - pngs(out).astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01, "the pipeline's image differs from sample.py --prompt's"
+
+    export_tool.main(["--run", str(straight)])  # after an evaluation, say: the folder it was trained with still gone
+    assert json.loads((export / "config.json").read_text())["encoders"]["text_encoder"] == str(clip)
+    assert "captions encoded by `clip` (this folder's `text_encoder/`)" in (export / "README.md").read_text()
+    again = sample.main(["--run", str(export), "--prompt", prompt, "--per_class", "1", "--steps", str(steps),
+                         "--guidance_scale", "2", "--seed", "0", "--out", str(tmp_path / "again")])
+    assert np.array_equal(pngs(again), pngs(out))
 
 
 def exported_pipeline(trainer, tmp_path, overrides):
@@ -423,6 +479,91 @@ def test_a_pushed_card_names_no_path_of_the_training_machine_and_the_run_it_star
     assert text.count(str(tmp_path)) == 1 and f"from_pretrained({str(run / 'export')!r}" in text  # where it is local
     cfg["init_from"] = "someone/their-model"
     assert "- fine-tuned from `someone/their-model` (the Hub):" in model_card.card(cfg, run, run / "export", 1)
+
+
+def test_a_text_export_carries_a_local_text_encoder_and_its_card_names_it_the_text_protocol_and_the_licences(
+        tmp_path, tiny_text_encoder):
+    """A text model whose encoders.text_encoder is a local folder: the export saves the encoder and tokenizer as
+    components (text_encoder/, tokenizer/ in model_index.json, no text_encoder_id) whose features are the original's,
+    and read back through the trainer's loader (the tokenizer found beside text_encoder/); config.json keeps the
+    run's name. The card names the encoder by its folder's name, never its path; its evaluation rows are a text
+    report's metrics with the prompts they were conditioned on and the CLIP model; emoji's card gives the licences
+    of the packages and of both vendors' images, with Twemoji's attribution. A hub id stays a reference, and a
+    folder that is gone is refused in one line before anything is written."""
+    _, cfg, run = fake_run(tmp_path)
+    clip = shutil.copytree(tiny_text_encoder, tmp_path / "home" / "me" / "clip")
+    cfg["data"].update(source=f"emoji:{tmp_path}/emoji", caption_column="caption", num_classes=0)
+    cfg["encoders"]["text_encoder"], cfg["encoders"]["max_tokens"] = str(clip), 8
+    model = build_denoiser(cfg, 3, 16, (8, 32, 32))
+    (run / "eval" / "text").mkdir()
+    (run / "eval" / "text" / "report.json").write_text(json.dumps({
+        "metrics": {"fd_clip_1k": 5.0, "clip_score_1k": 0.2512}, "num_samples": 1000, "written_by": "eval_fid.py",
+        "model": {"weights": "ema (export)"}, "sampler": "euler", "steps": 32, "guidance_scale": 7.0,
+        "guidance_interval": [0, 1],
+        "conditioning": {"prompts": "heldout", "num_prompts": 174, "prompts_sha256": "0123456789abcdef"},
+        "clip_model": str(tmp_path / "home" / "me" / "eval_clip"), "feature_extractor": "clip",
+        "reference": {"source": cfg["data"]["source"], "split": "test"}, "command": f"eval_fid.py --run {run}"}))
+    folder = pipeline_export.write(model, cfg, run / "export", None, run, repo="me/emoji")
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["text_encoder"] == ["transformers", "CLIPTextModel"] and index["text_encoder_id"] is None
+    assert index["tokenizer"] == ["transformers", "PreTrainedTokenizerFast"]
+    assert json.loads((folder / "config.json").read_text())["encoders"]["text_encoder"] == str(clip)
+    prompts = ["a small red circle", "a red apple"]
+    theirs = load_encoders(config.Config({"vae": None, "text_encoder": str(folder / "text_encoder")}), "cpu")[1:]
+    ours = load_encoders(config.Config({"vae": None, "text_encoder": str(clip)}), "cpu")[1:]
+    for k, v in encode_text(*ours, prompts, 8).items():
+        assert torch.equal(encode_text(*theirs, prompts, 8)[k], v), k
+    text = (folder / "README.md").read_text()
+    assert str(tmp_path) not in text
+    assert "conditioned on captions encoded by `clip` (this folder's `text_encoder/`)" in text
+    assert "| clip_score_1k | 0.2512 | the run's own | 1,000 samples (ema (export)), euler 32 steps, guidance 7, " \
+           "interval [0, 1], conditioned on the held-out captions (174, sha256 0123456789ab), against emoji test, " \
+           "clip features, CLIP score by eval_clip; `eval_fid.py --run me/emoji` |" in text
+    assert "| fd_clip_1k | 5.0000 | the run's own |" in text
+    licences = text.split("## Licences of the training images\n\n")[1].split("\n\n")[0].splitlines()
+    assert licences == [f"- {line}" for line in emoji.LICENCES] and len(licences) == 3
+    assert "MIT License, Copyright (c) 2013 Cal Henderson" in licences[0] and "Apache License 2.0" in licences[1]
+    assert "Copyright 2019 Twitter, Inc and other contributors" in licences[2] and "CC-BY 4.0" in licences[2]
+    assert model_card.licence_lines("fashion_mnist")[2].endswith("MIT License, Copyright 2017 Zalando SE")
+    assert model_card.licence_lines("/data/mine") == [] and model_card.licence_lines("embedded") == []
+
+    cfg["encoders"]["text_encoder"] = "openai/clip-vit-large-patch14"  # a hub id: a reference, nothing copied
+    folder = pipeline_export.write(model, cfg, run / "export", None, run)
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["text_encoder_id"] == "openai/clip-vit-large-patch14" and "text_encoder" not in index
+    assert not (folder / "text_encoder").exists() and not (folder / "tokenizer").exists()
+    card = (folder / "README.md").read_text()
+    assert "the text encoder `openai/clip-vit-large-patch14` is loaded by its hub id" in card
+    cfg["encoders"]["text_encoder"] = str(tmp_path / "gone")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit, match=r"^encoders.text_encoder='.*gone' is no folder here, so the export cannot "
+                                         r"carry it"):
+        pipeline_export.write(model, cfg, run / "export", None, run)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_a_whole_clip_folder_is_exported_as_its_text_tower_alone(tmp_path, tiny_text_encoder):
+    """encoders.text_encoder may name a whole CLIPModel folder (tools/clip.py's, both towers), whose text tower the
+    trainers load (CLIPTextModel): the export saves that tower alone (no vision weights, a clip_text_model config) and
+    its token features, mask and pooled vector are the whole folder's, bitwise."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, CLIPConfig, CLIPModel
+
+    text = json.loads((Path(tiny_text_encoder) / "config.json").read_text())
+    torch.manual_seed(0)
+    whole = CLIPModel(CLIPConfig(text_config=text, projection_dim=16, vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8)))
+    whole.save_pretrained(tmp_path / "clip")
+    AutoTokenizer.from_pretrained(tiny_text_encoder).save_pretrained(tmp_path / "clip")
+    entries = pipeline_export.save_text_encoder(tmp_path / "clip", tmp_path / "export")
+    assert entries["text_encoder"] == ["transformers", "CLIPTextModel"]
+    assert json.loads((tmp_path / "export" / "text_encoder" / "config.json").read_text())["model_type"] == "clip_text_model"
+    saved = load_file(str(tmp_path / "export" / "text_encoder" / "model.safetensors"))
+    assert saved and not [k for k in saved if "vision" in k or "projection" in k]
+    theirs = load_encoders(config.Config({"vae": None, "text_encoder": str(tmp_path / "export" / "text_encoder")}), "cpu")
+    ours = load_encoders(config.Config({"vae": None, "text_encoder": str(tmp_path / "clip")}), "cpu")
+    for k, v in encode_text(*ours[1:], ["a small red circle", "a red apple"], 8).items():
+        assert torch.equal(encode_text(*theirs[1:], ["a small red circle", "a red apple"], 8)[k], v), k
 
 
 def test_the_export_takes_tune_pys_choice_made_for_its_weights_and_no_other(tmp_path):

@@ -52,6 +52,18 @@ VERSION = "16.0.0"
 # The npm registry's integrity of each package (`npm view emoji-datasource-google@16.0.0 dist.integrity`).
 PINNED = {"google": "sha512-ZRexfzs7MVoLnmzZmNsO4TKhnAJp5D++Vm6PpUpH/jEQQlemp3l88CjZ+DoZ2faM9R4QxZkOPJCoT8DlPhfQ3A==",
           "twitter": "sha512-7F+uCuHH+7Qnrc15P5tnbvKkg9E6tlzi4MnT2uW1RlN4pLYTza6cP/dstIfSDMtpjFLWuZewWg8jBbuL2eyELQ=="}
+# The terms of what a model trained here learned from, for its card (training/sharing/model_card.py): the packages'
+# LICENSE (MIT, Copyright (c) 2013 Cal Henderson) and README.md ("Image Sources": each vendor's source, version and
+# licence); the README names no holder of Twemoji's graphics, so theirs is Twemoji's own notice (twitter/twemoji's
+# README, "License", of which jdecked/twemoji is the fork the package draws from), which CC-BY 4.0 requires to be kept
+# with the images and what is made from them.
+LICENCES = [
+    f"emoji-datasource-google and emoji-datasource-twitter {VERSION} (iamcal/emoji-data): MIT License, Copyright (c) "
+    f"2013 Cal Henderson",
+    "Google's images: Noto Emoji v2.048 (https://github.com/googlefonts/noto-emoji), Apache License 2.0",
+    "Twitter's images: Twemoji graphics, Copyright 2019 Twitter, Inc and other contributors (the fork "
+    "https://github.com/jdecked/twemoji, v16.0.1), licensed under CC-BY 4.0 "
+    "(https://creativecommons.org/licenses/by/4.0/); changed: composited on white"]
 DEFAULT_FOLDER = Path("~/.cache/minimal-diffusion/emoji").expanduser()
 FETCH = "python tools/fetch_emoji.py"
 SIDE = 64

@@ -49,10 +49,21 @@ def load_encoders(enc, device):
         key, name = "encoders.text_encoder", enc.text_encoder
         kind = from_pretrained(key, AutoConfig.from_pretrained, name).model_type
         model_cls = {"clip": CLIPTextModel, "clip_text_model": CLIPTextModel, "t5": T5EncoderModel}.get(kind, AutoModel)
-        tokenizer = from_pretrained(key, AutoTokenizer.from_pretrained, name)
+        tokenizer = from_pretrained(key, AutoTokenizer.from_pretrained, tokenizer_folder(name))
         text_encoder = from_pretrained(key, model_cls.from_pretrained, name, use_safetensors=True)
         text_encoder = text_encoder.to(device).eval().requires_grad_(False)
     return vae, tokenizer, text_encoder
+
+
+def tokenizer_folder(name):
+    """Where the tokenizer of the text encoder `name` is: beside it, in tokenizer/, for the text_encoder/ of a
+    diffusers pipeline folder (an export of this repository, a local Stable Diffusion), which holds none; else
+    `name` itself (a hub id, a transformers folder)."""
+    path = Path(name).expanduser()
+    beside = path.parent / "tokenizer"
+    if path.name == "text_encoder" and beside.is_dir() and not (path / "tokenizer_config.json").is_file():
+        return str(beside)
+    return name
 
 
 def place_encoders(vae, text_encoder, device, encode_each_step):

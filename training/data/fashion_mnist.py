@@ -21,6 +21,8 @@ FOLDER = Path("/usr/share/datasets/fashion-mnist")
 INSTALL = "apt-get install dataset-fashion-mnist"
 FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
          "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+# The images' terms (the package's /usr/share/doc/dataset-fashion-mnist/copyright), for a model card.
+LICENCE = "Fashion-MNIST (https://github.com/zalandoresearch/fashion-mnist): MIT License, Copyright 2017 Zalando SE"
 # Upstream's class names (zalandoresearch/fashion-mnist, README), in label order.
 CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
 

@@ -302,14 +302,16 @@ def build_denoiser(cfg, channels, size, text_dims=None):
 def load_exported(folder):
     """The EMA model that a run exported: transformer via `from_pretrained`, the conditioner's weights, the
     run's config.json. An export that carries its VAE (vae/: encoders.vae was a local folder) decodes with that
-    copy, wherever the folder it was trained with went."""
+    copy, and one that carries its text encoder (text_encoder/ and tokenizer/) encodes prompts with that, wherever
+    the folders it was trained with went."""
     from diffusers import SD3Transformer2DModel
     from safetensors.torch import load_file
 
     folder = Path(folder)
     cfg = config.Config(json.loads((folder / "config.json").read_text()))
-    if (folder / "vae" / "config.json").is_file():
-        cfg["encoders"]["vae"] = str(folder / "vae")
+    for key in ("vae", "text_encoder"):
+        if (folder / key / "config.json").is_file():
+            cfg["encoders"][key] = str(folder / key)
     transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer", use_safetensors=True)
     state = load_file(str(conditioner_weights(folder)))
     tc = transformer.config

@@ -57,13 +57,22 @@ def public_name(path):
     return p.name
 
 
+def public_value(value):
+    """A config value or a command's word as the card publishes it: a path of the machine that trained by its
+    public_name; the emoji source in its own folder ("emoji:/where/it/was/fetched") as "emoji", the packages every
+    machine fetches (tools/fetch_emoji.py) wherever it keeps them."""
+    if isinstance(value, str) and emoji.is_source(value):
+        return emoji.SOURCE
+    return public_name(value) if machine_path(value) else value
+
+
 def public_config(value):
-    """The run's config as the card embeds it: every path of the machine that trained by its public_name."""
+    """The run's config as the card embeds it: every path of the machine that trained by its public_value."""
     if isinstance(value, dict):
         return {k: public_config(v) for k, v in value.items()}
     if isinstance(value, list):
         return [public_config(v) for v in value]
-    return public_name(value) if machine_path(value) else value
+    return public_value(value)
 
 
 def public_command(command, run_dir, repo):
@@ -77,15 +86,15 @@ def public_command(command, run_dir, repo):
         run = flag == "--run" or (not eq and i > 0 and words[i - 1] == "--run")
         if run and Path(value).expanduser().resolve() in own:
             value = repo or "OWNER/NAME"
-        elif machine_path(value):
-            value = public_name(value)
+        else:
+            value = public_value(value)
         words[i] = flag + eq + value
     return " ".join(words)
 
 
 def source_name(source):
     """A reference or a data source in an evaluation row: a Hub id or a named source as it is, a path by its name."""
-    return public_name(source) if machine_path(source) else source
+    return public_value(source)
 
 
 def run_label(source):
@@ -132,6 +141,30 @@ def metadata(cfg, text):
              "tags:", *[f"- {t}" for t in tags]]
     lines += ["datasets:", f"- {source}"] if on_hub(source) else []
     return "\n".join(lines + ["---"])
+
+
+def licence_lines(source):
+    """The terms of the training images where the source is one this repository names (emoji: the packages and
+    each vendor's images, Twemoji's with the attribution CC-BY 4.0 requires; Fashion-MNIST); none for the user's
+    own data, whose terms the card cannot know."""
+    terms = (emoji.LICENCES if emoji.is_source(source) else
+             [fashion_mnist.LICENCE] if source == fashion_mnist.SOURCE else [])
+    return ["## Licences of the training images", "", *[f"- {t}" for t in terms], ""] if terms else []
+
+
+def encoder_text(enc, folder):
+    """How the pipeline gets its VAE and text encoder: this folder's copies (a local folder at training:
+    pipeline_export.carried), or their hub ids; None for a class model in pixel space."""
+    parts = []
+    if (Path(folder) / "vae").is_dir():
+        parts.append("the VAE is this folder's `vae/`")
+    elif enc["vae"]:
+        parts.append(f"the VAE `{enc['vae']}` is loaded by its hub id (model_index.json)")
+    if (Path(folder) / "text_encoder").is_dir():
+        parts.append("the text encoder and its tokenizer are this folder's `text_encoder/` and `tokenizer/`")
+    elif enc["text_encoder"]:
+        parts.append(f"the text encoder `{enc['text_encoder']}` is loaded by its hub id (model_index.json)")
+    return "; ".join(parts) + ", or pass `vae=` / `text_encoder=` and `tokenizer=`" if parts else None
 
 
 def loading_lines(repo, local, example):
@@ -212,6 +245,18 @@ def written_by(report):
     return f"tools/{program}" if program in ("tune.py", "phema.py") else program
 
 
+def prompts_of(report):
+    """What a text model's report was conditioned on (eval_fid.py's conditioning: the held-out captions, or a file
+    of prompts, by its name), its count and digest; nothing for a class model's."""
+    c = report.get("conditioning") or {}
+    if "prompts" not in c:
+        return ""
+    which = "the held-out captions" if c["prompts"] == "heldout" else f"the prompts of {source_name(c['prompts'])}"
+    count = f"{c['num_prompts']:,}" if "num_prompts" in c else "?"
+    digest = f", sha256 {c['prompts_sha256'][:12]}" if "prompts_sha256" in c else ""
+    return f", conditioned on {which} ({count}{digest})"
+
+
 def evaluations(cfg, run_dir, phema=None, tuned=None, repo=None):
     """Table rows (metric, value, setting, protocol, date, warnings) of eval_fid.py's reports on these weights (the
     export's EMA, or the post-hoc EMA of phema's std) and of quality.jsonl (the export's: its rows name their step),
@@ -246,8 +291,9 @@ def evaluations(cfg, run_dir, phema=None, tuned=None, repo=None):
                    f"{source_name(ref.get('source', '?'))} {ref.get('split') or ''}".strip())
         count = f" ({r['reference_count']:,} images)" if r.get("reference_count") else ""
         protocol = (f"{r['num_samples']:,} samples ({r['model'].get('weights', '')}), {r['sampler']} {r['steps']} steps, "
-                    f"guidance {r['guidance_scale']:g}, interval {r.get('guidance_interval', [0, 1])}, against "
-                    f"{against}{count}, {r.get('feature_extractor') or 'inception'} features; `{command}`")
+                    f"guidance {r['guidance_scale']:g}, interval {r.get('guidance_interval', [0, 1])}{prompts_of(r)}, "
+                    f"against {against}{count}, {r.get('feature_extractor') or 'inception'} features"
+                    f"{', CLIP score by ' + source_name(r['clip_model']) if r.get('clip_model') else ''}; `{command}`")
         bucket = " ({}x{} bucket)".format(*r["shape"]) if r.get("shape") else ""
         date = datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
         out += [(k + bucket, v, setting, protocol, date, r.get("warnings") or []) for k, v in r["metrics"].items()]
@@ -334,7 +380,9 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
     carried = (Path(folder) / "vae").is_dir()  # a local VAE, copied into the folder (pipeline_export.copy_vae)
     space = (f"the latents of `{Path(enc['vae']).name}` (this folder's `vae/`)" if carried else
              f"the latents of `{enc['vae']}`" if enc["vae"] else "pixel space")
-    conditioning = (f"captions encoded by `{enc['text_encoder']}`" if text else f"{len(names) or d['num_classes']} classes")
+    encoder = (f"`{Path(enc['text_encoder']).name}` (this folder's `text_encoder/`)"
+               if (Path(folder) / "text_encoder").is_dir() else f"`{enc['text_encoder']}`")  # a path: its name only
+    conditioning = f"captions encoded by {encoder}" if text else f"{len(names) or d['num_classes']} classes"
     weights = ("the EMA of the weights" if phema is None else
                f"the post-hoc EMA of relative std {phema['phema_std']:g} (gamma {phema['gamma']:.2f}, profile fit error "
                f"{phema['profile_fit_error']:.1e}), reconstructed from the run's snapshots (Karras et al. 2024)")
@@ -346,8 +394,8 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
               if d.get("bucket_shapes") else "") + f" in {space}, "
            f"conditioned on {conditioning} ({c['mode']} conditioning"
            f"{'; controls ' + ', '.join(c['controls']) if c['controls'] else ''}). The weights are {weights}.{made} "
-           f"Licence: the terms of the training data and of the referenced VAE and text encoder apply.", "",
-           *autoencoder_lines(Path(folder) / "vae" / latents.RECORD),
+           f"Licence: the terms of the training data and of the VAE and text encoder apply.", "",
+           *autoencoder_lines(Path(folder) / "vae" / latents.RECORD), *licence_lines(d["source"]),
            "## Use", "", *loading_lines(repo, str(local or folder), example),
            f"The first argument is {'a prompt' if text else 'a class name, id or index'} (or a list). The defaults are "
            + sampling_text(val, method, tuned, untuned)
@@ -356,9 +404,8 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
               "the size), `flip`" if c["controls"] else "")
            + ("; `height=` and `width=` (pixels) sample another shape, the squarest bucket by default"
               if d.get("bucket_shapes") else "")
-           + ". `generator=` (one per image) and `latents=` fix the noise; "
-           + ("the VAE is this folder's `vae/`" if carried else "the VAE and text encoder are loaded by their hub ids "
-              "(model_index.json)") + ", or pass `vae=` / `text_encoder=` and `tokenizer=`.", "",
+           + ". `generator=` (one per image) and `latents=` fix the noise"
+           + (f"; {encoder_text(enc, folder)}." if encoder_text(enc, folder) else "."), "",
            "## Training", "",
            f"- {steps:,} optimizer steps of {batch:,} images: {steps * batch:,} images seen",
            *started_from(cfg, run_dir),

@@ -7,10 +7,14 @@
 The folder (docs/evaluation.md, Sharing a model):
     model_index.json        the pipeline: its class (pipeline.py), components, the sampling defaults (the run's
                             settings, or tools/tune.py's choice for these weights: training/evaluation/tuning.py),
-                            and the VAE and text encoder by hub id (referenced, not copied)
+                            and a VAE or text encoder named by hub id (vae_id, text_encoder_id: referenced, not copied)
     vae/                    the VAE, when encoders.vae is a local folder (an autoencoder made by tools/autoencoder.py,
                             with its autoencoder.json): copied, a component the pipeline loads, since the folder
                             it was trained with is not where the export goes; a hub VAE stays a reference
+    text_encoder/,          the text encoder and its tokenizer, when encoders.text_encoder is a local folder (a CLIP
+    tokenizer/              made by tools/clip.py, a copy of a hub model): saved as the classes the trainer loaded them
+                            as (training/data/encoders.py: a CLIP folder's text tower alone), components the pipeline
+                            loads; the export then samples where that folder is gone. A hub id stays a reference
     pipeline.py             the sampling code (training/sharing/exported/pipeline.py): diffusers loads it for
                             custom pipelines
     transformer/            diffusers' SD3Transformer2DModel (also loadable on its own with from_pretrained)
@@ -25,8 +29,10 @@ The folder (docs/evaluation.md, Sharing a model):
                             init_from) read besides the weights
     class_ids.json          the class ids, for init_from's mapping of classes between runs
     phema.json              for a post-hoc EMA export (tools/phema.py): its reconstruction
-Nothing from this repository is needed to load it: the two files of training/sharing/exported/ import torch and
-diffusers only.
+Nothing from this repository is needed to load it: the two files of training/sharing/exported/ import torch,
+diffusers and (a text model) transformers only. A re-export (tools/export.py, tools/phema.py) reads the model back
+with load_exported, which points the config at the old export's copies: write carries those, and config.json and the
+card keep the names the run gave (as_trained).
 """
 import json
 import shutil
@@ -36,7 +42,9 @@ import diffusers
 from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
 import common
+from training.config import config
 from training.data import latents
+from training.data.encoders import load_encoders
 from training.data.classes import readable_names
 from training.run import hub
 from training.evaluation import tuning
@@ -83,10 +91,31 @@ def exported_conditioner(conditioner, transformer, class_ids):
     return out
 
 
-def carried_vae(cfg):
-    """The folder of the run's VAE when it travels with the export (a local folder), else None (pixels, a hub id)."""
-    vae = cfg["encoders"]["vae"]
-    return Path(vae) if vae and Path(vae).is_dir() else None
+def carried(cfg, key):
+    """The folder of the run's encoders.vae or .text_encoder when it travels with the export (a local folder), else
+    None (pixels, class labels, a hub id). A name that can only be a path (absolute, ~, ./) and is no folder here is
+    refused in one line: the export would name a folder its users do not have."""
+    name = cfg["encoders"][key]
+    if not name:
+        return None
+    if Path(name).expanduser().is_dir():
+        return Path(name).expanduser()
+    if name.startswith(("/", "~", ".")):
+        raise SystemExit(f"encoders.{key}={name!r} is no folder here, so the export cannot carry it: put the folder "
+                         f"back (or re-export from an export that holds {key}/)")
+    return None
+
+
+def as_trained(cfg):
+    """cfg with the encoders named as the run named them. load_exported (a re-export: tools/export.py, tools/phema.py)
+    points a carried VAE or text encoder at the old export's copy (EXPORT/vae, EXPORT/text_encoder); that export's
+    config.json still holds the run's own name, which the new config.json and the card keep."""
+    enc = dict(cfg["encoders"])
+    for key in ("vae", "text_encoder"):  # each carried in the export's folder of the same name
+        copy = Path(enc[key]) if enc[key] else None
+        if copy and copy.name == key and (copy.parent / "model_index.json").is_file():
+            enc[key] = json.loads((copy.parent / "config.json").read_text())["encoders"][key]
+    return {**cfg, "encoders": enc}
 
 
 def copy_vae(source, folder):
@@ -98,17 +127,35 @@ def copy_vae(source, folder):
             shutil.copy(source / name, folder / name)
 
 
-def model_index(cfg, scheduler, best=None):
+def save_text_encoder(source, folder):
+    """The text encoder in `source` as the trainer loads it (encoders.load_encoders: CLIPTextModel for a CLIP
+    folder, the text tower alone of a whole CLIPModel; T5EncoderModel; else AutoModel) into folder/text_encoder, its
+    tokenizer into folder/tokenizer: diffusers' layout, so from_pretrained loads both as components. Returns
+    model_index.json's entries: each one's transformers class."""
+    _, tokenizer, text_encoder = load_encoders(config.Config({"vae": None, "text_encoder": str(source)}), "cpu")
+    text_encoder.save_pretrained(folder / "text_encoder", safe_serialization=True)
+    tokenizer.save_pretrained(folder / "tokenizer")
+    # transformers 5 names its generic fast tokenizer TokenizersBackend; PreTrainedTokenizerFast, the same class
+    # there, is also 4.x's name for it, so the folder loads with either
+    kind = type(tokenizer).__name__.replace("TokenizersBackend", "PreTrainedTokenizerFast")
+    return {"text_encoder": ["transformers", type(text_encoder).__name__], "tokenizer": ["transformers", kind]}
+
+
+def model_index(cfg, scheduler, best=None, text=None):
     """model_index.json: the pipeline class in pipeline.py, its components, and the sampling defaults: the run's
     settings, with steps, guidance and its interval from `best` (tools/tune.py's choice for the exported weights:
-    tuning.export_choice) when given. A carried VAE is the component vae (vae/), else a hub id in vae_id."""
+    tuning.export_choice) when given. A carried VAE is the component vae (vae/), else a hub id in vae_id; a carried
+    text encoder (`text`: save_text_encoder's entries) the components text_encoder and tokenizer, else a hub id in
+    text_encoder_id."""
     val, obj = cfg["val"], cfg["objective"]
     best = best or {}
     flow = curves.method_of(cfg) == "flow_matching"
-    vae = {"vae": ["diffusers", "AutoencoderKL"], "vae_id": None} if carried_vae(cfg) else {"vae_id": cfg["encoders"]["vae"]}
+    vae = {"vae": ["diffusers", "AutoencoderKL"], "vae_id": None} if carried(cfg, "vae") else \
+        {"vae_id": cfg["encoders"]["vae"]}
+    text = {**text, "text_encoder_id": None} if text else {"text_encoder_id": cfg["encoders"]["text_encoder"]}
     return {"_class_name": ["pipeline", "MinimalDiffusionPipeline"], "_diffusers_version": diffusers.__version__,
             "transformer": ["diffusers", "SD3Transformer2DModel"], "conditioner": ["conditioner", "Conditioner"],
-            "scheduler": ["diffusers", type(scheduler).__name__], **vae, "text_encoder_id": cfg["encoders"]["text_encoder"],
+            "scheduler": ["diffusers", type(scheduler).__name__], **vae, **text,
             "max_tokens": cfg["encoders"]["max_tokens"], "num_inference_steps": best.get("steps", val["steps"]),
             "guidance_scale": best.get("guidance_scale", val["guidance_scale"]),
             "control_guidance_scale": val["control_guidance_scale"],
@@ -125,6 +172,7 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     phema: the post-hoc EMA's record (tools/phema.py); repo: the hub id it will be pushed to (the card's
     loading lines name it)."""
     folder, run_dir = Path(folder), Path(run_dir or cfg["run_dir"])
+    vae, text_encoder = carried(cfg, "vae"), carried(cfg, "text_encoder")  # before any work: a folder that is gone
     part = folder.with_name(folder.name + ".partial")
     shutil.rmtree(part, ignore_errors=True)  # left by an export that died writing
     part.mkdir(parents=True)
@@ -134,9 +182,10 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     shutil.copy(SOURCES / "pipeline.py", part / "pipeline.py")
     scheduler = make_scheduler(cfg)
     scheduler.save_pretrained(part / "scheduler")
-    if carried_vae(cfg):
-        copy_vae(carried_vae(cfg), part / "vae")
-    (part / "config.json").write_text(json.dumps(cfg, indent=2))
+    if vae:
+        copy_vae(vae, part / "vae")
+    text = save_text_encoder(text_encoder, part) if text_encoder else None
+    (part / "config.json").write_text(json.dumps(as_trained(cfg), indent=2))
     # tools/tune.py's choice, only where it was made for these weights (their digest) and the pipeline's sampler.
     tuned, untuned = tuning.export_choice(run_dir, part, cfg["val"]["sampler"], phema)
     if tuned is not None:
@@ -146,7 +195,7 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
               f"({run_dir / 'tuned.json'})")
     elif untuned:
         print(f"the pipeline's sampling defaults are the run's own: {run_dir / 'tuned.json'} {untuned}")
-    index = model_index(cfg, scheduler, tuned and tuned["best"])
+    index = model_index(cfg, scheduler, tuned and tuned["best"], text)
     (part / "model_index.json").write_text(json.dumps(index, indent=2))
     if note := meanflow.sampling_note(cfg["objective"], index["sampler"], index["num_inference_steps"],
                                       index["guidance_scale"], flags=False):  # a run recorded before, or its choice
@@ -159,7 +208,8 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     if grids:
         shutil.copy(grids[-1], part / model_card.GRID)
     n_params = sum(p.numel() for p in [*ema.transformer.parameters(), *ema.conditioner.parameters()])
-    (part / "README.md").write_text(model_card.card(cfg, run_dir, part, n_params, phema, repo, folder, tuned, untuned))
+    card = model_card.card(as_trained(cfg), run_dir, part, n_params, phema, repo, folder, tuned, untuned)
+    (part / "README.md").write_text(card)
     if folder.exists():
         shutil.rmtree(folder)
     part.rename(folder)

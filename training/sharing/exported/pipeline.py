@@ -10,7 +10,8 @@ Components: transformer (diffusers' SD3Transformer2DModel), conditioner (conditi
 text tokens into attention, controls into the adaptive norm), scheduler (FlowMatchEulerDiscreteScheduler on the
 run's shift for flow matching; DDIMScheduler or DDPMScheduler with the run's betas, zero terminal SNR and
 prediction type for DDPM, stepped on the trainer's exact trailing grid at any step count); the VAE and the
-text encoder are named by hub id in model_index.json (vae, text_encoder) and loaded from there, or passed to
+text encoder with its tokenizer: components of the folder (vae/, text_encoder/, tokenizer/) where the run's were local
+folders, else named by hub id in model_index.json (vae_id, text_encoder_id) and loaded from there, or passed to
 from_pretrained. Every sampling setting defaults to the run's
 (model_index.json), and this loop is the trainers' sampler step for step: guidance on the semantic and the
 control condition, only inside the guidance interval, with DDPM's guidance rescale, so the same noise gives the
@@ -240,7 +241,8 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
         if text:
             if prompt is None or self.text_encoder is None:
                 raise ValueError("this is a text-to-image model: give a prompt (or a list of prompts), and the text "
-                                 "encoder it was trained with (model_index.json's text_encoder_id, or text_encoder=)")
+                                 "encoder it was trained with (the folder's text_encoder/, model_index.json's "
+                                 "text_encoder_id, or text_encoder= and tokenizer=)")
             items = [prompt] if isinstance(prompt, str) else list(prompt)
         else:
             if prompt is None:
