@@ -353,8 +353,9 @@ def test_a_meanflow_model_recorded_with_eulers_settings_says_so_wherever_it_is_s
         assert "(its own way: --sampler meanflow --steps 2 --guidance_scale 1)" in said[0]
         assert notes(main, *flags, str(tmp_path / "own"), "--sampler", "meanflow", "--guidance_scale", "1") == []
     calls = []
-    monkeypatch.setattr(eval_fid, "main", lambda argv, feature_fn=None, written_by=None: calls.append(eval_fid.parse_args(argv)) or {
-        "metrics": {"fd_classifier_1": float(len(calls)), "class_accuracy_1": 0.5}, "warnings": []})
+    monkeypatch.setattr(eval_fid, "main", lambda argv, feature_fn=None, written_by=None: calls.append(
+        eval_fid.parse_args(argv)) or {"metrics": {"fd_classifier_1": float(len(calls)), "class_accuracy_1": 0.5},
+                                       "warnings": []})
     tune.main(["--run", str(run), "--sampler", "meanflow", "--num_samples", "1", "--confirm_samples", "0"])
     assert sorted(a.steps for a in calls) == [1, 2, 4] and all(a.guidance_scale == 1.0 for a in calls)
     assert [line for line in capsys.readouterr().out.splitlines() if "MeanFlow" in line] == []
