@@ -118,7 +118,7 @@ def test_ctrl_c_checkpoints_exits_75_in_one_line_and_the_relaunch_resumes(tmp_pa
 def test_resuming_a_finished_run_says_so_and_how_to_train_longer(tmp_path, capsys):
     """--resume latest of a run whose checkpoint is at train.max_steps, with its export of that step and its report
     after it: done, said with the flag that trains longer, also once the export was written again after the report
-    (tools/export.py, tools/tune.py). Not done: more steps asked, no export, the export of a shorter run trained on
+    (tools/export.py). Not done: more steps asked, no export, the export of a shorter run trained on
     since, a report missing or older than the checkpoint (a run stopped after its export)."""
     run = tmp_path / "run"
     ckpt = run / "checkpoints" / "step_00000004"

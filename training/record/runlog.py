@@ -102,9 +102,9 @@ def finished_run(cfg):
     (export/config.json's train.max_steps) and, with log.report, its report written after that checkpoint. Then the
     run folder, after saying so and how to train longer: the trainer returns it before any work, writing nothing
     again. Else None. A run stopped after its last checkpoint but before its export or report is not done: the
-    resumed run writes them. The report is dated against the checkpoint, not the export: tools/export.py and
-    tools/tune.py write the export again after the run (the model card's evaluation, tuned settings), and that
-    newer export is the user's, never the sign of a run stopped before its report."""
+    resumed run writes them. The report is dated against the checkpoint, not the export: tools/export.py writes
+    the export again after the run (the model card's evaluations, tools/tune.py's settings), and that newer export
+    is the user's, never the sign of a run stopped before its report."""
     ckpt = checkpoints.find_checkpoint(cfg.run_dir, cfg.resume) if cfg.resume else None
     if ckpt is None:
         return None
