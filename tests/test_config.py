@@ -296,12 +296,25 @@ def test_a_resumed_run_keeps_the_values_it_started_with(tmp_path, no_work, capsy
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume: ")]
     assert lines == ["resume: conditioning.control_power.crop=1.0, as the run started (step_00000004; today's default: "
                      "0.0; set it to change it)", "resume: conditioning.pooled_text=True, as the run started "
-                     "(step_00000004; today's default: None; set it to change it)"]
+                     "(step_00000004; today's default: None, i.e. off in disentangled (the paper's reading), on in both "
+                     "and adanorm (SD3); set it to change it)"]
     cfg = config.load_config(trainer.DEFAULTS, args + ["--resume", "latest"], method, schema=trainer.CONFIG)
     assert set(checkpoints.keep_recorded(cfg, log=lambda line: None)) == {"conditioning.control_power.crop",
                                                                           "conditioning.control_power.flip",
                                                                           "conditioning.pooled_text"}
     assert cfg.conditioning.control_power == {"size": 1.0, "crop": 1.0, "flip": 1.0} and cfg.conditioning.pooled_text
+
+
+def test_a_none_is_printed_with_what_it_does():
+    """config.shown, as the resume lines print a value: None with its key's "None: ..." clause (up to the next ';'),
+    from the trainer's schema or, loaded without one, the shared sections; "unset" for a key that names none."""
+    cfg = config.load_config(fm.DEFAULTS, [], schema=fm.CONFIG)
+    assert config.shown(cfg, "encoders.vae", None) == "None, i.e. pixel space"
+    assert config.shown(cfg, "val.fid_reference", None) == "None, i.e. the held-out split"
+    assert config.shown(cfg, "train.muon_lr", None) == "None, i.e. train.lr"
+    assert config.shown(cfg, "objective.shift_base_resolution", None) == "None, i.e. unset"
+    assert config.shown(cfg, "train.lr", 3e-4) == "0.0003"
+    assert config.shown(config.load_config(fm.DEFAULTS, []), "data.val_holdout", None) == "None, i.e. 10%, at most 256"
 
 
 def test_budgets_that_cannot_work_are_flagged(capsys):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from training.config.sections import (budget_warnings, combination_problems, schema,  # noqa: F401 (the trainers' API)
+from training.config.sections import (Run, budget_warnings, combination_problems, schema,  # noqa: F401 (the trainers' API)
                                       size_warnings)
 
 
@@ -183,6 +183,7 @@ def load_config(defaults, argv=None, method="run", schema=None):
     if cfg.get("init_from"):
         cfg.init_from = cfg.init_from.replace("{method}", method)
     object.__setattr__(cfg, "origin", dict(origin))  # the layer that set each key ("from configs/x.json"), for the checks
+    object.__setattr__(cfg, "schema", schema)  # its keys' descriptions, for the lines that print a value (shown)
     if schema is not None:  # the values beside any unknown key (never merged), combinations once all are right
         problems += schema_problems(schema, cfg, origin)
         if not problems:
@@ -206,6 +207,15 @@ TRAINER_FILLS = {"data.num_classes", "data.bucket_shapes"}
 # Of those, what --resume fills anew rather than keeping; the buckets stay (the run's model grid and cache), and
 # buckets.resolve refuses a start (another global batch) that would give others
 RESUME_REFILLS = TRAINER_FILLS - {"data.bucket_shapes"}
+
+
+def shown(cfg, key, value):
+    """A key's value as a line prints it; None with what None does for that key, from its description's "None: ..."
+    ("None, i.e. pixel space"), else "None, i.e. unset": a bare None says nothing to the reader."""
+    if value is not None:
+        return repr(value)
+    about = dict(fields(getattr(cfg, "schema", None) or Run)).get(key, {}).get("description") or ""
+    return "None, i.e. " + (about.split("None: ", 1)[1].split("; ")[0] if "None: " in about else "unset")
 
 
 def recorded(then, key, default):
