@@ -336,7 +336,8 @@ def main(argv=None):
             if density:
                 density.observe(loss)  # the per-bin loss it follows
             stab.noise_scale.micro_batch(micro)  # on its steps: the small batch's gradient norm
-            monitor.micro_batch(loss, (t * obj.loss_bins).long().clamp(max=obj.loss_bins - 1), weight, terms)
+            monitor.micro_batch(loss, (t * obj.loss_bins).long().clamp(max=obj.loss_bins - 1), weight, terms,
+                                meanflow.parts(t, r) if obj.meanflow else None)  # MeanFlow: r = t's loss, r < t's
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = stab.clip(model.parameters())  # to train.grad_clip, or a percentile of recent norms
         stab.noise_scale.measure(grad_norm)  # every log.grad_every steps: the gradient noise scale

@@ -321,6 +321,9 @@ def test_a_meanflow_run_trains_resumes_exactly_exports_and_samples_in_one_step_w
     run = fm.main(args)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("loss_adaptive_weight" in r for r in rows if "loss" in r)
+    # each kind of sample's loss beside the whole one (12 r = t and 4 r < t of 16): the loop hands the Monitor the parts
+    losses = [(r["loss"], r["loss_r_eq_t"], r["loss_r_lt_t"]) for r in rows if "loss" in r]
+    assert len(losses) == 4 and all(abs(a - (12 * b + 4 * c) / 16) < 1e-5 * a for a, b, c in losses)
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000004"), shutil.rmtree(resumed / "export")
