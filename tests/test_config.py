@@ -329,7 +329,8 @@ def test_every_meanflow_key_given_to_ddpm_says_whose_it_is():
 
 def test_a_none_is_printed_with_what_it_does():
     """config.shown, as the resume lines print a value: None with its key's "None: ..." clause (up to the next ';'),
-    from the trainer's schema or, loaded without one, the shared sections; "unset" for a key that names none."""
+    from the trainer's schema or, loaded without one (or unpickled), the shared sections; "unset" for a key that
+    names none."""
     cfg = config.load_config(fm.DEFAULTS, [], schema=fm.CONFIG)
     assert config.shown(cfg, "encoders.vae", None) == "None, i.e. pixel space"
     assert config.shown(cfg, "val.fid_reference", None) == "None, i.e. the held-out split"
@@ -337,6 +338,11 @@ def test_a_none_is_printed_with_what_it_does():
     assert config.shown(cfg, "objective.shift_base_resolution", None) == "None, i.e. unset"
     assert config.shown(cfg, "train.lr", 3e-4) == "0.0003"
     assert config.shown(config.load_config(fm.DEFAULTS, []), "data.val_holdout", None) == "None, i.e. 10%, at most 256"
+    import pickle  # the schema it keeps (a class built at run time) does not stop it pickling (a spawned worker's copy)
+
+    again = pickle.loads(pickle.dumps(config.load_config(fm.DEFAULTS, ["--train.lr=3e-4"], schema=fm.CONFIG)))
+    assert again.train.lr == 3e-4 and again.explicit == {"train.lr"} and config.shown(again, "encoders.vae", None) == \
+        "None, i.e. pixel space"
 
 
 def test_budgets_that_cannot_work_are_flagged(capsys):

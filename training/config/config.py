@@ -33,6 +33,9 @@ class Config(dict):
     def __setattr__(self, key, value):  # cfg.run_dir = ... sets the key, so config.json records it
         self[key] = value
 
+    def __getstate__(self):  # pickled or copied without the schema, a class built at run time (load_config's)
+        return {k: v for k, v in vars(self).items() if k != "schema"}
+
 
 
 
