@@ -305,8 +305,8 @@ def test_a_resumed_run_keeps_the_values_it_started_with(tmp_path, no_work, capsy
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume: ")]
     assert lines == ["resume: conditioning.control_power.crop=1.0, as the run started (step_00000004; today's default: "
                      "0.0; set it to change it)", "resume: conditioning.pooled_text=True, as the run started "
-                     "(step_00000004; today's default: None, i.e. off in disentangled (the paper's reading), on in both "
-                     "and adanorm (SD3); set it to change it)"]
+                     "(step_00000004; today's default: None, i.e. off in disentangled (the paper's reading), on in "
+                     "both and adanorm (SD3); set it to change it)"]
     cfg = config.load_config(trainer.DEFAULTS, args + ["--resume", "latest"], method, schema=trainer.CONFIG)
     assert set(checkpoints.keep_recorded(cfg, log=lambda line: None)) == {"conditioning.control_power.crop",
                                                                           "conditioning.control_power.flip",

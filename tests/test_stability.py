@@ -575,7 +575,8 @@ def test_the_trainers_rollback_restores_the_checkpoints_adam_moments(tmp_path, m
         return (out * float("nan") if len(calls) in (6, 7) else out), terms
 
     def moments():
-        return {k: {m: v[m].clone() for m in ("exp_avg", "exp_avg_sq")} for k, v in made[0].state_dict()["state"].items()}
+        state = made[0].state_dict()["state"]
+        return {k: {m: v[m].clone() for m in ("exp_avg", "exp_avg_sq")} for k, v in state.items()}
 
     def watched(self, step, monitor, load):
         seen["diverged"] = moments()

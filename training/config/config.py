@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from training.config.sections import (Run, budget_warnings, combination_problems, schema,  # noqa: F401 (the trainers' API)
+from training.config.sections import (Run, budget_warnings, combination_problems, schema,  # noqa: F401 (trainers' API)
                                       size_warnings)
 
 
