@@ -98,22 +98,36 @@ REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; launch/slurm.sbatch re
 
 
 def ignore_stop_signals(worker_id=None):
-    """DataLoader workers leave SIGTERM / SIGUSR1 to the training process, which checkpoints and exits."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    """DataLoader workers leave SIGTERM / SIGUSR1, and a terminal's Ctrl-C (SIGINT, sent to the whole foreground
+    process group), to the training process, which checkpoints and exits."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class StopSignals:
-    """SIGTERM / SIGUSR1 (preemption) are recorded, not obeyed at once. Installed on the first line of main(),
-    so from there on a signal always ends the run with REQUEUE_EXIT_CODE at the next safe point: during the
-    cache build after the shards in progress (the build resumes from finished shards), in the loop after the
-    step and its checkpoint, after training once the export is complete. The scheduler then requeues and
-    --resume latest continues."""
+    """SIGTERM / SIGUSR1 (preemption) and a first Ctrl-C (SIGINT) are recorded, not obeyed at once. Installed on the
+    first line of main(), so from there on a signal always ends the run with REQUEUE_EXIT_CODE at the next safe
+    point: during the cache build after the shards in progress (the build resumes from finished shards), in the
+    loop after the step and its checkpoint, after training once the export is complete. The scheduler then
+    requeues, and --resume latest continues (a laptop's relaunch too). A second Ctrl-C stops at once
+    (KeyboardInterrupt, no checkpoint). `accelerate launch` forwards one SIGINT to each rank (its workers run in
+    their own session, away from the terminal), so every rank stops at the same step, as with SIGTERM."""
 
     def __init__(self):
         self.received = []
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, lambda signum, frame: self.received.append(signum))
+        signal.signal(signal.SIGINT, self.interrupt)
+
+    def interrupt(self, signum, frame):
+        """Ctrl-C: the first is a stop like SIGTERM's, said at once on one line (os.write: a print could land
+        inside another print of this thread, which Python refuses); the second raises KeyboardInterrupt."""
+        if signal.SIGINT in self.received:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt("a second Ctrl-C: stopped at once, without a checkpoint")
+        self.received.append(signum)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per machine, not one per rank
+            os.write(sys.stderr.fileno(), f"\n{CTRL_C}\n".encode())
 
     def agreed(self, accelerator):
         """Whether to stop now; whichever ranks got the signal, all stop at the same step."""
@@ -126,6 +140,17 @@ class StopSignals:
         """At a safe point outside the loop (nothing to checkpoint): exit for a requeue if any rank got a signal."""
         if self.agreed(accelerator):
             requeue(accelerator, f"during {during}:")
+
+
+CTRL_C = (f"Ctrl-C: stopping at the next safe point (in training: the next log step, with a checkpoint), exit code "
+          f"{REQUEUE_EXIT_CODE}; --resume latest continues. Ctrl-C again stops at once, without a checkpoint")
+
+
+def stopped_at_once(error):
+    """The end of a run that a second Ctrl-C stopped (StopSignals.interrupt's KeyboardInterrupt): one line, not a
+    traceback, and the shell's exit code for SIGINT, 128 + 2."""
+    print(f"{error}; --resume latest continues from the last one", file=sys.stderr)
+    return 128 + signal.SIGINT
 
 
 def exit_for_requeue(accelerator, step):

@@ -526,3 +526,5 @@ if __name__ == "__main__":
         main()
     except config.ConfigError as e:  # one clear message, not a traceback
         sys.exit(str(e))
+    except KeyboardInterrupt as e:  # a second Ctrl-C (the first stops at the next log step, with a checkpoint)
+        sys.exit(common.stopped_at_once(e))

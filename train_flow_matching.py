@@ -337,7 +337,8 @@ def main(argv=None):
             if density:
                 density.observe(loss)  # the per-bin loss it follows
             stab.noise_scale.micro_batch(micro)  # on its steps: the small batch's gradient norm
-            monitor.micro_batch(loss, (t * obj.loss_bins).long().clamp(max=obj.loss_bins - 1), weight, terms)
+            monitor.micro_batch(loss, (t * obj.loss_bins).long().clamp(max=obj.loss_bins - 1), weight, terms,
+                                meanflow.parts(t, r) if obj.meanflow else None)  # MeanFlow: r = t's loss, r < t's
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = stab.clip(model.parameters())  # to train.grad_clip, or a percentile of recent norms
         stab.noise_scale.measure(grad_norm)  # every log.grad_every steps: the gradient noise scale
@@ -393,3 +394,5 @@ if __name__ == "__main__":
         main()
     except config.ConfigError as e:  # one clear message, not a traceback
         sys.exit(str(e))
+    except KeyboardInterrupt as e:  # a second Ctrl-C (the first stops at the next log step, with a checkpoint)
+        sys.exit(common.stopped_at_once(e))

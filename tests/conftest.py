@@ -1,6 +1,7 @@
 """Shared fixtures: tiny run arguments and tiny frozen encoders, built offline and saved with save_pretrained
 so that the trainers load them through the same code path as hub ids."""
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -137,6 +138,17 @@ def no_global_state_left_behind():
     yield
     found = leaked(before, global_state())
     assert not found, "this test left global state behind: " + "; ".join(found)
+
+
+@pytest.fixture(autouse=True)
+def stop_signal_handlers_put_back():
+    """A trainer run in this process installs its stop-signal handlers (common.StopSignals: Ctrl-C then stops at the
+    next log step): the test's end puts pytest's back, so a Ctrl-C still stops the suite at once."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    handlers = [signal.getsignal(s) for s in signals]
+    yield
+    for sig, handler in zip(signals, handlers):
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(autouse=True)

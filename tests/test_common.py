@@ -152,7 +152,7 @@ def test_t5_text_encoder_gives_masked_mean_pooling(tmp_path, tiny_text_encoder):
 
 class RecordingAccelerator:
     """Stands in for an Accelerator at the end of a run: records the calls that close it."""
-    is_main_process, num_processes = False, 1
+    is_main_process, num_processes, device = False, 1, torch.device("cpu")
 
     def __init__(self):
         self.calls = []
@@ -179,6 +179,30 @@ def test_a_run_ends_with_a_barrier_before_the_process_group_closes(tmp_path):
         common.exit_for_requeue(requeued, 10)
     assert stop.value.code == common.REQUEUE_EXIT_CODE
     assert finished.calls == requeued.calls == ["barrier", "end_training"]
+
+
+def test_a_first_ctrl_c_stops_like_sigterm_and_a_second_at_once(capfd):
+    """Ctrl-C (SIGINT) is recorded as SIGTERM is (the loop stops at its next log step, with a checkpoint, exit 75) and
+    said on one line at once; a SIGTERM before it is no first Ctrl-C; the second Ctrl-C raises KeyboardInterrupt,
+    which the trainers turn into one line and exit code 130. DataLoader workers ignore it (a terminal sends it to
+    the whole process group)."""
+    import os
+    import signal
+
+    signals = common.StopSignals()
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before the next line
+    assert signals.received == [signal.SIGTERM, signal.SIGINT]
+    assert signals.agreed(RecordingAccelerator()) is True
+    err = capfd.readouterr().err
+    assert err.count("Ctrl-C") == 2 and err.strip() == common.CTRL_C and "exit code 75" in err
+    with pytest.raises(KeyboardInterrupt) as second:
+        os.kill(os.getpid(), signal.SIGINT)
+    assert common.stopped_at_once(second.value) == 130
+    assert capfd.readouterr().err == ("a second Ctrl-C: stopped at once, without a checkpoint; --resume latest "
+                                      "continues from the last one\n")
+    common.ignore_stop_signals()  # as a DataLoader worker starts
+    assert all(signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
 
 
 def test_a_process_of_a_multi_process_run_leaves_at_once_with_its_exit_code(monkeypatch):

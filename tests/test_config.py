@@ -56,7 +56,7 @@ def test_config_errors_in_a_file_name_the_file(tmp_path):
 
 BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test's folder
     (fm, ["--train.lr=-1"], r"train.lr=-1.0 must be a number >= 0"),
-    (fm, ["--train.betas=[0.9]"], r"train.betas=\[0.9\] must be 2 values, each in \[0, 1\)"),
+    (fm, ["--train.betas=[0.9]"], r"train.betas=\[0.9\] must be a list of 2, each in \[0, 1\) \(from"),
     (fm, ["--data.cache_dtype=float99"], r"data.cache_dtype='float99' must be 'float16' or 'bfloat16' or 'float32'"),
     (fm, ["--model.patch_size=0"], r"model.patch_size=0 must be a number >= 1"),
     (fm, ["--log.every=0"], r"log.every=0 must be a number >= 1"),
@@ -76,7 +76,8 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--val.num_samples=0"], r"val.num_samples=0 must be a number >= 1"),
     (fm, ["--objective.time_sampling=beta"], r"objective.time_sampling='beta' must be 'logit_normal' or 'uniform'"),
     (fm, ["--data.resolution=15"], r"data.resolution=15 is not divisible by model.patch_size=2"),
-    (fm, ['--conditioning.controls=["zoom"]'], r"conditioning.controls=\['zoom'\] must be 'size' or 'crop' or 'flip'"),
+    (fm, ['--conditioning.controls=["zoom"]'],
+     r"conditioning.controls=\['zoom'\] must be a list, each 'size' or 'crop' or 'flip'"),
     (fm, ["--conditioning.semantic_dropout=1.5"], r"conditioning.semantic_dropout=1.5 must be in \[0, 1\]"),
     (fm, ["--data.cache_views=0"], r"data.cache_views=0 must be a number >= 1"),
     (fm, ["--data.cache_views=2"], r"data.cache_views=2 caches that many crops per image, and data.crop='center'"),
@@ -111,7 +112,7 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (ddpm, ["--objective.beta_start=0.02"], r"objective.beta_start=0.02 must be below objective.beta_end=0.012"),
     (ddpm, ["--val.guidance_rescale=2"], r"val.guidance_rescale=2.0 must be in \[0, 1\]"),
     (fm, ["--val.prompts={tmp}/no_prompts.txt"], r"val.prompts=.*no_prompts.txt.*: no such file"),
-    (fm, ["--data.val_shards=[-1]"], r"data.val_shards=\[-1\] must be 2 values, each a whole number or null"),
+    (fm, ["--data.val_shards=[-1]"], r"data.val_shards=\[-1\] must be a list of 2, each a whole number or null"),
     # stability (training/run/stability.py)
     (fm, ["--objective.time_sampling=adaptve"], r"objective.time_sampling='adaptve' must be 'logit_normal' or 'uniform' or 'adaptive'"),
     (ddpm, ["--objective.timestep_sampling=adaptive_"], r"objective.timestep_sampling='adaptive_' must be 'uniform' or 'adaptive'"),
@@ -134,6 +135,14 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--objective.repa_projector=linear"], r"objective.repa_projector='linear' must be 'mlp' or 'conv'"),
     (ddpm, ["--objective.repa_targets=disk"], r"objective.repa_targets='disk' must be 'cache' or 'on_the_fly'"),
     (ddpm, ["--objective.repa_weight=-0.5"], r"objective.repa_weight=-0.5 must be a number >= 0"),
+    # a single value for a list key says "a list", with the list of it where that works; another trainer's key, whose
+    (fm, ["--data.buckets=1.5"], r"data.buckets=1.5 must be 'auto' or a list, each a number > 0 \(or null\), e.g. "
+                                 r"\[1.5\] \(from --data.buckets=1.5\)"),
+    (fm, ["--ckpt.phema_stds=0.5"], r"ckpt.phema_stds=0.5 must be a list, each in \(0, 0.28\] \(from"),
+    (fm, ["--train.betas=0.9"], r"train.betas=0.9 must be a list of 2, each in \[0, 1\) \(from"),
+    (ddpm, ["--objective.meanflow=true"],
+     r"unknown config key 'objective.meanflow' \(from --objective.meanflow=true\): MeanFlow is flow matching's option "
+     r"\(.*\): use train_flow_matching.py"),
 ]
 if not torch.cuda.is_available():
     BAD.append((fm, ["--train.mixed_precision=fp16"], r"train.mixed_precision='fp16' needs a CUDA GPU"))
@@ -222,7 +231,7 @@ def test_help_lists_every_key_with_its_type_default_and_description(capsys):
         assert "--data.crop=\"center\"  ['center' or 'random' or 'random_resized']\n      drawn at cache time, data.cache_views of them" in out
         assert "--train.lr=0.002  [a number >= 0]\n      the paper: 1e-4 at batch 2048" in out
         assert "--data.max_samples=null  [a whole number >= 1 (or null)]\n      use only the first N" in out
-        assert "--train.betas=[0.9, 0.999]  [2 values, each in [0, 1)]" in out
+        assert "--train.betas=[0.9, 0.999]  [a list of 2, each in [0, 1)]" in out
         assert "model:  (SD3Transformer2DModel)" in out
     assert "--val.steps=32  [" in outs[fm] and "--val.sampler=\"euler\"  ['euler' or 'heun' or 'meanflow']" in outs[fm]
     assert "--val.steps=50  [" in out and "--val.sampler=\"ddim\"  ['ddim' or 'ddpm']" in out and "--val.guidance_rescale=0.7  [in [0, 1]]" in out
@@ -296,12 +305,44 @@ def test_a_resumed_run_keeps_the_values_it_started_with(tmp_path, no_work, capsy
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume: ")]
     assert lines == ["resume: conditioning.control_power.crop=1.0, as the run started (step_00000004; today's default: "
                      "0.0; set it to change it)", "resume: conditioning.pooled_text=True, as the run started "
-                     "(step_00000004; today's default: None; set it to change it)"]
+                     "(step_00000004; today's default: None, i.e. off in disentangled (the paper's reading), on in "
+                     "both and adanorm (SD3); set it to change it)"]
     cfg = config.load_config(trainer.DEFAULTS, args + ["--resume", "latest"], method, schema=trainer.CONFIG)
     assert set(checkpoints.keep_recorded(cfg, log=lambda line: None)) == {"conditioning.control_power.crop",
                                                                           "conditioning.control_power.flip",
                                                                           "conditioning.pooled_text"}
     assert cfg.conditioning.control_power == {"size": 1.0, "crop": 1.0, "flip": 1.0} and cfg.conditioning.pooled_text
+
+
+def test_every_meanflow_key_given_to_ddpm_says_whose_it_is():
+    """Each of MeanFlow's keys on train_ddpm.py's command line: one line naming flow matching's trainer, not the
+    list of DDPM's keys."""
+    keys = [k for k in fm.DEFAULTS.objective if k.startswith("meanflow")]
+    with pytest.raises(config.ConfigError) as e:
+        config.load_config(ddpm.DEFAULTS, [f"--objective.{k}={json.dumps(fm.DEFAULTS.objective[k])}" for k in keys],
+                           "ddpm", schema=ddpm.CONFIG)
+    lines = str(e.value).splitlines()[1:]
+    assert len(keys) == 7 and len(lines) == len(keys)
+    assert all(line.endswith("flow matching's option (the average velocity of its straight path): use "
+                             "train_flow_matching.py") and "known keys" not in line for line in lines)
+
+
+def test_a_none_is_printed_with_what_it_does():
+    """config.shown, as the resume lines print a value: None with its key's "None: ..." clause (up to the next ';'),
+    from the trainer's schema or, loaded without one (or unpickled), the shared sections; "unset" for a key that
+    names none."""
+    cfg = config.load_config(fm.DEFAULTS, [], schema=fm.CONFIG)
+    assert config.shown(cfg, "encoders.vae", None) == "None, i.e. pixel space"
+    assert config.shown(cfg, "val.fid_reference", None) == "None, i.e. the held-out split"
+    assert config.shown(cfg, "train.muon_lr", None) == "None, i.e. train.lr"
+    assert config.shown(cfg, "objective.shift_base_resolution", None) == "None, i.e. unset"
+    assert config.shown(cfg, "train.lr", 3e-4) == "0.0003"
+    assert config.shown(config.load_config(fm.DEFAULTS, []), "data.val_holdout", None) == "None, i.e. 10%, at most 256"
+    import pickle  # the schema it keeps (a class built at run time) does not stop it pickling (a spawned worker's copy)
+
+    again = pickle.loads(pickle.dumps(config.load_config(fm.DEFAULTS, ["--train.lr=3e-4"], schema=fm.CONFIG)))
+    assert again.train.lr == 3e-4 and again.explicit == {"train.lr"} and config.shown(again, "encoders.vae", None) == \
+        "None, i.e. pixel space"
 
 
 def test_budgets_that_cannot_work_are_flagged(capsys):

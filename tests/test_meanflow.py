@@ -113,6 +113,31 @@ def test_the_target_and_its_gradient_are_the_hand_written_finite_difference_ones
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("power", [0.5, 2.0])
+def test_the_adaptive_weight_takes_its_power(power):
+    """meanflow_weight_power p other than the 1 and 0 every other test uses: the trained objective's weight is
+    (|Delta|^2 + c / D)^-p, written out here with the authors' c = 0.01 and D = 3 x 4 x 4 elements, on the error
+    against v (r = t, no guidance) computed by hand; its term is (w - 1) |Delta|^2 and the gradient is that of
+    sg(w) |Delta|^2. A dropped power (1 / (|Delta|^2 + c / D)) is the same at p = 1."""
+    obj = {**OBJECTIVE, "meanflow_weight_power": power, "meanflow_guidance": 1.0, "meanflow_guidance_mix": 0.0}
+    model = Tiny()
+    x0, noise, cond, t, _ = tiny_batch()
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, len(x0), noise, obj)
+    (loss + terms["adaptive_weight"]).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    t_ = t.view(-1, 1, 1, 1)
+    u = model((1 - t_) * x0 + t_ * noise, t * 1000, {**cond, "interval": torch.zeros_like(t)})
+    error = (u - (noise - x0)).pow(2).mean(dim=(1, 2, 3))
+    weight = (error.detach() + 0.01 / 48) ** -power
+    assert ((error.detach() + 0.01 / 48) ** -1 - weight).abs().min() > 0.1  # |Delta|^2 far from 1: p shows
+    torch.testing.assert_close(loss.double(), error.detach(), rtol=1e-5, atol=1e-7)  # (the loss is float32)
+    torch.testing.assert_close(terms["adaptive_weight"].double(), (weight - 1) * error.detach(), rtol=1e-5, atol=1e-7)
+    (weight * error).sum().backward()
+    for a, b in zip(got, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def mmdit(mode, controls=(), prediction="v", extra=()):
     """A one-block MMDiT (8 px, patch 2) of a MeanFlow config, its interval embedding given weights (they start at
     zero), and a batch with every sample's r < t but the first."""
@@ -377,6 +402,9 @@ def test_a_meanflow_run_trains_resumes_exactly_exports_and_samples_in_one_step_w
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("loss_adaptive_weight" in r for r in rows if "loss" in r)
     assert [r["val_nfe"] for r in rows if "val_nfe" in r] == [1.0]  # validation: one evaluation an image
+    # each kind of sample's loss beside the whole one (12 r = t and 4 r < t of 16): the loop hands the Monitor the parts
+    losses = [(r["loss"], r["loss_r_eq_t"], r["loss_r_lt_t"]) for r in rows if "loss" in r]
+    assert len(losses) == 4 and all(abs(a - (12 * b + 4 * c) / 16) < 1e-5 * a for a, b, c in losses)
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000004"), shutil.rmtree(resumed / "export")

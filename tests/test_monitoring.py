@@ -185,3 +185,82 @@ def test_peak_memory_is_the_peak_of_each_log_interval(monkeypatch):
     import resource
 
     assert peak_memory(torch.device("cpu")) == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
+
+def driven_monitor(every, state=None):
+    """A Monitor as the loop drives it (CPU, one-block model), logging into a list; log.every = `every`."""
+    from accelerate import Accelerator
+
+    from training.run import monitor
+
+    cfg = config.load_config(fm.DEFAULTS, ["--train.max_steps=1000", f"--log.every={every}", "--log.grad_every=0",
+                                           "--model.num_layers=1", "--data.num_classes=3"])
+    rows = []
+    mon = monitor.Monitor(cfg, build_denoiser(cfg, 3, 8), Accelerator(cpu=True), rows.append, state or {"step": 0})
+    return mon, rows
+
+
+def test_a_parts_loss_is_the_mean_of_its_own_samples_and_survives_a_checkpoint_mid_interval():
+    """MeanFlow's parts (objectives/meanflow.py, parts): over an interval of two steps of 4 samples, loss_r_eq_t is
+    the mean of the 3 samples with r = t (1, 2, 5) and loss_r_lt_t of the other 5, beside the whole batch's loss (4.5);
+    a checkpoint between the two steps carries them, so the resumed monitor logs the same row."""
+    from training.objectives import meanflow
+
+    t = torch.tensor([0.9, 0.5, 0.8, 0.3])
+    steps = [(torch.tensor([1.0, 2.0, 3.0, 4.0]), meanflow.parts(t, torch.tensor([0.9, 0.5, 0.1, 0.2]))),
+             (torch.tensor([5.0, 6.0, 7.0, 8.0]), meanflow.parts(t, torch.tensor([0.9, 0.4, 0.1, 0.2])))]
+
+    def step(mon, loss, parts):
+        mon.micro_batch(loss, torch.zeros(4, dtype=torch.long), 1.0, None, parts)
+        mon.optimizer_step(torch.tensor(0.3), torch.tensor(True))
+
+    straight, rows = driven_monitor(2)
+    for loss, parts in steps:
+        step(straight, loss, parts)
+    straight.log_interval(2, 1e-3)
+    first, _ = driven_monitor(2)
+    step(first, *steps[0])
+    resumed, again = driven_monitor(2, json.loads(json.dumps({"step": 1, **first.state_dict()})))
+    step(resumed, *steps[1])
+    resumed.log_interval(2, 1e-3)
+    for row in (rows[-1], again[-1]):
+        assert row["loss"] == pytest.approx(4.5)
+        assert row["loss_r_eq_t"] == pytest.approx((1 + 2 + 5) / 3) and row["loss_r_lt_t"] == pytest.approx(28 / 5)
+    for mon in (straight, first, resumed):
+        mon.close()
+
+
+def test_a_clip_acting_on_most_steps_is_an_event_once_per_episode_and_a_resume_keeps_the_window(capsys):
+    """The clip (1.0) acts on 8 of every 10 steps, at 2x: after 50 steps (five intervals of log.every=10) one
+    clip_share_high event (share 0.8, excess 2.0) and one printed line; no second while it stays high; none in a
+    window where it acts on 2 of 10; a second event when it rises again. A monitor resumed from a checkpoint in the
+    middle of a window (step 175) logs the same events as the uninterrupted one."""
+    pattern = [True] * 50 + [True] * 50 + [False] * 50 + [True] * 100  # 250 steps: high, high, low, high x 2
+
+    def run(mon, first, last):
+        for step in range(first, last + 1):
+            mostly = pattern[step - 1]
+            clipped = (step % 10 < 8) if mostly else (step % 10 < 2)
+            mon.micro_batch(torch.tensor([0.5]), torch.tensor([0]))
+            mon.optimizer_step(torch.tensor(2.0 if clipped else 0.5), torch.tensor(True), 1.0)
+            if step % 10 == 0:
+                mon.log_interval(step, 1e-3)
+
+    straight, rows = driven_monitor(10)
+    run(straight, 1, 250)
+    events = [r for r in rows if r.get("event") == "clip_share_high"]
+    assert [(e["step"], e["clip_share"], e["steps"], e["clip_excess"], e["clip"]) for e in events] == \
+        [(50, 0.8, 50, 2.0, 1.0), (200, 0.8, 50, 2.0, 1.0)]
+    printed = [line for line in capsys.readouterr().out.splitlines() if "acted on" in line]
+    assert printed[0] == ("step 50: the gradient clip (1) acted on 80% of the last 50 steps, at 2.00 x the clip on "
+                          "average: it, not the LR, sets the size of those updates (docs/training.md, clip_share_high)")
+    assert len(printed) == 2
+    first, before = driven_monitor(10)
+    run(first, 1, 175)
+    resumed, after = driven_monitor(10, json.loads(json.dumps({"step": 175, **first.state_dict()})))
+    run(resumed, 176, 250)
+    assert [r for r in before + after if r.get("event")] == events
+    for mon in (straight, first, resumed):
+        mon.close()
+

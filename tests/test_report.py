@@ -101,6 +101,18 @@ def test_events_table_is_capped(tmp_path, unrendered_figures):
     assert md.count("| loss_spike |") == report.MAX_EVENT_ROWS
 
 
+def test_a_meanflow_runs_report_shows_each_kind_of_samples_loss_and_the_clip_event(tmp_path, unrendered_figures):
+    """A MeanFlow run's last loss_r_eq_t (flow matching's loss, the one to read) and loss_r_lt_t are final numbers
+    beside the loss, and the clip_share_high event is in the events table."""
+    rows = [training_row(s) | {"loss_r_eq_t": 0.12 + s / 1e4, "loss_r_lt_t": 13.0 + s / 100} for s in (10, 20)]
+    rows.append({"step": 20, "event": "clip_share_high", "clip_share": 1.0, "steps": 50, "clip_excess": 2.4,
+                 "clip": 1.0})
+    write_run(tmp_path / "mf", rows, config(meanflow=True), grids=())
+    md = report.write_report(tmp_path / "mf").read_text()
+    assert table_value(md, "loss_r_eq_t") == "0.122" and table_value(md, "loss_r_lt_t") == "13.2"
+    assert re.search(r"^\| 20 \| clip_share_high \| clip_share 1, steps 50, clip_excess 2.4, clip 1 \|$", md, re.M)
+
+
 def test_odd_rows_do_not_break_the_report(tmp_path, unrendered_figures):
     rows = [{"step": 10, "loss": float("nan"), "clip_excess": 2.0, "grad_norm/block_00": 0.0, "note": "text"},
             {"step": 20, "loss": 0.5, "grad_norm/block_00": 1.0, "update_ratio/conditioning": 1e-3},

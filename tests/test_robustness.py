@@ -87,10 +87,39 @@ def test_preemption_signal_checkpoints_and_exits_for_requeue_then_resumes(tmp_pa
     assert steps == list(range(1, stopped + 3))
 
 
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_exits_75_in_one_line_and_the_relaunch_resumes(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the whole foreground process group, the trainer and its DataLoader workers.
+    The run says so at once, stops at the next log step with a checkpoint and exit code 75 (SIGTERM's), no
+    traceback; the relaunch with --resume latest continues from that checkpoint."""
+    args = tiny_run_args(tmp_path, "stopped", steps=10_000) + ["--log.every=1", "--data.num_workers=2"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # as the terminal does: the workers get it too
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == common.REQUEUE_EXIT_CODE, stderr[-3000:]
+    assert stderr.count(common.CTRL_C) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    stopped = int(re.search(r"stopped by a signal at step (\d+): checkpoint written; exiting with code 75", stdout)[1])
+    assert checkpoints.find_checkpoint(tmp_path / "stopped", "latest").name == f"step_{stopped:08d}"
+    fm.main(tiny_run_args(tmp_path, "stopped", steps=stopped + 1) + ["--log.every=1", "--resume=latest"])
+    steps = [m["step"] for m in map(json.loads, metrics.read_text().splitlines()) if "loss" in m]
+    assert steps == list(range(1, stopped + 2))  # one step more, from the checkpoint: not from step 0
+
+
 def test_resuming_a_finished_run_says_so_and_how_to_train_longer(tmp_path, capsys):
     """--resume latest of a run whose checkpoint is at train.max_steps, with its export of that step and its report
-    after it: done, said with the flag that trains longer. Not done: more steps asked, no export, the export of a
-    shorter run trained on since, a report missing or older than the export (a run stopped after its export)."""
+    after it: done, said with the flag that trains longer, also once the export was written again after the report
+    (tools/export.py). Not done: more steps asked, no export, the export of a shorter run trained on
+    since, a report missing or older than the checkpoint (a run stopped after its export)."""
     run = tmp_path / "run"
     ckpt = run / "checkpoints" / "step_00000004"
     ckpt.mkdir(parents=True)
@@ -121,6 +150,8 @@ def test_resuming_a_finished_run_says_so_and_how_to_train_longer(tmp_path, capsy
     assert "Nothing left to train; nothing was written. To train longer: --resume latest --train.max_steps=N, " \
            "N > 4" in said
     assert finished("--train.max_steps=6") is None
+    os.utime(run / "export" / "config.json", (2e9, 2e9))  # 2033: exported again after the report (tools/export.py)
+    assert finished() == run
     assert finished("--train.lr_schedule=cosine") == run
     assert "(the cosine LR schedule is then laid over the N steps)" in capsys.readouterr().out
 

@@ -550,6 +550,54 @@ def test_a_planted_nan_rolls_back_and_finishes_with_the_lower_lr(tmp_path, monke
         fm.main(tiny_run_args(tmp_path, "none", steps=10) + args[len(tiny_run_args(tmp_path)):] + ["--train.max_rollbacks=0"])
 
 
+class RolledBack(Exception):
+    """Ends a run right after its rollback, once the optimizer's state is read."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["train_flow_matching", "train_ddpm"])
+def test_the_trainers_rollback_restores_the_checkpoints_adam_moments(tmp_path, monkeypatch, trainer):
+    """The trainer's own rollback (its loop, its `load`): NaN losses at steps 6 and 7 roll the run back to the
+    checkpoint of step 4, past step 5's real update. Right after it, every exp_avg and exp_avg_sq is bitwise the
+    checkpoint's, which the moments of the divergence were not (test_loss_spikes_roll_back_... checks the same
+    through a loop of its own, which would pass with a trainer that kept the diverged moments)."""
+    from training.optimisation import optimizers
+    from training.run import rollback
+
+    module = __import__(trainer)
+    made, seen, calls = [], {}, []
+    make_optimizer, roll_back, loss = optimizers.make_optimizer, rollback.Rollback.roll_back, module.training_loss
+    monkeypatch.setattr(optimizers, "make_optimizer", lambda *a, **k: made.append(make_optimizer(*a, **k)) or made[-1])
+
+    def poisoned(*args, **kwargs):  # calls 6 and 7 (steps 6 and 7: one micro-batch a step) are NaN
+        calls.append(1)
+        out, terms = loss(*args, **kwargs)
+        return (out * float("nan") if len(calls) in (6, 7) else out), terms
+
+    def moments():
+        state = made[0].state_dict()["state"]
+        return {k: {m: v[m].clone() for m in ("exp_avg", "exp_avg_sq")} for k, v in state.items()}
+
+    def watched(self, step, monitor, load):
+        seen["diverged"] = moments()
+        seen["step"] = roll_back(self, step, monitor, load)
+        seen["restored"] = moments()
+        raise RolledBack
+
+    monkeypatch.setattr(module, "training_loss", poisoned)
+    monkeypatch.setattr(rollback.Rollback, "roll_back", watched)
+    with pytest.raises(RolledBack):
+        module.main(tiny_run_args(tmp_path, "rb", steps=10) + [
+            "--log.every=1", "--ckpt.every=4", "--train.max_nonfinite_steps=2", "--train.on_divergence=rollback",
+            "--log.report=false", "--train.batch_size=8", *CONSTANT_LR])
+    saved = checkpoints.read_optimizer_state(tmp_path / "rb" / "checkpoints" / "step_00000004")["state"]
+    assert seen["step"] == 4 and len(made) == 1 and sorted(seen["restored"]) == sorted(saved)
+    assert any(not torch.equal(seen["diverged"][k][m], saved[k][m]) for k in saved for m in ("exp_avg", "exp_avg_sq"))
+    for k in saved:
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(seen["restored"][k][m], saved[k][m]), (k, m)
+
+
 @pytest.mark.slow
 def test_a_rollback_to_a_preemption_checkpoint_is_kept_there_and_repeats_no_validation(tmp_path, monkeypatch):
     """A run stops at step 5 (its last checkpoint is off the ckpt.every=4 grid, as a preemption's is), resumes to

@@ -21,7 +21,7 @@ def read_metrics(run_dir):
 
 
 @pytest.mark.slow
-def test_tiny_run_writes_everything_and_resumes_exactly(tmp_path):
+def test_tiny_run_writes_everything_and_resumes_exactly(tmp_path, capsys):
     args = tiny_run_args(tmp_path, "straight", steps=6) + ["--ckpt.every=3", "--val.every=3", "--log.every=1"]
     run = fm.main(args)
     assert json.loads((run / "config.json").read_text())["train"]["max_steps"] == 6
@@ -50,6 +50,15 @@ def test_tiny_run_writes_everything_and_resumes_exactly(tmp_path):
     exported = (short / "export" / "config.json").stat().st_mtime_ns
     fm.main(tiny_run_args(tmp_path, "resumed", steps=6) + ["--resume", "latest"])  # done: nothing trained or exported
     assert (short / "export" / "config.json").stat().st_mtime_ns == exported
+    # Exported again after the run (tools/export.py: a model card with evaluations): every relaunch says the run
+    # is done and writes nothing, the first as the second (it had exported once more, silently).
+    __import__("tools.export").export.main(["--run", str(short)])
+    files = {p: p.stat().st_mtime_ns for p in short.rglob("*")}
+    for _ in range(2):
+        capsys.readouterr()
+        fm.main(tiny_run_args(tmp_path, "resumed", steps=6) + ["--resume", "latest"])
+        assert f"resume: {short} is done" in capsys.readouterr().out
+        assert {p: p.stat().st_mtime_ns for p in short.rglob("*")} == files
     resumed = [m for m in read_metrics(short) if "loss" in m]
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]  # continues the step count
     # The continued run is the straight run: the same loss at every step and, bitwise, the same weights.

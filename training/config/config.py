@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from training.config.sections import (budget_warnings, combination_problems, schema,  # noqa: F401 (the trainers' API)
+from training.config.sections import (Run, budget_warnings, combination_problems, schema,  # noqa: F401 (trainers' API)
                                       size_warnings)
 
 
@@ -32,6 +32,9 @@ class Config(dict):
 
     def __setattr__(self, key, value):  # cfg.run_dir = ... sets the key, so config.json records it
         self[key] = value
+
+    def __getstate__(self):  # pickled or copied without the schema, a class built at run time (load_config's)
+        return {k: v for k, v in vars(self).items() if k != "schema"}
 
 
 
@@ -66,7 +69,8 @@ def allowed(s, whole=True, inner=False):
         return " or ".join(map(repr, s.get("enum", [s.get("const")])))
     if s.get("type") == "array":
         each = allowed(s["items"], whole, True)
-        return f"{s['minItems']} values, each {each}" if s.get("minItems", -1) == s.get("maxItems") else f"{each} (each)"
+        return f"a list of {s['minItems']}, each {each}" if s.get("minItems", -1) == s.get("maxItems") else \
+            f"a list, each {each}"
     if s.get("type") in ("integer", "number"):
         low = f"[{s['minimum']}" if "minimum" in s else f"({s['exclusiveMinimum']}" if "exclusiveMinimum" in s else ""
         high = f"{s['maximum']}]" if "maximum" in s else f"{s['exclusiveMaximum']})" if "exclusiveMaximum" in s else ""
@@ -90,11 +94,18 @@ def nest(key, value):  # "train.lr", 3e-4 -> {"train": {"lr": 3e-4}}
     return value
 
 
+# A method's keys given to the other trainer: the line that refuses them says whose they are.
+OTHER_TRAINERS = {"objective.meanflow": "MeanFlow is flow matching's option (the average velocity of its straight "
+                                        "path): use train_flow_matching.py"}
+
+
 def _merge(base, override, where, problems, origin, prefix=""):
     out = as_config(base)
     for key, value in override.items():
         name, default = prefix + key, base.get(key)
-        if key not in base:
+        if key not in base and (whose := next((w for k, w in OTHER_TRAINERS.items() if name.startswith(k)), None)):
+            problems.append(f"unknown config key '{name}' ({where}): {whose}")
+        elif key not in base:
             close = [k for k in base if k.startswith(key[:3])]
             problems.append(f"unknown config key '{name}' ({where}); known keys here: {sorted(base)}"
                             + (f", did you mean {close}?" if close else ""))
@@ -138,9 +149,27 @@ def schema_problems(model, cfg, origin):
                 value, section = value[part], section.model_fields[part].annotation
                 section = section if isinstance(section, type) and issubclass(section, BaseModel) else None
             key, whole = ".".join(parts), not err["type"].startswith(("greater", "less"))  # range only: "a number"
-            out.setdefault(key, f"{key}={value!r} must be {allowed(specs.get(key, {}), whole)}"
+            example = f", e.g. [{json.dumps(value)}]" if as_list_works(model, cfg, parts, value) else ""  # buckets=1.5
+            out.setdefault(key, f"{key}={value!r} must be {allowed(specs.get(key, {}), whole)}{example}"
                            + (f" ({origin[key]})" if key in origin else ""))
         return list(out.values())
+
+
+def as_list_works(model, cfg, parts, value):
+    """Whether a single value is right for its key as a list of one (--data.buckets=1.5 for [1.5]): then the line
+    refusing it shows that list."""
+    if isinstance(value, (list, dict)) or not parts:
+        return False
+    trial = json.loads(json.dumps(cfg))
+    section = trial
+    for part in parts[:-1]:
+        section = section[part]
+    section[parts[-1]] = [value]
+    try:
+        model.model_validate(trial)
+    except ValidationError as e:
+        return not any(tuple(err["loc"][:len(parts)]) == tuple(parts) for err in e.errors())
+    return True
 
 
 def load_config(defaults, argv=None, method="run", schema=None):
@@ -186,6 +215,7 @@ def load_config(defaults, argv=None, method="run", schema=None):
         cfg.init_from = cfg.init_from.replace("{method}", method)
     object.__setattr__(cfg, "origin", dict(origin))  # the layer that set each key ("from configs/x.json"), for the checks
     notes = []  # the resolvers' lines: the defaults that follow another key, filled once every value is valid
+    object.__setattr__(cfg, "schema", schema)  # its keys' descriptions, for the lines that print a value (shown)
     if schema is not None:  # the values beside any unknown key (never merged), combinations once all are right
         problems += schema_problems(schema, cfg, origin)
         if not problems:
@@ -212,6 +242,15 @@ TRAINER_FILLS = {"data.num_classes", "data.bucket_shapes"}
 # Of those, what --resume fills anew rather than keeping; the buckets stay (the run's model grid and cache), and
 # buckets.resolve refuses a start (another global batch) that would give others
 RESUME_REFILLS = TRAINER_FILLS - {"data.bucket_shapes"}
+
+
+def shown(cfg, key, value):
+    """A key's value as a line prints it; None with what None does for that key, from its description's "None: ..."
+    ("None, i.e. pixel space"), else "None, i.e. unset": a bare None says nothing to the reader."""
+    if value is not None:
+        return repr(value)
+    about = dict(fields(getattr(cfg, "schema", None) or Run)).get(key, {}).get("description") or ""
+    return "None, i.e. " + (about.split("None: ", 1)[1].split("; ")[0] if "None: " in about else "unset")
 
 
 def recorded(then, key, default):

@@ -143,6 +143,14 @@ def training_loss(model, raw, x0, cond, t, r, equal, noise, obj, align=None):
     return error, terms
 
 
+def parts(t, r):
+    """The batch's two kinds of sample, each one's loss logged apart (monitor.Monitor.micro_batch): r = t, where the
+    target is the velocity (guided: meanflow_guidance), so its loss is flow matching's, on its scale; and r < t,
+    the average velocity against the JVP's target, MeanFlow's own part, larger, growing as the model learns du/dt
+    (docs/training.md, "What a healthy run looks like")."""
+    return {"r_eq_t": t == r, "r_lt_t": t != r}
+
+
 def probe_loss(obj):
     """training_loss as fit.plan_batch's memory probe runs it (train.batch_size='auto'): every sample with r < t, so
     the whole micro-batch goes through the JVP (a step's most memory: the share with r = t varies by micro-batch),

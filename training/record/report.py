@@ -125,7 +125,8 @@ def plot_all(series, events, cfg, out):
     if "loss" in series or "val_loss" in series:
         with figure("loss.png", "Loss", "training and validation loss falling together (red crosses: loss spikes; "
                     "a widening gap to val_loss is overfitting)") as (fig, (ax,)):
-            for key, style in [("loss", dict(alpha=0.35, lw=1)), ("loss_smoothed", {}), ("val_loss", dict(marker="o"))]:
+            for key, style in [("loss", dict(alpha=0.35, lw=1)), ("loss_smoothed", {}), ("val_loss", dict(marker="o")),
+                               ("loss_r_eq_t", dict(lw=1)), ("loss_r_lt_t", dict(lw=1))]:  # MeanFlow's two kinds
                 if key in series:
                     ax.plot(*xy(series, key), label=key, **style)
             if spikes := events_of("loss_spike", key="loss"):
@@ -275,7 +276,8 @@ def config_rows(cfg, series):
 
 def final_rows(series, events):
     rows = [("last step", max((s for v in series.values() for s in v), default="-"))]
-    rows += [(k, fmt(last(series, k))) for k in ("loss", "loss_smoothed", "val_loss") if k in series]
+    rows += [(k, fmt(last(series, k))) for k in ("loss", "loss_r_eq_t", "loss_r_lt_t", "loss_smoothed", "val_loss")
+             if k in series]  # loss_r_*: MeanFlow's r = t samples (flow matching's loss) and the r < t ones
     val = [(v, s) for s, v in zip(*xy(series, "val_loss")) if math.isfinite(v)]
     if val:
         best, step = min(val)

@@ -100,10 +100,12 @@ def refuse_earlier_run(cfg):
 
 def finished_run(cfg):
     """--resume of a run that is done: its checkpoint at train.max_steps (or past it), its export of that step
-    (export/config.json's train.max_steps) and, with log.report, its report written after that export. Then the
-    run folder, after saying so and how to train longer: the trainer returns it before any work, exporting nothing
+    (export/config.json's train.max_steps) and, with log.report, its report written after that checkpoint. Then the
+    run folder, after saying so and how to train longer: the trainer returns it before any work, writing nothing
     again. Else None. A run stopped after its last checkpoint but before its export or report is not done: the
-    resumed run writes them."""
+    resumed run writes them. The report is dated against the checkpoint, not the export: tools/export.py writes
+    the export again after the run (the model card's evaluations, tools/tune.py's settings), and that newer export
+    is the user's, never the sign of a run stopped before its report."""
     ckpt = checkpoints.find_checkpoint(cfg.run_dir, cfg.resume) if cfg.resume else None
     if ckpt is None:
         return None
@@ -113,7 +115,8 @@ def finished_run(cfg):
         return None
     if json.loads(export.read_text())["train"]["max_steps"] != step:  # the export of a shorter run, trained on since
         return None
-    if cfg.log.report and not (report.is_file() and report.stat().st_mtime >= export.stat().st_mtime):
+    written = (Path(ckpt) / "state.pt").stat().st_mtime  # the checkpoint, then the export, then the report
+    if cfg.log.report and not (report.is_file() and report.stat().st_mtime >= written):
         return None
     schedule = (f" (the {cfg.train.lr_schedule} LR schedule is then laid over the N steps)"
                 if cfg.train.lr_schedule != "constant" else "")

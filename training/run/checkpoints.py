@@ -236,5 +236,6 @@ def keep_recorded(cfg, skip=(), log=print):
             section = section[name]
         section[leaf], taken[key] = old, (old, now)
     for key, (old, now) in taken.items() if int(os.environ.get("RANK", 0)) == 0 else ():
-        log(f"resume: {key}={old!r}, as the run started ({ckpt.name}; today's default: {now!r}; set it to change it)")
+        log(f"resume: {key}={config.shown(cfg, key, old)}, as the run started ({ckpt.name}; today's default: "
+            f"{config.shown(cfg, key, now)}; set it to change it)")
     return taken

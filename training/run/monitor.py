@@ -104,6 +104,10 @@ def find_spikes(losses, state, threshold, warmup=100, decay=0.99):
 # records: nothing it does changes what is trained.
 
 
+# The clip_share_high event: the clip acted on at least this share of the steps of a window of at least this many
+# (consecutive log intervals), so that a short log.every judges as many steps as a long one.
+CLIP_WATCH_SHARE, CLIP_WATCH_STEPS = 0.5, 50
+
 PEAK_MEMORY = {True: "the CUDA allocator's peak of each log interval (reset after each log)",
                False: "the process's peak resident memory since it started (CPU: the kernel's peak RSS, no reset)"}
 
@@ -148,10 +152,12 @@ class Monitor:
         rollback: training/run/stability.py)."""
         self.skipped, self.bad_in_row = state.get("skipped_steps", 0), state.get("bad_in_row", 0)
         self.loss_state = state.get("loss_state", {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0})  # smoothed loss, spikes
+        self.clip_watch = dict(state.get("clip_watch", {"steps": 0, "clipped": 0, "excess": 0.0, "high": False}))
         self.since_log, self.micro_batches, self.before = 0, 0, None  # `before`: weights kept for the update ratio
         self.steps_done, self.diverged_at, self.progress.n = state.get("step", 0), None, state.get("step", 0)
         self.stats.zero_(), self.per_step.zero_()
         self.terms = {}  # the options' loss terms (REPA, contrastive): their interval sums, by name
+        self.parts = {}  # the loss of a part of each batch (MeanFlow's r = t): its interval [sum, count], by name
         self.restart_clock()
         interval = state.get("interval")
         if interval and len(interval["totals"]) == len(self.stats) + self.per_step.numel():
@@ -162,6 +168,8 @@ class Monitor:
                 self.stats.copy_(totals[:len(self.stats)]), self.per_step.view(-1).copy_(totals[len(self.stats):])
             self.terms = {k: torch.tensor(v if self.accelerator.is_main_process else 0.0, device=self.stats.device)
                           for k, v in interval.get("terms", {}).items()}
+            self.parts = {k: torch.tensor(v if self.accelerator.is_main_process else [0.0, 0.0],
+                                          device=self.stats.device) for k, v in interval.get("parts", {}).items()}
             self.since_log, self.waited = interval["steps"], interval["waited"]
             self.t_last -= interval["seconds"]
             self.cpu_last -= interval.get("cpu_seconds", 0.0)  # (absent in checkpoints from before issue 57)
@@ -170,16 +178,20 @@ class Monitor:
         """What a checkpoint keeps: counters, the smoothed-loss statistics and the log interval in progress (its
         per-step sums over all ranks: a collective, every rank calls it)."""
         totals = self.accelerator.reduce(torch.cat([self.stats, self.per_step.flatten(), *self.term_sums()]), "sum")
-        n = len(self.stats) + self.per_step.numel()
+        n, terms = len(self.stats) + self.per_step.numel(), len(self.terms)
+        parts = totals[n + terms:].view(-1, 2).tolist()
         return {"skipped_steps": self.skipped, "bad_in_row": self.bad_in_row, "loss_state": self.loss_state,
+                "clip_watch": dict(self.clip_watch),
                 "interval": {"steps": self.since_log, "totals": totals[:n].tolist(), "waited": self.waited,
                              "seconds": time.perf_counter() - self.t_last,
                              "cpu_seconds": time.process_time() - self.cpu_last,
-                             "terms": dict(zip(sorted(self.terms), totals[n:].tolist()))}}
+                             "terms": dict(zip(sorted(self.terms), totals[n:n + terms].tolist())),
+                             "parts": dict(zip(sorted(self.parts), parts))}}
 
     def term_sums(self):
-        """The options' term sums as 1-element tensors, in name order (every rank has the same names)."""
-        return [self.terms[k].view(1) for k in sorted(self.terms)]
+        """The options' term sums, then the parts' loss sums and counts, as 1-D tensors in name order (every rank has
+        the same names)."""
+        return [self.terms[k].view(1) for k in sorted(self.terms)] + [self.parts[k].view(2) for k in sorted(self.parts)]
 
     def restart_clock(self):
         """Throughput and CPU per step count training only: the clocks start at each interval (and at start)."""
@@ -204,16 +216,21 @@ class Monitor:
         return bool(every) and (self.steps_done + 1) % every == 0 and (self.accelerator.is_main_process or
                                                                        self.cfg.train.get("sharding") == "fsdp")
 
-    def micro_batch(self, loss, bins, weight=1.0, terms=None):
+    def micro_batch(self, loss, bins, weight=1.0, terms=None, parts=None):
         """After a micro-batch's backward: its per-sample losses and the time bin (0 .. loss_bins - 1) of each.
         `weight`: the adaptive time density's importance weights; the step's loss is the weighted one (what is
         trained, an unbiased estimate of the base objective), the per-bin losses the unweighted ones. After the
         step's last micro-batch, on an analysis step, the weights are kept for the update ratio (once the
         activations are freed, so the copy does not raise the step's peak memory). `terms`: the options' own
-        per-sample loss terms (REPA, contrastive), logged as loss_<name>, weighted as the loss is."""
+        per-sample loss terms (REPA, contrastive), logged as loss_<name>, weighted as the loss is. `parts`: {name:
+        per-sample mask}, each logged as loss_<name>, the mean (unweighted, as the per-bin losses) of its samples' loss
+        (MeanFlow's r = t and r < t samples: objectives/meanflow.py, parts)."""
         loss = loss.detach()
         for name, value in (terms or {}).items():
             self.terms[name] = self.terms.get(name, 0) + (weight * value.detach()).sum()
+        for name, mask in (parts or {}).items():
+            mask = mask.to(loss.dtype)
+            self.parts[name] = self.parts.get(name, 0) + torch.stack([(loss * mask).sum(), mask.sum()])
         self.per_step[self.since_log, 0] += (weight * loss).sum()
         self.per_step[self.since_log, 1] += len(loss)
         self.stats[:self.k_bins].index_add_(0, bins, loss)
@@ -252,8 +269,8 @@ class Monitor:
         for a rollback), find loss spikes, log."""
         tr, k_bins = self.cfg.train, self.k_bins
         totals = self.accelerator.reduce(torch.cat([self.stats, self.per_step.flatten(), *self.term_sums()]), "sum")
-        n = len(self.stats) + self.per_step.numel()
-        totals, term_totals = totals[:n], totals[n:]
+        n, terms = len(self.stats) + self.per_step.numel(), len(self.terms)
+        totals, term_totals, part_totals = totals[:n], totals[n:n + terms], totals[n + terms:].view(-1, 2).tolist()
         n_steps, self.since_log = self.since_log, 0
         elapsed = time.perf_counter() - self.t_last
         steps = totals[len(self.stats):].view(-1, 5)[:n_steps].tolist()
@@ -275,6 +292,7 @@ class Monitor:
             self.loss_state["spikes"] += 1
             self.log({"step": step - n_steps + 1 + i, "event": "loss_spike", "loss": losses[i], "loss_smoothed": mean})
         clipped = [n / c for n, c in zip(norms, clips) if math.isfinite(n) and n > c]
+        self.watch_clipping(step, n_steps, clipped, clips[-1])
         peak = peak_memory(self.accelerator.device)
         metrics = {"step": step, "loss": loss_avg, "loss_smoothed": self.loss_state["mean"], "lr": lr,
                    "grad_norm": sum(n for n in norms if math.isfinite(n)) / n_steps, "skipped_steps": self.skipped,
@@ -289,6 +307,7 @@ class Monitor:
         metrics["images_per_s_per_device"] = metrics["images_per_s"] / self.world
         count = sum(s[1] for s in steps)
         metrics.update({f"loss_{k}": v / count for k, v in zip(sorted(self.terms), term_totals.tolist())})
+        metrics.update({f"loss_{k}": total / n for k, (total, n) in zip(sorted(self.parts), part_totals) if n})
         if clipped:  # by how much the clip acted, on the steps where it did
             metrics["clip_excess"] = sum(clipped) / len(clipped)
         self.log(metrics)
@@ -297,9 +316,29 @@ class Monitor:
         if self.show_lines:
             print(self.line(step, metrics), flush=True)
         self.stats.zero_(), self.per_step.zero_()
-        self.terms = {}
+        self.terms, self.parts = {}, {}
         self.restart_clock()
         return metrics
+
+    def watch_clipping(self, step, n_steps, clipped, clip):
+        """The clip_share_high event, logged and printed once when the clip acts on CLIP_WATCH_SHARE or more of a
+        window's steps, and again only after a window below it: a clip acting on most steps scales every update to
+        the clip, so it sets the update's size in place of the LR, which neither the loss nor the LR shows.
+        `clipped`: norm / clip of this interval's clipped steps; `clip`: the last step's threshold."""
+        watch = self.clip_watch
+        watch["steps"], watch["clipped"] = watch["steps"] + n_steps, watch["clipped"] + len(clipped)
+        watch["excess"] += sum(clipped)
+        if watch["steps"] < CLIP_WATCH_STEPS:
+            return
+        share = watch["clipped"] / watch["steps"]
+        if share >= CLIP_WATCH_SHARE and not watch["high"]:
+            excess = watch["excess"] / watch["clipped"]
+            self.log({"step": step, "event": "clip_share_high", "clip_share": share, "steps": watch["steps"],
+                      "clip_excess": excess, "clip": clip})
+            self.accelerator.print(f"step {step}: the gradient clip ({clip:.3g}) acted on {share:.0%} of the last "
+                                   f"{watch['steps']} steps, at {excess:.2f} x the clip on average: it, not the LR, "
+                                   f"sets the size of those updates (docs/training.md, clip_share_high)")
+        self.clip_watch = {"steps": 0, "clipped": 0, "excess": 0.0, "high": share >= CLIP_WATCH_SHARE}
 
     def eta(self, step):
         """The time left, in words: see eta_of."""
