@@ -68,8 +68,9 @@ def canvases(split, seed):
 
 
 def data(args):
-    """OUT/data/{train, test, test_square}/data.parquet: the canvases (grey, stored as PNG with ClassLabel labels),
-    and the square originals of the test split alone (the square arm's reference)."""
+    """OUT/data/{train, test, test_square}/{split}.parquet: the canvases (grey, stored as PNG with ClassLabel
+    labels), and the square originals of the test split alone (the square arm's reference). Each file is named by
+    its split, as a parquet source is split by file name (sources.parquet_files)."""
     import datasets
 
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=fashion_mnist.CLASSES)})
@@ -79,7 +80,7 @@ def data(args):
         if split == "test":
             parts["test_square"] = np.flatnonzero(kinds == "square")
         for name, rows in parts.items():
-            path = Path(args.out) / "data" / name / "data.parquet"
+            path = Path(args.out) / "data" / name / f"{split}.parquet"
             if path.is_file():
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
