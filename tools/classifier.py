@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_flow_matching  # noqa: E402
 from training.config import config  # noqa: E402
-from training.data.sources import load_image, open_dataset, open_splits, preprocess  # noqa: E402
+from training.data.sources import load_image, preprocess, training_and_test  # noqa: E402
 from training.run.monitor import progress  # noqa: E402
 from training.evaluation import classifier  # noqa: E402
 from training.evaluation.reference import to_uint8  # noqa: E402
@@ -39,30 +39,6 @@ def split_images(data, ds, split):
     images = np.stack([to_uint8(preprocess(load_image(row[data.image_column]), data.resolution, data, flip=False)[0][None])[0]
                        for row in progress(ds, f"read {split}", True)])
     return images, np.asarray(ds[data.label_column]), getattr(ds.features[data.label_column], "names", None)
-
-
-def same_rows(data, a, b, chunk=1000):
-    """Whether two splits hold the same images, row for row (undecoded: the same files, or the same bytes); read
-    a chunk at a time, stopping at the first that differs (two real splits differ in the first)."""
-    return len(a) == len(b) and all(a[i:i + chunk][data.image_column] == b[i:i + chunk][data.image_column]
-                                    for i in range(0, len(a), chunk))
-
-
-def training_and_test(data, test_split, tool):
-    """(training rows, test rows, the test split's name) for a tool that learns from the recipe's training split
-    and is measured on `test_split` (this one, tools/autoencoder.py). A test split that is the training split is
-    refused before any work; one that reads the training split's images (a folder without a test folder) gives
-    way to the trainer's own split: its training rows, and the rows it holds out (test split 'heldout')."""
-    if test_split == data.split:
-        sys.exit(f"{tool}: --test_split '{test_split}' is the training split (data.split): it learns from that "
-                 f"split and is measured on another")
-    train_ds, test_ds = open_dataset(data, data.split), open_dataset(data, test_split)
-    if same_rows(data, train_ds, test_ds):  # scored on them, training images would pass for test images
-        print(f"{tool}: split '{test_split}' of {data.source} holds the images of its training split "
-              f"'{data.split}' (no {test_split} folder?): trained on the trainer's training rows and measured on "
-              f"the rows the trainer holds out, never trained on (test split 'heldout')")
-        return (*open_splits(data), "heldout")
-    return train_ds, test_ds, test_split
 
 
 def main(argv=None):
