@@ -78,9 +78,11 @@ def main(argv=None):
     if not (data.caption_column or data.label_captions):
         sys.exit(f"tools/clip.py: {args.config} has no data.caption_column: a CLIP learns from captioned images "
                  f"(add --data.caption_column=caption)")
-    if data.resolution % patch or min(args.epochs, args.batch_size, args.width, args.layers) < 1:
-        sys.exit(f"tools/clip.py: --patch_size {patch} must divide data.resolution={data.resolution}, and --epochs, "
-                 f"--batch_size, --width, --layers must be >= 1")
+    if data.resolution % patch or min(args.epochs, args.batch_size, args.width, args.layers) < 1 or \
+            args.width > 64 and args.width % 64:
+        sys.exit(f"tools/clip.py: --patch_size {patch} must divide data.resolution={data.resolution}, --width "
+                 f"{args.width} be a multiple of 64 (heads of 64) or below 64 (one head), and --epochs, --batch_size, "
+                 f"--width, --layers >= 1")
     train_ds, test_ds, args.test_split = training_and_test(data, args.test_split, "tools/clip.py")
     images, captions, skipped = pairs(data, train_ds, data.split)
     test_images, test_captions, test_skipped = pairs(data, test_ds, args.test_split)
