@@ -61,11 +61,12 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="folder for the model, tokenizer, image processor and clip.json")
     p.add_argument("--test_split", default="test", help="the split its retrieval is measured on (never trained on)")
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch_size", type=int, default=256)
+    p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--width", type=int, default=128, help="both towers' width (heads of 64) and the projection's")
     p.add_argument("--layers", type=int, default=4, help="both towers' depth")
-    p.add_argument("--patch_size", type=int, default=None, help="the ViT's patch side; default data.resolution / 8")
+    p.add_argument("--patch_size", type=int, default=None, help="the ViT's patch side; default data.resolution / 8, "
+                   "at least 4 px (docs/data.md: 2 px patches learnt shapes far slower)")
     p.add_argument("--vocab_size", type=int, default=2048, help="the BPE's tokens at most (256 bytes + 2 + merges)")
     p.add_argument("--seed", type=int, default=0)
     args, overrides = p.parse_known_args(argv)
@@ -74,7 +75,7 @@ def main(argv=None):
     if problems:
         raise config.ConfigError("invalid config:\n  " + "\n  ".join(problems))
     data, start = cfg.data, time.time()
-    patch = args.patch_size or max(1, data.resolution // 8)
+    patch = args.patch_size or max(4, data.resolution // 8)
     if not (data.caption_column or data.label_captions):
         sys.exit(f"tools/clip.py: {args.config} has no data.caption_column: a CLIP learns from captioned images "
                  f"(add --data.caption_column=caption)")
@@ -109,8 +110,8 @@ def main(argv=None):
     model = clip.build(tokenizer, data.resolution, patch, args.width, args.layers, context, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"clip: {n_params / 1e6:.2f}M parameters (ViT {data.resolution} px in {patch} px patches, text over "
-          f"{context} tokens, width {args.width}, {args.layers} layers each); tokenizer of {len(tokenizer)} tokens from "
-          f"{len(distinct)} training captions, the longest {max(lengths)} tokens; {args.epochs} epochs of "
+          f"{context} tokens, width {args.width}, {args.layers} layers each); tokenizer of {len(tokenizer)} tokens "
+          f"from {len(distinct)} training captions, the longest {max(lengths)} tokens; {args.epochs} epochs of "
           f"{len(images)} pairs in batches of {args.batch_size}")
     loss = clip.train(model, images, caption_ids, tokens, args.epochs, args.batch_size, args.lr, args.seed)
     train_seconds = time.time() - start
@@ -137,8 +138,8 @@ def main(argv=None):
     (Path(args.out) / clip.RECORD).write_text(json.dumps(record, indent=1))
     print(f"clip in {args.out}: image -> caption top-1 {test['top1']:.3f}, top-5 {test['top5']:.3f} among the "
           f"{test['captions']} captions of {test['images']} '{args.test_split}' images (chance "
-          f"{test['chance_top1']:.3f}, {test['chance_top5']:.3f}; training images among their {train['captions']}: {train['top1']:.3f}, "
-          f"{train['top5']:.3f}); {record['seconds']:.0f} s")
+          f"{test['chance_top1']:.3f}, {test['chance_top5']:.3f}; training images among their {train['captions']}: "
+          f"{train['top1']:.3f}, {train['top5']:.3f}); {record['seconds']:.0f} s")
     return Path(args.out)
 
 

@@ -128,7 +128,7 @@ def contrastive_loss(image_emb, text_emb, caption_of, logit_scale):
     return (to_text + to_image) / 2
 
 
-def train(model, images, caption_ids, tokens, epochs, batch_size=256, lr=1e-3, seed=0,
+def train(model, images, caption_ids, tokens, epochs, batch_size=64, lr=1e-3, seed=0,
           log=lambda line: print(line, flush=True)):
     """`epochs` passes of AdamW (betas 0.9 / 0.98, weight decay 0.1 on matrices; CLIP's) over the pairs (uint8
     images (N, R, R, 3), `caption_ids` (N,) into `tokens` = (input_ids, attention_mask) of the distinct captions),
