@@ -26,9 +26,8 @@ from tools import classifier as classifier_tool  # noqa: E402
 from tools import fetch_emoji  # noqa: E402
 from training.config import config  # noqa: E402
 from training.config.config import ConfigError  # noqa: E402
-from training.data import emoji  # noqa: E402
+from training.data import emoji, sources  # noqa: E402
 from training.data.sources import load_image, open_dataset, open_splits  # noqa: E402
-from training.evaluation import reference  # noqa: E402
 
 installed = pytest.mark.skipif(not all(emoji.tarball(emoji.DEFAULT_FOLDER, v).is_file() for v in emoji.PINNED),
                                reason=f"the emoji packages are not in {emoji.DEFAULT_FOLDER}: {emoji.FETCH}")
@@ -319,7 +318,7 @@ def test_the_tools_refuse_to_learn_from_the_test_split(packages, tmp_path):
         autoencoder.main(["--config", str(recipe), "--out", str(tmp_path / "a")])
     data = config.Config({"source": f"emoji:{folder}", "split": "test"})
     with pytest.raises(ConfigError, match="^data.split='test': the test captions of data.source='emoji:"):
-        reference.training_and_test(data, "validation", "tools/autoencoder.py")
+        sources.training_and_test(data, "validation", "tools/autoencoder.py")
     with pytest.raises(SystemExit, match="^tools/clip.py: data.split='test'"):
         emoji.refuse_test("emoji", "test", "tools/clip.py")
     emoji.refuse_test("fashion_mnist", "test", "tools/clip.py")  # another source's test split: not this one's rule
@@ -336,13 +335,13 @@ def test_a_model_card_names_the_packages_not_the_folder():
 # ---- Through the trainers' path ----------------------------------------------------------------------------------
 
 
-def test_the_source_opens_through_the_trainers_path(packages, monkeypatch):
+def test_the_source_opens_through_the_trainers_path(packages, monkeypatch, tiny_text_encoder):
     """open_splits with data.val_split='validation': the training rows are split 'train', the held-out rows split
     'validation', images undecoded and read back by load_image as 64 px RGB; captions and the label go through."""
     folder, pinned = packages
     monkeypatch.setattr(emoji, "PINNED", pinned)
     data = emoji_config(folder, "--data.caption_column=caption", "--data.label_column=null",
-                        "--encoders.text_encoder=unused").data
+                        f"--encoders.text_encoder={tiny_text_encoder}", "--encoders.max_tokens=16").data
     lines = []
     train, val = open_splits(data, lines.append)
     assert set(train["caption"]) == {r["caption"] for r in emoji.load("train", folder, pinned)}

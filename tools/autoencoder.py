@@ -7,9 +7,9 @@ quality on the test split is recorded beside it (autoencoder.json): no model in 
         --classifier classifiers/fashion_mnist       # 15 min of one thread; without --classifier: PSNR alone
     python train_flow_matching.py --config configs/fashion_mnist_latent.json   # its encoders.vae is that folder
 
-The splits are tools/classifier.py's (reference.training_and_test): every row of the training split (data.split,
-held-out rows included: none is a test image); a --test_split that is the training split is refused; a source whose
-test split reads its training images is measured on the rows the trainer holds out (test split "heldout").
+The splits are tools/classifier.py's (sources.training_and_test): every row of the training split (data.split,
+held-out rows included: none is a test image); a --test_split that is the training split is refused; a source
+whose test split reads its training images is measured on the rows the trainer holds out (test split "heldout").
 
 autoencoder.json: the settings; "factors" (scaling_factor = 1 / std and shift_factor = the mean of the training
 latents, the posterior's draws); "test": the reconstructions of the test images through the trainers' own encode
@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_flow_matching  # noqa: E402
 from training.config import config  # noqa: E402
 from training.data import latents  # noqa: E402
+from training.data.sources import training_and_test  # noqa: E402
 from training.data.encoders import decode, make_encode  # noqa: E402
 from training.evaluation import classifier  # noqa: E402
 from training.evaluation.metrics import all_scores, size_tag  # noqa: E402
-from training.evaluation.reference import (reference_args, reference_for, split_images, to_uint8,  # noqa: E402
-                                           training_and_test)
+from training.evaluation.reference import reference_args, reference_for, split_images, to_uint8  # noqa: E402
 
 SCORED = 2000  # the campaigns' samples per run (docs/benchmarks.md): rFD at the count its latent runs are scored at
 

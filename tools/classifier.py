@@ -11,7 +11,7 @@ eval_fid.py prints beside the class accuracy of samples. Fashion-MNIST: 3 epochs
 
 A source whose test split reads the very images of its training split (a folder of class folders without a test
 folder: datasets gives its one set of images under any split name) would score training images as test images.
-Then the rows are split as the trainer splits them (reference.training_and_test): the classifier trains on the trainer's
+Then the rows are split as the trainer splits them (sources.training_and_test): the classifier trains on the trainer's
 training rows and is measured on the rows the trainer holds out (test_split "heldout" in classifier.json, the rows
 eval_fid.py's default --reference_split scores against), and says so.
 """
@@ -26,8 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_flow_matching  # noqa: E402
 from training.config import config  # noqa: E402
+from training.data.sources import training_and_test  # noqa: E402
 from training.evaluation import classifier  # noqa: E402
-from training.evaluation.reference import split_images, training_and_test  # noqa: E402
+from training.evaluation.reference import split_images  # noqa: E402
 
 
 def main(argv=None):

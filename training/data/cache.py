@@ -29,7 +29,7 @@ import common
 from training.data import repa_targets
 from training.data.batching import loader_options, views_of
 from training.data.classes import class_names, read_class_ids, validation_prompts
-from training.data.encoders import encode_text, load_encoders, make_encode, vae_identity
+from training.data.encoders import encode_text, load_encoders, make_encode, text_encoder_identity, vae_identity
 from training.data.encoding import DecodedShards, cache_size, encoded_rows, human_bytes, samples_per_shard
 from training.data.sources import expand_braces, is_stream, stream_shards
 
@@ -92,6 +92,8 @@ def cache_key(cfg, part, ds, rows):
         key["cache_text"] = False  # token ids, not features
     if enc.vae:  # its factors (and a local folder's weights): a recalibrated or retrained VAE is a miss
         key["vae_identity"] = vae_identity(enc.vae)
+    if enc.text_encoder and text_encoder_identity(enc.text_encoder):  # a local folder's files: retrained, a miss
+        key["text_encoder_identity"] = text_encoder_identity(enc.text_encoder)
     key.update(repa_targets.cache_key(cfg))  # REPA's targets, when stored with the rows
     return key
 

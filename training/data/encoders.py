@@ -4,9 +4,16 @@ its config key), where they sit while training runs, tokenising and encoding cap
 into model space and decoding back to pixels. What the cache stores of them is encoding.py's and cache.py's.
 
 problems(): the start-up check of the encoders section (the VAE's config reads, and data.resolution divides into
-the model's patches at the VAE's downsampling), handed to the config loader by the trainers (sections.schema). An
-autoencoder made here (tools/autoencoder.py) is a local folder like any other; its latents' scale is checked once
-cached (latents.check_scale).
+the model's patches at the VAE's downsampling; the text encoder's config reads, and encoders.max_tokens fits its
+positions), handed to the config loader by the trainers (sections.schema). An autoencoder made here
+(tools/autoencoder.py) is a local folder like any other; its latents' scale is checked once cached
+(latents.check_scale); so is a CLIP made here (tools/clip.py, training/data/clip.py).
+
+Captions become token ids as the text encoder's own tokenizer makes them (tokenize): start and end tokens added,
+padded to encoders.max_tokens, and a longer caption truncated to it, its end token kept last (CLIP's and T5's
+tokenizers both count their special tokens within max_length). The empty caption (the dropped condition of
+guidance, and the null text of the model) is the start and end tokens alone; a CLIP's pooled vector is the final
+hidden state at its end token, a T5's the mean over the real tokens (docs/data.md, "Captions into tokens").
 """
 from pathlib import Path
 
@@ -170,9 +177,31 @@ def vae_factor(name, recipe=None):
     return 2 ** (len(config["block_out_channels"]) - 1)
 
 
+def text_encoder_identity(name):
+    """What of a local text encoder folder `name` decides its cached features beyond its name, for the cache key:
+    the size and time of its weights, config and tokenizer files, so a CLIP retrained in place (tools/clip.py) is
+    a miss, never the old features. None for a hub id (its name is its identity)."""
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        return None
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(folder.iterdir())
+            if f.suffix in (".safetensors", ".bin", ".json", ".txt", ".model")}
+
+
+def text_positions(name):
+    """The positions the text encoder `name` has (its text config's max_position_embeddings), from its config
+    alone; None for one without a fixed number (T5's relative positions)."""
+    from transformers import AutoConfig
+
+    config = from_pretrained("encoders.text_encoder", AutoConfig.from_pretrained, name)
+    return getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
+
+
 def problems(cfg):
     """The encoders' start-up check: the VAE's config can be read (only the config: no weights), and data.resolution
-    is a whole number of the model's patches at the VAE's downsampling factor (1 in pixel space)."""
+    is a whole number of the model's patches at the VAE's downsampling factor (1 in pixel space); the text
+    encoder's config can be read, and encoders.max_tokens is at most its positions (more would fail inside
+    transformers once the cache is being built)."""
     d, m, enc, out, factor = cfg["data"], cfg["model"], cfg["encoders"], [], 1
     if enc["vae"]:
         try:
@@ -183,6 +212,19 @@ def problems(cfg):
         except Exception as e:
             out.append(f"encoders.vae={enc['vae']!r}: its config cannot be read ({type(e).__name__}: "
                        f"{str(e).strip().splitlines()[0][:200]})")
+    if enc["text_encoder"]:
+        try:
+            positions = text_positions(enc["text_encoder"])
+        except SystemExit as e:  # from_pretrained: a model that cannot be found, in one line
+            out.append(str(e))
+        except Exception as e:
+            out.append(f"encoders.text_encoder={enc['text_encoder']!r}: its config cannot be read ({type(e).__name__}: "
+                       f"{str(e).strip().splitlines()[0][:200]})")
+        else:
+            if positions is not None and enc["max_tokens"] > positions:
+                out.append(f"encoders.max_tokens={enc['max_tokens']} is more than the {positions} positions of "
+                           f"encoders.text_encoder={enc['text_encoder']!r} (its max_position_embeddings): set "
+                           f"encoders.max_tokens to at most {positions}")
     if d["resolution"] % (m["patch_size"] * factor):
         out.append(f"data.resolution={d['resolution']} is not divisible by model.patch_size={m['patch_size']}"
                    f" x the VAE's downsampling factor {factor}")

@@ -304,6 +304,34 @@ def open_splits(data, log=print):
     return train, val
 
 
+def same_rows(data, a, b, chunk=1000):
+    """Whether two splits hold the same images, row for row (undecoded: the same files, or the same bytes); read
+    a chunk at a time, stopping at the first that differs (two real splits differ in the first)."""
+    return len(a) == len(b) and all(a[i:i + chunk][data.image_column] == b[i:i + chunk][data.image_column]
+                                    for i in range(0, len(a), chunk))
+
+
+def training_and_test(data, test_split, tool):
+    """(training rows, test rows, the test split's name) for a tool that learns from the recipe's training split
+    and is measured on `test_split` (tools/classifier.py, tools/autoencoder.py, tools/clip.py). A test split that is
+    the training split is refused before any work (ConfigError), as is learning from an emoji source's test split
+    (emoji.test_refusal); one that reads the training split's images (a folder without a test folder) gives way to
+    the trainer's own split: its training rows, and the rows it holds out (test split 'heldout'), and `tool` says
+    so."""
+    if line := emoji.test_refusal(data.source, data.split, "data.split"):
+        raise ConfigError(line)
+    if test_split == data.split:
+        raise ConfigError(f"--test_split '{test_split}' is the training split (data.split): it learns from that "
+                          f"split and is measured on another")
+    train_ds, test_ds = open_dataset(data, data.split), open_dataset(data, test_split)
+    if same_rows(data, train_ds, test_ds):  # scored on them, training images would pass for test images
+        print(f"{tool}: split '{test_split}' of {data.source} holds the images of its training split "
+              f"'{data.split}' (no {test_split} folder?): trained on the trainer's training rows and measured on "
+              f"the rows the trainer holds out, never trained on (test split 'heldout')")
+        return (*open_splits(data), "heldout")
+    return train_ds, test_ds, test_split
+
+
 def load_image(value):
     """Decode an undecoded `datasets.Image` value to 8-bit RGB, converted with its full range, never clipped:
     16-bit grey (I;16) divides by 257 (65535 -> 255), as does 16-bit RGB (Pillow keeps the high byte);

@@ -20,9 +20,8 @@ from PIL import Image
 
 import common
 from training.config import config
-from training.data import emoji
 from training.data.buckets import image_sizes, nearest, rows_in, shape_arg
-from training.data.sources import is_stream, load_image, open_dataset, open_splits, preprocess, stream_heldout
+from training.data.sources import is_stream, load_image, open_dataset, open_splits, preprocess, same_rows, stream_heldout
 from training.run.monitor import progress
 
 INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
@@ -137,33 +136,6 @@ def heldout(data):
     if is_stream(data):
         return stream_heldout(data)
     return open_dataset(data, data.val_split) if data.val_split else open_splits(data)[1]
-
-
-def same_rows(data, a, b, chunk=1000):
-    """Whether two splits hold the same images, row for row (undecoded: the same files, or the same bytes); read
-    a chunk at a time, stopping at the first that differs (two real splits differ in the first)."""
-    return len(a) == len(b) and all(a[i:i + chunk][data.image_column] == b[i:i + chunk][data.image_column]
-                                    for i in range(0, len(a), chunk))
-
-
-def training_and_test(data, test_split, tool):
-    """(training rows, test rows, the test split's name) for a tool that learns from the recipe's training split
-    and is measured on `test_split` (tools/classifier.py, tools/autoencoder.py). A test split that is the training
-    split is refused before any work (ConfigError); one that reads the training split's images (a folder without a
-    test folder) gives way to the trainer's own split: its training rows, and the rows it holds out (test split
-    'heldout'), and `tool` says so. An emoji source's test split is never learnt from (emoji.test_refusal)."""
-    if line := emoji.test_refusal(data.source, data.split, "data.split"):
-        raise config.ConfigError(line)
-    if test_split == data.split:
-        raise config.ConfigError(f"--test_split '{test_split}' is the training split (data.split): it learns from "
-                                 f"that split and is measured on another")
-    train_ds, test_ds = open_dataset(data, data.split), open_dataset(data, test_split)
-    if same_rows(data, train_ds, test_ds):  # scored on them, training images would pass for test images
-        print(f"{tool}: split '{test_split}' of {data.source} holds the images of its training split "
-              f"'{data.split}' (no {test_split} folder?): trained on the trainer's training rows and measured on "
-              f"the rows the trainer holds out, never trained on (test split 'heldout')")
-        return (*open_splits(data), "heldout")
-    return train_ds, test_ds, test_split
 
 
 def split_images(data, ds, split):
