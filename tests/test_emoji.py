@@ -325,6 +325,29 @@ def test_the_tools_refuse_to_learn_from_the_test_split(packages, tmp_path):
     emoji.refuse_test("emoji", "train", "tools/clip.py")
 
 
+def test_the_image_tools_read_a_text_recipe_that_names_the_folders_they_build(packages, tmp_path, monkeypatch):
+    """A text recipe (captions, a CLIP and an autoencoder named by folders not built yet, as configs/emoji.json is
+    before its tools run): tools/classifier.py learns the category with --data.label_column=label, and
+    tools/autoencoder.py trains on the same rows; neither reads the recipe's encoders (config.IMAGES_ONLY)."""
+    folder, pinned = packages
+    monkeypatch.setattr(emoji, "PINNED", pinned)
+    recipe = tmp_path / "emoji.json"
+    recipe.write_text(json.dumps({"data": {"source": f"emoji:{folder}", "val_split": "validation", "resolution": 16,
+                                           "label_column": None, "caption_column": "caption"},
+                                  "encoders": {"vae": str(tmp_path / "ae"), "text_encoder": str(tmp_path / "clip")}}))
+    with pytest.raises(SystemExit, match="has no data.label_column: .* add --data.label_column=COLUMN"):
+        classifier_tool.main(["--config", str(recipe), "--out", str(tmp_path / "c")])
+    classifier_tool.main(["--config", str(recipe), "--out", str(tmp_path / "c"), "--epochs", "1",
+                          "--data.label_column=label"])
+    record = json.loads((tmp_path / "c" / "classifier.json").read_text())
+    assert (record["train_rows"], record["test_split"]) == (len(emoji.load("train", folder, pinned)), "test")
+    from tools import autoencoder
+
+    autoencoder.main(["--config", str(recipe), "--out", str(tmp_path / "ae"), "--steps", "2", "--channels", "8,8"])
+    assert json.loads((tmp_path / "ae" / "autoencoder.json").read_text())["test"]["rows"] == len(
+        emoji.load("test", folder, pinned))
+
+
 def test_a_model_card_names_the_packages_not_the_folder():
     from training.sharing import model_card
 

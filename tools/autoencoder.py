@@ -21,6 +21,10 @@ test split, the protocol's own floor at that count; "warnings": why the rFD is n
 no more images than the classifier has feature dimensions (then its covariances are singular and the rFD is mostly
 the estimator's bias; said before any training); "cpu_seconds": training, and per image the encoder's (a latent
 run's cache) and the decoder's (each sample).
+
+Further --section.key=value arguments override the recipe, as the trainers' do. Only its data section is read
+(config.tool_config: not the encoders), so a text-to-image recipe serves too, even one that names the folder this
+makes; its classes are a column of its rows: `--data.label_column=label` (configs/emoji.json: the category).
 """
 import argparse
 import json
@@ -113,9 +117,8 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--kl_weight", type=float, default=1e-6, help="on the KL's sum over an image's latents (LDM's)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", args.config, "--encoders.vae=null"],
-                             method="flow_matching", schema=train_flow_matching.CONFIG)  # the data section is read
+    args, overrides = p.parse_known_args(argv)
+    cfg = config.tool_config(train_flow_matching, ["--config", args.config, *overrides])  # its data section
     data, factor = cfg.data, 2 ** (len(args.channels) - 1)
     if args.steps < 1:
         p.error("--steps must be >= 1")

@@ -14,6 +14,10 @@ folder: datasets gives its one set of images under any split name) would score t
 Then the rows are split as the trainer splits them (sources.training_and_test): the classifier trains on the trainer's
 training rows and is measured on the rows the trainer holds out (test_split "heldout" in classifier.json, the rows
 eval_fid.py's default --reference_split scores against), and says so.
+
+Further --section.key=value arguments override the recipe, as the trainers' do. Only its data section is read
+(config.tool_config: not the encoders), so a text-to-image recipe serves too, even one that names the folder this
+makes; its classes are a column of its rows: `--data.label_column=label` (configs/emoji.json: the category).
 """
 import argparse
 import json
@@ -38,12 +42,12 @@ def main(argv=None):
     p.add_argument("--test_split", default="test", help="the split its accuracy is measured on (never trained on)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", args.config], method="flow_matching",
-                             schema=train_flow_matching.CONFIG)
+    args, overrides = p.parse_known_args(argv)
+    cfg = config.tool_config(train_flow_matching, ["--config", args.config, *overrides])  # its data section
     data = cfg.data
     if not data.label_column:
-        sys.exit(f"tools/classifier.py: {args.config} has no data.label_column: a classifier needs classes")
+        sys.exit(f"tools/classifier.py: {args.config} has no data.label_column: a classifier needs classes (a text "
+                 f"recipe whose rows carry them: add --data.label_column=COLUMN, e.g. label)")
     torch.manual_seed(args.seed)
     start = time.time()
     train_ds, test_ds, args.test_split = training_and_test(data, args.test_split, "tools/classifier.py")

@@ -70,10 +70,7 @@ def main(argv=None):
     p.add_argument("--vocab_size", type=int, default=2048, help="the BPE's tokens at most (256 bytes + 2 + merges)")
     p.add_argument("--seed", type=int, default=0)
     args, overrides = p.parse_known_args(argv)
-    cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", args.config, *overrides], "flow_matching")
-    problems = config.schema_problems(train_flow_matching.CONFIG, cfg, cfg.origin)  # types and ranges, no encoders
-    if problems:
-        raise config.ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    cfg = config.tool_config(train_flow_matching, ["--config", args.config, *overrides])  # types, no encoders
     data, start = cfg.data, time.time()
     patch = args.patch_size or max(4, data.resolution // 8)
     if not (data.caption_column or data.label_captions):

@@ -37,8 +37,6 @@ class Config(dict):
         return {k: v for k, v in vars(self).items() if k != "schema"}
 
 
-
-
 def defaults(model, changes):
     """Every key's default as a Config, with the `changes` a trainer makes to them ({"val.steps": 32})."""
     problems, cfg = [], as_config(model().model_dump())
@@ -130,6 +128,18 @@ def read_config_file(path, problems):
     if not isinstance(content, dict):
         problems.append(f"{path} must hold a JSON object of config sections, got a {type(content).__name__}")
     return content if isinstance(content, dict) else {}
+
+
+def tool_config(trainer, argv):
+    """The recipe as a tool that reads its data section reads it (tools/classifier.py, autoencoder.py, clip.py):
+    defaults <- --config <- --section.key=value, each key's type and range checked (one ConfigError), but not the
+    combinations or the encoders, which the tool does not use: the recipe may name the very folder the tool builds
+    (its VAE, its CLIP), and a text recipe serves a classifier of a label column its rows carry."""
+    cfg = load_config(trainer.DEFAULTS, argv, "flow_matching")
+    if problems := schema_problems(trainer.CONFIG, cfg, cfg.origin):
+        raise ConfigError(f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "
+                          + "\n  ".join(problems))
+    return cfg
 
 
 def schema_problems(model, cfg, origin):

@@ -140,9 +140,11 @@ def heldout(data):
 
 def split_images(data, ds, split):
     """(uint8 images (N, R, R, 3), int labels (N,), class names or None) of the dataset `ds` (split `split`), as
-    the trainer's cache would preprocess them."""
+    the trainer's cache would preprocess them; labels and names None without data.label_column."""
     images = np.stack([to_uint8(preprocess(load_image(row[data.image_column]), data.resolution, data,
                                            flip=False)[0][None])[0] for row in progress(ds, f"read {split}", True)])
+    if not data.label_column:
+        return images, None, None
     return images, np.asarray(ds[data.label_column]), getattr(ds.features[data.label_column], "names", None)
 
 
