@@ -37,7 +37,8 @@ def make_accelerator(mixed_precision, timeout_minutes=30):
 
     handlers = [DistributedDataParallelKwargs(gradient_as_bucket_view=True),
                 InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))]
-    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(), kwargs_handlers=handlers)
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
+                              kwargs_handlers=handlers)
     world = accelerator.num_processes
     if world != int(os.environ.get("WORLD_SIZE", world)):
         raise RuntimeError(f"launched {os.environ['WORLD_SIZE']} processes but accelerate formed a group of {world}")
@@ -290,7 +291,8 @@ def shift_of(cfg):
     (a = 2 for 512 px against a 256 px base), else objective.time_shift. Both trainers read it from the run's
     config, which is saved with the model, so training and sampling use the same shifted schedule."""
     obj = cfg["objective"]
-    return cfg["data"]["resolution"] / obj["shift_base_resolution"] if obj["shift_base_resolution"] else obj["time_shift"]
+    return cfg["data"]["resolution"] / obj["shift_base_resolution"] if obj["shift_base_resolution"] else \
+        obj["time_shift"]
 
 
 def time_shift(t, shift):

@@ -59,10 +59,12 @@ def parse_args(argv=None):
     a("--phema_std", type=float, default=None, help="sample the post-hoc EMA of this relative std, reconstructed "
       "from the run's snapshots (ckpt.phema_every), instead of the export's EMA")
     a("--steps", type=int, default=None, help="default: the run's val.steps")
-    a("--sampler", default=None, help="default: the run's val.sampler (flow matching: euler, heun, meanflow; DDPM: ddim, ddpm)")
+    a("--sampler", default=None,
+      help="default: the run's val.sampler (flow matching: euler, heun, meanflow; DDPM: ddim, ddpm)")
     a("--seed", type=int, default=0)
     a("--batch_size", type=int, default=16)
-    a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
+    a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"],
+      help="default: the run's train.mixed_precision")
     a("--untuned", action="store_true", help="ignore RUN/tuned.json (tools/tune.py): the run's own settings")
     a("--out", default=None, help="default: <run>/sampled/<sampler><steps>-g<guidance>-seed<seed>; an earlier "
       "call's folder there is replaced whole")
@@ -144,7 +146,8 @@ def main(argv=None):
         rows = list(enumerate(prompts))
         tokenizer, text_encoder = load_encoders(config.Config({**cfg["encoders"], "vae": None}), device)[1:]
     else:
-        rows = pick_classes(args.classes, model.conditioner.num_classes, sampling.run_class_ids(args.run, args.checkpoint))
+        rows = pick_classes(args.classes, model.conditioner.num_classes,
+                            sampling.run_class_ids(args.run, args.checkpoint))
     items = [row for row in rows for _ in range(args.per_class)]
     shape = shape_arg(cfg, args.width, args.height, args.aspect_ratio)  # (width, height) in pixels
     if why := shape_note(cfg, shape, args.width, args.height, args.aspect_ratio):  # which bucket, and why
@@ -171,7 +174,8 @@ def main(argv=None):
     interval = args.guidance_interval or val.get("guidance_interval", [0.0, 1.0])
     if note := meanflow.sampling_note(cfg["objective"], sampler, steps, guidance):  # e.g. a run's Euler from before
         print(f"note: a MeanFlow model sampled otherwise: {note}")
-    tag = (f"{sampler}{steps}-g{guidance:g}" + (f"-gi{interval[0]:g}-{interval[1]:g}" if list(interval) != [0, 1] else "")
+    tag = (f"{sampler}{steps}-g{guidance:g}"
+           + (f"-gi{interval[0]:g}-{interval[1]:g}" if list(interval) != [0, 1] else "")
            + (f"-phema{args.phema_std:g}" if args.phema_std is not None else "") + f"-seed{args.seed}"
            + (f"-{shape[0]}x{shape[1]}" if cfg["data"].get("bucket_shapes") or shape != default_shape(cfg) else ""))
     out = Path(args.out or Path(args.run) / "sampled" / tag)
@@ -206,7 +210,8 @@ def main(argv=None):
     (part / "sample.json").write_text(json.dumps(settings, indent=1))
     replaced = out.exists()
     publish(part, out)
-    print(("replaced the earlier samples: " if replaced else "") + f"{len(items)} images in {out}; grid: {out / 'grid.png'} (labels: {out / 'grid.txt'})")
+    print(("replaced the earlier samples: " if replaced else "")
+          + f"{len(items)} images in {out}; grid: {out / 'grid.png'} (labels: {out / 'grid.txt'})")
     return out
 
 

@@ -381,7 +381,8 @@ def main(argv=None):
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids
     train_set, val_set = (cache.cached_split(cfg, part, ds, d.encode, accelerator, signals)  # key, check, hit/miss
                           for part, ds in (("train", train_ds), ("val", val_ds)))  # memory-mapped, read lazily
-    latents.check_scale(train_set, d.vae, cfg.encoders, accelerator.print)  # mean ~0, std ~1, or stop naming the factors
+    # mean ~0, std ~1, or stop naming the factors
+    latents.check_scale(train_set, d.vae, cfg.encoders, accelerator.print)
     encoders.place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off GPU till needed
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------

@@ -11,7 +11,8 @@ Conventions (tests/test_flow_matching.py checks each):
     This is diffusers' FlowMatchEulerDiscreteScheduler and SD3's convention (Esser et al. 2024).
   * The MMDiT sees time as timestep = 1000 t, the float range diffusers' SD3 transformer expects.
   * objective.meanflow (MeanFlow, training/objectives/meanflow.py): the model predicts the average velocity over
-    [r, t], the interval 1000 (t - r) its second time input; at r = t that is the velocity, and the loss flow matching's.
+    [r, t], the interval 1000 (t - r) its second time input; at r = t that is the velocity, and the loss flow
+    matching's.
   * Pixels are in [-1, 1]; latents are (z - shift) * scale with the VAE's own factors.
 
 Pipeline: config -> accelerator and seeds -> data (open, cache check, hit/miss, batches) -> model, EMA,
@@ -75,14 +76,16 @@ class Objective(BaseModel, extra="forbid", strict=True):
     meanflow_weight_power: float = Field(1.0, ge=0, description="MeanFlow: p of the adaptive loss weight "
                                          "1 / (|error|^2 + c)^p (the paper: 1; 0: plain squared error)")
     meanflow_guidance: float = Field(2.0, ge=1, description="MeanFlow: the guidance scale folded into the target, "
-                                     "so one evaluation is guided (the paper's code: 2, as omega 1, kappa 0.5); 1: none")
+                                     "so one evaluation is guided (the paper's code: 2, as omega 1, kappa 0.5); "
+                                     "1: none")
     meanflow_guidance_mix: float = Field(0.5, ge=0, lt=1, description="MeanFlow: kappa, the target's share of the "
                                          "model's own conditional velocity (the paper's code: 0.5); 0: none")
 
 
 class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in the val section
-    sampler: Literal["euler", "heun", "meanflow"] = Field("euler", description="Euler, Heun's 2nd order (2 evaluations a "
-                                                          "step), or MeanFlow's z_r = z_t - (t - r) u(z_t, r, t)")
+    sampler: Literal["euler", "heun", "meanflow"] = Field(
+        "euler", description="Euler, Heun's 2nd order (2 evaluations a step), or MeanFlow's z_r = z_t - (t - r) "
+        "u(z_t, r, t)")
 
 
 # The whole typed config: the shared sections with these two, and the start-up checks of the options this trainer
@@ -241,7 +244,8 @@ def main(argv=None):
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids
     train_set, val_set = (cache.cached_split(cfg, part, ds, d.encode, accelerator, signals)  # key, check, hit/miss
                           for part, ds in (("train", train_ds), ("val", val_ds)))  # memory-mapped, read lazily
-    latents.check_scale(train_set, d.vae, cfg.encoders, accelerator.print)  # mean ~0, std ~1, or stop naming the factors
+    # mean ~0, std ~1, or stop naming the factors
+    latents.check_scale(train_set, d.vae, cfg.encoders, accelerator.print)
     encoders.place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off GPU till needed
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------

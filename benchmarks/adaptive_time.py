@@ -58,7 +58,8 @@ def main(argv=None):
         for sampling in (KEYS[trainer][1], "adaptive"):
             results.append(run(trainer, sampling, args, args.out))
             print(json.dumps(results[-1]), flush=True)
-    print(f"\n{args.steps} steps at batch {args.batch_size}, {args.layers} layers of width {4 * args.head_dim}, seed {args.seed}")
+    print(f"\n{args.steps} steps at batch {args.batch_size}, {args.layers} layers of width {4 * args.head_dim}, "
+          f"seed {args.seed}")
     print(f"{'trainer':22s} {'time density':14s} {'val loss':>9s} {'per-step loss variance':>23s}")
     for r in results:
         print(f"{r['trainer']:22s} {r['sampling']:14s} {r['val_loss']:9.4f} {r['step_loss_variance']:23.3e}")

@@ -117,7 +117,8 @@ def run(args):
         try:
             subprocess.run([sys.executable, str(ROOT / "train_flow_matching.py"), "--config", str(RECIPE),
                             f"--seed={args.seed}", f"--run_dir={run_dir}", "--log.wandb=off", "--resume=latest",
-                            f"--data.source={out / 'data' / 'train'}", f"--data.cache_dir={out / 'cache' / run_dir.name}", *arm,
+                            f"--data.source={out / 'data' / 'train'}",
+                            f"--data.cache_dir={out / 'cache' / run_dir.name}", *arm,
                             *args.extra], check=True)
         finally:
             record = add_cpu(run_dir, cpu_seconds(resource.RUSAGE_CHILDREN) - before)

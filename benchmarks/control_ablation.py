@@ -152,7 +152,8 @@ def sharpness(x):
 
 def pair_metrics(hi, lo, labels, demo):
     """The metrics of pairs (size hi, size lo) from the same noise and class."""
-    out = {"layout_change": layout_change(hi, lo, unrelated_of(hi, labels)), "sharpness_ratio": sharpness(hi) / sharpness(lo)}
+    out = {"layout_change": layout_change(hi, lo, unrelated_of(hi, labels)),
+           "sharpness_ratio": sharpness(hi) / sharpness(lo)}
     if demo:
         colour, shape = labels // 3, labels % 3  # DEMO_CLASSES: colour-major
         c_hi, c_lo, s_hi, s_lo = colour_of(hi), colour_of(lo), shape_of(hi), shape_of(lo)
@@ -226,16 +227,19 @@ def score_run(run_dir, stage, seed):
         s = {}
         for name, queries in (("off_support", ((red, hi), (blue, lo))), ("on_support", ((red, lo), (blue, hi)))):
             x = torch.cat([sample(model, cfg, asked, side, 0) for asked, side in queries])
-            s[f"colour_flip_{name}"] = (colour_of(x) != torch.cat([asked // 3 for asked, _ in queries])).float().mean().item()
+            asked_colours = torch.cat([asked // 3 for asked, _ in queries])
+            s[f"colour_flip_{name}"] = (colour_of(x) != asked_colours).float().mean().item()
         s["sharpness_ratio"] = sharpness(sample(model, cfg, green, hi, 0)) / sharpness(sample(model, cfg, green, lo, 0))
     else:
         at = {side: sample(model, cfg, labels, side, 0) for side in (hi, lo)}
         s = pair_metrics(at[hi], at[lo], labels, demo)
         if seed in S3_SEEDS:
-            s["layout_change_s3"] = pair_metrics(sample(model, cfg, labels, hi, 0, 3.0), sample(model, cfg, labels, lo, 0, 3.0),
+            s["layout_change_s3"] = pair_metrics(sample(model, cfg, labels, hi, 0, 3.0),
+                                                 sample(model, cfg, labels, lo, 0, 3.0),
                                                  labels, demo)["layout_change"]
     s["first_step_change"] = first_step_change(model, cfg, labels, hi, lo)
-    s["null_change"] = (sample(model, cfg, labels[:PER_CLASS], hi, 0) - sample(model, cfg, labels[:PER_CLASS], hi, 0)).abs().max().item()
+    s["null_change"] = (sample(model, cfg, labels[:PER_CLASS], hi, 0)
+                        - sample(model, cfg, labels[:PER_CLASS], hi, 0)).abs().max().item()
     s["step"] = cfg["train"]["max_steps"]
     path.write_text(json.dumps(s) + "\n")
     return s
@@ -278,8 +282,8 @@ def scores_of(runs, stage):
 
 
 def compare(dirs, out, metric, arm_a):
-    subprocess.run([sys.executable, str(ROOT / "tools/compare.py"), *map(str, dirs), "--out", str(out), "--metric", metric,
-                    "--a", arm_a], check=True)
+    subprocess.run([sys.executable, str(ROOT / "tools/compare.py"), *map(str, dirs), "--out", str(out), "--metric",
+                    metric, "--a", arm_a], check=True)
 
 
 def cell(values):
@@ -314,8 +318,9 @@ def contrasts(table, metric="layout_change"):
 
 def verdict(table, overall):
     """The pre-registered sentences (docs/benchmarks/control_ablation.md) for the overall contrast on layout change,
-    one verdict per interval. As registered the rules overlapped: an interval inside (-DELTA, 0) lies below 0 ("supports") and
-    above -DELTA ("contradicts"), and the first rule won; that interval is now a verdict of its own that says both."""
+    one verdict per interval. As registered the rules overlapped: an interval inside (-DELTA, 0) lies below 0
+    ("supports") and above -DELTA ("contradicts"), and the first rule won; that interval is now a verdict of its own
+    that says both."""
     _, low, high = t_interval(overall)
     learnt = all(t_interval([s["sharpness_ratio"] for s in v.values()])[1] > 1 for v in table.values())
     if not learnt:
@@ -363,10 +368,13 @@ def main(argv=None):
         metrics += ["colour_flip", "centroid_shift", "shape_drift", "right_at_hi"] if args.stage == "main" else []
         lines += arm_table(table, metrics)
         seeds_used, effects = contrasts(table)
-        lines += ["", f"Pre-registered contrasts on layout_change (s = 1), paired over seeds {seeds_used}: mean [95% t]", ""]
+        lines += ["",
+                  f"Pre-registered contrasts on layout_change (s = 1), paired over seeds {seeds_used}: mean [95% t]",
+                  ""]
         lines += [f"- {name}: {cell(v)} (per seed {', '.join(f'{d:.3f}' for d in v)})" for name, v in effects.items()]
         lines += ["", "Verdict: " + verdict(table, effects["overall (disentangled p=1 - adanorm)"])]
-        paper = "conditioning.mode=disentangled" + (",conditioning.control_power.size=1.0" if args.stage == "main" else "")
+        paper = "conditioning.mode=disentangled" + (",conditioning.control_power.size=1.0" if args.stage == "main"
+                                                    else "")
         for metric in ("layout_change", "sharpness_ratio"):  # compare.py names an arm by the keys that vary
             compare([out / args.stage / "gated", out / args.stage / "adanorm"], out / args.stage / f"compare_{metric}",
                     metric, paper)
@@ -382,11 +390,14 @@ def main(argv=None):
             ref = sample(model, cfg, labels, hi, 0)
             for tau in SWITCH_TAUS:
                 x = sample(model, cfg, labels, hi, 0, switch=(hi, lo, tau))
-                curve.setdefault(arm_of(run), {}).setdefault(tau, []).append(layout_change(ref, x, unrelated_of(ref, labels)))
-        lines += ["| arm | " + " | ".join(f"tau={t:g}" for t in SWITCH_TAUS) + " |", "|---|" + "---|" * len(SWITCH_TAUS)]
+                change = layout_change(ref, x, unrelated_of(ref, labels))
+                curve.setdefault(arm_of(run), {}).setdefault(tau, []).append(change)
+        lines += ["| arm | " + " | ".join(f"tau={t:g}" for t in SWITCH_TAUS) + " |",
+                  "|---|" + "---|" * len(SWITCH_TAUS)]
         lines += [f"| {arm} | " + " | ".join(" / ".join(f"{v:.3f}" for v in by_tau[t]) for t in SWITCH_TAUS) + " |"
                   for arm, by_tau in curve.items()]
-        lines += ["", f"Layout change against the size-32 sample (seeds {SWITCH_SEEDS}): size 32 while t > tau, then 8."]
+        lines += ["",
+                  f"Layout change against the size-32 sample (seeds {SWITCH_SEEDS}): size 32 while t > tau, then 8."]
     (out / f"{args.stage}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

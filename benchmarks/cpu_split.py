@@ -89,7 +89,8 @@ def main(argv=None):
     per_step = sum(parts["training steps"]) / sum(steps)
     between = parts["whole process"][0] - sum(sum(v) for k, v in parts.items() if k != "whole process")
     print(f"\n{args.trainer}, {sum(steps)} steps, one process ({' '.join(extra) or 'the recipe'}), CPU seconds:")
-    print("  intervals' CPU per step: " + ", ".join(f"{r['cpu_s_per_step']:.3f}" for r in rows) + f" (all: {per_step:.3f})")
+    print("  intervals' CPU per step: " + ", ".join(f"{r['cpu_s_per_step']:.3f}" for r in rows)
+          + f" (all: {per_step:.3f})")
     for name, values in parts.items():
         print(f"  {name:16s} {sum(values):8.1f}" + (f"  ({len(values)} x {sum(values) / len(values):.2f})"
                                                   if len(values) > 1 else ""))

@@ -98,7 +98,8 @@ def score_run(run_dir, classifier, per_class=20, steps=None, guidance_scale=None
     metrics_file = Path(run_dir) / "metrics.jsonl"
     speeds = [m["images_per_s"] for m in map(json.loads, metrics_file.read_text().splitlines()) if "images_per_s" in m]
     return {**score_model(model, cfg, classifier, per_class, steps, guidance_scale, seed, guidance_interval),
-            "train_images_per_s": statistics.median(speeds) if speeds else None, "samples": len(DEMO_CLASSES) * per_class}
+            "train_images_per_s": statistics.median(speeds) if speeds else None,
+            "samples": len(DEMO_CLASSES) * per_class}
 
 
 def score_checkpoints(run_dir, classifier, per_class=20, steps=None, guidance_scale=None):
@@ -130,11 +131,13 @@ def main(argv=None):
     parser.add_argument("--guidance_interval", default=None, help="'lo,hi' noise levels, several separated by ';'")
     parser.add_argument("--phema_std", default=None, help="comma-separated post-hoc EMA stds (default: the export)")
     parser.add_argument("--checkpoints", action="store_true", help="also score every kept checkpoint's EMA weights")
-    parser.add_argument("--write", action="store_true", help="write the scores to RUN/quality.jsonl (for tools/compare.py)")
+    parser.add_argument("--write", action="store_true",
+                        help="write the scores to RUN/quality.jsonl (for tools/compare.py)")
     parser.add_argument("--classifier_steps", type=int, default=600)
     args = parser.parse_args(argv)
     floats = lambda text: [None] if text is None else [float(v) for v in text.split(",")]  # noqa: E731
-    intervals = [None] if args.guidance_interval is None else [interval_arg(v) for v in args.guidance_interval.split(";")]
+    intervals = [None] if args.guidance_interval is None else \
+        [interval_arg(v) for v in args.guidance_interval.split(";")]
     settings = list(itertools.product(floats(args.phema_std), floats(args.guidance_scale), intervals))
     print(f"{'run':40s} {'phema':>5s} {'w':>4s} {'interval':>10s} {'class acc':>9s} {'colour':>7s} {'shape':>7s} "
           f"{'NFE':>5s} {'train img/s':>11s}")
@@ -154,7 +157,8 @@ def main(argv=None):
                   f"{r['train_images_per_s'] or float('nan'):11.1f}", flush=True)
         w, r = settings[0][1], rows[0]  # checkpoints and --write: the first setting's
         scores = score_checkpoints(run, classifier, args.per_class, args.steps, w) if args.checkpoints else {}
-        scores[export_cfg["train"]["max_steps"]] = {k: r[k] for k in ("class_accuracy", "colour_accuracy", "shape_accuracy")}
+        scores[export_cfg["train"]["max_steps"]] = {k: r[k]
+                                                    for k in ("class_accuracy", "colour_accuracy", "shape_accuracy")}
         if args.checkpoints:
             print("  class accuracy by step: " + ", ".join(f"{s} {v['class_accuracy']:.3f}" for s, v in scores.items()))
         if args.write:

@@ -87,7 +87,8 @@ def ours(args):
         if not (out / "report.json").is_file():
             n = args.num_samples if fraction == 1.0 else args.curve_samples
             eval_fid.main(["--run", str(run), *where, "--out_dir", str(out), *score_args(args, n), *args.eval_args])
-        if fraction == 1.0 and args.num_samples > args.curve_samples:  # the first --curve_samples alone: the curve's last point
+        # the first --curve_samples alone: the curve's last point
+        if fraction == 1.0 and args.num_samples > args.curve_samples:
             first_samples(final, run / "eval" / f"test-step{steps}-first", args)
     rows = []  # quality.jsonl rebuilt from every report, so a resumed benchmark never repeats a row
     for report in sorted((run / "eval").glob("test-step*/report.json")):

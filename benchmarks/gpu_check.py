@@ -51,7 +51,8 @@ def install_carried_wheels(wheels=ROOT / ".whl", target="/tmp/site"):
         return
     carried = sorted(str(w) for w in Path(wheels).glob("*.whl"))
     if not carried:
-        sys.exit(f"diffusers is not installed and {wheels} holds no wheels: see docs/performance.md, 'The device check'")
+        sys.exit(f"diffusers is not installed and {wheels} holds no wheels: see docs/performance.md, "
+                 "'The device check'")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--no-cache-dir", "--upgrade", "--target", target, *carried], check=True)
     sys.path.insert(0, target)
@@ -202,7 +203,8 @@ def check(name, args, overrides):
     with tempfile.TemporaryDirectory(dir=args.tmp) as run_dir:
         start = time.perf_counter()
         state = {"step": step, "config": json.loads(json.dumps(cfg))}  # the small part; the optimizer has its file
-        ckpt = checkpoints.save_checkpoint(accelerator, run_dir, step, {"model": raw.state_dict(), "ema": ema.state_dict()},
+        ckpt = checkpoints.save_checkpoint(accelerator, run_dir, step,
+                                           {"model": raw.state_dict(), "ema": ema.state_dict()},
                                       optimizer, state, keep=1, model=raw)
         row["checkpoint_write_s"] = time.perf_counter() - start
         before = [train_step(step).item(), train_step(step + 1).item()]  # the RNG continues from the checkpoint's
@@ -216,7 +218,8 @@ def check(name, args, overrides):
 
     # ---- eval_fid's sampling: the EMA, eager, at the recipe's sampler and guidance, under autocast ----------
     ema = sharding.full_copy(ema).eval()  # sharded: gathered whole, as validation and FID do
-    sample_cond = lambda idx: {k: v[:len(idx)] for k, v in cond.items() if k not in ("drop", "drop_controls")} | {  # noqa
+    sample_cond = lambda idx: {k: v[:len(idx)] for k, v in cond.items()  # noqa
+                               if k not in ("drop", "drop_controls")} | {
         "drop": torch.zeros(len(idx), dtype=torch.bool, device=device)}
     batch = list(range(args.sample_batch or tr.batch_size))
     with accelerator.autocast():
@@ -240,14 +243,15 @@ def report(result):
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
     lines = [f"gpu_check {result['date']}: {result['config']} on {result['device']} (dense bf16 peak "
              f"{fmt(result['peak_bf16_tflops'], '.0f')} TFLOP/s), torch {result['torch']}, {result['seconds']:.0f} s",
-             "| trainer | graph breaks | recompiles | compile (s) | peak GB: first step / timed | images/s | TFLOP/s | MFU "
-             "| checkpoint GB, write / read s | resume exact | sampling images/s |",
+             "| trainer | graph breaks | recompiles | compile (s) | peak GB: first step / timed | images/s | TFLOP/s | "
+             "MFU | checkpoint GB, write / read s | resume exact | sampling images/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['trainer']} | {r['graph_breaks']} | {r['recompiles']} | {r['compile_s']:.0f} | "
-                     f"{fmt(r['first_step_peak_gb'], '.1f')} / {fmt(r['peak_memory_gb'], '.1f')} | {r['images_per_s']:.1f} | "
-                     f"{r['tflops']:.3g} | {fmt(r['mfu'], '.1%')} | {r['checkpoint_gb']:.1f}, {r['checkpoint_write_s']:.0f} / "
-                     f"{r['checkpoint_read_s']:.0f} | {r['resume_exact']} | {r['sampling_images_per_s']:.2f} |")
+                     f"{fmt(r['first_step_peak_gb'], '.1f')} / {fmt(r['peak_memory_gb'], '.1f')} | "
+                     f"{r['images_per_s']:.1f} | {r['tflops']:.3g} | {fmt(r['mfu'], '.1%')} | "
+                     f"{r['checkpoint_gb']:.1f}, {r['checkpoint_write_s']:.0f} / {r['checkpoint_read_s']:.0f} | "
+                     f"{r['resume_exact']} | {r['sampling_images_per_s']:.2f} |")
     r = rows[0]
     lines.append(f"{r['parameters_m']:.0f}M parameters, {r['image_tokens']} + {r['context_tokens']} tokens, batch "
                  f"{r['batch_per_gpu']} x {r['grad_accum']} micro-batches, {r['tflop_per_image']:.3g} TFLOP per image "

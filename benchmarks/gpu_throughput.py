@@ -61,7 +61,8 @@ def model_inputs(cfg, batch, device, vae_factor=8, latent_channels=4):
     if text:
         tokens, width, pooled = TEXT_DIMS
         cond.update(text_tokens=torch.randn(batch, tokens, width, device=device),
-                    text_mask=torch.ones(batch, tokens, device=device), text_pooled=torch.randn(batch, pooled, device=device))
+                    text_mask=torch.ones(batch, tokens, device=device),
+                    text_pooled=torch.randn(batch, pooled, device=device))
     else:
         cond["label"] = torch.randint(0, d.num_classes, (batch,), device=device)
     return x0, cond, (TEXT_DIMS if text else None)
@@ -152,7 +153,8 @@ def main(argv=None):
 
     def forward_backward():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            fm.flow_matching_loss(probe, x0, cond, torch.rand(batch, device=device), torch.randn_like(x0)).mean().backward()
+            fm.flow_matching_loss(probe, x0, cond, torch.rand(batch, device=device),
+                                  torch.randn_like(x0)).mean().backward()
     train_flops = count_flops(forward_backward)
     guidance = cfg.val.guidance_scale
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -161,7 +163,8 @@ def main(argv=None):
     del probe
 
     result = {"config": args.config, "overrides": overrides,
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+              else f"CPU ({platform.processor() or platform.machine()})",
               "peak_bf16_tflops": peak, "torch": torch.__version__, "mixed_precision": cfg.train.mixed_precision,
               "parameters_m": params / 1e6, "resolution": cfg.data.resolution, "latent": list(x0.shape[1:]),
               "tokens_per_image": tokens, "batch_per_gpu": batch, "grad_accum": cfg.train.grad_accum,
@@ -222,8 +225,8 @@ def markdown(r):
     fmt = lambda v, spec: "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
     lines = [f"# Throughput: {r['config']} on {r['device']}", "",
              f"{r['parameters_m']:.1f}M parameters, {r['resolution']} px (latent {r['latent']}), "
-             f"{r['tokens_per_image']} tokens per image, batch {r['batch_per_gpu']} x {r['grad_accum']} micro-batches per GPU, "
-             f"{r['mixed_precision']}; "
+             f"{r['tokens_per_image']} tokens per image, batch {r['batch_per_gpu']} x {r['grad_accum']} micro-batches "
+             f"per GPU, {r['mixed_precision']}; "
              f"one training step = {r['train_step_tflop']:.3g} TFLOP (FlopCounterMode, forward + backward); "
              f"peak {fmt(r['peak_bf16_tflops'], '.0f')} TFLOP/s dense bf16; torch {r['torch']}.", "",
              "| training step | images/s | step (ms) | TFLOP/s | MFU | peak memory (GB) |",
@@ -232,8 +235,8 @@ def markdown(r):
         if "error" in row:
             lines.append(f"| {row['variant']} | {row['error']} | | | | |")
         else:
-            lines.append(f"| {row['variant']} | {row['images_per_s']:.1f} | {row['step_ms']:.0f} | {row['tflops']:.3g} | "
-                         f"{fmt(row['mfu'], '.1%')} | {fmt(row['peak_memory_gb'], '.1f')} |")
+            lines.append(f"| {row['variant']} | {row['images_per_s']:.1f} | {row['step_ms']:.0f} | {row['tflops']:.3g} "
+                         f"| {fmt(row['mfu'], '.1%')} | {fmt(row['peak_memory_gb'], '.1f')} |")
     s = r["sampling"]
     lines += ["", f"Sampling ({s['steps']} Euler steps, guidance {s['guidance_scale']:g}: two model passes per step, "
                   f"batch {s['batch']}): " + (s.get("error", "not measured") if "images_per_s" not in s else

@@ -80,7 +80,8 @@ def score(args):
     where = ["--checkpoint", args.checkpoint] if args.checkpoint else []
     for steps in args.steps:
         for guidance in args.guidance:
-            setting = f"{Path(args.checkpoint).name + '-' if args.checkpoint else ''}{args.sampler}{steps}-g{guidance:g}"
+            prefix = Path(args.checkpoint).name + "-" if args.checkpoint else ""
+            setting = f"{prefix}{args.sampler}{steps}-g{guidance:g}"
             out = Path(args.out) / "scores" / f"{label}_{run.name.rsplit('_', 1)[-1]}" / setting
             if not (out / "report.json").is_file():
                 eval_fid.main(["--run", str(run), *where, "--out_dir", str(out),
@@ -155,12 +156,13 @@ def table(args):
             else f"{ratio[0]:.2f}"
         name = arm if step is None else f"{arm}, step {step}"
         print(f"| {name} | {sampling} | {','.join(map(str, seeds))} | {' | '.join(cells)} | {ratio} |")
-    base = [json.loads(p.read_text())["steps"] for p in sorted(Path(args.base).glob("flow_matching_s*/cpu_seconds.json"))]
+    base = [json.loads(p.read_text())["steps"]
+            for p in sorted(Path(args.base).glob("flow_matching_s*/cpu_seconds.json"))]
     for folder in [f for f in arm_folders(args) if list(f.glob("flow_matching_s*/cpu_seconds.json"))]:
         cpu = [json.loads(p.read_text())["steps"] for p in sorted(folder.glob("flow_matching_s*/cpu_seconds.json"))]
         if base:
-            print(f"{folder.name}: training steps' CPU {t_interval(cpu)[0]:.0f} s, seeds {[round(c) for c in cpu]} (the "
-                  f"recipe's: {t_interval(base)[0]:.0f} s, {[round(c) for c in base]}; ratio "
+            print(f"{folder.name}: training steps' CPU {t_interval(cpu)[0]:.0f} s, seeds {[round(c) for c in cpu]} "
+                  f"(the recipe's: {t_interval(base)[0]:.0f} s, {[round(c) for c in base]}; ratio "
                   f"{t_interval(cpu)[0] / t_interval(base)[0]:.2f})")
 
 

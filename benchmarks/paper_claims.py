@@ -57,8 +57,8 @@ from training.model.mmdit import load_exported  # noqa: E402
 
 COND_STEPS, FINETUNE_STEPS = 1200, 400  # docs/benchmarks/paper_claims.md: why these lengths (1,200: the recipe's)
 # The fine-tuning's EMA decay (amended after seed 0, docs/benchmarks/paper_claims.md): init_from keeps the source's
-# EMA with no warm-up, so at the recipe's 0.999 the 400-step run's EMA would be 0.999^400 = 67% the 12-px weights; at 0.99 it
-# is 1.8%, and its averaging window (~100 steps) is the one scratch's warm-up gives at step 800 (d = 801 / 810)
+# EMA with no warm-up, so at the recipe's 0.999 the 400-step run's EMA would be 0.999^400 = 67% the 12-px weights; at
+# 0.99 it is 1.8%, and its averaging window (~100 steps) is the one scratch's warm-up gives at step 800 (d = 801 / 810)
 FINETUNE_EMA = 0.99
 LOW, HIGH = 12, 28  # pre-training and recipe resolution: 3 x 3 and 7 x 7 tokens at the recipe's patch 4
 TIMING_STEPS = (20, 220)  # the two run lengths whose CPU difference is a step's cost
@@ -98,7 +98,8 @@ def train(run, trainer_args, args, cwd=None):
         f.write(json.dumps({"cpu_s": fashion_mnist.cpu_seconds(resource.RUSAGE_CHILDREN) - before,
                             "wall_s": time.time() - started, "returncode": done.returncode}) + "\n")
     if done.returncode:
-        sys.exit(f"paper_claims: the trainer of {run} stopped with exit code {done.returncode}; rerun the job to resume")
+        sys.exit(f"paper_claims: the trainer of {run} stopped with exit code {done.returncode}; "
+                 "rerun the job to resume")
 
 
 def run_cpu(run):
@@ -332,7 +333,8 @@ def report_stage(args):
                      for a in ("disentangled", "adanorm"))
         relative = dis / ada - 1
         lines += ["", f"Primary, FD(disentangled) / FD(adanorm) - 1 per seed {seeds}: "
-                      + ", ".join(f"{v:+.1%}" for v in relative), "", "Verdict: " + conditioning_verdict(relative, learnt)]
+                      + ", ".join(f"{v:+.1%}" for v in relative),
+                  "", "Verdict: " + conditioning_verdict(relative, learnt)]
         _, dis28, ada28 = paired(scores, "disentangled", "adanorm", f"{fd}_at28")
         mean, low, high = t_interval(dis28 / ada28 - 1)
         lines += ["", f"Secondary, the same at 28 px: {mean:+.1%} [{low:+.1%}, {high:+.1%}] (per seed "
@@ -340,7 +342,8 @@ def report_stage(args):
         lines += differences(scores, "disentangled", "adanorm", metrics + [f"{m}_at28" for m in metrics]
                              + ["sharpness_ratio", "layout_change"])
         for metric in (fd, f"{fd}_at28", accuracy):
-            compare([r for arm in ("disentangled", "adanorm") for r in runs[arm].values() if (r / "quality.jsonl").is_file()],
+            compare([r for arm in ("disentangled", "adanorm") for r in runs[arm].values()
+                     if (r / "quality.jsonl").is_file()],
                     out / "compare" / f"conditioning_{metric}", metric)
     # ---- transfer
     runs = {arm: {s: out / "transfer" / f"s{s}" / arm for s in range(10)} for arm in TRANSFER}
@@ -397,9 +400,11 @@ def floors(args):
             continue
         cfg, judge, feature_fn, ref = reference(runs[0].parent, [], args)
         data = config.Config(cfg["data"])
-        images = [to_uint8(preprocess(load_image(row[data.image_column]), data.resolution, data, flip=False)[0][None])[0]
+        images = [to_uint8(preprocess(load_image(row[data.image_column]), data.resolution, data,
+                                      flip=False)[0][None])[0]
                   for row in balanced(heldout(data), SAMPLES)]
-        s = {k.rsplit("_", 1)[0]: v for k, v in all_scores(feature_fn(images), ref, "clean", SAMPLES, "classifier").items()}
+        scores = all_scores(feature_fn(images), ref, "clean", SAMPLES, "classifier")
+        s = {k.rsplit("_", 1)[0]: v for k, v in scores.items()}
         test, labels, _ = split_images(data, open_dataset(data, "test"), "test")
         lines.append(f"- {name}: FD {s['fd_classifier']:.3f}, KD {s['kd_classifier']:.4f}, precision "
                      f"{s['precision_classifier']:.3f}, recall {s['recall_classifier']:.3f}; the classifier's "

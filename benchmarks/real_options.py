@@ -98,7 +98,8 @@ def cost(args, table):
             cpu = [fashion_mnist.step_cpu(r) for r in runs]
             logs = [(r / "metrics.jsonl").read_text().splitlines() for r in runs]
             peak = [max(json.loads(line).get("peak_memory_gb", 0) for line in log) for log in logs]
-            result.setdefault(trainer, {})[name(args, arm)] = {"cpu_s_per_step": sum(cpu) / len(cpu), "cpu_s_per_step_runs": cpu,
+            result.setdefault(trainer, {})[name(args, arm)] = {"cpu_s_per_step": sum(cpu) / len(cpu),
+                                                               "cpu_s_per_step_runs": cpu,
                                                    "peak_memory_gib": max(peak), "steps": args.steps}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
@@ -118,7 +119,8 @@ def measured_costs(args, trainer):
 
 
 def steps_for(args, trainer, arm, budget, recipe_steps):
-    """The arm's train.max_steps under a budget: the recipe's, or the base arm's CPU time over the arm's CPU per step."""
+    """The arm's train.max_steps under a budget: the recipe's, or the base arm's CPU time over the arm's CPU per
+    step."""
     if budget == "steps" or arm == "base":
         return recipe_steps
     rows, path = measured_costs(args, trainer), Path(args.out) / "cost.json"
@@ -127,7 +129,8 @@ def steps_for(args, trainer, arm, budget, recipe_steps):
         sys.exit(f"budget 'cpu' needs the CPU per step of base and {key} ({trainer}) at --steps {recipe_steps} in "
                  f"{path}: train the equal-steps runs (--budgets steps), then `python benchmarks/real_options.py cost`")
     ratio = rows["base"]["cpu_s_per_step"] / rows[key]["cpu_s_per_step"]
-    return recipe_steps if abs(ratio - 1) <= COST_TIE else max(1, round(recipe_steps * ratio))  # a run is a step or more
+    # a run is a step or more
+    return recipe_steps if abs(ratio - 1) <= COST_TIE else max(1, round(recipe_steps * ratio))
 
 
 def name(args, arm):
@@ -147,7 +150,8 @@ def campaign(args, table):
     for budget in args.budgets:
         if budget == "cpu" and any(measured_costs(args, t).get(name(args, a), {}).get("steps") != args.steps
                                    for t in args.trainers for a in ["base", *table] if applies(a, t, args.combo)):
-            cost(args, {"base": [], **table})  # measured once, on the seeds given then: later seeds keep its step counts
+            # measured once, on the seeds given then: later seeds keep its step counts
+            cost(args, {"base": [], **table})
         todo = []
         for seed in args.seeds:
             for trainer in args.trainers:
@@ -159,8 +163,8 @@ def campaign(args, table):
             if (run / "quality.jsonl").is_file():
                 print(f"[{budget} {i}/{len(todo)}] {arm} {trainer} seed {seed}: done before", flush=True)
                 continue
-            print(f"[{budget} {i}/{len(todo)}] {arm} {trainer} seed {seed}: {steps} steps ({time.time() - started:.0f} s "
-                  f"into this session)", flush=True)
+            print(f"[{budget} {i}/{len(todo)}] {arm} {trainer} seed {seed}: {steps} steps "
+                  f"({time.time() - started:.0f} s into this session)", flush=True)
             fashion_mnist.ours(argparse.Namespace(
                 trainer=trainer, recipe=str(fashion_mnist.RECIPE), seed=seed, out=str(run.parent),
                 classifier=args.classifier, num_samples=args.num_samples, curve_samples=args.num_samples, fractions=[],
@@ -175,7 +179,8 @@ def compare(args, table):
     recipe_steps = args.steps
     for trainer in args.trainers:
         for budget in args.budgets:
-            measured = [a for a in table if applies(a, trainer, args.combo) and name(args, a) in measured_costs(args, trainer)]
+            measured = [a for a in table if applies(a, trainer, args.combo)
+                        and name(args, a) in measured_costs(args, trainer)]
             if budget == "cpu" and "base" not in measured:
                 print(f"{trainer} cpu: no CPU cost measured yet (real_options.py cost)")
                 continue
@@ -187,7 +192,8 @@ def compare(args, table):
                 print(f"{trainer} {budget}: fewer than two arms scored yet")
                 continue
             keys = json.loads((runs[0] / "quality.jsonl").read_text().splitlines()[-1])
-            compared = "_vs_".join(dict.fromkeys(r.parent.name for r in runs))  # a compare of other arms: its own folder
+            # a compare of other arms: its own folder
+            compared = "_vs_".join(dict.fromkeys(r.parent.name for r in runs))
             for metric in [k for k in keys if k.startswith(("fd_classifier", "class_accuracy"))]:
                 out = Path(args.out) / "compare" / f"{trainer}_steps{recipe_steps}_{budget}_{metric}" / compared
                 md = compare_runs(runs, out, metric=metric)

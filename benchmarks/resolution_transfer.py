@@ -53,7 +53,8 @@ def main(argv=None):
     results = {}
     for name, (pos_embed, shift) in VARIANTS.items():
         run = out / name.replace(" + ", "_").replace(" ", "_")
-        ft = base + ["--data.resolution=16", f"--objective.time_shift={shift}", f"--train.max_steps={args.finetune_steps}",
+        ft = base + ["--data.resolution=16", f"--objective.time_shift={shift}",
+                     f"--train.max_steps={args.finetune_steps}",
                      f"--val.every={args.finetune_steps}", "--run_dir", str(run)]
         ft += ["--init_from", str(low), f"--model.pos_embed_transfer={pos_embed}"] if pos_embed else []
         fm.main(ft)

@@ -110,7 +110,8 @@ def training_flops_per_image(cfg):
     flops = count_flops(lambda: fm.flow_matching_loss(model, x0, cond, torch.rand(1, device="meta"),
                                                       torch.randn_like(x0)).mean().backward())
     context_tokens = text_dims[0] if text_dims else cfg.model.class_tokens  # the MMDiT's second stream
-    return flops, sum(p.numel() for p in model.parameters()), (x0.shape[-1] // cfg.model.patch_size) ** 2, context_tokens
+    parameters = sum(p.numel() for p in model.parameters())
+    return flops, parameters, (x0.shape[-1] // cfg.model.patch_size) ** 2, context_tokens
 
 
 def checkpointed_activation_bytes(cfg, layers, batch, parts, ckpt_parts):
@@ -194,7 +195,8 @@ def fit_table(rows):
     def cell(r):
         if not r["micro"]:
             return f"none fits ({r['static_gib']:.0f} GiB before activations)"
-        choice = f"{r['micro']} x {r['accum']}, checkpointing {'on' if r['checkpointing'] else 'off'}, {r['memory_gib']:.0f} GiB"
+        choice = (f"{r['micro']} x {r['accum']}, checkpointing {'on' if r['checkpointing'] else 'off'}, "
+                  f"{r['memory_gib']:.0f} GiB")
         alt = f" (timed against {r['on']} with checkpointing)" if r["timed"] else ""
         return choice + alt
     lines = ["| recipe | GPU | global batch (GPUs) | EMA on the GPU: micro x accumulation, checkpointing, memory | "
@@ -311,7 +313,8 @@ def main(argv=None):
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
     parser.add_argument("--gpu_memory", nargs="?", const=FIT_CARDS, default=None,
-                        help="instead: what train.batch_size=auto would choose on these cards (names of GPU_MIB or GiB)")
+                        help="instead: what train.batch_size=auto would choose on these cards (names of GPU_MIB or "
+                             "GiB)")
     parser.add_argument("--sharding", nargs="?", const=SHARDING_CARDS, default=None,
                         help="instead: memory per GPU under DDP and fully sharded on 8 and 16 of these cards, what "
                              "fits, the largest model")
@@ -332,12 +335,15 @@ def main(argv=None):
         return rows
     rows = [size_recipe(name, args.gpus, args.mfu) for name in args.recipes.split(",")]
     print(f"| recipe | params | res | tokens / image (image + context) | global batch | steps | TFLOP / image "
-          f"| PFLOP / step | A100 GPU-hours at {args.mfu:.0%} MFU | memory / GPU (GB) at its batch: total (activations) |")
+          f"| PFLOP / step | A100 GPU-hours at {args.mfu:.0%} MFU | memory / GPU (GB) at its batch: total "
+          "(activations) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['recipe']} | {r['parameters_m']:.0f}M | {r['resolution']} | {r['image_tokens']} + {r['context_tokens']} "
-              f"| {r['global_batch']} ({r['batch_per_gpu']} / GPU) | {r['steps']:,} | {r['tflop_per_image']:.2f} "
-              f"| {r['pflop_per_step']:.2f} | {r['a100_gpu_hours']:,.0f} | {r['memory_gb']:.0f} ({r['activations_gb']:.0f}) |")
+        print(f"| {r['recipe']} | {r['parameters_m']:.0f}M | {r['resolution']} | {r['image_tokens']} + "
+              f"{r['context_tokens']} | {r['global_batch']} ({r['batch_per_gpu']} / GPU) | {r['steps']:,} | "
+              f"{r['tflop_per_image']:.2f} "
+              f"| {r['pflop_per_step']:.2f} | {r['a100_gpu_hours']:,.0f} | {r['memory_gb']:.0f} "
+              f"({r['activations_gb']:.0f}) |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return rows

@@ -77,11 +77,15 @@ def parts(cfg, train_set, repeats=20):
 
     steps = {
         "forward + backward (both loops)": forward_backward,
-        "fused AdamW step, device-side skip (both loops)": lambda: (optimizers.skip_update_if_nonfinite(opt, finite), opt.step()),
-        "gradient clipping (norm, then scale)": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), tr.grad_clip),
-        "EMA (foreach lerp, the skip flag as weight)": lambda: common.ema_update(ema, model, tr.ema_decay, 1000, finite),
+        "fused AdamW step, device-side skip (both loops)": lambda: (optimizers.skip_update_if_nonfinite(opt, finite),
+                                                                    opt.step()),
+        "gradient clipping (norm, then scale)": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                                       tr.grad_clip),
+        "EMA (foreach lerp, the skip flag as weight)": lambda: common.ema_update(ema, model, tr.ema_decay, 1000,
+                                                                                 finite),
         "reading a micro-batch from the cache": lambda: next(batches),
-        "noise, time sampling, condition dropout": lambda: (torch.randn_like(x0), fm.sample_time(b, cfg.objective, 1.0, "cpu"),
+        "noise, time sampling, condition dropout": lambda: (torch.randn_like(x0),
+                                                            fm.sample_time(b, cfg.objective, 1.0, "cpu"),
                                                              torch.rand(b) < 0.1, torch.rand(b) < 0.1),
         "the monitor's per-step records": monitor_records,
     }
@@ -130,7 +134,8 @@ if __name__ == "__main__":
           f"{statistics.median(trainer):.1f}, best {max(trainer):.1f} images/s (data wait {wait:.1%})")
     ratios = [t / b for t, b in zip(trainer, bare)]
     print(f"ratio trainer / bare: medians {statistics.median(trainer) / statistics.median(bare):.3f}, median of "
-          f"the {len(ratios)} intervals' ratios {statistics.median(ratios):.3f} (each {', '.join(f'{r:.3f}' for r in ratios)}), "
+          f"the {len(ratios)} intervals' ratios {statistics.median(ratios):.3f} (each "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}), "
           f"best {max(trainer) / max(bare):.3f}")
     step = ms["forward + backward (both loops)"]
     print("part of a step (median of 20, interleaved) | ms | share of forward + backward")

@@ -55,8 +55,8 @@ def main(argv=None):
     test_images, test_labels, _ = split_images(data, test_ds, args.test_split)
     model = classifier.build(int(labels.max()) + 1, names)
     classifier.train(model, images, labels, args.epochs, seed=args.seed)
-    record = {"source": data.source, "train_split": data.split, "train_rows": len(images), "resolution": data.resolution,
-              "test_split": args.test_split, "test_rows": len(test_images),
+    record = {"source": data.source, "train_split": data.split, "train_rows": len(images),
+              "resolution": data.resolution, "test_split": args.test_split, "test_rows": len(test_images),
               "test_accuracy": classifier.accuracy(model, test_images, test_labels),
               "train_accuracy": classifier.accuracy(model, images[:10000], labels[:10000]),
               "epochs": args.epochs, "seed": args.seed, "seconds": round(time.time() - start, 1)}

@@ -48,7 +48,8 @@ from training.record.curves import method_of  # noqa: E402
 from training.record.report import fmt, last, load_metrics, style_axis, table, xy  # noqa: E402
 
 NOT_ARMS = {"seed", "run_dir", "resume"}  # differ between runs of one arm, or say nothing about the method
-QUALITY = re.compile(r"^(fid|kid|fd|precision|recall|density|coverage|clip_score|class_accuracy|colour_accuracy|shape_accuracy)")
+QUALITY = re.compile(r"^(fid|kid|fd|precision|recall|density|coverage|clip_score|"
+                     r"class_accuracy|colour_accuracy|shape_accuracy)")
 HIGHER_IS_BETTER = re.compile(r"accuracy|precision|recall|density|coverage|clip_score|sharpness")
 MIN_SEEDS = 3  # paired seeds below which compare.md gives no verdict (verdict)
 
@@ -133,7 +134,8 @@ def verdict(cmp, name_a, name_b, metric, higher_is_better):
 
         d = np.asarray(cmp["diff"])
         p = wilcoxon(d, method="exact").pvalue if np.any(d != 0) else 1.0
-        out += f" Exact two-sided Wilcoxon signed-rank test: p = {p:.3g} (smallest possible with {n} seeds: {p_min:.3g})."
+        out += (f" Exact two-sided Wilcoxon signed-rank test: p = {p:.3g} (smallest possible with {n} seeds: "
+                f"{p_min:.3g}).")
     return out
 
 
@@ -218,7 +220,8 @@ def quality_keys(runs):
 def global_batch(run):
     """Images per optimizer step: batch x grad_accum x processes (processes from images_per_s / per device)."""
     tr = run["cfg"].get("train", {})
-    ratios = [a / b for a, b in zip(xy(run["series"], "images_per_s")[1], xy(run["series"], "images_per_s_per_device")[1]) if b]
+    ratios = [a / b for a, b in zip(xy(run["series"], "images_per_s")[1],
+                                    xy(run["series"], "images_per_s_per_device")[1]) if b]
     world = round(statistics.median(ratios)) if ratios else 1
     return tr.get("batch_size", 1) * tr.get("grad_accum", 1) * world
 
@@ -240,7 +243,8 @@ def correlation_points(runs, quality):
     points = []
     for i, r in enumerate(runs):
         val, q = r["series"].get("val_loss", {}), r["series"].get(quality, {})
-        points += [(val[s], q[s], i) for s in sorted(set(val) & set(q)) if math.isfinite(val[s]) and math.isfinite(q[s])]
+        points += [(val[s], q[s], i) for s in sorted(set(val) & set(q))
+                   if math.isfinite(val[s]) and math.isfinite(q[s])]
     return points
 
 
@@ -458,7 +462,8 @@ def compare(paths, out, metric=None, arm_a=None, arm_b=None):
                    "lower-is-better metric (FID) rho near +1 means the cheap validation loss ranks checkpoints as "
                    "the expensive metric does; for a higher-is-better one (accuracy) near -1. Points of one run "
                    "are not independent: read rho as a description, not a test.", ""]
-        plot_correlation(runs, arms, [q for q in qualities if correlation_points(runs, q)], plots_dir / "correlation.png")
+        plot_correlation(runs, arms, [q for q in qualities if correlation_points(runs, q)],
+                         plots_dir / "correlation.png")
         md += ["![correlation](compare/correlation.png)", ""]
     else:
         md += ["No quality metric logged at the steps of val_loss (FID: val.fid_every; the demo: "
@@ -491,7 +496,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", metavar="RUN_OR_SWEEP_DIR")
     parser.add_argument("--out", help="where compare.md and compare/ go (default: the folder given, if one)")
-    parser.add_argument("--metric", help="the metric compared (default: a logged quality metric, FID first, else val_loss)")
+    parser.add_argument("--metric",
+                        help="the metric compared (default: a logged quality metric, FID first, else val_loss)")
     parser.add_argument("--a", help="arm A of the hypothesis (default: the first arm)")
     parser.add_argument("--b", help="arm B (default: every other arm in turn)")
     args = parser.parse_args(argv)

@@ -49,12 +49,14 @@ def export_std(run, std, out=None, push_to_hub=None):
 
 
 def main(argv=None, feature_fn=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=eval_fid.passed_on({"--run", "--phema_std", "--num_samples"}, "in a sweep"))
     p.add_argument("--run", required=True, help="a run folder trained with ckpt.phema_every > 0")
     p.add_argument("--std", type=stds_arg, default=None, help="export the EMA of these relative stds, in (0, 0.28]")
     p.add_argument("--out", default=None, help="with one --std: the folder to write export/ into")
-    p.add_argument("--sweep", type=stds_arg, default=None, help="score these stds by FID (eval_fid.py) and name the best")
+    p.add_argument("--sweep", type=stds_arg, default=None,
+                   help="score these stds by FID (eval_fid.py) and name the best")
     p.add_argument("--num_samples", type=int, default=1000, help="samples per std in a sweep")
     p.add_argument("--push_to_hub", default=None, metavar="REPO", help="with one --std: upload its export to this Hub "
                    "repository (private); the card records the std")
@@ -90,7 +92,8 @@ def main(argv=None, feature_fn=None):
         return None
     best = min(rows, key=lambda r: r["fid"])
     print(f"\n{'std':>6} {'FID':>9} {'fit error':>10}\n" + "\n".join(
-        f"{r['std']:6g} {r['fid']:9.3f} {r['profile_fit_error']:10.1e}" + ("  <- best" if r is best else "") for r in rows))
+        f"{r['std']:6g} {r['fid']:9.3f} {r['profile_fit_error']:10.1e}" + ("  <- best" if r is best else "")
+        for r in rows))
     out = snapshot_folder(args.run) / "sweep.json"
     out.write_text(json.dumps({"rows": rows, "best_std": best["std"], "num_samples": args.num_samples,
                                "eval_args": eval_args}, indent=1))

@@ -71,7 +71,8 @@ def generate(item, args):
     item = Path(item)
     run, ckpt = (item.parents[1], item) if (item / "state.pt").is_file() else (item, None)
     extra = [*(["--checkpoint", str(ckpt)] if ckpt else []), *(["--steps", str(args.steps)] if args.steps else []),
-             *(["--sampler", args.sampler] if args.sampler else []), *(["--prompts", args.prompts] if args.prompts else []),
+             *(["--sampler", args.sampler] if args.sampler else []),
+             *(["--prompts", args.prompts] if args.prompts else []),
              *(["--guidance_scale", str(args.guidance_scale)] if args.guidance_scale is not None else [])]
     digest = hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:8]
     out = run / "eval" / f"rate-{ckpt.name if ckpt else 'export'}-seed{args.seed}-{digest}"
@@ -182,7 +183,8 @@ class Study:
                 if self.kind == "pair":
                     done.add((v["index"], v["right"], v["left"]))
         rng = random.SystemRandom()  # the left/right order must not be guessable
-        pairs = [(a,) for a in range(len(sides))] if len(sides) == 1 else list(itertools.combinations(range(len(sides)), 2))
+        pairs = [(a,) for a in range(len(sides))] if len(sides) == 1 else \
+            list(itertools.combinations(range(len(sides)), 2))
         self.queue = [(i, rng.sample(p, len(p))) for i in range(num_samples) for p in pairs
                       if (i, *(sides[j]["label"] for j in p)) not in done]
         rng.shuffle(self.queue)
@@ -268,7 +270,8 @@ class Study:
 def handler_for(study):
     class Handler(BaseHTTPRequestHandler):
         def reply(self, code, body, kind="application/json"):
-            data = body if isinstance(body, bytes) else (json.dumps(body) if kind == "application/json" else body).encode()
+            data = body if isinstance(body, bytes) else \
+                (json.dumps(body) if kind == "application/json" else body).encode()
             self.send_response(code)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(data)))
@@ -338,7 +341,9 @@ let current = null, busy = false;
 const PAIR = [["left", "A (left)", "a"], ["tie", "tie", "t"], ["right", "B (right)", "b"], ["skip", "skip", "s"]];
 const STARS = [[1, "1", "1"], [2, "2", "2"], [3, "3", "3"], [4, "4", "4"], [5, "5", "5"], ["skip", "skip", "s"]];
 const KEYS = {ArrowLeft: "left", ArrowRight: "right", ArrowDown: "tie", " ": "skip"};
-function el(tag, attrs, text) { const e = document.createElement(tag); Object.assign(e, attrs); if (text) e.textContent = text; return e; }
+function el(tag, attrs, text) {
+  const e = document.createElement(tag); Object.assign(e, attrs); if (text) e.textContent = text; return e;
+}
 async function next() {
   current = await (await fetch("/next")).json();
   const images = document.getElementById("images"), buttons = document.getElementById("buttons");
@@ -363,7 +368,8 @@ async function next() {
     b.onclick = () => vote(choice);
     buttons.append(b);
   }
-  document.getElementById("progress").textContent = current.voted + " votes this session, " + current.remaining + " left";
+  document.getElementById("progress").textContent =
+    current.voted + " votes this session, " + current.remaining + " left";
 }
 async function vote(choice) {
   if (!current || current.done || busy) return;

@@ -102,7 +102,8 @@ def read_sweep(path):
             if not rnd.get("keys"):
                 problems.append("random.keys must name at least one key and its distribution")
     seeds = spec.get("seeds", [0])
-    if not (isinstance(seeds, list) and seeds and all(type(s) is int and s >= 0 for s in seeds)) or len(set(seeds)) < len(seeds):
+    if not (isinstance(seeds, list) and seeds and all(type(s) is int and s >= 0 for s in seeds)) or \
+            len(set(seeds)) < len(seeds):
         problems.append(f"seeds={seeds!r} must be a non-empty list of distinct whole numbers >= 0")
     swept = [*grid, *(rnd.get("keys") or {} if isinstance(rnd, dict) else {}), *(spec.get("overrides") or {})]
     problems += [f"'{k}' is set by the sweep for each run; use 'seeds' for seeds" for k in swept if k in SET_BY_SWEEP]
@@ -112,7 +113,8 @@ def read_sweep(path):
     if spec.get("base") is not None and not Path(spec["base"]).is_file():
         problems.append(f"base={spec['base']!r}: no such recipe file")
     slurm = spec.get("slurm", {})
-    problems += [f"slurm.{k} is not a SLURM setting here; allowed: {sorted(SLURM_KEYS)}" for k in slurm if k not in SLURM_KEYS]
+    problems += [f"slurm.{k} is not a SLURM setting here; allowed: {sorted(SLURM_KEYS)}" for k in slurm
+                 if k not in SLURM_KEYS]
     if problems:
         raise SweepError(f"{path}: " + "; ".join(problems))
     return spec
@@ -120,11 +122,13 @@ def read_sweep(path):
 
 def distribution_problem(dist):
     if not (isinstance(dist, dict) and len(dist) == 1 and next(iter(dist)) in DISTRIBUTIONS):
-        return f"{dist!r} must be one of {{\"uniform\" | \"log_uniform\" | \"int_uniform\": [low, high]}} or {{\"choice\": [...]}}"
+        return (f"{dist!r} must be one of {{\"uniform\" | \"log_uniform\" | \"int_uniform\": [low, high]}} "
+                f"or {{\"choice\": [...]}}")
     kind, arg = next(iter(dist.items()))
     if kind == "choice":
         return None if isinstance(arg, list) and arg else "choice needs a non-empty list"
-    if not (isinstance(arg, list) and len(arg) == 2 and all(isinstance(a, (int, float)) for a in arg) and arg[0] < arg[1]):
+    if not (isinstance(arg, list) and len(arg) == 2 and all(isinstance(a, (int, float)) for a in arg)
+            and arg[0] < arg[1]):
         return f"{kind} needs [low, high] with low < high, got {arg!r}"
     if kind == "log_uniform" and arg[0] <= 0:
         return f"log_uniform needs low > 0, got {arg!r}"
@@ -341,7 +345,8 @@ def launch_command(run, env, gpus_per_node):
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", str(env.num_nodes),
             "--num_processes", str(processes), "--machine_rank", str(env.node), "--main_process_ip",
             env.hostnames[0], "--main_process_port", str(port), "--rdzv_backend", "static", "--same_network",
-            "--mixed_precision", "no", "--dynamo_backend", "no",  # accelerate's defaults only: the trainer passes its own
+            # accelerate's defaults only: the trainer passes its own
+            "--mixed_precision", "no", "--dynamo_backend", "no",
             str(ROOT / f"train_{run['method']}.py"), *run["argv"]]
 
 

@@ -2,9 +2,10 @@
 
 The keys are typed in training/config/sections.py (pydantic models: each key's type, its range or allowed values and
 its one-line description); a trainer adds its objective section, its sampler keys and the start-up checks of the
-options it runs (schema), and names the defaults it changes (defaults). Every problem is reported at once, one line each, in one ConfigError, before
-any data is opened or any model is built. `--help` lists every key with its type, default and description from
-the models; `--print_config` prints the resolved config and exits. The rest of the code reads a `Config`.
+options it runs (schema), and names the defaults it changes (defaults). Every problem is reported at once, one line
+each, in one ConfigError, before any data is opened or any model is built. `--help` lists every key with its type,
+default and description from the models; `--print_config` prints the resolved config and exits. The rest of the code
+reads a `Config`.
 """
 import json
 import os
@@ -210,7 +211,8 @@ def load_config(defaults, argv=None, method="run", schema=None):
             continue
         value = value if eq else argv.pop(0)
         if key == "config":
-            cfg, name = _merge(cfg, read_config_file(value, problems), f"from {value}", problems, origin), Path(value).stem
+            cfg, name = (_merge(cfg, read_config_file(value, problems), f"from {value}", problems, origin),
+                         Path(value).stem)
             continue
         try:
             value = json.loads(value)
@@ -223,7 +225,8 @@ def load_config(defaults, argv=None, method="run", schema=None):
         cfg.run_dir = f"runs/{method}_{name}"
     if cfg.get("init_from"):
         cfg.init_from = cfg.init_from.replace("{method}", method)
-    object.__setattr__(cfg, "origin", dict(origin))  # the layer that set each key ("from configs/x.json"), for the checks
+    # the layer that set each key ("from configs/x.json"), for the checks
+    object.__setattr__(cfg, "origin", dict(origin))
     notes = []  # the resolvers' lines: the defaults that follow another key, filled once every value is valid
     object.__setattr__(cfg, "schema", schema)  # its keys' descriptions, for the lines that print a value (shown)
     if schema is not None:  # the values beside any unknown key (never merged), combinations once all are right
@@ -232,7 +235,8 @@ def load_config(defaults, argv=None, method="run", schema=None):
             notes = [line for resolve in schema.resolvers for line in resolve(cfg)]
             problems += combination_problems(cfg) + [p for check in schema.checks for p in check(cfg)]
     if problems:
-        raise ConfigError(f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  " + "\n  ".join(problems))
+        raise ConfigError(f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "
+                          + "\n  ".join(problems))
     if print_only:
         print(json.dumps(cfg, indent=2))
         raise SystemExit(0)
@@ -283,7 +287,8 @@ def help_text(defaults, method, schema):
             about = schema.model_fields[section].description if schema is not None else None
             out.append(f"{section}:" + (f"  ({about})" if about else ""))
         spec = specs.get(key)
-        out.append(f"  --{key}={json.dumps(value)}" + (f"  [{allowed(spec)}]\n      {spec['description']}" if spec else ""))
+        out.append(f"  --{key}={json.dumps(value)}"
+                   + (f"  [{allowed(spec)}]\n      {spec['description']}" if spec else ""))
     return "\n".join(out)
 
 

@@ -15,7 +15,8 @@ Str, Int = str | None, int | None  # None: a setting left unset (each key says w
 
 class Data(BaseModel, extra="forbid", strict=True):
     source: str = Field("embedded", description='"embedded" (the demo), "fashion_mnist" (its Debian package), a hub '
-                        'id, an imagefolder or parquet path, or webdataset shards "/data/cc12m/{00000..01242}.tar" (streamed)')
+                        'id, an imagefolder or parquet path, or webdataset shards '
+                        '"/data/cc12m/{00000..01242}.tar" (streamed)')
     streaming: bool = Field(False, description="stream a hub dataset's shards instead of downloading it whole")
     split: str = Field("train", description="the training split")
     val_split: Str = Field(None, description="a held-out split of the source; None: hold out val_holdout rows")
@@ -41,13 +42,15 @@ class Data(BaseModel, extra="forbid", strict=True):
     random_flip: bool = Field(False, description="horizontal flip (the flip control): training images are cached both "
                               "ways, one drawn per epoch; held-out images flipped with probability 1/2")
     cache_views: int = Field(1, ge=1, description="crops cached per training image, each both ways with random_flip "
-                             "(views = crops x 2); each epoch shows one view per image, every view within `views` epochs")
+                             "(views = crops x 2); each epoch shows one view per image, every view "
+                             "within `views` epochs")
     min_image_side: int = Field(8, ge=1, description="smaller images are reported and skipped at cache time")
     max_samples: Int = Field(None, ge=1, description="use only the first N training rows")
     demo_samples: int = Field(4864, ge=1, description="size of the embedded demo set")
     demo_resolution: int = Field(16, ge=8, description="side of the embedded demo images")
-    demo_sizes: list[Annotated[int, Field(ge=4)]] | None = Field(None, min_length=2, max_length=2, description="[lo, hi]: "
-                                                                 "each demo image drawn at a side in lo .. hi px (size carries sharpness)")
+    demo_sizes: list[Annotated[int, Field(ge=4)]] | None = Field(None, min_length=2, max_length=2,
+                                                                 description="[lo, hi]: each demo image drawn at a "
+                                                                 "side in lo .. hi px (size carries sharpness)")
     demo_render: Literal["native", "band_limited", "colour_by_size"] = Field("native", description="native: drawn at "
         "its side directly; band_limited: drawn at 8x and box-averaged, so a small original is the same scene at lower "
         "resolution; colour_by_size: band_limited, red only at 8-14 px and blue only at 26-32 (the positive control)")
@@ -55,7 +58,8 @@ class Data(BaseModel, extra="forbid", strict=True):
     cache_dtype: Literal["float16", "bfloat16", "float32"] = Field("float16", description="of the cached values")
     cache_text: bool = Field(True, description="cache text features; False: token ids, encoded at each step (lean)")
     shard_size: int = Field(1024, ge=1, description="rows per cache shard (part of the cache key)")
-    verify_cache: bool = Field(True, description="verify a shard's values when written and when its file changed; False: headers only")
+    verify_cache: bool = Field(True, description="verify a shard's values when written and when its file changed; "
+                               "False: headers only")
     encode_batch_size: int = Field(64, ge=1, description="images per batch when the cache is built")
     num_workers: int = Field(0, ge=0, description="data loader workers per process")
     prefetch_factor: int = Field(2, ge=1, description="batches each worker loads ahead")
@@ -66,7 +70,8 @@ class Encoders(BaseModel, extra="forbid", strict=True):
     text_encoder: Str = Field(None, description="transformers text encoder id or path (CLIP, T5); None: class labels")
     max_tokens: int = Field(77, ge=1, description="text tokens per caption")
     latent_check: Literal["stop", "warn"] = Field("stop", description="cached latents far from mean 0 and std 1 "
-                                                  "(the VAE's scaling / shift factors): stop the run, or warn and go on")
+                                                  "(the VAE's scaling / shift factors): stop the run, or warn and go "
+                                                  "on")
 
 
 class Model(BaseModel, extra="forbid", strict=True):
@@ -89,9 +94,10 @@ class ControlPower(BaseModel, extra="forbid", strict=True):  # docs/paper.md: th
 
 class Conditioning(BaseModel, extra="forbid", strict=True):
     mode: Literal["disentangled", "both", "adanorm"] = Field("disentangled", description="disentangled: semantics by "
-                                                             "attention, controls x w(t) in the adaptive norm (the paper's); "
-                                                             "both: the class in attention and the adaptive norm "
-                                                             "(MMDiT-native); adanorm: class and controls in the norm (DiT / SDXL)")
+                                                             "attention, controls x w(t) in the adaptive norm (the "
+                                                             "paper's); both: the class in attention and the "
+                                                             "adaptive norm (MMDiT-native); adanorm: class and "
+                                                             "controls in the norm (DiT / SDXL)")
     controls: list[Literal["size", "crop", "flip"]] = Field([], description="the control conditions used")
     control_power: ControlPower = Field(default_factory=ControlPower)
     pooled_text: bool | None = Field(None, description="text: the pooled text vector into the adaptive norm; None: "
@@ -104,9 +110,11 @@ class Conditioning(BaseModel, extra="forbid", strict=True):
 
 class Train(BaseModel, extra="forbid", strict=True):
     max_steps: int = Field(600, ge=1, description="optimizer steps")
-    batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(64, description="per device and micro-batch; "
-                                                                   'global: x processes x grad_accum; "auto" (with global_batch): the largest that fits')
-    global_batch: Int = Field(None, ge=1, description="images per optimizer step; set: grad_accum = global / (batch x processes)")
+    batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        64, description='per device and micro-batch; global: x processes x grad_accum; "auto" (with global_batch): '
+        "the largest that fits")
+    global_batch: Int = Field(None, ge=1, description="images per optimizer step; set: grad_accum = global / "
+                              "(batch x processes)")
     grad_accum: int = Field(1, ge=1, description="micro-batches per step (the recipes: 2, to fit an 80 GB A100)")
     lr: float = Field(1e-3, ge=0, description="the paper: 1e-4 at batch 2048; the tiny demo model likes more "
                       "(train.optimizer='muon': the AdamW group's)")
@@ -123,26 +131,31 @@ class Train(BaseModel, extra="forbid", strict=True):
     weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay (0: Adam, the paper's)")
     warmup_steps: int = Field(50, ge=0, description="linear LR warm-up")
     grad_clip: float = Field(1.0, gt=0, description="gradient norm clipping (adaptive: the cap)")
-    grad_clip_mode: Literal["norm", "adaptive"] = Field("norm", description="adaptive: clip to a percentile of recent norms")
+    grad_clip_mode: Literal["norm", "adaptive"] = Field("norm", description="adaptive: clip to a "
+                                                        "percentile of recent norms")
     grad_clip_percentile: float = Field(95.0, gt=0, le=100, description="adaptive: the percentile ...")
     grad_clip_history: int = Field(1000, ge=1, description="... of the last this many finite norms (TRELLIS's)")
-    max_nonfinite_steps: int = Field(20, ge=1, description="a NaN/inf skips the step; this many in a row: on_divergence")
+    max_nonfinite_steps: int = Field(20, ge=1,
+                                     description="a NaN/inf skips the step; this many in a row: on_divergence")
     on_divergence: Literal["stop", "rollback"] = Field("stop", description="rollback: reload the last good checkpoint, "
                                                         "lower the LR, skip the data window (PaLM)")
-    rollback_spikes: int = Field(3, ge=0, description="rollback also after this many loss spikes in rollback_window (0: off)")
+    rollback_spikes: int = Field(3, ge=0, description="rollback also after this many loss spikes in "
+                                 "rollback_window (0: off)")
     rollback_window: int = Field(200, ge=1, description="steps")
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="the LR is multiplied by this at each rollback")
     max_rollbacks: int = Field(3, ge=0, description="a divergence after this many rollbacks stops the run")
     mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="autocast (fp32 master weights and EMA)")
     ema_decay: float = Field(0.999, ge=0, le=1, description="EMA of the weights, per optimizer step")
-    ema_device: Literal["same", "cpu"] = Field("same", description='"cpu": the fp32 EMA in pinned CPU memory (4 B/param off the GPU)')
+    ema_device: Literal["same", "cpu"] = Field("same", description='"cpu": the fp32 EMA in pinned CPU memory '
+                                               '(4 B/param off the GPU)')
     ema_every: int = Field(1, ge=1, description="update the EMA every k steps, the k decays compounded "
                                                 "(training/run/fit.py)")
     gradient_checkpointing: bool = Field(False, description="recompute activations: far less memory, ~1/3 more FLOPs")
     compile: bool = Field(False, description="torch.compile the model (on in the recipes; docs/performance.md)")
     sharding: Literal["ddp", "fsdp"] = Field("ddp", description='"fsdp": weights, gradients, Adam and EMA sharded '
                                              'over the GPUs, for models DDP cannot fit (training/run/sharding.py)')
-    timeout_minutes: float = Field(30.0, gt=0, description="how long a collective waits for a slow rank (NCCL's own: 10)")
+    timeout_minutes: float = Field(30.0, gt=0, description="how long a collective waits for a slow rank "
+                                   "(NCCL's own: 10)")
 
 
 class Val(BaseModel, extra="forbid", strict=True):  # a trainer adds its sampler keys (schema)
@@ -162,7 +175,8 @@ class Val(BaseModel, extra="forbid", strict=True):  # a trainer adds its sampler
     inception_weights: Str = Field(None, description="a local inception-2015-12-05.pt (offline clusters)")
     fid_dino: Str = Field(None, description="a DINOv2 id or folder: FD-DINOv2 and its precision / recall with each FID")
     guidance_interval: list[Annotated[float, Field(ge=0, le=1)]] = Field([0.0, 1.0], min_length=2, max_length=2,
-                                                                         description="[lo, hi]: guide only at noise levels in it (flow t; DDPM noise_level)")
+                                                                         description="[lo, hi]: guide only at noise "
+                                                                         "levels in it (flow t; DDPM noise_level)")
 
 
 class Log(BaseModel, extra="forbid", strict=True):
@@ -179,8 +193,11 @@ class Log(BaseModel, extra="forbid", strict=True):
 class Ckpt(BaseModel, extra="forbid", strict=True):
     every: int = Field(500, ge=1, description="checkpoint every this many steps")
     keep: int = Field(3, ge=1, description="newest checkpoints kept")
-    phema_every: int = Field(0, ge=0, description="post-hoc EMA: images between fp16 snapshots of its profiles (0: off)")
-    phema_stds: list[Annotated[float, Field(gt=0, le=0.28)]] = Field([0.05, 0.1], description="relative stds of the tracked power EMAs")
+    phema_every: int = Field(0, ge=0,
+                             description="post-hoc EMA: images between fp16 snapshots of its profiles (0: off)")
+    phema_stds: list[Annotated[float, Field(gt=0, le=0.28)]] = Field([0.05, 0.1],
+                                                                     description="relative stds of the "
+                                                                     "tracked power EMAs")
 
 
 class Repa(BaseModel, extra="forbid", strict=True):  # both trainers' objective keys (schema adds them)
@@ -193,7 +210,8 @@ class Repa(BaseModel, extra="forbid", strict=True):  # both trainers' objective 
     repa_projector: Literal["mlp", "conv"] = Field("mlp", description="REPA's 3-layer MLP, or iREPA's 3x3 "
                                                    "convolution with spatially normalised targets")
     repa_projector_dim: int = Field(2048, ge=1, description="REPA: the MLP projector's hidden width (the paper's)")
-    repa_off_step: Int = Field(None, ge=0, description="REPA: the term stops at this optimizer step (HASTE); None: never")
+    repa_off_step: Int = Field(None, ge=0, description="REPA: the term stops at this optimizer step "
+                               "(HASTE); None: never")
     repa_targets: Literal["cache", "on_the_fly"] = Field("cache", description="REPA: stored with each cached row, "
                                                          "or encoded from the batch's pixels each step (pixel space)")
 
@@ -248,19 +266,22 @@ def combination_problems(cfg):
     d, tr, enc, val = cfg["data"], cfg["train"], cfg["encoders"], cfg["val"]
     problems = []
     if bool(d["caption_column"] or d["label_captions"]) != bool(enc["text_encoder"]):
-        problems.append("encoders.text_encoder goes with data.caption_column (or data.label_captions): set both or neither")
+        problems.append("encoders.text_encoder goes with data.caption_column (or data.label_captions): "
+                        "set both or neither")
     if d["demo_render"] != "native" and not d["demo_sizes"]:
         problems.append(f"data.demo_render={d['demo_render']!r} draws each image at a native side: set data.demo_sizes")
     if d["demo_sizes"] and d["demo_sizes"][0] > d["demo_sizes"][1]:
         problems.append(f"data.demo_sizes={d['demo_sizes']} must be [lo, hi] with lo <= hi (pixels per side)")
-    if d["demo_render"] == "colour_by_size" and d["demo_sizes"] and not (d["demo_sizes"][0] <= 8 and d["demo_sizes"][1] >= 32):
-        problems.append(f"data.demo_render='colour_by_size' draws red at 8-14 px and blue at 26-32 px (data.COLOUR_SIDES): "
-                        f"data.demo_sizes={d['demo_sizes']} must cover [8, 32]")
+    if d["demo_render"] == "colour_by_size" and d["demo_sizes"] and \
+            not (d["demo_sizes"][0] <= 8 and d["demo_sizes"][1] >= 32):
+        problems.append("data.demo_render='colour_by_size' draws red at 8-14 px and blue at 26-32 px "
+                        f"(data.COLOUR_SIDES): data.demo_sizes={d['demo_sizes']} must cover [8, 32]")
     if d["cache_views"] > 1 and d["crop"] == "center":
         problems.append(f"data.cache_views={d['cache_views']} caches that many crops per image, and data.crop='center' "
                         f"gives the same centre square each time: set data.crop to 'random' or 'random_resized', or "
                         f"data.cache_views=1")
-    if d["buckets"] is not None and (not d["buckets"] or d["source"] != "embedded" and (d["streaming"] or ".tar" in d["source"])):
+    if d["buckets"] is not None and \
+            (not d["buckets"] or d["source"] != "embedded" and (d["streaming"] or ".tar" in d["source"])):
         problems.append(f"data.buckets={d['buckets']!r} needs at least one aspect ratio and a source whose image sizes "
                         f"can be read before the cache is built: a folder, parquet files or a downloaded hub dataset, "
                         f"not a stream (data.streaming, tar shards)")
@@ -286,7 +307,8 @@ def combination_problems(cfg):
         problems.append(f"val.guidance_interval={val['guidance_interval']!r} must be [lo, hi] with lo <= hi (noise "
                         f"levels: flow-matching t, 1 = pure noise; [0, 1] guides every step)")
     if cfg["ckpt"]["phema_every"] and not cfg["ckpt"]["phema_stds"]:
-        problems.append("ckpt.phema_every > 0 tracks the profiles of ckpt.phema_stds: give at least one std, e.g. [0.05, 0.1]")
+        problems.append("ckpt.phema_every > 0 tracks the profiles of ckpt.phema_stds: give at least one std, "
+                        "e.g. [0.05, 0.1]")
     if tr["mixed_precision"] == "fp16":
         import torch
 
@@ -317,11 +339,13 @@ def budget_warnings(cfg):
     tr, val, log = cfg["train"], cfg["val"], cfg["log"]
     out = []
     if tr["warmup_steps"] > tr["max_steps"]:
-        out.append(f"train.warmup_steps={tr['warmup_steps']} is longer than the run (train.max_steps={tr['max_steps']}):"
-                   f" the LR never reaches train.lr, only {tr['max_steps'] / tr['warmup_steps']:.0%} of it")
+        out.append(f"train.warmup_steps={tr['warmup_steps']} is longer than the run "
+                   f"(train.max_steps={tr['max_steps']}): the LR never reaches train.lr, only "
+                   f"{tr['max_steps'] / tr['warmup_steps']:.0%} of it")
     for key, every in (("val.every", val["every"]), ("log.every", log["every"]), ("val.fid_every", val["fid_every"])):
         if every > tr["max_steps"]:
-            out.append(f"{key}={every} is beyond the run (train.max_steps={tr['max_steps']}): it happens only at the last step")
+            out.append(f"{key}={every} is beyond the run (train.max_steps={tr['max_steps']}): it happens only "
+                       "at the last step")
     return out
 
 
@@ -334,5 +358,6 @@ def size_warnings(cfg, num_params, num_rows, world):
                    f"per image): the model will memorise them; use a smaller model (model.*) or more data")
     epochs = tr["max_steps"] * tr["batch_size"] * tr["grad_accum"] * world / num_rows
     if epochs > 1000:
-        out.append(f"train.max_steps={tr['max_steps']} is {epochs:,.0f} epochs of {num_rows} images: expect memorisation")
+        out.append(f"train.max_steps={tr['max_steps']} is {epochs:,.0f} epochs of {num_rows} images: "
+                   "expect memorisation")
     return out

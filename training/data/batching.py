@@ -126,7 +126,8 @@ def loader_options(data, device):
 # ----------------------------------------------------------------------------------------------------------
 # A micro-batch's conditions: what the conditioner reads, dropped for guidance in training.
 
-COND_FIELDS = ("label", "text_tokens", "text_mask", "text_pooled", "orig_hw", "crop_box", "flip")  # what the conditioner reads
+# what the conditioner reads
+COND_FIELDS = ("label", "text_tokens", "text_mask", "text_pooled", "orig_hw", "crop_box", "flip")
 
 
 def conditions_of(batch, device):

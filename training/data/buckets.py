@@ -228,8 +228,8 @@ def table(shapes, sizes, fate, batch=None, micro=None, min_side=1):
     lines += [f"{f'{w}x{h}':>9} {w / h:5.2f}: {why}" for (w, h), why in fate.items()]
     broken, tiny = int((sizes[:, 0] < 0).sum()), int(((sizes.min(1) >= 0) & ~usable).sum())
     if broken or tiny:
-        lines.append(f"not in any bucket: {broken} unreadable, {tiny} below data.min_image_side={min_side} px (reported "
-                     f"and skipped when the cache is built)")
+        lines.append(f"not in any bucket: {broken} unreadable, {tiny} below data.min_image_side={min_side} px "
+                     "(reported and skipped when the cache is built)")
     return lines
 
 

@@ -125,10 +125,11 @@ def check_cache_shared(cache_dir, accelerator, retries=5):
     if accelerator.is_main_process:
         marker.unlink()
     if blind:
-        raise RuntimeError(f"data.cache_dir='{cache_dir}' is not shared: rank(s) {blind} of {accelerator.num_processes} "
-                           f"do not see the marker that rank 0 wrote to {Path(cache_dir).resolve()}. The ranks "
-                           f"write and read each other's cache shards: put data.cache_dir on storage every node "
-                           f"mounts at the same path (a shared file system), not on a node-local disk")
+        raise RuntimeError(f"data.cache_dir='{cache_dir}' is not shared: rank(s) {blind} of "
+                           f"{accelerator.num_processes} do not see the marker that rank 0 wrote to "
+                           f"{Path(cache_dir).resolve()}. The ranks write and read each other's cache shards: put "
+                           "data.cache_dir on storage every node mounts at the same path (a shared file system), not "
+                           "on a node-local disk")
 
 
 def tensors_sha256(tensors):
@@ -162,7 +163,8 @@ def shard_damage(path, verify=True, expected=None):
     if tensors_sha256(tensors) != meta.get("sha256"):
         return "checksum mismatch: its contents changed after it was written"
     # One float64 sum per tensor: finite exactly when every value is (and 2x faster than isfinite on fp16).
-    bad = [name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t.sum(dtype=torch.float64))]
+    bad = [name for name, t in tensors.items() if t.is_floating_point()
+           and not torch.isfinite(t.sum(dtype=torch.float64))]
     return f"non-finite values in {bad}" if bad else None
 
 
@@ -192,7 +194,8 @@ def write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator
 
     def agree():
         if signals is not None:
-            signals.exit_if_agreed(accelerator, f"the cache build ({part}); the next run resumes from its finished shards")
+            signals.exit_if_agreed(accelerator, f"the cache build ({part}); the next run resumes from "
+                                   "its finished shards")
 
     bucketed = bool(data.get("bucket_shapes"))  # a bucket's rows are tensors of their own: name@bucket
     for batch in loader:  # decoded in the workers; encoded here, on the device
@@ -205,13 +208,15 @@ def write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator
                     finite &= torch.isfinite(t.flatten(1).float()).all(1)
             finite = finite.view(-1, views).all(1).repeat_interleave(views)  # an image keeps all its views or none
             for i in torch.nonzero(~finite).flatten().tolist():
-                shard["skipped"].append(f"shard {batch['shard']}, row {shard['rows'] + i}: encoded to non-finite values")
+                shard["skipped"].append(f"shard {batch['shard']}, row {shard['rows'] + i}: encoded to non-finite "
+                                        "values")
             suffix = "" if group["bucket"] is None else f"@{group['bucket']}"
             for name, value in out.items():
                 shard["tensors"].setdefault(name + suffix, []).append(value[finite])
             shard["rows"] += int(finite.sum())
             if bucketed:
-                shard["buckets"][str(group["bucket"])] = shard["buckets"].get(str(group["bucket"]), 0) + int(finite.sum())
+                bucket = str(group["bucket"])
+                shard["buckets"][bucket] = shard["buckets"].get(bucket, 0) + int(finite.sum())
         shard["skipped"] += batch["skipped"]
         encoded, skipped = encoded + batch["rows"] // views, skipped + len(batch["skipped"])  # images
         bar.update(batch["rows"] + views * len(batch["skipped"]))
@@ -268,9 +273,11 @@ def locate_cache(cfg, part, ds, accelerator):
     slug = re.sub(r"[^A-Za-z0-9]+", "-", data.source).strip("-")[-40:]
     folder = Path(data.cache_dir) / f"{slug}-{part}-{digest}"
     manifest, problem = read_json(folder / "manifest.json") if (folder / "manifest.json").exists() else (None, None)
-    if problem or (manifest is not None and not (isinstance(manifest, dict) and isinstance(manifest.get("sha256"), dict))):
-        accelerator.print(f"warning: cache ({part}): {folder / 'manifest.json'} cannot be read ({problem or 'no checksums'}); "
-                          f"treating the folder as a miss: finished shards are verified and reused, the rest encoded")
+    if problem or \
+            (manifest is not None and not (isinstance(manifest, dict) and isinstance(manifest.get("sha256"), dict))):
+        accelerator.print(f"warning: cache ({part}): {folder / 'manifest.json'} cannot be read "
+                          f"({problem or 'no checksums'}); treating the folder as a miss: finished shards are "
+                          "verified and reused, the rest encoded")
         manifest = None
     found = len(list(folder.glob("shard_*.safetensors")))
     if manifest is not None:
@@ -349,8 +356,8 @@ def write_cache(cache, todo_by_rank, encode, cfg, accelerator, signals=None):
     many = (f" ({data.cache_views} crop{'s' * (data.cache_views > 1)} x {2 if data.random_flip else 1} flip"
             f"{'s' * data.random_flip} per image)") if views > 1 else ""
     accelerator.print(f"cache ({part}): {len(missing)} of {len(cache.shards)} shards to write, about "
-                      f"{sum(rows.values())} samples{many} x {per_row} bytes = {human_bytes(size)}; {human_bytes(free)} "
-                      f"free on {data.cache_dir}")
+                      f"{sum(rows.values())} samples{many} x {per_row} bytes = {human_bytes(size)}; "
+                      f"{human_bytes(free)} free on {data.cache_dir}")
     if size > free:
         raise SystemExit(f"data.cache_dir='{data.cache_dir}' has {human_bytes(free)} free, the {part} cache needs "
                          f"about {human_bytes(size)}: free space, choose another data.cache_dir, or shrink the "
@@ -387,7 +394,8 @@ def write_manifest(cache, built, accelerator):
             tmp = folder / "manifest.tmp"
             tmp.write_text(json.dumps({"key": cache.key, "shards": shards, "sha256": sums, "skipped": skipped,
                                        "verified": stamps, "views": cache.views,
-                                       **({"buckets": cache.key["buckets"]} if "buckets" in cache.key else {})}, indent=1))
+                                       **({"buckets": cache.key["buckets"]} if "buckets" in cache.key else {})},
+                                      indent=1))
             os.replace(tmp, folder / "manifest.json")
         accelerator.print(f"cache {'hit' if not built else 'ready'} ({cache.part}): {folder}, {len(shards)} shards"
                           + (f", {built} (re)built" if built else ", all sound"))

@@ -21,7 +21,8 @@ def label_problem(label, k):
         return f"label {label!r} is not a class index 0, 1, 2, ..."
     if not 0 <= label < k:
         hint = (f"label {k} would train as the guidance null class; 1-based labels: subtract 1, or set "
-                f"data.num_classes={k + 1}" if label == k else "with more classes, set data.num_classes to their number")
+                f"data.num_classes={k + 1}" if label == k
+                else "with more classes, set data.num_classes to their number")
         return f"label {label:g} is not a class 0 .. {k - 1} (data.num_classes={k}; {hint})"
     return None
 

@@ -31,8 +31,8 @@ class DecodedShards(torch.utils.data.IterableDataset):
     each in batches of data.encode_batch_size tagged with the shard; crops and flips draw from random.Random(k),
     so cache shard k is the same whatever the number of ranks and workers. With `views` > 1 (data.cache_views,
     training rows) each image becomes consecutive rows: its crops, each unflipped and, with data.random_flip,
-    mirrored, every row with the metadata of its own view; a batch always holds whole images. Unusable rows (broken image, tiny
-    image, missing caption) are reported in the batch's "skipped" and left out, never crash the build."""
+    mirrored, every row with the metadata of its own view; a batch always holds whole images. Unusable rows (broken
+    image, tiny image, missing caption) are reported in the batch's "skipped" and left out, never crash the build."""
 
     def __init__(self, ds, shards, data, names=None, views=1):
         self.ds, self.shards, self.data, self.names, self.views = ds, shards, data, names, views
@@ -160,7 +160,8 @@ def cache_size(encode, data, text, shard_rows):
              "labels": torch.zeros(1, dtype=torch.long) if data.label_column else None}
     tensors = encoded_rows(probe, encode, data, text)
     per_row = sum(t.numel() * t.element_size() for t in tensors.values())
-    one_row = save({name: t.contiguous() for name, t in tensors.items()}, metadata={"rows": "1", "skipped": "[]", "sha256": "0" * 64})
+    one_row = save({name: t.contiguous() for name, t in tensors.items()},
+                   metadata={"rows": "1", "skipped": "[]", "sha256": "0" * 64})
     header = len(one_row) - per_row
     return per_row, sum(shard_rows) * per_row + len(shard_rows) * header
 

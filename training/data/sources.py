@@ -289,10 +289,11 @@ def open_splits(data, log=print):
         else:
             origin = f"drawn from split '{data.split}' (data.val_holdout={holdout})"
         if n - holdout < holdout:
-            raise ValueError(f"data.val_holdout={holdout} holds out {min(holdout, n)} of the {n} rows of {data.source} "
-                             f"(split '{data.split}'), leaving {max(0, n - holdout)} to train on: fewer than it holds "
-                             f"out. Set data.val_holdout to at most {n // 2} (e.g. {max(1, int(n * HOLDOUT_FRACTION))}), "
-                             f"leave it null (10% of the rows, at most 256), or name a held-out split in data.val_split")
+            raise ValueError(f"data.val_holdout={holdout} holds out {min(holdout, n)} of the {n} rows of "
+                             f"{data.source} (split '{data.split}'), leaving {max(0, n - holdout)} to train on: fewer "
+                             f"than it holds out. Set data.val_holdout to at most {n // 2} (e.g. "
+                             f"{max(1, int(n * HOLDOUT_FRACTION))}), leave it null (10% of the rows, at most 256), or "
+                             "name a held-out split in data.val_split")
         perm = np.random.default_rng(0).permutation(n)
         val, train = train.select(sorted(perm[:holdout])), train.select(sorted(perm[holdout:]))
     trimmed = ""
@@ -485,4 +486,5 @@ def stream_heldout(data):
 
     val = open_stream(data, data.val_split or data.split)
     rows = itertools.chain.from_iterable(shard_of(val, k) for k in stream_shards(data, val, "val"))
-    return datasets.Dataset.from_list(list(itertools.islice(rows, data.val_holdout or HOLDOUT_MAX)), features=val.features)
+    return datasets.Dataset.from_list(list(itertools.islice(rows, data.val_holdout or HOLDOUT_MAX)),
+                                      features=val.features)

@@ -168,9 +168,9 @@ def problems(cfg):
     if not obj.get("meanflow"):
         return out
     if obj["contrastive_weight"]:
-        out.append(f"objective.contrastive_weight={obj['contrastive_weight']} with objective.meanflow: contrastive flow "
-                   f"matching's negatives are other samples' velocities, MeanFlow's targets average velocities over "
-                   f"their own intervals; set objective.contrastive_weight=0")
+        out.append(f"objective.contrastive_weight={obj['contrastive_weight']} with objective.meanflow: contrastive "
+                   "flow matching's negatives are other samples' velocities, MeanFlow's targets average velocities "
+                   "over their own intervals; set objective.contrastive_weight=0")
     if obj["time_sampling"] == "adaptive":
         out.append("objective.time_sampling='adaptive' with objective.meanflow: MeanFlow draws (r, t) itself "
                    "(objective.meanflow_logit_mean / _std); use 'logit_normal' or 'uniform'")

@@ -125,8 +125,8 @@ def terms(tokens, align):
 
 
 def problems(cfg):
-    """The start-up checks (handed to the config loader by the trainers: sections.schema): the block exists, the encoder's config can be read
-    and is a patch-token image model, and on-the-fly targets have pixels to encode."""
+    """The start-up checks (handed to the config loader by the trainers: sections.schema): the block exists, the
+    encoder's config can be read and is a patch-token image model, and on-the-fly targets have pixels to encode."""
     obj, out = cfg["objective"], []
     if not obj.get("repa_weight"):
         return out
@@ -146,8 +146,9 @@ def problems(cfg):
         out.append(f"objective.repa_encoder={obj['repa_encoder']!r}: its config cannot be read ({type(e).__name__}: "
                    f"{str(e).strip().splitlines()[0][:200]})")
     if cfg["data"].get("buckets"):
-        out.append("objective.repa_weight with data.buckets: REPA's targets are one square grid of encoder patch tokens "
-                   "per image, and a bucket's token grid is not square; set objective.repa_weight=0 or data.buckets=null")
+        out.append("objective.repa_weight with data.buckets: REPA's targets are one square grid of encoder patch "
+                   "tokens per image, and a bucket's token grid is not square; set objective.repa_weight=0 or "
+                   "data.buckets=null")
     if obj["repa_targets"] == "on_the_fly" and cfg["encoders"]["vae"]:
         out.append("objective.repa_targets='on_the_fly' encodes the batch's pixels, and a latent cache (encoders.vae) "
                    "holds none: use 'cache' (the targets are computed once, when the cache is written)")

@@ -42,7 +42,8 @@ class GradClipper:
         grads = [p.grad for p in parameters if p.grad is not None]
         total = common.full(torch.nn.utils.get_total_norm(grads))
         self.threshold = self.current_threshold()
-        torch._foreach_mul_(common.local(grads), (self.threshold / (total + 1e-6)).clamp(max=1.0))  # torch's clip coefficient
+        # torch's clip coefficient
+        torch._foreach_mul_(common.local(grads), (self.threshold / (total + 1e-6)).clamp(max=1.0))
         slot = (self.seen % len(self.history)).view(1)
         finite = torch.isfinite(total)
         self.history.scatter_(0, slot, torch.where(finite, total, self.history.gather(0, slot)).view(1).float())

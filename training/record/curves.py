@@ -37,12 +37,14 @@ def band(values):
 
 
 def make(runs, read_metrics, method):
-    """One method's reference from its seed runs: {"runs", "seeds", "settings", "curves": {key: [[step, lo, mean, hi]]}}.
-    Training loss: the smoothed loss every 10th logged step; held-out losses at every validation; eval_fid.py's
+    """One method's reference from its seed runs:
+    {"runs", "seeds", "settings", "curves": {key: [[step, lo, mean, hi]]}}. Training loss: the smoothed loss every
+    10th logged step; held-out losses at every validation; eval_fid.py's
     scores by the protocol (protocol_reports) at each checkpoint scored (the export counts as the last step). A
     step enters a curve only where every run has it, so each band rests on all the seeds."""
     if len(runs) < 2:
-        raise ValueError(f"a reference band needs at least 2 seed runs (their spread is the tolerance); got {len(runs)}")
+        raise ValueError(f"a reference band needs at least 2 seed runs (their spread is the tolerance); "
+                         f"got {len(runs)}")
     cfgs = [json.loads((Path(r) / "config.json").read_text()) for r in runs]
     series = [read_metrics(Path(r) / "metrics.jsonl")[0] for r in runs]
     for s, run, cfg in zip(series, runs, cfgs):
@@ -58,7 +60,8 @@ def make(runs, read_metrics, method):
     curves = {}
     for key in sorted(set.intersection(*(set(s) for s in series))):
         if not (key == "loss_smoothed" or WATCHED.fullmatch(key) or key.startswith(("fid_", "kid_", "fd_", "kd_",
-                                                                                    "precision_", "recall_", "class_accuracy"))):
+                                                                                    "precision_", "recall_",
+                                                                                    "class_accuracy"))):
             continue
         steps = sorted(set.intersection(*(set(s[key]) for s in series)))
         if key == "loss_smoothed":
@@ -165,8 +168,9 @@ def off_band(reference, row):
 def describe(event, seeds):
     lo, hi = event["band"]
     if not math.isfinite(event["value"]):
-        return (f"step {event['step']}: {event['key']} is {event['value']}, not a finite number: off the reference band "
-                f"[{lo:.4f}, {hi:.4f}] ({len(seeds)} seeds): diverged weights, or an overflow at train.mixed_precision")
+        return (f"step {event['step']}: {event['key']} is {event['value']}, not a finite number: off the reference "
+                f"band [{lo:.4f}, {hi:.4f}] ({len(seeds)} seeds): diverged weights, or an overflow at "
+                "train.mixed_precision")
     side = "above" if event["value"] > hi else "below"
     return (f"step {event['step']}: {event['key']} {event['value']:.4f} is {side} the reference band "
             f"[{lo:.4f}, {hi:.4f}] ({len(seeds)} seeds) by {event['by']:.4f}, "

@@ -184,7 +184,8 @@ def plot_all(series, events, cfg, out):
                     "the base density (1: the base density); it follows the loss per time bin") as (fig, (ax,)):
             for j, step in enumerate(shown):
                 ax.plot([(k + 0.5) / len(density) for k, _ in density], [series[key][step] for _, key in density],
-                        marker=".", color=matplotlib.colormaps["viridis"](j / max(len(shown) - 1, 1)), label=f"step {step}")
+                        marker=".", color=matplotlib.colormaps["viridis"](j / max(len(shown) - 1, 1)),
+                        label=f"step {step}")
             ax.axhline(1, color="grey", ls=":", lw=1)
             ax.set_xlabel("base-density quantile of t (0: data end, 1: noise end)")
             style_axis(ax, "p(t) / base(t)")

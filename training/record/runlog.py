@@ -82,9 +82,11 @@ def caption_cells(grid, labels, nrow, cell, height=None):
 # The run folder and its sinks.
 
 
-# What a run leaves in its run_dir (README, "What a run writes"; eval_fid.py's eval/, sample.py's sampled/, tools/rate.py's
-# votes). config.json alone is not a run: a start stopped before training (in the cache build) may start again.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "samples", "phema", "export", "report.md", "eval", "sampled", "ratings.jsonl")
+# What a run leaves in its run_dir (README, "What a run writes"; eval_fid.py's eval/, sample.py's sampled/,
+# tools/rate.py's votes). config.json alone is not a run: a start stopped before training (in the cache build) may
+# start again.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "samples", "phema", "export", "report.md", "eval", "sampled",
+               "ratings.jsonl")
 
 
 def refuse_earlier_run(cfg):
@@ -200,7 +202,8 @@ class RunLog:
             id_file = self.run_dir / "wandb_id.txt"
             run_id = id_file.read_text().strip() if cfg.resume and id_file.is_file() else os.urandom(4).hex()
             id_file.write_text(run_id + "\n")
-            self.wandb = wandb.init(project=cfg.log.project, dir=str(run_dir), config=cfg, mode=wandb_mode(cfg.log.wandb),
+            self.wandb = wandb.init(project=cfg.log.project, dir=str(run_dir), config=cfg,
+                                    mode=wandb_mode(cfg.log.wandb),
                                     name=self.run_dir.name, id=run_id, resume="allow")
 
     def __call__(self, metrics):

@@ -116,7 +116,8 @@ def checkpoint_ok(folder):
             with safe_open(str(path), "pt") as f:
                 f.keys()
         state = torch.load(folder / "state.pt", weights_only=True, map_location="cpu")
-        if (folder / sharding.SHARDED).is_dir():  # torch.distributed.checkpoint writes .metadata once every shard is written
+        # torch.distributed.checkpoint writes .metadata once every shard is written
+        if (folder / sharding.SHARDED).is_dir():
             return (folder / "sharded" / ".metadata").is_file()
         return all((folder / f"{name}.safetensors").exists() for name in ("model", "ema")) and \
             ("optimizer" in state or (folder / "optimizer.safetensors").exists())

@@ -86,8 +86,8 @@ def choose(candidates, fits, images_per_s, all_min, checkpointing="auto", log=pr
     speeds = all_min([images_per_s(m, c) for m, c in pairs])
     table = [{"micro_batch": m, "gradient_checkpointing": c, "images_per_s": s} for (m, c), s in zip(pairs, speeds)]
     log("fit: measured (images/s per process, slowest rank):\n" + "\n".join(
-        f"  micro-batch {r['micro_batch']:>5}, gradient checkpointing {'on ' if r['gradient_checkpointing'] else 'off'}:"
-        f" {r['images_per_s']:.1f}" for r in table))
+        f"  micro-batch {r['micro_batch']:>5}, gradient checkpointing "
+        f"{'on ' if r['gradient_checkpointing'] else 'off'}: {r['images_per_s']:.1f}" for r in table))
     best = max(table, key=lambda r: r["images_per_s"])
     return best["micro_batch"], best["gradient_checkpointing"], table
 
@@ -233,7 +233,8 @@ def resolved_keys(train):
         return set()
     keys = {"train.grad_accum"}
     if train["batch_size"] == "auto":
-        keys |= {"train.batch_size"} | ({"train.gradient_checkpointing"} if not train["gradient_checkpointing"] else set())
+        keys |= {"train.batch_size"} | ({"train.gradient_checkpointing"} if not train["gradient_checkpointing"]
+                                        else set())
     return keys
 
 
@@ -357,7 +358,8 @@ class EMAUpdater:
 
     def __init__(self, ema, model, optimizer, tr, device):
         self.ema, self.model, self.device = ema, model, device
-        self.decay, self.every, self.last, self.offload = tr.ema_decay, tr.ema_every, tr.max_steps, tr.ema_device == "cpu"
+        self.decay, self.every, self.last = tr.ema_decay, tr.ema_every, tr.max_steps
+        self.offload = tr.ema_device == "cpu"
         self.thread, self.error = None, None
         if not self.offload:
             ema.to(device)

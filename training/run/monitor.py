@@ -31,7 +31,8 @@ def layer_groups(model):
     for name, p in model.named_parameters():
         block = re.match(r"transformer\.transformer_blocks\.(\d+)\.", name)
         group = (f"block_{int(block[1]):02d}" if block else "patch_embed" if name.startswith("transformer.pos_embed.")
-                 else "final_layer" if name.startswith(("transformer.norm_out.", "transformer.proj_out.")) else "conditioning")
+                 else "final_layer" if name.startswith(("transformer.norm_out.", "transformer.proj_out."))
+                 else "conditioning")
         groups.setdefault(group, []).append(p)
     return groups
 
@@ -39,7 +40,8 @@ def layer_groups(model):
 def norms(tensor_lists):
     """The norm of each list of tensors, one device tensor; sharded tensors (train.sharding="fsdp") by the sum of
     their shards' squares over the ranks (one all-reduce, every rank calls it)."""
-    squares = torch.stack([torch.stack(torch._foreach_norm(common.local(ts))).float().pow(2).sum() for ts in tensor_lists])
+    squares = torch.stack([torch.stack(torch._foreach_norm(common.local(ts))).float().pow(2).sum()
+                           for ts in tensor_lists])
     if any(common.is_dtensor(t) for ts in tensor_lists for t in ts):
         torch.distributed.all_reduce(squares)
     return squares.sqrt()
@@ -50,7 +52,8 @@ def group_grad_norms(groups, total_norm, clip):
     """The gradient norm of each group before clipping (the clip scaled every gradient by one factor, undone
     here), so the groups' norms add up in squares to the total norm that clip_grad_norm_ returned."""
     scale = max(1.0, (float(total_norm) + 1e-6) / clip)  # torch's clip_coef = clip / (total + 1e-6), capped at 1
-    grads = [[p.grad for p in ps if p.grad is not None] or [torch.zeros(1, device=ps[0].device)] for ps in groups.values()]
+    grads = [[p.grad for p in ps if p.grad is not None] or [torch.zeros(1, device=ps[0].device)]
+             for ps in groups.values()]
     return dict(zip(groups, (norms(grads) * scale).tolist()))
 
 
@@ -151,7 +154,8 @@ class Monitor:
         """A checkpoint's counters, smoothed-loss statistics and interval in progress (at start, and on a
         rollback: training/run/stability.py)."""
         self.skipped, self.bad_in_row = state.get("skipped_steps", 0), state.get("bad_in_row", 0)
-        self.loss_state = state.get("loss_state", {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0})  # smoothed loss, spikes
+        # smoothed loss, spikes
+        self.loss_state = state.get("loss_state", {"mean": 0.0, "var": 0.0, "n": 0, "spikes": 0})
         self.clip_watch = dict(state.get("clip_watch", {"steps": 0, "clipped": 0, "excess": 0.0, "high": False}))
         self.since_log, self.micro_batches, self.before = 0, 0, None  # `before`: weights kept for the update ratio
         self.steps_done, self.diverged_at, self.progress.n = state.get("step", 0), None, state.get("step", 0)
@@ -252,9 +256,11 @@ class Monitor:
         step = self.steps_done + 1
         if self.analysing():
             norms = group_grad_norms(self.groups, grad_norm, float(clip))
-            metrics = {"step": step, "grad_norm_step": float(grad_norm), **{f"grad_norm/{g}": v for g, v in norms.items()}}
+            metrics = {"step": step, "grad_norm_step": float(grad_norm),
+                       **{f"grad_norm/{g}": v for g, v in norms.items()}}
             if bool(finite) and not self.accelerator.optimizer_step_was_skipped:  # fp16: the scaler skipped it
-                metrics.update({f"update_ratio/{g}": v for g, v in group_update_ratios(self.groups, self.before).items()})
+                ratios = group_update_ratios(self.groups, self.before)
+                metrics.update({f"update_ratio/{g}": v for g, v in ratios.items()})
             self.log(metrics)
             for g, kind in gradient_flags(norms, self.cfg.log.grad_flag_ratio):
                 self.log({"step": step, "event": kind, "group": g, "grad_norm": norms[g]})

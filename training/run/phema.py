@@ -16,9 +16,10 @@ sum_i x_i p_i applied to it: choosing x to make that mix close to a target profi
 is a small least-squares problem whose matrix entries are closed-form inner products of power profiles.
 
 The profiles live on the main process only (other ranks count images, so every rank agrees on when a
-snapshot is due), or with train.sharding="fsdp" on every rank, sharded like the weights (a snapshot gathers them); they go into each checkpoint (bitwise resume) and into fp16 snapshots, run_dir/phema/
-phema_<images>.safetensors, written to a hidden temporary name and renamed once complete, so a snapshot cut off
-by a kill is never listed. tools/phema.py reconstructs and exports; eval_fid.py and sample.py take --phema_std.
+snapshot is due), or with train.sharding="fsdp" on every rank, sharded like the weights (a snapshot gathers them); they
+go into each checkpoint (bitwise resume) and into fp16 snapshots, run_dir/phema/phema_<images>.safetensors, written to
+a hidden temporary name and renamed once complete, so a snapshot cut off by a kill is never listed. tools/phema.py
+reconstructs and exports; eval_fid.py and sample.py take --phema_std.
 """
 import json
 import math
@@ -108,7 +109,8 @@ class PowerEMA:
         self.images += self.images_per_step
         params = common.local(p.detach().float() for _, p in exported_parameters(model))  # sharded: shard by shard
         for gamma, profile in zip(self.gammas, self.profiles):
-            torch._foreach_lerp_(common.local(profile), params, 1 - (1 - self.images_per_step / self.images) ** (gamma + 1))
+            torch._foreach_lerp_(common.local(profile), params,
+                                 1 - (1 - self.images_per_step / self.images) ** (gamma + 1))
 
     def due(self, step, last_step):
         """A snapshot falls on this step: the images seen crossed a multiple of ckpt.phema_every, or the run
@@ -257,7 +259,8 @@ def reconstruct(folder, std, max_images=None, checkpoint=None):
     x, fit_error = solve_coefficients([t for _, t, _, _ in terms], [g for *_, g in terms], t_target, gamma_of_std(std))
     weights, k = {}, 0
     for path, _, stds, _ in snaps:
-        tensors = load_file(str(path)) if path.is_file() else checkpoints.read_tensors(path, "phema")  # (sharded: a folder)
+        # (sharded: a folder)
+        tensors = load_file(str(path)) if path.is_file() else checkpoints.read_tensors(path, "phema")
         for s in stds:
             prefix = f"{s:g}/"
             for key, value in tensors.items():

@@ -17,7 +17,8 @@ def step_of(folder):
 
 def last_good_checkpoint(run_dir, last_step):
     """The newest intact checkpoint of at most `last_step` steps, and the newer ones (written during the
-    divergence). Checkpoints are run_dir/checkpoints/<name ending in the step>; checkpoints.find_checkpoint checks each."""
+    divergence). Checkpoints are run_dir/checkpoints/<name ending in the step>; checkpoints.find_checkpoint checks
+    each."""
     newer = []
     for folder in sorted((Path(run_dir) / "checkpoints").glob("step_*"), key=step_of, reverse=True):
         if step_of(folder) > last_step:

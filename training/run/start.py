@@ -100,6 +100,7 @@ def init_from(source, model, ema, class_ids=None, pos_embed_mode="resample", log
         f"position start fresh")
     for kind in ("adapted", "missing", "unexpected", "reshaped"):
         if report[kind]:
-            log(f"init_from {kind} ({len(report[kind])}{', kept at fresh init' if kind in ('missing', 'reshaped') else ''}"
-                f"{', ignored' if kind == 'unexpected' else ''}): " + "; ".join(report[kind]))
+            kept = ", kept at fresh init" if kind in ("missing", "reshaped") else ""
+            log(f"init_from {kind} ({len(report[kind])}{kept}{', ignored' if kind == 'unexpected' else ''}): "
+                + "; ".join(report[kind]))
     return report

@@ -71,7 +71,8 @@ def make_scheduler(cfg):
     scheduler = DDIMScheduler if cfg["val"]["sampler"] == "ddim" else DDPMScheduler
     extra = {"set_alpha_to_one": True} if scheduler is DDIMScheduler else {"variance_type": "fixed_small"}
     return scheduler(num_train_timesteps=obj["num_timesteps"], beta_schedule=BETAS[obj["beta_schedule"]],
-                     beta_start=obj["beta_start"], beta_end=obj["beta_end"], prediction_type=PREDICTION[obj["prediction"]],
+                     beta_start=obj["beta_start"], beta_end=obj["beta_end"],
+                     prediction_type=PREDICTION[obj["prediction"]],
                      rescale_betas_zero_snr=obj["zero_terminal_snr"], timestep_spacing="trailing", clip_sample=False,
                      **extra)
 

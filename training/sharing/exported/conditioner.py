@@ -112,5 +112,6 @@ class Conditioner(ModelMixin, ConfigMixin):
             adanorm = adanorm + emb * (w.float() * keep)[:, None]
         if c.interval:
             gap = cond["interval"] if "interval" in cond else torch.zeros_like(noise_level)
-            adanorm = adanorm + self.interval_embed(self.interval_proj(gap).to(self.interval_embed.linear_1.weight.dtype))
+            gap_proj = self.interval_proj(gap).to(self.interval_embed.linear_1.weight.dtype)
+            adanorm = adanorm + self.interval_embed(gap_proj)
         return context, pooled, adanorm

@@ -24,7 +24,8 @@ import math
 import numpy as np
 import PIL.Image
 import torch
-from diffusers import AutoencoderKL, DDPMScheduler, DiffusionPipeline, FlowMatchEulerDiscreteScheduler, ImagePipelineOutput
+from diffusers import (AutoencoderKL, DDPMScheduler, DiffusionPipeline, FlowMatchEulerDiscreteScheduler,
+                       ImagePipelineOutput)
 from diffusers.utils.torch_utils import randn_tensor
 
 X0_MIN_T = 0.05  # flow matching with x-prediction: the smallest t the velocity conversion divides by (JiT's)
@@ -102,14 +103,16 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
             from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel, T5EncoderModel
 
             kind = AutoConfig.from_pretrained(text_encoder_id).model_type
-            model_cls = {"clip": CLIPTextModel, "clip_text_model": CLIPTextModel, "t5": T5EncoderModel}.get(kind, AutoModel)
+            by_kind = {"clip": CLIPTextModel, "clip_text_model": CLIPTextModel, "t5": T5EncoderModel}
+            model_cls = by_kind.get(kind, AutoModel)
             text_encoder = model_cls.from_pretrained(text_encoder_id)
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(text_encoder_id)
         self.register_modules(transformer=transformer, conditioner=conditioner, scheduler=scheduler, vae=vae,
                               text_encoder=text_encoder, tokenizer=tokenizer)
         self.register_to_config(vae_id=vae_id, text_encoder_id=text_encoder_id, max_tokens=max_tokens,
                                 num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                                control_guidance_scale=control_guidance_scale, guidance_interval=list(guidance_interval),
+                                control_guidance_scale=control_guidance_scale,
+                                guidance_interval=list(guidance_interval),
                                 guidance_rescale=guidance_rescale, sampler=sampler, prediction=prediction,
                                 time_shift=time_shift, resolution=resolution, buckets=buckets)
 
