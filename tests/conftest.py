@@ -48,7 +48,8 @@ SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_
 PATCHED_BY_TORCH = {"torch.nn.Module.__init__", "torch.nn.Module.__setstate__"}
 
 
-NEW_API = ["", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn"]
+NEW_API = ["", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul",
+           "mkldnn.conv", "mkldnn.rnn"]
 
 
 def backend(path):
@@ -107,13 +108,15 @@ def global_state():
                          torch.are_deterministic_algorithms_enabled(), torch.is_anomaly_enabled()),
             "tf32": tf32_switches(),
             "process_group": torch.distributed.is_available() and torch.distributed.is_initialized(),
-            "dynamo": {k: getattr(torch._dynamo.config, k, "<deleted>") for k in torch._dynamo.config.get_config_copy()},
+            "dynamo": {k: getattr(torch._dynamo.config, k, "<deleted>")
+                       for k in torch._dynamo.config.get_config_copy()},
             "environ": {k: v for k, v in os.environ.items() if k not in SET_BY_LIBRARIES}, "patched": patched}
 
 
 def leaked(before, after):
     """The differences that matter: a changed or deleted entry (new attributes are lazily imported submodules)."""
-    found = [f"torch switches {before['switches']} -> {after['switches']}"] if before["switches"] != after["switches"] else []
+    found = [f"torch switches {before['switches']} -> {after['switches']}"] \
+        if before["switches"] != after["switches"] else []
     found += [f"TF32 switches (cuda.matmul.allow_tf32, cudnn.allow_tf32, float32_matmul_precision) {before['tf32']} -> "
               f"{after['tf32']}"] if before["tf32"] != after["tf32"] else []
     left_group = after["process_group"] and not before["process_group"]
@@ -192,7 +195,8 @@ def tiny_text_encoder(tmp_path_factory):
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[BOS]", "[EOS]"] + DEMO_WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[("[BOS]", 2), ("[EOS]", 3)])
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]",
+                                                       special_tokens=[("[BOS]", 2), ("[EOS]", 3)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
                                         bos_token="[BOS]", eos_token="[EOS]")
     torch.manual_seed(0)

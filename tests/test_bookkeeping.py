@@ -79,7 +79,8 @@ def test_accumulation_equals_one_big_batch(tmp_path, monkeypatch):
     the same pre-clip gradient norm, the same Adam moments and, after one optimizer step, the same weights."""
     row_determined_loss(monkeypatch)
     args = ["--log.every=1", "--log.report=false"] + NO_DROPOUT
-    accum = fm.main(tiny_run_args(tmp_path, "accum", steps=1) + args + ["--train.batch_size=16", "--train.grad_accum=2"])
+    accum = fm.main(tiny_run_args(tmp_path, "accum", steps=1) + args
+                    + ["--train.batch_size=16", "--train.grad_accum=2"])
     big = fm.main(tiny_run_args(tmp_path, "big", steps=1) + args + ["--train.batch_size=32"])
     norms = [train_rows(run)[0]["grad_norm"] for run in (accum, big)]
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)  # a dropped 1 / grad_accum doubles it
@@ -231,7 +232,8 @@ def test_one_rank_signalled_both_stop_at_the_same_step_with_one_checkpoint(tmp_p
     step = int(stopped[1])
     folders = sorted(p.name for p in (tmp_path / "ddp" / "checkpoints").iterdir())
     assert folders == [f"step_{step:08d}"]  # exactly one checkpoint, at the step where both stopped
-    assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints" / folders[0]).glob("rng_*")) == ["rng_0.pt", "rng_1.pt"]
+    assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints" / folders[0]).glob("rng_*")) == \
+        ["rng_0.pt", "rng_1.pt"]
     assert train_rows(tmp_path / "ddp")[-1]["step"] == step
     # torchrun reports the first rank to exit with the requeue code, then stops the other with SIGTERM: that
     # rank, if torchrun's signal reaches it before its own exit, is reported with 15 (seen once in CI).

@@ -64,7 +64,8 @@ def test_odd_sizes_tiny_huge_and_one_to_four_go_to_the_nearest_bucket_and_are_cr
     data = SimpleNamespace(crop="center", random_flip=False)
     img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (100, 400, 3), dtype=np.uint8))
     x, meta = preprocess(img, 32, data, shape=(46, 22))
-    assert meta["crop_box"].tolist() == [0, 95, 100, 209] and meta["orig_hw"].tolist() == [100, 400]  # 209 = 100 x 46/22
+    # 209 = 100 x 46/22
+    assert meta["crop_box"].tolist() == [0, 95, 100, 209] and meta["orig_hw"].tolist() == [100, 400]
     expected = img.resize((46, 22), Image.BICUBIC, box=(95, 0, 95 + 209, 100))
     assert torch.equal(x, torch.from_numpy(np.asarray(expected, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1)
 
@@ -119,10 +120,12 @@ def test_a_bucket_smaller_than_a_global_batch_is_merged_into_its_neighbours(tmp_
     sizes = [(48, 24)] * 3 + [(24, 48)] * 12 + [(32, 32)] * 12 + [(60, 24)] * 2  # 2:1 holds 3 + 2 < 8 images
     images = [Image.new("RGB", s, (i, 0, 0)) for i, s in enumerate(sizes)]
     ds = datasets.Dataset.from_dict({"image": images, "label": [0] * len(images)},
-                                    features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+                                    features=datasets.Features({"image": datasets.Image(),
+                                                                "label": datasets.Value("int64")}))
     ds = ds.cast_column("image", datasets.Image(decode=False))
     cfg = config.load_config(fm.DEFAULTS, ["--data.resolution=32", "--data.buckets=[0.5,1,2]", "--data.num_classes=1",
-                                           "--train.batch_size=4", "--train.grad_accum=2", "--data.cache_dir", str(tmp_path)])
+                                           "--train.batch_size=4", "--train.grad_accum=2",
+                                           "--data.cache_dir", str(tmp_path)])
     buckets.resolve(cfg, ds, Accelerator(cpu=True))
     out = capsys.readouterr().out
     assert cfg.data.bucket_shapes == [[22, 46], [32, 32]]  # 46x22 is gone: its 5 images went to the square
@@ -142,7 +145,8 @@ def image_rows(sizes):
     import datasets
 
     ds = datasets.Dataset.from_dict({"image": [Image.new("RGB", s) for s in sizes], "label": [0] * len(sizes)},
-                                    features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+                                    features=datasets.Features({"image": datasets.Image(),
+                                                                "label": datasets.Value("int64")}))
     return ds.cast_column("image", datasets.Image(decode=False))
 
 
@@ -157,7 +161,8 @@ def test_the_heldout_images_crops_are_counted_beside_the_training_images(capsys)
     buckets.resolve(cfg, train, Accelerator(cpu=True), image_rows([(32, 32)] * 2 + [(400, 100), (48, 24)]))
     out = capsys.readouterr().out
     assert cfg.data.bucket_shapes == [[22, 46], [46, 22]]
-    assert "22x46  0.48      15  55.6%        3        3   14%  1.9 global batches of 8" in out  # (12 x 4% + 3 x 53%) / 15
+    # (12 x 4% + 3 x 53%) / 15
+    assert "22x46  0.48      15  55.6%        3        3   14%  1.9 global batches of 8" in out
     held = out[out.index("held-out images (the hold-out"):].splitlines()
     assert held[0].endswith(": 4, each cropped to its nearest kept bucket")
     assert held[2].split() == ["22x46", "0.48", "2", "50.0%", "2", "2", "53%"]
@@ -171,7 +176,8 @@ def test_the_cache_holds_each_image_at_its_bucket_and_a_changed_bucket_list_is_a
     sizes = [(64, 30), (30, 64), (40, 40), (70, 30), (30, 70), (45, 40)] * 2
     images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
     ds = datasets.Dataset.from_dict({"image": images, "label": list(range(len(images)))},
-                                    features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+                                    features=datasets.Features({"image": datasets.Image(),
+                                                                "label": datasets.Value("int64")}))
     ds = ds.cast_column("image", datasets.Image(decode=False))
     args = ["--data.cache_dir", str(tmp_path), "--data.resolution=16", "--data.num_classes=12", "--data.crop=random",
             "--data.random_flip=true", "--data.cache_views=2", "--data.shard_size=5", "--train.batch_size=1"]
@@ -306,7 +312,8 @@ def test_sample_says_which_bucket_it_samples_and_records_width_and_height_by_nam
     from training.sharing import pipeline_export
 
     cfg = config.load_config(fm.DEFAULTS, [*TINY_MODEL, "--model.num_layers=1", "--data.resolution=16",
-                                           "--data.num_classes=2", "--data.buckets=auto", "--run_dir", str(tmp_path / "run")])
+                                           "--data.num_classes=2", "--data.buckets=auto", "--run_dir",
+                                           str(tmp_path / "run")])
     cfg.data.bucket_shapes = MERGED["data"]["bucket_shapes"]
     cfg = json.loads(json.dumps(cfg))
     (tmp_path / "run").mkdir()
@@ -440,7 +447,8 @@ def shapes_folder(root):
 class ChannelJudge(torch.nn.Module):
     """A stand-in evaluation classifier for shapes_folder's discs: class c's logit is the mean of channel (B, G, R)[c]
     (blue, green, red, the folders' sorted names), so it is right on every disc; `wrong` reads red's logit off the
-    blue channel too, so a red disc ties with blue and is called blue: 2/3 right on the three classes in equal numbers."""
+    blue channel too, so a red disc ties with blue and is called blue: 2/3 right on the three classes in equal
+    numbers."""
 
     def __init__(self, wrong=False):
         super().__init__()
@@ -482,7 +490,8 @@ except ImportError:
 from diffusers import DiffusionPipeline
 job = json.loads(sys.argv[1])
 pipe = DiffusionPipeline.from_pretrained(job["folder"], trust_remote_code=True)
-images = pipe(job["classes"], generator=[torch.Generator().manual_seed(s) for s in job["seeds"]], height=12, width=22).images
+images = pipe(job["classes"], generator=[torch.Generator().manual_seed(s) for s in job["seeds"]],
+              height=12, width=22).images
 np.save(sys.argv[2], np.stack([np.asarray(i) for i in images]))
 """
 
@@ -511,7 +520,8 @@ def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_expo
 
     a, b = load_file(str(full / "export" / weights)), load_file(str(part / "export" / weights))
     assert all(torch.equal(a[k], b[k]) for k in a)  # resumed at step 2 = uninterrupted, bitwise
-    losses = [[json.loads(r).get("loss") for r in (run / "metrics.jsonl").read_text().splitlines()] for run in (full, part)]
+    losses = [[json.loads(r).get("loss") for r in (run / "metrics.jsonl").read_text().splitlines()]
+              for run in (full, part)]
     assert losses[0] == losses[1]
     cfg = json.loads((full / "config.json").read_text())
     assert cfg["data"]["bucket_shapes"] == [[12, 22], [16, 16], [22, 12]]
@@ -542,7 +552,8 @@ def test_a_non_square_run_trains_resumes_exactly_samples_two_shapes_and_its_expo
     assert (f"on the 30 real reference images of the 22x12 bucket, read as its samples are" in capsys.readouterr().out
             and "class_accuracy_3" in report["metrics"])
     # the export, with diffusers alone, at height 12 x width 22: sample.py's images for the same seeds
-    job = {"folder": str(full / "export"), "classes": ["blue", "red"], "seeds": [generation.seed_for(0, 0, i) for i in range(2)]}
+    job = {"folder": str(full / "export"), "classes": ["blue", "red"],
+           "seeds": [generation.seed_for(0, 0, i) for i in range(2)]}
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SAMPLE, json.dumps(job), str(tmp_path / "out.npy")],
@@ -566,7 +577,8 @@ def test_a_resumed_bucket_run_keeps_its_buckets_and_another_global_batch_is_refu
 
     sizes = [(48, 24)] * 3 + [(24, 48)] * 12 + [(32, 32)] * 12 + [(60, 24)] * 2
     ds = datasets.Dataset.from_dict({"image": [Image.new("RGB", s) for s in sizes], "label": [0] * len(sizes)},
-                                    features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+                                    features=datasets.Features({"image": datasets.Image(),
+                                                                "label": datasets.Value("int64")}))
     ds = ds.cast_column("image", datasets.Image(decode=False))
     args = ["--run_dir", str(tmp_path / "run"), "--data.resolution=32", "--data.buckets=[0.5,1,2]",
             "--data.num_classes=1", "--train.batch_size=4", "--train.grad_accum=2"]
@@ -580,7 +592,8 @@ def test_a_resumed_bucket_run_keeps_its_buckets_and_another_global_batch_is_refu
     torch.save({"step": 4, "config": json.loads(json.dumps(started))}, ckpt / "state.pt")
 
     def resumed(*extra):
-        cfg = config.load_config(fm.DEFAULTS, [*args, *extra, "--resume", "latest"], method="flow_matching", schema=fm.CONFIG)
+        cfg = config.load_config(fm.DEFAULTS, [*args, *extra, "--resume", "latest"],
+                                 method="flow_matching", schema=fm.CONFIG)
         checkpoints.keep_recorded(cfg, log=lambda line: None)
         assert cfg.data.bucket_shapes == [[22, 46], [32, 32]]
         return cfg

@@ -131,7 +131,8 @@ def test_parquet_source_and_label_columns(tmp_path):
     assert len(train) == 16 and len(val) == 4 and sorted(list(train["cls"]) + list(val["cls"])) == sorted(demo["cls"])
     x, _ = preprocess(load_image(train[0]["image"]), 16, CENTER)
     assert x.shape == (3, 16, 16)
-    bad = config.load_config(fm.DEFAULTS, [f"--data.source={tmp_path}", "--data.label_column=cls", "--data.caption_column=text"])
+    bad = config.load_config(fm.DEFAULTS,
+                             [f"--data.source={tmp_path}", "--data.label_column=cls", "--data.caption_column=text"])
     with pytest.raises(ValueError, match="data.caption_column='text' is not a column"):
         open_splits(bad.data)
 
@@ -140,7 +141,8 @@ def test_t5_text_encoder_gives_masked_mean_pooling(tmp_path, tiny_text_encoder):
     from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
     torch.manual_seed(0)
-    T5EncoderModel(T5Config(vocab_size=16, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(tmp_path)
+    T5EncoderModel(T5Config(vocab_size=16, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                            num_heads=2)).save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(tiny_text_encoder).save_pretrained(tmp_path)  # any tokenizer will do
     _, tokenizer, encoder = load_encoders(config.Config(vae=None, text_encoder=str(tmp_path)), "cpu")
     assert type(encoder).__name__ == "T5EncoderModel"
@@ -267,7 +269,8 @@ def tiny_checkpoint(tmp_path):
         model(torch.randn(8, 64)).square().mean().backward()
         optimizer.step()
     state = {"step": 2, "config": {"seed": 0}, "class_ids": ["a", "b"]}
-    folder = checkpoints.save_checkpoint(OneProcess(), tmp_path, 2, {"model": model.state_dict(), "ema": model.state_dict()},
+    folder = checkpoints.save_checkpoint(OneProcess(), tmp_path, 2,
+                                         {"model": model.state_dict(), "ema": model.state_dict()},
                                     optimizer, state, keep=3)
     return folder, model, optimizer
 
@@ -325,7 +328,8 @@ def test_the_fp16_gradient_scaler_is_checkpointed_and_restored_at_resume_and_rol
     saved = scaler.state_dict()
     assert (saved["scale"], saved["_growth_tracker"]) == (2.0 ** 14, 3)
     accelerator = type("FP16Process", (OneProcess,), {"scaler": scaler})()
-    folder = checkpoints.save_checkpoint(accelerator, tmp_path, 5, {"model": model.state_dict(), "ema": model.state_dict()},
+    folder = checkpoints.save_checkpoint(accelerator, tmp_path, 5,
+                                         {"model": model.state_dict(), "ema": model.state_dict()},
                                     optimizer, {"step": 5}, keep=3)
     steps(6, overflow=True)  # a run of non-finite steps: the scale 2^-6 of the checkpoint's
     assert scaler.get_scale() == 2.0 ** 8
@@ -353,7 +357,8 @@ def test_every_rank_must_pick_the_same_checkpoint_at_resume_and_at_every_load(tm
     assert checkpoints.load_checkpoint(folder, resumed, ema, fresh_optimizer(resumed), two_ranks)["step"] == 2
     other[:] = ["step_00000001"]  # a rollback whose other rank picked an older checkpoint
     monkeypatch.setattr(checkpoints, "load_file", lambda *a, **k: pytest.fail("loaded before the check"))
-    with pytest.raises(RuntimeError, match=r"different checkpoints to load \(rank 0: step_00000002, rank 1: step_00000001\)"):
+    with pytest.raises(RuntimeError, match=r"different checkpoints to load \(rank 0: step_00000002, rank "
+                       r"1: step_00000001\)"):
         checkpoints.load_checkpoint(folder, resumed, ema, fresh_optimizer(resumed), two_ranks)
     other[:] = [None]  # a resume whose other rank sees no checkpoint at all (it would start from step 0)
     cfg = config.load_config(fm.DEFAULTS, ["--resume=latest", f"--run_dir={tmp_path}", "--data.num_classes=9",
@@ -369,7 +374,8 @@ def test_the_intact_checkpoint_check_reads_only_headers_and_the_small_state(tmp_
 
     folder, _, _ = tiny_checkpoint(tmp_path)
     optimizer_file = str(folder / "optimizer.safetensors")
-    opened, real_safe_open, real_load, real_load_file = [], checkpoints.safe_open, torch.load, safetensors.torch.load_file
+    opened, real_safe_open = [], checkpoints.safe_open
+    real_load, real_load_file = torch.load, safetensors.torch.load_file
 
     class HeadersOnly:  # safe_open that refuses to hand out the optimizer's tensors
         def __init__(self, path, *args, **kwargs):
@@ -461,7 +467,8 @@ def test_cached_views_hold_several_crops_both_flips_and_metadata_true_to_the_pix
 
     images = asymmetric_images(5)
     ds = datasets.Dataset.from_dict({"image": images, "label": list(range(5))},
-                                    features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+                                    features=datasets.Features({"image": datasets.Image(),
+                                                                "label": datasets.Value("int64")}))
     ds = ds.cast_column("image", datasets.Image(decode=False))
     args = ["--data.cache_dir", str(tmp_path), "--data.crop=random_resized", "--data.min_crop_scale=0.4",
             "--data.random_flip=true", "--data.shard_size=2", "--data.resolution=16", "--data.num_classes=5"]

@@ -52,7 +52,8 @@ def test_the_paired_interval_covers_95_percent_at_small_n(n):
 
 @pytest.mark.parametrize("n", range(3, 9))
 def test_smallest_wilcoxon_p_is_scipys_for_all_differences_on_one_side(n):
-    assert compare.min_wilcoxon_p(n) == pytest.approx(scipy.stats.wilcoxon(np.arange(1.0, n + 1), method="exact").pvalue)
+    assert compare.min_wilcoxon_p(n) == \
+        pytest.approx(scipy.stats.wilcoxon(np.arange(1.0, n + 1), method="exact").pvalue)
 
 
 def test_two_seeds_say_first_that_they_are_too_few_and_give_no_verdict():
@@ -99,18 +100,22 @@ def write_run(folder, mode, seed):
     as val_loss falls, over steps and across runs: their Spearman is exactly -1."""
     folder.mkdir(parents=True)
     cfg = {"seed": seed, "run_dir": str(folder), "resume": "latest", "conditioning": {"mode": mode},
-           "objective": {"time_sampling": "logit_normal"}, "train": {"batch_size": 64, "grad_accum": 1, "max_steps": 200}}
+           "objective": {"time_sampling": "logit_normal"},
+           "train": {"batch_size": 64, "grad_accum": 1, "max_steps": 200}}
     (folder / "config.json").write_text(json.dumps(cfg))
     acc = FINAL_ACC[(mode, seed)]
     rows = []
     for i, step in enumerate(STEPS):
-        rows.append({"step": step, "loss": 1.0 - 0.1 * i, "loss_smoothed": 1.0, "images_per_s": 100.0 + seed + (mode == "adanorm") * 10,
-                     "images_per_s_per_device": 100.0 + seed + (mode == "adanorm") * 10, "peak_memory_gb": 1.0 + 0.1 * i,
+        rows.append({"step": step, "loss": 1.0 - 0.1 * i, "loss_smoothed": 1.0,
+                     "images_per_s": 100.0 + seed + (mode == "adanorm") * 10,
+                     "images_per_s_per_device": 100.0 + seed + (mode == "adanorm") * 10,
+                     "peak_memory_gb": 1.0 + 0.1 * i,
                      "clip_share": 0.2 * (i % 2), "skipped_steps": 0, "loss_spikes": 1 if mode == "adanorm" else 0})
         rows.append({"step": step, "val_loss": 1.0 - acc * (i + 1) / len(STEPS)})
     rows.append({"step": 120, "event": "loss_spike", "loss": 3.0, "loss_smoothed": 1.0})
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "quality.jsonl").write_text("".join(json.dumps({"step": s, "class_accuracy": acc * (i + 1) / len(STEPS)}) + "\n"
+    (folder / "quality.jsonl").write_text("".join(json.dumps({"step": s, "class_accuracy": acc * (i + 1) / len(STEPS)})
+                                                  + "\n"
                                                   for i, s in enumerate(STEPS)))
 
 
@@ -126,7 +131,8 @@ def test_compare_writes_every_section_and_plot_with_the_right_numbers(tmp_path):
     path = compare.main([str(sweep)])
     md = path.read_text()
     assert path == sweep / "compare.md"
-    for plot in ("evolution_val_loss", "evolution_class_accuracy", "sensitivity", "hypothesis", "correlation", "methods"):
+    for plot in ("evolution_val_loss", "evolution_class_accuracy", "sensitivity", "hypothesis",
+                 "correlation", "methods"):
         assert (sweep / "compare" / f"{plot}.png").stat().st_size > 5000, plot
         assert f"](compare/{plot}.png)" in md
     for section in ("Quality metrics evolution", "Parameter sensitivity", "Hypothesis validation",
@@ -148,7 +154,8 @@ def test_compare_writes_every_section_and_plot_with_the_right_numbers(tmp_path):
     assert "No rank test can reach p < 0.05 with 3 paired seeds" in md
     # Sensitivity: each arm's mean and t-interval over its seeds.
     mean, low, high = compare.t_interval(a)
-    assert f"| conditioning.mode=disentangled | 3 | {compare.fmt(mean)} [{compare.fmt(low)}, {compare.fmt(high)}] |" in md
+    assert f"| conditioning.mode=disentangled | 3 | {compare.fmt(mean)} [{compare.fmt(low)}, {compare.fmt(high)}] |" \
+        in md
     # Correlation: accuracy rises exactly as val_loss falls, in every run: rho = -1 over all 24 points.
     assert "| class_accuracy | 24 | 6 | -1 | -1 |" in md
     # Methodology: images/s 100 + seed (+10 for adanorm) -> arm means 101 and 111; spikes 0 and 1.
@@ -178,7 +185,8 @@ def test_compare_refuses_a_folder_that_is_not_a_run_and_a_metric_not_logged(tmp_
 def test_each_metric_is_read_in_its_own_direction():
     """Scores where higher is better (accuracy, CLIP score, the control ablation's sharpness ratio: the size control
     changes sharpness) against losses and distances."""
-    for metric in ("class_accuracy", "class_accuracy_largest", "clip_score", "precision_inception_1k", "sharpness_ratio"):
+    for metric in ("class_accuracy", "class_accuracy_largest", "clip_score",
+                   "precision_inception_1k", "sharpness_ratio"):
         assert compare.HIGHER_IS_BETTER.search(metric), metric
     for metric in ("fid_clean_1k", "fd_classifier", "size_drift", "val_loss", "kid_clean_1k"):
         assert not compare.HIGHER_IS_BETTER.search(metric), metric

@@ -134,7 +134,8 @@ def test_every_arm_starts_fair():
     Text: the tokens always enter through attention; the pooled vector reaches the adaptive norm only where
     conditioning.pooled_text says (off in disentangled, by default): then the adaptive norm's pooled input is
     the same for every caption, and the caption still moves the output (through attention)."""
-    effects = {mode: [semantic_effect(mode, False, seed)[0] for seed in range(3)] for mode in ("disentangled", "both", "adanorm")}
+    effects = {mode: [semantic_effect(mode, False, seed)[0] for seed in range(3)]
+               for mode in ("disentangled", "both", "adanorm")}
     means = {mode: np.mean(v) for mode, v in effects.items()}
     assert max(means.values()) / min(means.values()) < FAIR_RATIO, means
     assert all(min(v) > 1e-3 for v in effects.values()), effects  # every arm's class acts from the start
@@ -226,8 +227,10 @@ def test_control_metadata_matches_the_crop_applied(crop, flip):
             red = red[::-1]
         # The sampled coordinates span the recorded box (up to one output pixel of resampling).
         step = width / 32
-        assert red[0] == pytest.approx(left + step / 2, abs=step + 1) and red[-1] == pytest.approx(left + width - step / 2, abs=step + 1)
-        assert green[0] == pytest.approx(top + step / 2, abs=step + 1) and green[-1] == pytest.approx(top + height - step / 2, abs=step + 1)
+        assert red[0] == pytest.approx(left + step / 2, abs=step + 1) and red[-1] == \
+            pytest.approx(left + width - step / 2, abs=step + 1)
+        assert green[0] == pytest.approx(top + step / 2, abs=step + 1) and green[-1] == \
+            pytest.approx(top + height - step / 2, abs=step + 1)
         assert (np.diff(pixels[0, 16].numpy()) < 0).all() == bool(meta["flip"].item())
         if crop == "center":
             assert meta["crop_box"].tolist() == [0, 40, 160, 160]
@@ -259,7 +262,8 @@ def test_recipes_load_and_a_tiny_version_runs(recipe, trainer, tmp_path, tiny_va
             "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
             "--encoders.vae", tiny_vae, "--train.compile=false"]  # compiling on 2 CPU cores takes minutes
     if full.encoders.text_encoder:
-        tiny += ["--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8", "--data.caption_column=caption"]
+        tiny += ["--encoders.text_encoder", tiny_text_encoder, "--encoders.max_tokens=8",
+                 "--data.caption_column=caption"]
     run = module.main(tiny)
     assert run.name == recipe
     model, cfg = load_exported(run / "export")

@@ -33,7 +33,8 @@ def test_config_layers_and_dotted_overrides(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--train.lrr=1"], "unknown config key 'train.lrr'"),
     (["--trian.lr=1"], "unknown config key 'trian'"),
-    (["--train.batch_size=8.5"], r"train.batch_size=8.5 must be a whole number >= 1 or 'auto' \(from --train.batch_size=8.5\)"),
+    (["--train.batch_size=8.5"],
+     r"train.batch_size=8.5 must be a whole number >= 1 or 'auto' \(from --train.batch_size=8.5\)"),
     (["--train.compile=1"], "train.compile=1 must be true or false"),
     (["--train.lr=fast"], "train.lr='fast' must be a number >= 0"),
     (["--train=3"], "'train' .* must be a section"),
@@ -82,7 +83,8 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--data.cache_views=0"], r"data.cache_views=0 must be a number >= 1"),
     (fm, ["--data.cache_views=2"], r"data.cache_views=2 caches that many crops per image, and data.crop='center'"),
     (fm, ["--data.demo_sizes=[32, 8]"], r"data.demo_sizes=\[32, 8\] must be \[lo, hi\] with lo <= hi"),
-    (fm, ["--data.demo_render=band_limited"], r"data.demo_render='band_limited' draws each image at a native side: set data.demo_sizes"),
+    (fm, ["--data.demo_render=band_limited"],
+     r"data.demo_render='band_limited' draws each image at a native side: set data.demo_sizes"),
     (ddpm, ["--data.demo_render=colour_by_size", "--data.demo_sizes=[10, 32]"],
      r"data.demo_sizes=\[10, 32\] must cover \[8, 32\]"),
     (fm, ["--conditioning.mode=film"], r"conditioning.mode='film' must be 'disentangled' or 'both' or 'adanorm'"),
@@ -97,13 +99,16 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--data.val_split=3"], r"data.val_split=3 must be a string \(or null\)"),
     (fm, ["--train.warmup_steps=-1"], r"train.warmup_steps=-1 must be a number >= 0"),
     (fm, ["--data.num_workers=-1"], r"data.num_workers=-1 must be a number >= 0"),
-    (fm, ["--encoders.vae=/nonexistent/vae"], r"encoders.vae='/nonexistent/vae' is not a folder: build it with `python tools/autoencoder.py"),
-    (fm, ["--data.class_ids=imagenet-99k"], r"data.class_ids='imagenet-99k' must be 'imagenet-1k', 'imagenet-22k' or a file"),
+    (fm, ["--encoders.vae=/nonexistent/vae"],
+     r"encoders.vae='/nonexistent/vae' is not a folder: build it with `python tools/autoencoder.py"),
+    (fm, ["--data.class_ids=imagenet-99k"],
+     r"data.class_ids='imagenet-99k' must be 'imagenet-1k', 'imagenet-22k' or a file"),
     (fm, ["--data.label_column=null"], r"set data.label_column \(class-conditional\) or data.caption_column"),
     (fm, ["--data.caption_column=caption"], r"encoders.text_encoder goes with data.caption_column"),
     (fm, ["--train.lrr=1"], r"unknown config key 'train.lrr'"),
     (fm, ["--train.compile=1"], r"train.compile=1 must be true or false"),
-    (fm, ["--val.fid_every=10", "--val.inception_weights=/nonexistent.pt"], r"val.inception_weights='/nonexistent.pt': no such file"),
+    (fm, ["--val.fid_every=10", "--val.inception_weights=/nonexistent.pt"],
+     r"val.inception_weights='/nonexistent.pt': no such file"),
     (ddpm, ["--objective.prediction=epsilon"], r"objective.prediction='epsilon' must be 'v' or 'eps' or 'x0'"),
     (ddpm, ["--objective.prediction=eps"], r"objective.zero_terminal_snr=true cannot be combined"),
     (ddpm, ["--objective.beta_schedule=sigmoid"], r"objective.beta_schedule='sigmoid' must be 'quadratic'"),
@@ -114,9 +119,12 @@ BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test'
     (fm, ["--val.prompts={tmp}/no_prompts.txt"], r"val.prompts=.*no_prompts.txt.*: no such file"),
     (fm, ["--data.val_shards=[-1]"], r"data.val_shards=\[-1\] must be a list of 2, each a whole number or null"),
     # stability (training/run/stability.py)
-    (fm, ["--objective.time_sampling=adaptve"], r"objective.time_sampling='adaptve' must be 'logit_normal' or 'uniform' or 'adaptive'"),
-    (ddpm, ["--objective.timestep_sampling=adaptive_"], r"objective.timestep_sampling='adaptive_' must be 'uniform' or 'adaptive'"),
-    (ddpm, ["--objective.min_snr_form=floored"], r"objective.min_snr_form='floored' must be 'plus_one' or 'paper' or 'floor'"),
+    (fm, ["--objective.time_sampling=adaptve"],
+     r"objective.time_sampling='adaptve' must be 'logit_normal' or 'uniform' or 'adaptive'"),
+    (ddpm, ["--objective.timestep_sampling=adaptive_"],
+     r"objective.timestep_sampling='adaptive_' must be 'uniform' or 'adaptive'"),
+    (ddpm, ["--objective.min_snr_form=floored"],
+     r"objective.min_snr_form='floored' must be 'plus_one' or 'paper' or 'floor'"),
     (fm, ["--objective.adaptive_mix=0"], r"objective.adaptive_mix=0.0 must be in \(0, 1\]"),
     (fm, ["--objective.adaptive_bins=1"], r"objective.adaptive_bins=1 must be a number >= 2"),
     (fm, ["--train.grad_clip_mode=percentile"], r"train.grad_clip_mode='percentile' must be 'norm' or 'adaptive'"),
@@ -172,7 +180,8 @@ def test_every_bad_config_is_refused_before_any_work(tmp_path, no_work, trainer,
 
 def test_all_problems_are_reported_at_once(no_work, tmp_path):
     with pytest.raises(config.ConfigError) as err:
-        fm.main(tiny_run_args(tmp_path) + ["--train.lr=-1", "--data.crop=middle", "--log.every=0", "--train.batch_size=0"])
+        fm.main(tiny_run_args(tmp_path)
+                + ["--train.lr=-1", "--data.crop=middle", "--log.every=0", "--train.batch_size=0"])
     message = str(err.value)
     assert message.startswith("invalid config (4 problems):")
     for key in ("train.lr", "data.crop", "log.every", "train.batch_size"):
@@ -186,7 +195,8 @@ def test_every_options_problem_is_reported_with_the_others_at_once(no_work, tmp_
     trainer's objective (contrastive flow matching; DDPM's eps with zero terminal SNR), and a shared combination,
     all in one ConfigError."""
     own = {fm: (["--objective.contrastive_weight=0.05", "--train.batch_size=1"], "objective.contrastive_weight=0.05"),
-           ddpm: (["--objective.prediction=eps", "--objective.zero_terminal_snr=true"], "objective.zero_terminal_snr=true")}
+           ddpm: (["--objective.prediction=eps", "--objective.zero_terminal_snr=true"],
+                  "objective.zero_terminal_snr=true")}
     args, own_message = own[trainer]
     with pytest.raises(config.ConfigError) as err:
         trainer.main(tiny_run_args(tmp_path) + args + [
@@ -228,13 +238,15 @@ def test_help_lists_every_key_with_its_type_default_and_description(capsys):
         out = outs[trainer] = capsys.readouterr().out
         for key, value in config.flatten(trainer.DEFAULTS).items():
             assert f"--{key}={json.dumps(value)}  [" in out, key
-        assert "--data.crop=\"center\"  ['center' or 'random' or 'random_resized']\n      drawn at cache time, data.cache_views of them" in out
+        assert "--data.crop=\"center\"  ['center' or 'random' or 'random_resized']\n      drawn at cache time, " \
+               "data.cache_views of them" in out
         assert "--train.lr=0.002  [a number >= 0]\n      the paper: 1e-4 at batch 2048" in out
         assert "--data.max_samples=null  [a whole number >= 1 (or null)]\n      use only the first N" in out
         assert "--train.betas=[0.9, 0.999]  [a list of 2, each in [0, 1)]" in out
         assert "model:  (SD3Transformer2DModel)" in out
     assert "--val.steps=32  [" in outs[fm] and "--val.sampler=\"euler\"  ['euler' or 'heun' or 'meanflow']" in outs[fm]
-    assert "--val.steps=50  [" in out and "--val.sampler=\"ddim\"  ['ddim' or 'ddpm']" in out and "--val.guidance_rescale=0.7  [in [0, 1]]" in out
+    assert "--val.steps=50  [" in out and "--val.sampler=\"ddim\"  ['ddim' or 'ddpm']" in out and \
+        "--val.guidance_rescale=0.7  [in [0, 1]]" in out
     assert "--objective.beta_start=0.00085  [in (0, 1)]" in out  # the DDPM trainer's own section
 
 
@@ -259,7 +271,8 @@ def test_a_run_folders_config_json_loads_back(tmp_path):
     assert cfg.objective.min_snr_form == "plus_one" and cfg.run_dir == str(tmp_path / "r")
     saved["objective"]["old_key"] = 1
     (tmp_path / "config.json").write_text(json.dumps(saved))
-    with pytest.raises(config.ConfigError, match=r"unknown config key 'objective.old_key' \(from .*config.json\); known"):
+    with pytest.raises(config.ConfigError,
+                       match=r"unknown config key 'objective.old_key' \(from .*config.json\); known"):
         config.load_config(ddpm.DEFAULTS, ["--config", str(tmp_path / "config.json")], "ddpm", schema=ddpm.CONFIG)
 
 
@@ -277,7 +290,8 @@ def test_a_new_run_into_a_run_dir_that_holds_one_is_refused_before_any_work(tmp_
     (run / "eval").mkdir()
     for trainer in (fm, ddpm):
         with pytest.raises(config.ConfigError, match=r"run_dir='.*run' already holds a run \(checkpoints, eval\): "
-                                                     r"continue it with --resume latest, or give this run a new run_dir"):
+                                                     r"continue it with --resume latest, or give this run a new "
+                                                     r"run_dir"):
             trainer.main(tiny_run_args(tmp_path))
         with pytest.raises(AssertionError, match="work started"):
             trainer.main(tiny_run_args(tmp_path) + ["--resume", "latest"])

@@ -40,7 +40,8 @@ def test_training_loss_returns_the_plain_loss_and_the_term_on_its_own():
             return x * 0.5
 
     g = torch.Generator().manual_seed(0)
-    x0, noise, t = torch.randn(4, 3, 4, 4, generator=g), torch.randn(4, 3, 4, 4, generator=g), torch.rand(4, generator=g)
+    x0, noise = torch.randn(4, 3, 4, 4, generator=g), torch.randn(4, 3, 4, 4, generator=g)
+    t = torch.rand(4, generator=g)
     loss, terms = fm.training_loss(Model(), x0, {}, t, noise, "v", 0.05)
     torch.testing.assert_close(loss, fm.flow_matching_loss(Model(), x0, {}, t, noise))
     x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise

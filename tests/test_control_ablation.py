@@ -104,7 +104,8 @@ def arm_scores(layout, sharpness=1.3):
 def test_contrasts_are_the_preregistered_formulas_and_the_verdict_its_sentences():
     """Per seed, the gating and class-path main effects, their interaction and the overall contrast exactly as
     docs/benchmarks/control_ablation.md writes them (each arm's value is a distinct power of two, so a wrong sign or a
-    swapped arm changes the number); with adanorm and the paper's arm alone (the real stage), the overall contrast only."""
+    swapped arm changes the number); with adanorm and the paper's arm alone (the real stage), the overall contrast
+    only."""
     layout = {"both p=0": [1.0, 1.0, 1.0], "both p=1": [2.0, 2.0, 2.0], "disentangled p=0": [4.0, 4.0, 4.0],
               "disentangled p=1": [8.0, 8.5, 7.5], "adanorm": [16.0, 16.0, 16.0]}
     seeds, effects = ca.contrasts(arm_scores(layout))

@@ -147,7 +147,8 @@ def test_zero_terminal_snr_with_eps_is_refused(tmp_path):
     cfg = config.load_config(ddpm.DEFAULTS, ["--objective.prediction=eps", "--objective.zero_terminal_snr=false"])
     ddpm.check_objective(cfg)  # eps without zero terminal SNR is fine
     with pytest.raises(ValueError, match="objective.zero_terminal_snr"):
-        ddpm.generate(None, torch.zeros(1, 3, 4, 4), {}, config.load_config(ddpm.DEFAULTS, ["--objective.prediction=eps"]))
+        ddpm.generate(None, torch.zeros(1, 3, 4, 4), {},
+                      config.load_config(ddpm.DEFAULTS, ["--objective.prediction=eps"]))
 
 
 # ---- Samplers ---------------------------------------------------------------------------------------------

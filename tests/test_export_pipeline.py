@@ -68,7 +68,8 @@ def repo_latents(run, labels=None, prompts=None, **overrides):
     model, cfg, _ = sampling.load_model(run)
     tc, n = model.transformer.config, len(labels or prompts)
     noise = torch.stack([torch.randn((tc.in_channels, tc.sample_size, tc.sample_size),
-                                     generator=torch.Generator().manual_seed(generation.seed_for(0, 0, i))) for i in range(n)])
+                                     generator=torch.Generator().manual_seed(generation.seed_for(0, 0, i)))
+                         for i in range(n)])
     cond = {"drop": torch.zeros(n, dtype=torch.bool)}
     if prompts:
         text = load_encoders(config.Config({**cfg["encoders"], "vae": None}), torch.device("cpu"))[1:]
@@ -91,18 +92,23 @@ def pngs(folder):
 def test_the_folder_samples_as_sample_py_where_this_repository_is_not_importable(tmp_path, tiny_vae, tiny_text_encoder):
     # Flow matching with the settings the pipeline must carry over: a time shift, a guidance interval that leaves
     # the last step unguided (t = 1, 0.8 guided; 0.5 not), control guidance on the size / crop / flip controls.
-    runs = {"flow": train(fm, tmp_path, "flow", ["--objective.time_shift=2", "--val.steps=3", "--val.guidance_interval=[0.6,1]",
-                                                 "--val.control_guidance_scale=1.5", '--conditioning.controls=["size","crop","flip"]']),
-            # DDPM (v-prediction, zero terminal SNR, DDIM, guidance rescale) in a VAE's latents, with a resolution shift,
-            # on 6 steps, which do not divide 1000 (DDIMScheduler's own step would go back 166: 999 -> 833, not 832)
-            "ddpm": train(ddpm, tmp_path, "ddpm", [f"--encoders.vae={tiny_vae}", "--objective.time_shift=2", "--val.steps=6"]),
+    runs = {"flow": train(fm, tmp_path, "flow", ["--objective.time_shift=2", "--val.steps=3",
+                                                 "--val.guidance_interval=[0.6,1]",
+                                                 "--val.control_guidance_scale=1.5",
+                                                 '--conditioning.controls=["size","crop","flip"]']),
+            # DDPM (v-prediction, zero terminal SNR, DDIM, guidance rescale) in a VAE's latents, with a resolution
+            # shift, on 6 steps, which do not divide 1000 (DDIMScheduler's own step would go back 166: 999 -> 833,
+            # not 832)
+            "ddpm": train(ddpm, tmp_path, "ddpm",
+                          [f"--encoders.vae={tiny_vae}", "--objective.time_shift=2", "--val.steps=6"]),
             "text": train(fm, tmp_path, "text", ["--data.caption_column=caption", "--encoders.max_tokens=8",
                                                  f"--encoders.text_encoder={tiny_text_encoder}"])}
     classes, prompts = ["red circle", "8"], ["a small red circle", "a large blue square"]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     jobs = [{"name": name, "folder": str(run / "export"), "prompts": prompts if name == "text" else classes,
              "seeds": [generation.seed_for(0, 0, i) for i in range(2)], "kwargs": {}} for name, run in runs.items()]
-    jobs.append({**jobs[0], "name": "flow, guidance 2 everywhere", "kwargs": {"guidance_scale": 2.0, "guidance_interval": [0, 1]}})
+    jobs.append({**jobs[0], "name": "flow, guidance 2 everywhere",
+                 "kwargs": {"guidance_scale": 2.0, "guidance_interval": [0, 1]}})
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-I", "-c", LOAD_AND_SAMPLE, json.dumps(jobs), str(tmp_path / "out.pt")],
@@ -115,7 +121,8 @@ def test_the_folder_samples_as_sample_py_where_this_repository_is_not_importable
         args = ["--prompts", str(tmp_path / "prompts.txt")] if name == "text" else ["--classes", ",".join(classes)]
         out = sample.main(["--run", str(run), *args, "--per_class", "1", "--out", str(tmp_path / f"sampled_{name}")])
         ours = repo_latents(run, *(([], prompts) if name == "text" else ([0, 8],)))
-        torch.testing.assert_close(theirs[name]["latent"], ours, atol=2e-4, rtol=1e-4, msg=f"{name}: the sampler's output")
+        torch.testing.assert_close(theirs[name]["latent"], ours, atol=2e-4, rtol=1e-4,
+                                   msg=f"{name}: the sampler's output")
         diff = np.abs(theirs[name]["pixels"].numpy().astype(int) - pngs(out).astype(int))
         assert diff.max() <= 1 and (diff > 0).mean() < 0.01, f"{name}: the images differ from sample.py's"
     # Call arguments override the run's settings, as sample.py's flags do.
@@ -187,7 +194,8 @@ def exported_pipeline(trainer, tmp_path, overrides):
     (model_index.json's components and settings; pipeline.py is training/sharing/exported/pipeline.py): the slow test
     above loads a folder where this repository cannot be imported, these compare the sampling loops."""
     cfg = config.load_config(trainer.DEFAULTS, [
-        "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16", "--model.patch_size=2",
+        "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+        "--model.patch_size=2",
         "--data.resolution=8", "--data.num_classes=4", "--run_dir", str(tmp_path / "run"), *overrides])
     cfg = json.loads(json.dumps(cfg))  # as config.json holds it
     torch.manual_seed(0)
@@ -198,10 +206,12 @@ def exported_pipeline(trainer, tmp_path, overrides):
     (tmp_path / "run").mkdir()
     folder = pipeline_export.write(model, cfg, tmp_path / "export")
     index = json.loads((folder / "model_index.json").read_text())
-    settings = {k: v for k, v in index.items() if not k.startswith("_") and k not in ("transformer", "conditioner", "scheduler")}
+    settings = {k: v for k, v in index.items() if not k.startswith("_")
+                and k not in ("transformer", "conditioner", "scheduler")}
     pipe = MinimalDiffusionPipeline(SD3Transformer2DModel.from_pretrained(folder / "transformer"),
                                     ExportedConditioner.from_pretrained(folder / "conditioner"),
-                                    getattr(diffusers, index["scheduler"][1]).from_pretrained(folder / "scheduler"), **settings)
+                                    getattr(diffusers, index["scheduler"][1]).from_pretrained(folder / "scheduler"),
+                                    **settings)
     pipe.set_progress_bar_config(disable=True)
     return model, cfg, pipe
 
@@ -215,13 +225,16 @@ def assert_samples_as_the_trainer(trainer, model, cfg, pipe, steps):
                             cfg, steps=steps)
     torch.manual_seed(5)
     theirs = pipe([0, 3], latents=noise, num_inference_steps=steps, output_type="latent").images
-    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4, msg=lambda m: f"{steps or cfg['val']['steps']} steps: {m}")
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4,
+                               msg=lambda m: f"{steps or cfg['val']['steps']} steps: {m}")
 
 
 @pytest.mark.parametrize("sampler,objective", [("ddim", []), ("ddpm", []),
-                                               ("ddim", ["--objective.prediction=eps", "--objective.zero_terminal_snr=false"]),
+                                               ("ddim",
+                                                ["--objective.prediction=eps", "--objective.zero_terminal_snr=false"]),
                                                ("ddim", ["--objective.time_shift=2"]),
-                                               ("ddpm", ["--objective.time_shift=0.5", "--objective.beta_schedule=cosine"])])
+                                               ("ddpm",
+                                                ["--objective.time_shift=0.5", "--objective.beta_schedule=cosine"])])
 def test_the_ddpm_pipeline_steps_on_the_trainers_grid_at_any_step_count(tmp_path, sampler, objective):
     """The trainer steps to the next point of its exact trailing grid (train_ddpm.timestep_grid). diffusers'
     DDIMScheduler steps back T // steps instead, which is that point only when steps divides 1000 (30, 32, 48, 61
@@ -229,7 +242,8 @@ def test_the_ddpm_pipeline_steps_on_the_trainers_grid_at_any_step_count(tmp_path
     follows the trainer's grid, guided, for DDIM and the ancestral sampler, v and eps prediction, and with a
     resolution shift, whose time input is the trainer's (from its float64 schedule; diffusers' float32 one moved
     samples by up to 4e-2)."""
-    model, cfg, pipe = exported_pipeline(ddpm, tmp_path, [f"--val.sampler={sampler}", "--val.guidance_scale=2", *objective])
+    model, cfg, pipe = exported_pipeline(ddpm, tmp_path,
+                                         [f"--val.sampler={sampler}", "--val.guidance_scale=2", *objective])
     for steps in [7, 20, 30, 32, 48, 61]:
         assert_samples_as_the_trainer(ddpm, model, cfg, pipe, steps)
 
@@ -238,8 +252,8 @@ def test_the_ddpm_pipeline_steps_on_the_trainers_grid_at_any_step_count(tmp_path
 def test_an_x0_model_samples_as_its_trainer_samples_it(tmp_path, trainer, sampler):
     """x-prediction (objective.prediction=x0), the Fashion-MNIST recipe's and so the shipped reference model's, at
     its 20 steps and guidance 2: flow matching's velocity (x - x0_hat) / max(t, 0.05)
-    (training/objectives/xprediction.py; the folder's X0_MIN_T), on Euler's and on both of Heun's evaluations, the last three steps' t below 0.2;
-    DDPM's x0 as diffusers' "sample" prediction."""
+    (training/objectives/xprediction.py; the folder's X0_MIN_T), on Euler's and on both of Heun's evaluations, the last
+    three steps' t below 0.2; DDPM's x0 as diffusers' "sample" prediction."""
     model, cfg, pipe = exported_pipeline(trainer, tmp_path, ["--objective.prediction=x0", f"--val.sampler={sampler}",
                                                              "--val.guidance_scale=2", "--val.steps=20"])
     assert pipe.config.prediction == "x0" and pipe.config.num_inference_steps == 20
@@ -261,12 +275,14 @@ def test_a_meanflow_model_samples_as_its_trainer_samples_it_in_one_and_two_steps
     assert "two network evaluations a step: classifier-free guidance 2 on top of the 2 in the weights" in guided
     for steps in [None, 2]:
         assert_samples_as_the_trainer(fm, model, cfg, pipe, steps)
-    cfg["val"]["guidance_scale"], pipe.config.guidance_scale = 2.0, 2.0  # classifier-free guidance on top of the trained one
+    # classifier-free guidance on top of the trained one
+    cfg["val"]["guidance_scale"], pipe.config.guidance_scale = 2.0, 2.0
     assert_samples_as_the_trainer(fm, model, cfg, pipe, 2)
 
 
 @pytest.mark.parametrize("mode,text,controls,interval", [("disentangled", False, ["size", "crop", "flip"], False),
-                                                         ("both", False, ["size"], True), ("adanorm", False, ["crop", "flip"], False),
+                                                         ("both", False, ["size"], True),
+                                                         ("adanorm", False, ["crop", "flip"], False),
                                                          ("disentangled", True, ["size"], True)])
 def test_the_exported_conditioner_is_the_trained_one(mode, text, controls, interval):
     """The folder's conditioner.py (no import from here) gives what training/model/mmdit.py's Conditioner gives, in eval
@@ -280,12 +296,15 @@ def test_the_exported_conditioner_is_the_trained_one(mode, text, controls, inter
     if text:
         trained.null_tokens.normal_(), trained.null_mask[:2].fill_(1), trained.null_pooled.normal_()
     ids = ["n0", "n1", "n2", "n3", "n4"]
-    transformer = SimpleNamespace(config=SimpleNamespace(joint_attention_dim=24, num_attention_heads=2, attention_head_dim=16))
+    transformer = SimpleNamespace(config=SimpleNamespace(joint_attention_dim=24, num_attention_heads=2,
+                                                         attention_head_dim=16))
     exported = pipeline_export.exported_conditioner(trained, transformer, ids)
     assert isinstance(exported, ExportedConditioner) and exported.config.class_names == ids
     n = 4
-    cond = {"drop": torch.tensor([False, True, False, False]), "drop_controls": torch.tensor([False, False, True, False]),
-            "orig_hw": torch.tensor([[30, 20]] * n), "flip": torch.tensor([[1]] * n),  # square crops, and buckets' (data.buckets)
+    cond = {"drop": torch.tensor([False, True, False, False]),
+            "drop_controls": torch.tensor([False, False, True, False]),
+            # square crops, and buckets' (data.buckets)
+            "orig_hw": torch.tensor([[30, 20]] * n), "flip": torch.tensor([[1]] * n),
             "crop_box": torch.tensor([[5, 0, 20, 20], [0, 4, 30, 12], [0, 0, 30, 20], [8, 0, 10, 20]])}
     if text:
         mask = torch.tensor([[1, 1, 1, 0, 0, 0]] * n, dtype=torch.float)
@@ -304,15 +323,18 @@ def fake_run(tmp_path):
     evaluation report and quality rows; and its model, untrained."""
     cfg = config.as_config(json.loads(json.dumps(fm.DEFAULTS)))
     run = tmp_path / "run"
-    cfg["run_dir"], cfg["data"]["num_classes"], cfg["model"]["num_layers"], cfg["train"]["batch_size"] = str(run), 9, 1, 16
+    cfg["run_dir"], cfg["data"]["num_classes"] = str(run), 9
+    cfg["model"]["num_layers"], cfg["train"]["batch_size"] = 1, 16
     cfg["val"]["reference_curves"] = str(tmp_path / "curves.json")
     (tmp_path / "curves.json").write_text(json.dumps({"flow_matching": {"runs": [], "seeds": [0, 1], "settings": {},
-                                                      "curves": {"val_loss": [[500, 0.5, 0.52, 0.54], [1000, 0.41, 0.425, 0.44]]}}}))
+                                                      "curves": {"val_loss": [[500, 0.5, 0.52, 0.54],
+                                                                              [1000, 0.41, 0.425, 0.44]]}}}))
     (run / "samples").mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(run / "samples" / "step_00001000.png")
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         {"step": 500, "loss": 0.6, "images_per_s": 400.0, "images_per_s_per_device": 100.0},
-        {"step": 1000, "loss": 0.5, "images_per_s": 400.0, "images_per_s_per_device": 100.0}, {"step": 1000, "val_loss": 0.4321}]))
+        {"step": 1000, "loss": 0.5, "images_per_s": 400.0, "images_per_s_per_device": 100.0},
+        {"step": 1000, "val_loss": 0.4321}]))
     (run / "eval" / "export-ema-euler32-g7-seed0").mkdir(parents=True)
     (run / "eval" / "export-ema-euler32-g7-seed0" / "report.json").write_text(json.dumps({
         "metrics": {"fid_clean_10k": 12.3456}, "num_samples": 10000, "model": {"weights": "ema (export)"},
@@ -320,7 +342,8 @@ def fake_run(tmp_path):
         "reference": {"source": "embedded", "split": "heldout"}, "feature_extractor": "inception",
         "command": "eval_fid.py --run runs/demo --num_samples 10000"}))
     (run / "eval" / "step500-ema").mkdir()  # a checkpoint's score: not the exported model's
-    (run / "eval" / "step500-ema" / "report.json").write_text(json.dumps({"metrics": {"fid_clean_10k": 99.0}, "model": {"step": 500}}))
+    (run / "eval" / "step500-ema" / "report.json").write_text(json.dumps({"metrics": {"fid_clean_10k": 99.0},
+                                                                          "model": {"step": 500}}))
     (run / "quality.jsonl").write_text(json.dumps({"step": 1000, "class_accuracy": 0.8765}) + "\n")
     return build_denoiser(cfg, 3, 16), cfg, run
 
@@ -334,15 +357,21 @@ def test_the_card_holds_the_runs_numbers_and_the_loading_lines(tmp_path):
     assert "1,000 optimizer steps of 64 images: 64,000 images seen" in text  # 16 per process x 4 processes logged
     assert "| fid_clean_10k | 12.3456 | the run's own | 10,000 samples" in text and "99.0" not in text
     assert "eval_fid.py --run runs/demo --num_samples 10000" in text and "| class_accuracy | 0.8765 |" in text
-    assert "DiffusionPipeline.from_pretrained('OWNER/NAME', trust_remote_code=True)" in text  # not pushed: a placeholder
-    assert f"its path loads it the same way: `DiffusionPipeline.from_pretrained({str(folder)!r}, trust_remote_code=True)`" in text
-    assert "image = pipe('red circle').images[0]" in text and "`python train_flow_matching.py --config config.json`" in text
+    # not pushed: a placeholder
+    assert "DiffusionPipeline.from_pretrained('OWNER/NAME', trust_remote_code=True)" in text
+    assert ("its path loads it the same way: "
+            f"`DiffusionPipeline.from_pretrained({str(folder)!r}, trust_remote_code=True)`") in text
+    assert "image = pipe('red circle').images[0]" in text and \
+        "`python train_flow_matching.py --config config.json`" in text
     assert "| val_loss | 1000 | 0.4100 .. 0.4400 | 0.4250 | 0.4321 |" in text  # the reference band and this run
-    assert (folder / model_card.GRID).is_file() and json.loads((folder / "config.json").read_text()) == json.loads(json.dumps(cfg))
+    assert (folder / model_card.GRID).is_file() and json.loads((folder / "config.json").read_text()) == \
+        json.loads(json.dumps(cfg))
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "class_ids.json", "conditioner", "config.json",
-                                                        "model_index.json", "pipeline.py", "samples.png", "scheduler", "transformer"]
+                                                        "model_index.json", "pipeline.py", "samples.png",
+                                                        "scheduler", "transformer"]
     scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
-    assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler" and scheduler["shift"] == cfg["objective"]["time_shift"]
+    assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler" and scheduler["shift"] == \
+        cfg["objective"]["time_shift"]
     # A post-hoc EMA export names its std, and shows only the scores of those weights.
     phema = {"phema_std": 0.08, "gamma": 11.9, "profile_fit_error": 1e-3}
     folder = pipeline_export.write(model, cfg, tmp_path / "phema" / "export", None, run, phema, "me/demo-phema")
@@ -393,7 +422,8 @@ def test_the_cards_scores_are_the_runs_not_tune_pys_search(tmp_path):
     report("final-test-g5", "eval_fid.py", 1.3, 10_000, 5.0, split="test")  # another setting
     report("heldout-10k", "eval_fid.py", 9.0, 10_000)  # the run's own on the held-out rows: shown, but not the band's
     text = (pipeline_export.write(model, cfg, run / "export", ["red circle"] * 9, run) / "README.md").read_text()
-    table = [line for line in text.split("## Evaluation")[1].split("## Samples")[0].splitlines() if line.startswith("| ")]
+    table = [line for line in text.split("## Evaluation")[1].split("## Samples")[0].splitlines()
+             if line.startswith("| ")]
     assert [line.split(" | ")[:3] for line in table[2:]] == [
         ["| fid_clean_10k", "12.3456", "the run's own"],  # fake_run's
         ["| fd_classifier_10k", "1.5500", "the run's own"],
@@ -426,7 +456,8 @@ def test_the_card_publishes_no_local_path_and_no_task_a_class_model_does_not_do(
     assert "on the trainer's own data (a local image folder, `my_photos`) at" in prose and str(own) not in prose
     assert "from_pretrained('me/demo', trust_remote_code=True)" in prose and "OWNER/NAME" not in prose
     assert "pipeline_tag: text-to-image" in model_card.metadata(cfg, True)
-    assert model_card.data_name("/data/cc12m/{00000..01242}.tar") == "the trainer's own data (local webdataset shards, `cc12m`)"
+    assert model_card.data_name("/data/cc12m/{00000..01242}.tar") == \
+        "the trainer's own data (local webdataset shards, `cc12m`)"
     cfg["data"]["source"] = "someone/their-data"  # a Hub dataset: by its id, and in the header
     text = (pipeline_export.write(model, cfg, run / "export", None, run) / "README.md").read_text()
     assert "datasets:\n- someone/their-data" in text and "on `someone/their-data` at" in text
@@ -557,10 +588,12 @@ def test_a_whole_clip_folder_is_exported_as_its_text_tower_alone(tmp_path, tiny_
     AutoTokenizer.from_pretrained(tiny_text_encoder).save_pretrained(tmp_path / "clip")
     entries = pipeline_export.save_text_encoder(tmp_path / "clip", tmp_path / "export")
     assert entries["text_encoder"] == ["transformers", "CLIPTextModel"]
-    assert json.loads((tmp_path / "export" / "text_encoder" / "config.json").read_text())["model_type"] == "clip_text_model"
+    assert json.loads((tmp_path / "export" / "text_encoder" / "config.json").read_text())["model_type"] == \
+        "clip_text_model"
     saved = load_file(str(tmp_path / "export" / "text_encoder" / "model.safetensors"))
     assert saved and not [k for k in saved if "vision" in k or "projection" in k]
-    theirs = load_encoders(config.Config({"vae": None, "text_encoder": str(tmp_path / "export" / "text_encoder")}), "cpu")
+    theirs = load_encoders(config.Config({"vae": None, "text_encoder": str(tmp_path / "export" / "text_encoder")}),
+                           "cpu")
     ours = load_encoders(config.Config({"vae": None, "text_encoder": str(tmp_path / "clip")}), "cpu")
     for k, v in encode_text(*ours[1:], ["a small red circle", "a red apple"], 8).items():
         assert torch.equal(encode_text(*theirs[1:], ["a small red circle", "a red apple"], 8)[k], v), k
@@ -574,7 +607,8 @@ def test_the_export_takes_tune_pys_choice_made_for_its_weights_and_no_other(tmp_
     model, cfg, run = fake_run(tmp_path)
     val = cfg["val"]
     folder = pipeline_export.write(model, cfg, run / "export", ["red circle"] * 9, run)
-    rows = [{"guidance_scale": g, "guidance_interval": [0.1, 0.9], "steps": 12, "phema_std": None, "fd_classifier_2k": g}
+    rows = [{"guidance_scale": g, "guidance_interval": [0.1, 0.9], "steps": 12, "phema_std": None,
+             "fd_classifier_2k": g}
             for g in (1.5, 3.0)]
     confirm = {"metric": "fd_classifier_2k", "blocks": 5, "best": {"mean": 4.5, "low": 4.25, "high": 4.75}}
     tuned = {"best": rows[0], "rows": rows, "num_samples": 2000, "confirm_samples": 10000, "confirm": confirm,
@@ -591,7 +625,8 @@ def test_the_export_takes_tune_pys_choice_made_for_its_weights_and_no_other(tmp_
     assert settings == (12, 1.5, [0.1, 0.9])
     assert ("`num_inference_steps=12`, `guidance_scale=1.5`, `guidance_interval=(0.1, 0.9)`, chosen for these weights "
             "by tools/tune.py on the held-out rows of the training split") in text
-    assert "(searched: guidance_scale 1.5, 3, at guidance_interval (0.1, 0.9) and num_inference_steps 12: 2 settings" in text
+    assert ("(searched: guidance_scale 1.5, 3, at guidance_interval (0.1, 0.9) and num_inference_steps 12: "
+            "2 settings") in text
     assert "fd_classifier_2k 4.5000 (95% interval [4.2500, 4.7500])" in text
     args = tuning.tuned_defaults(eval_fid.parse_args(["--run", str(folder)]))  # the folder's own record
     assert (args.steps, args.guidance_scale) == (12, 1.5)
@@ -599,8 +634,8 @@ def test_the_export_takes_tune_pys_choice_made_for_its_weights_and_no_other(tmp_
         next(model.parameters()).add_(1.0)
     settings, text, folder = exported()
     assert settings == (val["steps"], val["guidance_scale"], list(val["guidance_interval"]))
-    assert "the run's own sampling settings (its config's val.*, not tuned; the run's tuned.json was chosen for other " \
-           "weights" in text and not (folder / "tuned.json").exists()
+    assert "the run's own sampling settings (its config's val.*, not tuned; the run's tuned.json was chosen for " \
+           "other weights" in text and not (folder / "tuned.json").exists()
     # A post-hoc EMA chosen: not the export's weights, but the post-hoc EMA export of that std.
     tuned.update(model=tuning.model_identity(run), best={**rows[0], "phema_std": 0.08})
     (run / "tuned.json").write_text(json.dumps(tuned))
@@ -648,7 +683,8 @@ def test_a_push_is_refused_before_any_work(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     argv = tiny_run_args(tmp_path)
-    with pytest.raises(config.ConfigError, match=r"push_to_hub='not a repo!' is not a Hub repository name: give owner/name"):
+    with pytest.raises(config.ConfigError, match=r"push_to_hub='not a repo!' is not a Hub repository "
+                       r"name: give owner/name"):
         fm.main(argv + ["--push_to_hub", "not a repo!"])
     with pytest.raises(config.ConfigError, match=r"push_to_hub=me/demo: HF_HUB_OFFLINE is set"):
         ddpm.main(argv + ["--push_to_hub", "me/demo"])
@@ -684,5 +720,6 @@ def test_a_push_creates_a_private_repository_and_uploads_the_folder(tmp_path, mo
     assert hub.push(tmp_path, "me/demo").endswith("/me/demo")
     assert calls == [("create", "me/demo", {"repo_type": "model", "private": True, "exist_ok": True}),
                      ("upload", "me/demo", str(tmp_path))]
-    with pytest.raises(FileNotFoundError, match=r"me/not-here: no such folder, and no Hub model of that name can be read"):
+    with pytest.raises(FileNotFoundError, match=r"me/not-here: no such folder, and no Hub model of that "
+                       r"name can be read"):
         hub.local_folder("me/not-here")

@@ -37,7 +37,8 @@ def oom_above(monkeypatch, limit, limit_checkpointed=None):
         k = limit_checkpointed if limit_checkpointed and self.transformer.is_gradient_checkpointing else limit
         k = k() if callable(k) else k
         if torch.is_grad_enabled() and len(x) > k:
-            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected: {len(x)} > {k})")
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB "
+                                              f"(injected: {len(x)} > {k})")
         return forward(self, x, *args, **kwargs)
     monkeypatch.setattr(Denoiser, "forward", limited)
 
@@ -121,7 +122,8 @@ class Rows:
 
 
 def tiny_run(tmp_path, *args):
-    cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=9", "--model.num_layers=2", "--model.num_attention_heads=2",
+    cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=9", "--model.num_layers=2",
+                                           "--model.num_attention_heads=2",
                                            "--model.attention_head_dim=16", f"--run_dir={tmp_path}", *args])
     torch.manual_seed(0)
     model = build_for_run(cfg, (3, 16, 16))
@@ -150,9 +152,11 @@ def test_the_probe_times_checkpointing_when_it_lets_a_larger_micro_batch_run(tmp
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=12", "--train.batch_size=auto")
     fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
     table = json.loads((tmp_path / "fit.json").read_text())["timed"]
-    assert [(r["micro_batch"], r["gradient_checkpointing"]) for r in table] == [(2, False), (6, True), (4, True), (3, True)]
+    assert [(r["micro_batch"], r["gradient_checkpointing"]) for r in table] == \
+        [(2, False), (6, True), (4, True), (3, True)]
     best = max(table, key=lambda r: r["images_per_s"])
-    assert (cfg.train.batch_size, cfg.train.gradient_checkpointing) == (best["micro_batch"], best["gradient_checkpointing"])
+    assert (cfg.train.batch_size, cfg.train.gradient_checkpointing) == \
+        (best["micro_batch"], best["gradient_checkpointing"])
     assert cfg.train.grad_accum == 12 // best["micro_batch"]
     assert model.transformer.is_gradient_checkpointing == best["gradient_checkpointing"]  # the model follows
     assert "fit: measured (images/s per process, slowest rank)" in capsys.readouterr().out
@@ -205,7 +209,8 @@ def test_the_recorded_choice_is_read_onto_the_cpu(tmp_path, monkeypatch):
 def test_nothing_fits_stops_naming_the_keys(tmp_path, monkeypatch):
     oom_above(monkeypatch, 0)
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, "--train.global_batch=8", "--train.batch_size=auto")
-    with pytest.raises(config.ConfigError, match=r"train.batch_size='auto': not even a micro-batch of 1 fits.*train.ema_device"):
+    with pytest.raises(config.ConfigError, match=r"train.batch_size='auto': not even a micro-batch of 1 "
+                       r"fits.*train.ema_device"):
         fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
 
 
@@ -260,13 +265,14 @@ def test_the_probe_runs_meanflows_jvp_and_leaves_pythons_generator_alone(tmp_pat
 
 def test_contrastive_flow_matching_refuses_a_probed_micro_batch_of_one(tmp_path, monkeypatch):
     """Written literally, train.batch_size=1 is refused at start-up (test_config); "auto" resolving to 1 must be
-    too, or the objective silently becomes (1 - lambda) x plain flow matching (the roll pairs each sample with itself)."""
+    too, or the objective silently becomes (1 - lambda) x plain flow matching (the roll pairs each sample with
+    itself)."""
     limit = [1]
     oom_above(monkeypatch, lambda: limit[0])
     args = ["--train.global_batch=8", "--train.batch_size=auto", "--objective.contrastive_weight=0.05"]
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, *args)
-    with pytest.raises(config.ConfigError, match=r"objective.contrastive_weight=0.05 .* train.batch_size='auto' chose 1 "
-                                                 r"\(the largest divisor of 8 that fits.*make room for 2"):
+    with pytest.raises(config.ConfigError, match=r"objective.contrastive_weight=0.05 .* train.batch_size='auto' chose "
+                                                 r"1 \(the largest divisor of 8 that fits.*make room for 2"):
         fit.plan_batch(cfg, accelerator, model, optimizer, Rows(64))
     limit[0] = 2
     cfg, accelerator, model, optimizer = tiny_run(tmp_path, *args)
@@ -286,7 +292,8 @@ def test_an_error_other_than_out_of_memory_is_not_swallowed(tmp_path, monkeypatc
 @pytest.mark.parametrize("args,message", [
     (["--train.batch_size=auto"], r"train.batch_size='auto' finds the micro-batch that keeps train.global_batch"),
     (["--train.batch_size=big"], r"train.batch_size='big' must be a whole number >= 1 or 'auto'"),
-    (["--train.global_batch=24", "--train.batch_size=16"], r"train.global_batch=24 is not a multiple of train.batch_size=16"),
+    (["--train.global_batch=24", "--train.batch_size=16"],
+     r"train.global_batch=24 is not a multiple of train.batch_size=16"),
     (["--train.global_batch=0"], r"train.global_batch=0 must be a number >= 1"),
     (["--train.ema_device=gpu"], r"train.ema_device='gpu' must be 'same' or 'cpu'"),
     (["--train.ema_every=0"], r"train.ema_every=0 must be a number >= 1"),
@@ -301,7 +308,8 @@ def test_bad_fit_keys_are_refused_before_any_work(tmp_path, no_work, args, messa
 
 def trajectory(n, shape=(3, 4)):
     """Known weights after each step: w_1 .. w_n."""
-    return [torch.sin(torch.arange(math.prod(shape), dtype=torch.float32).view(shape) * 0.37 + 0.5 * s) for s in range(1, n + 1)]
+    return [torch.sin(torch.arange(math.prod(shape), dtype=torch.float32).view(shape) * 0.37 + 0.5 * s)
+            for s in range(1, n + 1)]
 
 
 def updater_run(every, device_setting, weights, applied, decay=0.9):
@@ -408,7 +416,8 @@ def test_a_checkpoint_of_the_offloaded_ema_waits_for_the_update_in_flight(monkey
     monkeypatch.setattr(fit.EMAUpdater, "lerp", lambda self: time.sleep(0.3) or lerp(self))  # a slow host
     model = torch.nn.Linear(8, 8)
     ema = copy.deepcopy(model).requires_grad_(False)
-    update = fit.EMAUpdater(ema, model, None, config.Config(ema_decay=0.5, ema_every=2, max_steps=100, ema_device="cpu"),
+    update = fit.EMAUpdater(ema, model, None,
+                            config.Config(ema_decay=0.5, ema_every=2, max_steps=100, ema_device="cpu"),
                             torch.device("cpu"))
     with torch.no_grad():
         model.weight.fill_(1.0)

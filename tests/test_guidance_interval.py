@@ -91,14 +91,17 @@ def test_ddpm_sampler_guides_inside_the_interval_of_its_noise_level():
         with common.counting_evaluations(model := ToyModel()) as rows:
             ddpm.sample(model, NOISE, COND, ab, steps, "v", w, phi, "ddim", guidance_interval=interval)
         assert rows[0] / len(NOISE) == steps + sum(interval[0] <= v <= interval[1] for v in levels)
-    none = ddpm.sample(ToyModel(), NOISE, COND, ab, steps, "v", w, phi, "ddpm", generator=torch.Generator().manual_seed(1),
+    none = ddpm.sample(ToyModel(), NOISE, COND, ab, steps, "v", w, phi, "ddpm",
+                       generator=torch.Generator().manual_seed(1),
                        guidance_interval=[0.0, 0.0])
-    plain = ddpm.sample(ToyModel(), NOISE, COND, ab, steps, "v", 1.0, phi, "ddpm", generator=torch.Generator().manual_seed(1))
+    plain = ddpm.sample(ToyModel(), NOISE, COND, ab, steps, "v", 1.0, phi, "ddpm",
+                        generator=torch.Generator().manual_seed(1))
     assert torch.equal(none, plain)  # no step at noise level 0 (the grid ends at t = 0, ab < 1): conditional
 
 
 def test_generate_reads_the_interval_from_the_config_and_a_bad_one_is_refused():
-    cfg = config.load_config(fm.DEFAULTS, ["--val.guidance_interval=[0.2, 0.6]", "--val.steps=6", "--val.guidance_scale=3"])
+    cfg = config.load_config(fm.DEFAULTS,
+                             ["--val.guidance_interval=[0.2, 0.6]", "--val.steps=6", "--val.guidance_scale=3"])
     x = fm.generate(ToyModel(), NOISE, COND, cfg)
     torch.testing.assert_close(x, flow_oracle(6, 1.0, 3.0, [0.2, 0.6]), rtol=1e-6, atol=1e-6)
     for bad in ("[0.8, 0.2]", "[0, 1.5]", "[0.5]", '["a", 1]'):

@@ -76,7 +76,8 @@ def test_the_autoencoder_trains_on_the_training_rows_and_its_factors_read_back(t
     autoencoder.json and on the model card."""
     idx_source(tmp_path, monkeypatch)
     seen, train, reconstruct, scores = {}, latents.train, autoencoder_tool.reconstruct, autoencoder_tool.scores
-    monkeypatch.setattr(latents, "train", lambda vae, images, *a: (print("training"), seen.setdefault("trained", images))
+    monkeypatch.setattr(latents, "train",
+                        lambda vae, images, *a: (print("training"), seen.setdefault("trained", images))
                         and train(vae, images, *a))
     monkeypatch.setattr(autoencoder_tool, "reconstruct", lambda vae, images: seen.setdefault("measured", images) is None
                         or reconstruct(vae, images))

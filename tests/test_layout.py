@@ -290,7 +290,8 @@ def test_each_benchmark_names_the_study_file_it_feeds_and_the_index_lists_every_
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
         first = ast.get_docstring(ast.parse(path.read_text())).splitlines()[0]
         if study := re.match(r"Feeds docs/benchmarks/([a-z_]+\.md)\b", first):
-            assert f"`{path.name}`" in rows.get(study[1], ""), f"{path.name}: no row of {study[1]} naming it in the index"
+            assert f"`{path.name}`" in rows.get(study[1], ""), \
+                f"{path.name}: no row of {study[1]} naming it in the index"
         else:
             assert first.startswith('Feeds docs/benchmarks.md, "Numbers kept in other docs"'), f"{path.name}: {first!r}"
             assert f"| `{path.name}` |" in index, f"{path.name}: not in the table of docs/benchmarks.md's last section"

@@ -69,7 +69,8 @@ def finite_difference_target(model, z, t, r, v, cond, prediction, h=1e-6):
 
 
 def hand_written_guidance(model, z, t, v, cond, obj, prediction):
-    """v~ = omega v + kappa u(z, t, t | c) + (1 - omega - kappa) u(z, t, t | null), omega = w'(1 - kappa); v where dropped."""
+    """v~ = omega v + kappa u(z, t, t | c) + (1 - omega - kappa) u(z, t, t | null), omega = w'(1 - kappa); v where
+    dropped."""
     def u(drop):
         out = model(z, t * 1000, {**cond, "drop": drop, "interval": torch.zeros_like(t)})
         return xprediction.velocity(out, z, t.view(-1, 1, 1, 1)) if prediction == "x0" else out
@@ -141,8 +142,10 @@ def test_the_adaptive_weight_takes_its_power(power):
 def mmdit(mode, controls=(), prediction="v", extra=()):
     """A one-block MMDiT (8 px, patch 2) of a MeanFlow config, its interval embedding given weights (they start at
     zero), and a batch with every sample's r < t but the first."""
-    cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=4", "--objective.meanflow=true", f"--conditioning.mode={mode}",
-                                           f"--conditioning.controls={json.dumps(list(controls))}", "--model.num_layers=1",
+    cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=4", "--objective.meanflow=true",
+                                           f"--conditioning.mode={mode}",
+                                           f"--conditioning.controls={json.dumps(list(controls))}",
+                                           "--model.num_layers=1",
                                            "--model.num_attention_heads=2", "--model.attention_head_dim=8",
                                            f"--objective.prediction={prediction}", *extra])
     torch.manual_seed(0)
@@ -150,7 +153,8 @@ def mmdit(mode, controls=(), prediction="v", extra=()):
     torch.nn.init.normal_(model.conditioner.interval_embed.linear_2.weight, std=0.02)
     n = 4
     cond = {"label": torch.arange(n) % 4, "drop": torch.tensor([False, True, False, False]),
-            "orig_hw": torch.tensor([[8, 8], [12, 20], [30, 16], [8, 40]]), "crop_box": torch.tensor([[0, 0, 8, 8]] * n),
+            "orig_hw": torch.tensor([[8, 8], [12, 20], [30, 16], [8, 40]]),
+            "crop_box": torch.tensor([[0, 0, 8, 8]] * n),
             "flip": torch.tensor([[0], [1], [0], [1]]), "drop_controls": torch.zeros(n, dtype=torch.bool)}
     z, v = torch.randn(n, 1, 8, 8), torch.randn(n, 1, 8, 8)
     return cfg, model, cond, z, v, torch.tensor([0.9, 0.7, 0.5, 0.3]), torch.tensor([0.9, 0.2, 0.1, 0.0])
@@ -168,7 +172,8 @@ def reverse_mode_jvp(model, z, t, r, v, cond, prediction):
         return torch.autograd.grad(grads, w, tangent)[0]
 
 
-@pytest.mark.parametrize("mode,controls,prediction", [("disentangled", ["size", "crop", "flip"], "v"), ("both", ["size"], "v"),
+@pytest.mark.parametrize("mode,controls,prediction", [("disentangled", ["size", "crop", "flip"], "v"),
+                                                      ("both", ["size"], "v"),
                                                       ("adanorm", ["crop", "flip"], "v"), ("disentangled", [], "x0")])
 def test_the_jvp_through_the_mmdit_is_reverse_mode_autograds_in_every_mode(mode, controls, prediction):
     """Through the real MMDiT (math attention), in each conditioning mode, with the size / crop / flip controls
@@ -229,11 +234,12 @@ def test_r_equal_to_t_is_flow_matching_exactly(prediction):
 
 
 def test_the_times_follow_the_paper():
-    """t >= r, the first round(0.75 n) with r = t, both logit-normal(-0.4, 1) draws sorted: medians sigmoid(-0.4 +- 0.545)
-    (the median of the larger / smaller of two standard normals: +-0.5449)."""
+    """t >= r, the first round(0.75 n) with r = t, both logit-normal(-0.4, 1) draws sorted: medians sigmoid(-0.4 +-
+    0.545) (the median of the larger / smaller of two standard normals: +-0.5449)."""
     torch.manual_seed(0)
     t, r, equal = meanflow.sample_times(200_000, OBJECTIVE, 1.0, torch.device("cpu"))
-    assert equal == 150_000 and (t >= r).all() and torch.equal(t[:150_000], r[:150_000]) and (t[150_000:] > r[150_000:]).all()
+    assert equal == 150_000 and (t >= r).all() and torch.equal(t[:150_000], r[:150_000]) and \
+        (t[150_000:] > r[150_000:]).all()
     logit = lambda x: (x / (1 - x)).log()  # noqa: E731
     torch.testing.assert_close(logit(t).median(), torch.tensor(-0.4 + 0.5449), atol=0.01, rtol=0)
     torch.testing.assert_close(logit(r[150_000:]).median(), torch.tensor(-0.4 - 0.5449), atol=0.015, rtol=0)
@@ -258,7 +264,8 @@ def test_a_flow_matching_runs_weights_start_a_meanflow_run_as_that_model(tmp_pat
     """init_from an export of a flow-matching model: the MeanFlow model's interval embedding is the only thing
     missing, kept at its zero start, so before the first step its outputs are the source's, bitwise, at r = t and
     at any other r."""
-    source_cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=4", "--model.num_layers=1", "--run_dir", str(tmp_path),
+    source_cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=4", "--model.num_layers=1",
+                                                  "--run_dir", str(tmp_path),
                                                   "--model.num_attention_heads=2", "--model.attention_head_dim=8"])
     torch.manual_seed(0)
     source = build_denoiser(source_cfg, 1, 8).eval()
@@ -301,9 +308,11 @@ def test_the_sampler_steps_the_average_velocity():
     z = noise
     with torch.no_grad():
         for t, r in ((1.0, 0.5), (0.5, 0.0)):
-            z = z - (t - r) * model(z, torch.full((2,), t * 1000), {**cond, "interval": torch.full((2,), (t - r) * 1000)})
+            z = z - (t - r) * model(z, torch.full((2,), t * 1000),
+                                    {**cond, "interval": torch.full((2,), (t - r) * 1000)})
     torch.testing.assert_close(x, z, rtol=1e-6, atol=1e-6)
-    cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=4", "--model.num_layers=1", "--model.num_attention_heads=2",
+    cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=4", "--model.num_layers=1",
+                                           "--model.num_attention_heads=2",
                                            "--model.attention_head_dim=8"])
     plain = build_denoiser(cfg, 1, 8).eval()
     noise, cond = torch.randn(2, 1, 8, 8), {"label": torch.tensor([0, 3]), "drop": torch.zeros(2, dtype=torch.bool)}
@@ -357,7 +366,8 @@ def test_a_meanflow_model_recorded_with_eulers_settings_says_so_wherever_it_is_s
     run = tmp_path / "run"
     cfg = config.load_config(fm.DEFAULTS, ["--objective.meanflow=true", "--data.resolution=8", "--data.num_classes=4",
                                            "--model.num_layers=1", "--model.num_attention_heads=2",
-                                           "--model.attention_head_dim=8", "--run_dir", str(run)])  # as before: no resolver
+                                           # as before: no resolver
+                                           "--model.attention_head_dim=8", "--run_dir", str(run)])
     cfg = json.loads(json.dumps(cfg))
     assert (cfg["val"]["sampler"], cfg["val"]["steps"], cfg["val"]["guidance_scale"]) == ("euler", 32, 7.0)
     run.mkdir()

@@ -100,7 +100,8 @@ def test_dinov2_features_are_the_cls_token_of_normalised_pixels(tmp_path):
     # By hand: at the crop size the resize is the identity; ImageNet mean/std; CLS of the last (normed) layer.
     model = Dinov2Model.from_pretrained(path).eval()
     x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 255
-    x = (x - torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)) / torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    x = (x - torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)) \
+        / torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
     with torch.no_grad():
         expected = model(pixel_values=x).last_hidden_state[:, 0].double().numpy()
     np.testing.assert_allclose(feats, expected, rtol=1e-4, atol=1e-5)

@@ -1,6 +1,6 @@
 """train.optimizer="muon" (training/optimisation/muon.py): which parameters go to Muon, a step equal to
-torch.optim.Muon and AdamW called directly on the same groups, a non-finite step that changes nothing, the state through state_dict,
-exact resume of a trainer run, and the start-up refusals."""
+torch.optim.Muon and AdamW called directly on the same groups, a non-finite step that changes nothing, the state through
+state_dict, exact resume of a trainer run, and the start-up refusals."""
 import copy
 from pathlib import Path
 
@@ -35,13 +35,15 @@ def test_the_blocks_matrices_go_to_muon_and_everything_else_to_adamw():
     names, _ = zip(*muon.split(model)[0])
     both = ["norm1.linear", "norm1_context.linear", "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj",
             "attn.add_k_proj", "attn.add_v_proj", "attn.to_out.0", "ff.net.0.proj", "ff.net.2"]
-    context = ["attn.to_add_out", "ff_context.net.0.proj", "ff_context.net.2"]  # not in the last block (context_pre_only)
+    # not in the last block (context_pre_only)
+    context = ["attn.to_add_out", "ff_context.net.0.proj", "ff_context.net.2"]
     assert sorted(names) == sorted(f"transformer.transformer_blocks.{i}.{leaf}.weight"
                                    for i, leaves in ((0, both + context), (1, both)) for leaf in leaves)
     rest = dict(muon.split(model)[1])
     for name in ("transformer.pos_embed.proj.weight", "transformer.context_embedder.weight",  # embeddings
                  "transformer.time_text_embed.timestep_embedder.linear_1.weight",
-                 "transformer.transformer_blocks.0.attn.norm_q.weight", "transformer.transformer_blocks.0.attn.to_q.bias",
+                 "transformer.transformer_blocks.0.attn.norm_q.weight",
+                 "transformer.transformer_blocks.0.attn.to_q.bias",
                  "conditioner.class_embed.weight", "transformer.norm_out.linear.weight", "transformer.proj_out.weight"):
         assert name in rest, name  # norms, biases, the conditioner and the final layer
     assert len(names) + len(rest) == len(list(model.parameters()))

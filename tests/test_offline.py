@@ -60,7 +60,8 @@ def test_dino_is_planned_when_asked_and_fetched_through_eval_fids_call(tmp_path,
 
     monkeypatch.setattr(prefetch, "fetch", lambda *a: pytest.fail("a dry run fetched something"))
     cc12m = ["--config", str(ROOT / "configs" / "cc12m.json"), "--dry_run"]
-    for flags, name in ((["--dino"], "facebook/dinov2-base"), (["--dino", "facebook/dinov2-large"], "facebook/dinov2-large"),
+    for flags, name in ((["--dino"], "facebook/dinov2-base"),
+                        (["--dino", "facebook/dinov2-large"], "facebook/dinov2-large"),
                         (["--dino=facebook/dinov2-small", "--val.steps=10"], "facebook/dinov2-small"),
                         (["--val.fid_dino=facebook/dinov2-giant"], "facebook/dinov2-giant")):
         items = prefetch.main([*cc12m, *flags])

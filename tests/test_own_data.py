@@ -125,7 +125,8 @@ def test_an_imagefolder_opens_as_datasets_infers_it_without_its_split_search(tmp
     for i, name in enumerate(LAYOUTS[layout]):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         if name.endswith(".jsonl"):
-            (tmp_path / name).write_text("".join(json.dumps({"file_name": f"{k}.png", "label": k, "caption": f"c{k}"}) + "\n"
+            (tmp_path / name).write_text("".join(json.dumps({"file_name": f"{k}.png", "label": k, "caption": f"c{k}"})
+                                                 + "\n"
                                                  for k in range(2)))
         else:
             Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / name)
@@ -137,7 +138,8 @@ def test_an_imagefolder_opens_as_datasets_infers_it_without_its_split_search(tmp
         data = config.Config(source=str(tmp_path), image_column="image", label_column=None, caption_column=None)
         got = open_dataset(data, split)
         assert got.features.copy() | {"image": expected.features["image"]} == expected.features, (layout, split)
-        pixels = sorted(np.asarray(Image.open(io.BytesIO(r["image"]["bytes"]) if r["image"]["bytes"] else r["image"]["path"]))[0, 0, 0]
+        pixels = sorted(np.asarray(Image.open(io.BytesIO(r["image"]["bytes"]) if r["image"]["bytes"]
+                                              else r["image"]["path"]))[0, 0, 0]
                         for r in got)
         assert pixels == sorted(np.asarray(r["image"])[0, 0, 0] for r in expected), (layout, split)
         if "label" in expected.column_names:
@@ -207,7 +209,8 @@ def test_a_wrong_data_source_names_the_key_what_was_tried_and_why(tmp_path, monk
         with pytest.raises(config.ConfigError, match=r"does not exist .*; not tried as a hub id \(it is a path\)"):
             open_dataset(data_cfg(f"--data.source={path}"), "train")
     assert hub_calls == ["mydat"]
-    with pytest.raises(config.ConfigError, match=r"data.source='mydata': .*mydata could not be read as an image folder"):
+    with pytest.raises(config.ConfigError,
+                       match=r"data.source='mydata': .*mydata could not be read as an image folder"):
         open_dataset(data_cfg("--data.source=mydata"), "train")  # an empty folder
 
 

@@ -51,8 +51,10 @@ def test_the_conditioning_verdict_is_one_of_three_disjoint_sentences():
     below 0 but above -7% is "supports, smaller than the paper's", never "contradicts" (the two rules overlap
     there unless ordered)."""
     said = pc.conditioning_verdict
-    assert said([-0.10, -0.12, -0.11], True).startswith("supports") and "larger than" in said([-0.10, -0.12, -0.11], True)
-    assert said([-0.03, -0.02, -0.025], True).startswith("supports") and "smaller than" in said([-0.03, -0.02, -0.025], True)
+    assert said([-0.10, -0.12, -0.11], True).startswith("supports") and \
+        "larger than" in said([-0.10, -0.12, -0.11], True)
+    assert said([-0.03, -0.02, -0.025], True).startswith("supports") and \
+        "smaller than" in said([-0.03, -0.02, -0.025], True)
     assert "as large as" in said([-0.06, -0.08, -0.07], True)
     assert said([-0.01, 0.01, 0.0], True).startswith("contradicts")
     assert said([0.05, 0.04, 0.06], True).startswith("contradicts")  # adanorm better

@@ -79,13 +79,15 @@ STABILITY = ["--train.grad_clip_mode=adaptive", "--train.grad_clip_history=4", "
                                            ("train_ddpm", ["--train.mixed_precision=bf16"]),
                                            pytest.param("train_flow_matching", [  # fit.py: probe, EMA in a thread
                                                "--train.global_batch=16", "--train.batch_size=auto",
-                                               "--train.ema_device=cpu", "--train.ema_every=2"], marks=pytest.mark.slow),
+                                               "--train.ema_device=cpu", "--train.ema_every=2"],
+                                               marks=pytest.mark.slow),
                                            # every stability option on (training/run/stability.py), the noise scale
                                            # measured on the gradient-analysis steps
                                            pytest.param("train_flow_matching", ["--train.grad_accum=2", *STABILITY,
                                                         "--objective.time_sampling=adaptive"], marks=pytest.mark.slow),
                                            pytest.param("train_ddpm", ["--train.grad_accum=2", *STABILITY,
-                                                        "--objective.timestep_sampling=adaptive"], marks=pytest.mark.slow),
+                                                        "--objective.timestep_sampling=adaptive"],
+                                                        marks=pytest.mark.slow),
                                            # sharded (training/run/sharding.py), a group of one process
                                            pytest.param("train_flow_matching", ["--train.sharding=fsdp",
                                                         "--train.grad_accum=2", "--ckpt.phema_every=64"],
@@ -159,8 +161,10 @@ def test_a_nonfinite_step_leaves_weights_ema_and_optimizer_bitwise_unchanged():
 
 def tiny_model_and_batch(checkpointing=False, layers=2):
     cfg = config.load_config(__import__("train_flow_matching").DEFAULTS,
-                             ["--data.num_classes=9", f"--model.num_layers={layers}", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
-                              '--conditioning.controls=["size", "crop", "flip"]', f"--train.gradient_checkpointing={str(checkpointing).lower()}"])
+                             ["--data.num_classes=9", f"--model.num_layers={layers}", "--model.num_attention_heads=2",
+                              "--model.attention_head_dim=16",
+                              '--conditioning.controls=["size", "crop", "flip"]',
+                              f"--train.gradient_checkpointing={str(checkpointing).lower()}"])
     from training.run.start import build_for_run
     torch.manual_seed(0)
     model = build_for_run(cfg, (3, 16, 16)).train()
@@ -169,7 +173,8 @@ def tiny_model_and_batch(checkpointing=False, layers=2):
     cond = {"label": torch.randint(0, 9, (b,), generator=g), "drop": torch.tensor([False, True, False, False]),
             "drop_controls": torch.tensor([False, False, True, False]), "orig_hw": torch.rand(b, 2, generator=g) * 64,
             "crop_box": torch.rand(b, 4, generator=g) * 16, "flip": torch.tensor([[0.], [1.], [0.], [1.]])}
-    x0, noise, t = torch.randn(b, 3, 16, 16, generator=g), torch.randn(b, 3, 16, 16, generator=g), torch.rand(b, generator=g)
+    x0, noise = torch.randn(b, 3, 16, 16, generator=g), torch.randn(b, 3, 16, 16, generator=g)
+    t = torch.rand(b, generator=g)
     return model, (x0, cond, t, noise)
 
 
@@ -219,9 +224,11 @@ def test_gpu_throughput_benchmark_runs_on_cpu_at_a_tiny_size(tmp_path):
     import gpu_throughput
 
     out, switches = tmp_path / "throughput.md", conftest.tf32_switches()
-    result = gpu_throughput.main(["--config", str(ROOT / "configs" / "imagenet256.json"), "--out", str(out), "--steps=2",
+    result = gpu_throughput.main(["--config", str(ROOT / "configs" / "imagenet256.json"), "--out",
+                                  str(out), "--steps=2",
                                   "--warmup=1", "--sample_steps=2", "--variants=eager,checkpointing",
-                                  "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+                                  "--model.num_layers=1", "--model.num_attention_heads=2",
+                                  "--model.attention_head_dim=16",
                                   "--train.batch_size=2", "--data.resolution=32"])
     conftest.set_tf32_switches(switches)  # the command turns TF32 on for its process, as the trainers do
     assert json.loads(out.with_suffix(".json").read_text()) == json.loads(json.dumps(result))
@@ -239,9 +246,9 @@ def training_forward(trainer, text, options=()):
     import train_flow_matching
 
     module = {"train_flow_matching": train_flow_matching, "train_ddpm": train_ddpm}[trainer]
-    cfg = config.load_config(module.DEFAULTS, ["--data.num_classes=9", "--model.num_layers=2", "--model.num_attention_heads=2",
-                                               "--model.attention_head_dim=16", '--conditioning.controls=["size", "crop", "flip"]',
-                                               *options])
+    cfg = config.load_config(module.DEFAULTS, ["--data.num_classes=9", "--model.num_layers=2",
+                                               "--model.num_attention_heads=2", "--model.attention_head_dim=16",
+                                               '--conditioning.controls=["size", "crop", "flip"]', *options])
     from training.model.mmdit import build_denoiser
     from training.objectives import repa
     torch.manual_seed(0)
@@ -249,7 +256,8 @@ def training_forward(trainer, text, options=()):
     accelerator = common.make_accelerator("bf16")
     model = accelerator.prepare(model)
     b, g = 4, torch.Generator().manual_seed(1)
-    cond = {"drop": torch.tensor([False, True, False, False]), "drop_controls": torch.tensor([False, False, True, False]),
+    cond = {"drop": torch.tensor([False, True, False, False]),
+            "drop_controls": torch.tensor([False, False, True, False]),
             "orig_hw": torch.rand(b, 2, generator=g) * 64, "crop_box": torch.rand(b, 4, generator=g) * 16,
             "flip": torch.tensor([[0.], [1.], [0.], [1.]])}
     if text:
@@ -269,14 +277,17 @@ def training_forward(trainer, text, options=()):
         inputs = (x0, cond, torch.rand(b, generator=g), noise)
         loss = lambda x0, cond, t, noise: module.flow_matching_loss(model, x0, cond, t, noise)  # noqa: E731
     elif options:
-        schedule, weight, time = (f(cfg).float() for f in (module.schedule_of, module.loss_weight_of, module.time_input_of))
+        schedule, weight, time = (f(cfg).float()
+                                  for f in (module.schedule_of, module.loss_weight_of, module.time_input_of))
         inputs = (x0, cond, torch.randint(0, 1000, (b,), generator=g), noise)
         loss = lambda x0, cond, t, noise: total(*module.training_loss(  # noqa: E731
             model, x0, cond, t, noise, schedule, "v", weight, time, align))
     else:
-        schedule, weight, time = (f(cfg).float() for f in (module.schedule_of, module.loss_weight_of, module.time_input_of))
+        schedule, weight, time = (f(cfg).float()
+                                  for f in (module.schedule_of, module.loss_weight_of, module.time_input_of))
         inputs = (x0, cond, torch.randint(0, 1000, (b,), generator=g), noise)
-        loss = lambda x0, cond, t, noise: module.ddpm_loss(model, x0, cond, t, noise, schedule, "v", weight, time)  # noqa: E731
+        loss = lambda x0, cond, t, noise: module.ddpm_loss(model, x0, cond, t, noise, schedule, "v",
+                                                           weight, time)  # noqa: E731
 
     def forward_and_loss(*args):
         with accelerator.autocast():  # as the trainers' loop writes it
@@ -362,7 +373,8 @@ def test_bf16_reaches_the_denoisers_linear_layers_in_training_validation_and_eva
 @pytest.mark.slow
 def test_the_gpu_check_runs_on_cpu_at_a_tiny_size(tmp_path):
     """benchmarks/gpu_check.py as the device runs it (a subprocess, TORCH_LOGS read at start-up), on a tiny model:
-    both trainers, the sharded row (a group of one) and MeanFlow's, no graph break or recompile, the resumed steps bitwise those before, sampling measured."""
+    both trainers, the sharded row (a group of one) and MeanFlow's, no graph break or recompile, the resumed steps
+    bitwise those before, sampling measured."""
     import json
     import os
     import subprocess

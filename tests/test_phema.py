@@ -80,7 +80,8 @@ def test_profile_inner_products_match_quadrature():
     def p(t, g):
         return lambda x: (g + 1) * x ** g / t ** (g + 1) if x <= t else 0.0
 
-    for t_a, g_a, t_b, g_b in [(1.0, 7.0, 1.0, 17.0), (0.4, 7.0, 1.0, 17.0), (1.0, 0.5, 0.3, 3.0), (2.0, 2.0, 5.0, 0.2)]:
+    for t_a, g_a, t_b, g_b in [(1.0, 7.0, 1.0, 17.0), (0.4, 7.0, 1.0, 17.0), (1.0, 0.5, 0.3, 3.0),
+                               (2.0, 2.0, 5.0, 0.2)]:
         expected = integrate.quad(lambda x: p(t_a, g_a)(x) * p(t_b, g_b)(x), 0, min(t_a, t_b), limit=200)[0]
         assert phema.profile_inner_products(t_a, g_a, t_b, g_b) == pytest.approx(expected, rel=1e-8)
         assert phema.profile_inner_products(t_b, g_b, t_a, g_a) == pytest.approx(expected, rel=1e-8)
@@ -89,7 +90,8 @@ def test_profile_inner_products_match_quadrature():
 def test_a_constant_trajectory_is_reproduced_exactly_even_where_the_fit_is_poor():
     """The coefficients sum to 1 (the mix's profile integrates to 1, as an EMA's does), also for a target the
     snapshots fit badly: three snapshots of a short profile, a std near the end of the range."""
-    x, fit_error = phema.solve_coefficients([100, 200, 300], [phema.gamma_of_std(0.05)] * 3, 300, phema.gamma_of_std(0.28))
+    x, fit_error = phema.solve_coefficients([100, 200, 300], [phema.gamma_of_std(0.05)] * 3, 300,
+                                            phema.gamma_of_std(0.28))
     assert fit_error > 0.1 and x.sum() == pytest.approx(1.0, abs=1e-12)
 
 
@@ -270,7 +272,8 @@ def test_a_sharded_checkpoint_without_a_std_tracked_now_names_it(tmp_path):
     ckpt = tmp_path / "step_00000400"
     dcp.save({"phema": source.checkpoint_tensors()["phema"]}, checkpoint_id=str(ckpt / "sharded"), no_dist=True)
     bad = phema.PowerEMA(Weights(), [0.05, 0.2], 10**9, BATCH, tmp_path / "bad", main_process=True)
-    with pytest.raises(ValueError, match=r"step_00000400 has no profile of std 0.2 \(ckpt.phema_stds changed on resume"):
+    with pytest.raises(ValueError,
+                       match=r"step_00000400 has no profile of std 0.2 \(ckpt.phema_stds changed on resume"):
         bad.load(ckpt)
     good = phema.PowerEMA(Weights(), [0.1], 10**9, BATCH, tmp_path / "good", main_process=True)
     good.load(ckpt)
@@ -316,7 +319,8 @@ def test_a_snapshot_cut_off_by_sigkill_is_never_read(tmp_path, capsys):
         pytest.fail("the child writing the snapshots hung")
     assert os.WIFSIGNALED(done[1]) and os.WTERMSIG(done[1]) == signal.SIGKILL, done[1]
     folder = tmp_path / "run" / "phema"
-    assert sorted(p.name for p in folder.iterdir()) == [".phema_000000000016.safetensors.tmp", "phema_000000000008.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == \
+        [".phema_000000000016.safetensors.tmp", "phema_000000000008.safetensors"]
     assert [s[1] for s in phema.list_snapshots(folder)] == [8]
     weights, info = phema.reconstruct(folder, 0.1)
     assert info["images"] == 8 and set(weights) == {"weight", "bias"}
@@ -340,7 +344,8 @@ def test_profiles_resume_bitwise_and_the_tool_exports_a_reconstruction(tmp_path)
     fm.main(tiny_run_args(tmp_path, "resumed", steps=2) + extra)
     fm.main(tiny_run_args(tmp_path, "resumed", steps=4) + extra + ["--resume=latest"])
     assert_same_checkpoint(tmp_path / "straight", tmp_path / "resumed", 4)
-    a, b = (load_file(str(tmp_path / r / "checkpoints" / "step_00000004" / "phema.safetensors")) for r in ("straight", "resumed"))
+    a, b = (load_file(str(tmp_path / r / "checkpoints" / "step_00000004" / "phema.safetensors"))
+            for r in ("straight", "resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) and int(a["images"]) == 64
     snaps = {r: sorted((tmp_path / r / "phema").glob("phema_*.safetensors")) for r in ("straight", "resumed")}
     assert [p.name for p in snaps["straight"]] == ["phema_000000000032.safetensors", "phema_000000000064.safetensors"]

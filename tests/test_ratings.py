@@ -56,7 +56,8 @@ def test_the_mean_rating_interval_is_students_t_and_equal_ratings_give_none():
     bootstrap said [5.00, 5.00]), give no interval, and the summary says they are too few to tell."""
     stars = [4, 3, 3, 4, 2, 4, 3, 5, 3, 4]
     ci = scipy.stats.ttest_1samp(stars, 3.0).confidence_interval(0.95)
-    assert 1 < ci.low and ci.high < 5 and ratings.mean_interval(np.array(stars, float)) == pytest.approx((ci.low, ci.high), abs=1e-9)
+    assert 1 < ci.low and ci.high < 5 and ratings.mean_interval(np.array(stars, float)) == \
+        pytest.approx((ci.low, ci.high), abs=1e-9)
     assert ratings.mean_interval(np.array([5.0, 4.0]))[1] == 5.0  # kept within the scale (t_1 is wide)
     votes = [{"id": str(i), "kind": "rating", "index": i, "seed": 0, "condition": "c", "side": "run/x", "choice": 5}
              for i in range(3)]

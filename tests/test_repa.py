@@ -179,7 +179,8 @@ def test_a_run_with_repa_resumes_bitwise_logs_its_term_and_exports_without_the_p
         assert any(k.startswith("projector.") for k in sa) and all(torch.equal(sa[k], sb[k]) for k in sa), part
     rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
             for name in ("straight", "resumed")}
-    logged = {name: [(r["step"], r["loss"], r["loss_repa"]) for r in rs if "loss_repa" in r] for name, rs in rows.items()}
+    logged = {name: [(r["step"], r["loss"], r["loss_repa"]) for r in rs if "loss_repa" in r]
+              for name, rs in rows.items()}
     assert logged["straight"] == logged["resumed"] and [s for s, *_ in logged["straight"]] == [1, 2, 3, 4, 5, 6]
     assert all(r != 0 for _, _, r in logged["straight"][:4]) and all(r == 0 for _, _, r in logged["straight"][4:])
     export = tmp_path / "straight" / "export"

@@ -82,7 +82,8 @@ def test_preemption_signal_checkpoints_and_exits_for_requeue_then_resumes(tmp_pa
     assert 2 <= stopped < 10_000
     assert checkpoints.find_checkpoint(tmp_path / "preempted", "latest").name == f"step_{stopped:08d}"
     # Requeued: the same command with --resume latest continues from there.
-    __import__(trainer).main(tiny_run_args(tmp_path, "preempted", steps=stopped + 2) + ["--log.every=1", "--resume=latest"])
+    __import__(trainer).main(tiny_run_args(tmp_path, "preempted", steps=stopped + 2)
+                             + ["--log.every=1", "--resume=latest"])
     steps = [m["step"] for m in map(json.loads, metrics.read_text().splitlines()) if "loss" in m]
     assert steps == list(range(1, stopped + 3))
 
@@ -171,8 +172,8 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_every_checkpoint_load_maps_to_the_cpu(tmp_path, monkeypatch):
-    """Resume, init_from (a run folder), sampling.load_model and run_class_ids (sample.py's class names): every torch.load and
-    safetensors load of a checkpoint file maps to the CPU. (Rank 0 saved tensors tagged cuda:0: without
+    """Resume, init_from (a run folder), sampling.load_model and run_class_ids (sample.py's class names): every
+    torch.load and safetensors load of a checkpoint file maps to the CPU. (Rank 0 saved tensors tagged cuda:0: without
     map_location every rank of a node would load its copy onto GPU 0.)"""
     import safetensors.torch
 
@@ -223,7 +224,8 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     # (The count of bad steps in a row carries over the resume: the 8-step run ended on bad steps.)
     with pytest.raises(FloatingPointError, match=r"\d+ optimizer steps in a row"):
         fm.main(tiny_run_args(tmp_path, "nan", steps=20) + ["--ckpt.every=1", "--resume=latest",
-                                                           "--train.max_nonfinite_steps=3", "--data.verify_cache=false"])
+                                                           "--train.max_nonfinite_steps=3",
+                                                            "--data.verify_cache=false"])
     latest = checkpoints.find_checkpoint(run, "latest")
     assert all(torch.isfinite(v).all() for v in load_file(str(latest / "model.safetensors")).values())
 
@@ -286,7 +288,8 @@ def test_damaged_shard_contents_are_detected_and_rebuilt(tmp_path, capsys):
         calls.clear()
         assert build() == folder
         out = capsys.readouterr().out
-        assert f"{shard} is damaged ({reason}" in out and "1 (re)built" in out and sum(calls) == 32 + 1  # + the size estimate's probe
+        # + the size estimate's probe
+        assert f"{shard} is damaged ({reason}" in out and "1 (re)built" in out and sum(calls) == 32 + 1
         assert all(torch.equal(original[k], v) for k, v in load_file(str(shard)).items())
     # NaNs written with a matching checksum, in a folder whose manifest was lost: damage too.
     from training.data.cache import tensors_sha256
@@ -416,7 +419,8 @@ def test_image_edited_in_place_is_a_miss_that_names_the_source(tmp_path, capsys)
     folder.mkdir(parents=True)
     for i in range(8):
         Image.fromarray(np.full((20, 20, 3), 30 * i, np.uint8)).save(folder / f"{i}.png")
-    (folder / "metadata.jsonl").write_text("\n".join(json.dumps({"file_name": f"{i}.png", "label": i % 2}) for i in range(8)))
+    (folder / "metadata.jsonl").write_text("\n".join(json.dumps({"file_name": f"{i}.png", "label": i % 2})
+                                                     for i in range(8)))
     cfg = config.load_config(fm.DEFAULTS, [f"--data.source={tmp_path / 'images'}", "--data.val_holdout=2",
                                            "--data.num_classes=2", "--data.cache_dir", str(tmp_path / "cache")])
     train, _ = open_splits(cfg.data)
@@ -481,7 +485,8 @@ def test_stop_signal_during_the_cache_build_exits_75_and_the_build_resumes(tmp_p
     port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
     ranks = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes),
               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if processes > 1 else {} for r in range(processes)]
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, env={**env, **r},
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "train_flow_matching.py"), *args],
+                              cwd=tmp_path, env={**env, **r},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in ranks]
     deadline = time.time() + 300
     while not list((tmp_path / "cache").glob("*-train-*/shard_*.safetensors")) and time.time() < deadline:

@@ -33,7 +33,8 @@ def test_classes_by_name_and_id_give_a_labelled_grid_and_eval_fids_images(run, t
                      "0004_blue-triangle.png", "0005_blue-triangle.png"]  # class 8 is the demo's blue triangle
     lines = (out / "grid.txt").read_text().splitlines()
     assert [line.split("\t")[2] for line in lines] == ["red circle"] * 2 + ["blue square"] * 2 + ["blue triangle"] * 2
-    assert Image.open(out / "grid.png").height > Image.open(out / "grid.png").width * 3 // 2 - 10  # 3 rows of 2, labelled
+    # 3 rows of 2, labelled
+    assert Image.open(out / "grid.png").height > Image.open(out / "grid.png").width * 3 // 2 - 10
     assert json.loads((out / "sample.json").read_text())["steps"] == 2
     # A second call to the same folder replaces it whole: none of the first call's six images stays beside it.
     again = sample.main(["--run", str(run), "--classes", "0", "--per_class", "1", "--steps", "2",

@@ -1,9 +1,9 @@
 """The stability parts (training/optimisation/time_density.py, clipping.py, convergence.py; training/run/rollback.py)
-and the smoothing in monitor.py, against closed forms and known answers: the adaptive time density's importance weights (unbiased), its update rule, the percentile clip on a planted spike, the
-gradient noise scale on synthetic gradients of known noise and signal, the bias-corrected smoothed loss on a
-falling curve, the validation slopes; end to end (slow): a planted NaN rolls back to the last good checkpoint
-with a lower LR and past the data window, on one and on two processes, and a run with every new state
-resumes bitwise."""
+and the smoothing in monitor.py, against closed forms and known answers: the adaptive time density's importance weights
+(unbiased), its update rule, the percentile clip on a planted spike, the gradient noise scale on synthetic gradients of
+known noise and signal, the bias-corrected smoothed loss on a falling curve, the validation slopes; end to end (slow): a
+planted NaN rolls back to the last good checkpoint with a lower LR and past the data window, on one and on two
+processes, and a run with every new state resumes bitwise."""
 import json
 import math
 import os
@@ -307,7 +307,8 @@ import json, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 import test_stability as ts
 out = {"resume": ts.resume_mid_interval_on_this_rank()}
-for name, argv in (("hook", ["--train.batch_size=4"]), ("accumulation", ["--train.batch_size=4", "--train.grad_accum=2"])):
+for name, argv in (("hook", ["--train.batch_size=4"]),
+                   ("accumulation", ["--train.batch_size=4", "--train.grad_accum=2"])):
     stab, _ = ts.noise_scale_through_the_trainer(argv, b_true=8.0)
     g2, trace = stab.noise_scale.estimate.ema.value.tolist()
     out[name] = [stab.noise_scale.estimate.b_small, stab.noise_scale.estimate.b_big, trace / g2]
@@ -330,13 +331,15 @@ def test_two_ranks_noise_scale_and_a_resume_mid_interval():
     with tempfile.TemporaryDirectory() as tmp:
         script, out = Path(tmp) / "two.py", Path(tmp) / "out.json"
         script.write_text(TWO_RANKS_STATE)
-        proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                               "--num_processes", "2",
                                str(script), str(ROOT), str(out)], cwd=tmp, capture_output=True, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         result = json.loads(out.read_text())
     assert result["hook"][:2] == [4, 8] and result["accumulation"][:2] == [4, 16]
-    assert result["hook"][2] == pytest.approx(8.0, rel=0.15) and result["accumulation"][2] == pytest.approx(8.0, rel=0.15)
+    assert result["hook"][2] == pytest.approx(8.0, rel=0.15) and result["accumulation"][2] == \
+        pytest.approx(8.0, rel=0.15)
     for key in ("loss", "loss_t", "q"):
         got, expected = result["resume"][key]
         assert got == pytest.approx(expected, rel=1e-6), key
@@ -379,7 +382,8 @@ def test_validation_slopes_tell_falling_bins_from_flat_ones():
     slopes = convergence.ValidationSlopes(window=5)
     rng = np.random.default_rng(0)
     for i, step in enumerate(range(200, 1400, 200)):
-        metrics, flat = slopes(step, [1.0 - 0.05 * i + 0.002 * rng.standard_normal(), 0.5 + 0.01 * rng.standard_normal()])
+        metrics, flat = slopes(step,
+                               [1.0 - 0.05 * i + 0.002 * rng.standard_normal(), 0.5 + 0.01 * rng.standard_normal()])
     assert len(slopes.history) == 5 and flat == [1]
     # bin 0 falls by 0.05 per 200 steps: -0.25 per 1000, relative to its mean over the window
     mean0 = sum(row[1] for row in slopes.history) / 5
@@ -547,7 +551,8 @@ def test_a_planted_nan_rolls_back_and_finishes_with_the_lower_lr(tmp_path, monke
     AcceleratorState._reset_state(reset_partial_state=True)
     poisoned_loss(monkeypatch, {6, 7})
     with pytest.raises(FloatingPointError, match="max_rollbacks=0"):
-        fm.main(tiny_run_args(tmp_path, "none", steps=10) + args[len(tiny_run_args(tmp_path)):] + ["--train.max_rollbacks=0"])
+        fm.main(tiny_run_args(tmp_path, "none", steps=10) + args[len(tiny_run_args(tmp_path)):]
+                + ["--train.max_rollbacks=0"])
 
 
 class RolledBack(Exception):
@@ -616,7 +621,8 @@ def test_a_rollback_to_a_preemption_checkpoint_is_kept_there_and_repeats_no_vali
     monkeypatch.setattr(sampling, "fid_of_run", fid)
     args = tiny_run_args(tmp_path, "off", steps=5) + [
         "--log.every=1", "--ckpt.every=4", "--ckpt.keep=10", "--val.every=5", "--val.fid_every=5", "--log.report=false",
-        "--train.max_nonfinite_steps=2", "--train.on_divergence=rollback", "--train.rollback_lr_factor=0.5", *CONSTANT_LR]
+        "--train.max_nonfinite_steps=2", "--train.on_divergence=rollback",
+        "--train.rollback_lr_factor=0.5", *CONSTANT_LR]
     run, ckpts = tmp_path / "off", tmp_path / "off" / "checkpoints"
     poisoned_loss(monkeypatch, set())
     fm.main(args)
@@ -701,14 +707,17 @@ def test_every_new_state_resumes_bitwise(tmp_path):
     save_file(tensors, str(shard), metadata=meta)
     extra = ["--train.grad_accum=2", "--log.every=1", "--ckpt.every=2", "--log.grad_every=2", "--log.report=false",
              "--objective.time_sampling=adaptive", "--train.grad_clip_mode=adaptive", "--train.grad_clip_history=3",
-             "--train.on_divergence=rollback", "--train.max_nonfinite_steps=1", "--data.verify_cache=false", *CONSTANT_LR]
+             "--train.on_divergence=rollback", "--train.max_nonfinite_steps=1",
+             "--data.verify_cache=false", *CONSTANT_LR]
     for name, steps in (("straight", 8), ("resumed", 6), ("resumed", 8)):
         AcceleratorState._reset_state(reset_partial_state=True)  # the last run's is the fixture's to undo (conftest)
-        fm.main(tiny_run_args(tmp_path, name, steps=steps) + extra + (["--resume=latest"] if steps == 8 and name == "resumed" else []))
+        fm.main(tiny_run_args(tmp_path, name, steps=steps) + extra
+                + (["--resume=latest"] if steps == 8 and name == "resumed" else []))
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert [r["step"] for r in rows(straight) if r.get("event") == "rollback"] == [4]
     for name in ("model", "ema"):
-        a, b = (load_file(str(r / "checkpoints" / "step_00000008" / f"{name}.safetensors")) for r in (straight, resumed))
+        a, b = (load_file(str(r / "checkpoints" / "step_00000008" / f"{name}.safetensors"))
+                for r in (straight, resumed))
         assert all(torch.equal(a[k], b[k]) for k in a), name
     oa, ob = (checkpoints.read_optimizer_state(r / "checkpoints" / "step_00000008") for r in (straight, resumed))
     for p in oa["state"]:
@@ -719,7 +728,8 @@ def test_every_new_state_resumes_bitwise(tmp_path):
     assert without_slopes(sa) == without_slopes(sb) and sa["loss_state"] == sb["loss_state"]
     assert sa["stability"]["rollback"]["count"] == 1 and "sampler" in sa["stability"] and "noise" in sa["stability"]
     nan_free = lambda run: [[None if isinstance(v, float) and math.isnan(v) else v for k, v in sorted(r.items())
-                             if k not in ("images_per_s", "images_per_s_per_device", "data_wait_share", "peak_memory_gb",
+                             if k not in ("images_per_s", "images_per_s_per_device",
+                                          "data_wait_share", "peak_memory_gb",
                                            "cpu_s_per_step")]
                             for r in rows(run) if "loss" in r or "time_density/0" in r or "grad_noise_scale" in r]
     assert nan_free(straight) == nan_free(resumed)
@@ -732,7 +742,8 @@ def test_report_shows_the_density_the_indicators_and_the_rollbacks(tmp_path):
     rows += [{"step": s, **{f"time_density/{k}": 1 + 0.01 * k * s / 100 for k in range(8)}} for s in range(10, 110, 10)]
     rows += [{"step": s, "grad_noise_scale": 30.0 + s} for s in (50, 100)]
     rows += [{"step": 100, "val_slope_t0": -0.2, "val_slope_t1": 0.01}]
-    rows += [{"step": 40, "event": "rollback", "detected_at": 60, "diverged_at": 45, "lr_factor": 0.5, "skipped_batches": 20}]
+    rows += [{"step": 40, "event": "rollback", "detected_at": 60, "diverged_at": 45, "lr_factor": 0.5,
+              "skipped_batches": 20}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "config.json").write_text(json.dumps({"train": {"batch_size": 16, "grad_accum": 2}}))
     md = report.write_report(tmp_path).read_text()

@@ -37,8 +37,10 @@ def write_sweep(tmp_path, **spec):
 # ---- expansion ---------------------------------------------------------------------------------------------
 
 def test_grid_times_seeds_expands_into_named_trainer_runs(tmp_path):
-    spec = sweep.read_sweep(write_sweep(tmp_path, base=str(ROOT / "configs/demo.json"), overrides={"train.max_steps": 7},
-                                        grid={"conditioning.mode": ["disentangled", "adanorm"], "train.lr": [1e-3, 3e-4]},
+    spec = sweep.read_sweep(write_sweep(tmp_path, base=str(ROOT / "configs/demo.json"),
+                                        overrides={"train.max_steps": 7},
+                                        grid={"conditioning.mode": ["disentangled", "adanorm"],
+                                              "train.lr": [1e-3, 3e-4]},
                                         seeds=[0, 1]))
     out, runs = sweep.expand(spec)
     assert out == tmp_path / "out" and len(runs) == 8
@@ -80,7 +82,8 @@ def test_random_draws_are_reproducible_in_range_and_named_by_their_value(tmp_pat
         assert s["val.sampler"] in ("euler", "heun")
     assert {s["model.num_layers"] for s in first} == {1, 2, 3}  # both ends included
     runs = sweep.expand(spec)[1]
-    assert f"train.lr={first[0]['train.lr']}" in runs[0]["name"] and f"--train.lr={first[0]['train.lr']}" in runs[0]["argv"]
+    assert f"train.lr={first[0]['train.lr']}" in runs[0]["name"] and \
+        f"--train.lr={first[0]['train.lr']}" in runs[0]["argv"]
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("sweep_*.json")), ids=lambda p: p.stem)
@@ -116,7 +119,8 @@ def test_bad_sweep_files_are_refused_naming_the_key(tmp_path, spec, message):
     ({"method": ["flow_matching", "ddpm"], "objective.min_snr_gamma": [5.0]}, "objective.min_snr_gamma",
      "unknown config key 'objective.min_snr_gamma'"),  # a DDPM key: the flow-matching runs refuse it
 ])
-def test_an_invalid_run_stops_the_sweep_before_anything_runs_naming_run_and_key(tmp_path, monkeypatch, grid, key, message):
+def test_an_invalid_run_stops_the_sweep_before_anything_runs_naming_run_and_key(tmp_path, monkeypatch,
+                                                                                grid, key, message):
     monkeypatch.setattr(sweep, "make_executor", lambda *a, **k: pytest.fail("an executor was made"))
     monkeypatch.setattr(sweep, "run_local", lambda *a, **k: pytest.fail("a run was started"))
     path = write_sweep(tmp_path, grid=grid, seeds=[0, 1])
@@ -133,7 +137,8 @@ def test_an_invalid_run_stops_the_sweep_before_anything_runs_naming_run_and_key(
 def test_a_run_folder_made_with_another_config_is_an_error_and_a_finished_one_is_skipped(tmp_path):
     path = write_sweep(tmp_path, grid={"conditioning.mode": ["adanorm"]}, overrides={"train.max_steps": 5})
     spec, out, runs = sweep.prepare(path)
-    assert [r["state"] for r in runs] == ["new"] and json.loads((out / "sweep.json").read_text())["swept"] == ["conditioning.mode"]
+    assert [r["state"] for r in runs] == ["new"] and json.loads((out / "sweep.json").read_text())["swept"] == \
+        ["conditioning.mode"]
     run_dir = Path(runs[0]["run_dir"])
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps({**runs[0]["config"], "resume": None}))
@@ -186,15 +191,18 @@ def test_a_rerun_resumes_runs_whose_batch_the_trainer_resolved_from_global_batch
              "model.num_attention_heads": 2, "model.attention_head_dim": 16}
     path = write_sweep(tmp_path, grid={"train.batch_size": ["auto", 8]}, overrides=fixed)
     runs = sweep.prepare(path)[2]
-    for run in runs:  # what each run's trainer wrote at its start (auto: the choice a probe made, 16 with checkpointing)
+    # what each run's trainer wrote at its start (auto: the choice a probe made, 16 with checkpointing)
+    for run in runs:
         cfg, run_dir = sweep.resolve_config(run["method"], run["argv"]), Path(run["run_dir"])
         ckpt = run_dir / "checkpoints" / "step_00000002"
         ckpt.mkdir(parents=True)
-        torch.save({"step": 2, "config": {"train": {"batch_size": 16, "gradient_checkpointing": True}}}, ckpt / "state.pt")
+        torch.save({"step": 2, "config": {"train": {"batch_size": 16, "gradient_checkpointing": True}}},
+                   ckpt / "state.pt")
         fit.plan_batch(cfg, common.make_accelerator("no"), build_for_run(cfg, (3, 16, 16)), None, None,
                        ckpt=ckpt if cfg.train.batch_size == "auto" else None)
     saved = [json.loads((Path(r["run_dir"]) / "config.json").read_text())["train"] for r in runs]
-    assert [(t["batch_size"], t["grad_accum"], t["gradient_checkpointing"]) for t in saved] == [(16, 2, True), (8, 4, False)]
+    assert [(t["batch_size"], t["grad_accum"], t["gradient_checkpointing"]) for t in saved] == \
+        [(16, 2, True), (8, 4, False)]
     assert [r["state"] for r in sweep.prepare(path)[2]] == ["interrupted", "interrupted"]  # resumed, not refused
     path = write_sweep(tmp_path, grid={"train.batch_size": ["auto", 8]}, overrides={**fixed, "train.global_batch": 64})
     with pytest.raises(sweep.SweepError, match=r"train\.global_batch: 32 there, 64 now") as error:
@@ -249,7 +257,8 @@ def test_a_task_whose_run_fails_with_an_ordinary_error_is_not_requeued(tmp_path,
     monkeypatch.setattr(submitit, "JobEnvironment", Env)
     monkeypatch.setattr(signal, "signal", lambda *args: None)  # RunTask's SIGTERM handler: not in the test process
     monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append(sig))  # submitit's requeue signal, recorded
-    monkeypatch.setattr(sweep, "launch_command", lambda run, env, gpus: [sys.executable, "-c", f"raise SystemExit({code})"])
+    monkeypatch.setattr(sweep, "launch_command",
+                        lambda run, env, gpus: [sys.executable, "-c", f"raise SystemExit({code})"])
     run = {"name": "r", "run_dir": str(tmp_path / "r"), "max_steps": 5, "report": True}
     with pytest.raises(RuntimeError, match=f"run r failed: exit code {code}"):  # (75: the signal was only recorded)
         sweep.RunTask()(run)
@@ -308,9 +317,11 @@ def test_local_sweep_of_two_values_and_two_seeds_reruns_skip_and_resume_then_com
     scored = [json.loads(line) for line in (resumed / "quality.jsonl").read_text().splitlines()]
     assert [row["step"] for row in scored] == [2, 4] and all(0 <= row["class_accuracy"] <= 1 for row in scored)
     md = compare.main([str(tmp_path / "out")]).read_text()
-    assert "Swept: method (method brings val.sampler along)." in md and "**A = method=flow_matching, B = method=ddpm**" in md
+    assert "Swept: method (method brings val.sampler along)." in md and \
+        "**A = method=flow_matching, B = method=ddpm**" in md
     assert "Too few seeds for a verdict: 2 paired seeds" in md and "| class_accuracy | 8 | 4 |" in md
-    for plot in ("evolution_val_loss", "evolution_class_accuracy", "sensitivity", "hypothesis", "correlation", "methods"):
+    for plot in ("evolution_val_loss", "evolution_class_accuracy", "sensitivity", "hypothesis",
+                 "correlation", "methods"):
         assert (tmp_path / "out" / "compare" / f"{plot}.png").is_file(), plot
 
 
@@ -318,7 +329,8 @@ def wait_for(condition, what, job=None, timeout=600):
     deadline = time.time() + timeout
     while not condition():
         assert time.time() < deadline, f"timed out waiting for {what}"
-        assert job is None or not job.done(), f"the job ended before {what}: {Path(job.paths.stderr).read_text()[-2000:]}"
+        assert job is None or not job.done(), \
+            f"the job ended before {what}: {Path(job.paths.stderr).read_text()[-2000:]}"
         time.sleep(0.1)
 
 
@@ -344,7 +356,8 @@ def test_submitit_task_requeues_after_sigterm_and_its_time_limit_signal_and_resu
     try:
         wait_for(lambda: training_rows(run_dir), "the first training rows", job)
         os.kill(job._process.pid, signal.SIGTERM)  # the controller passes it to the task, as SLURM to every process
-        wait_for(lambda: Path(job.paths.stdout).read_text().count("resumed from") == 1, "the requeued task's resume", job)
+        wait_for(lambda: Path(job.paths.stdout).read_text().count("resumed from") == 1,
+                 "the requeued task's resume", job)
         first_stop = len(training_rows(run_dir))
         wait_for(lambda: len(training_rows(run_dir)) > first_stop, "training after the resume", job)
         task = next(p for p in sweep.process_tree(job._process.pid)[1:] if "submitit.core._submit" in

@@ -145,7 +145,8 @@ def compile_for_the_test(torch):
 
 @pytest.mark.xdist_group("gloo")
 @pytest.mark.slow
-def test_two_processes_compiled_give_the_one_process_validation_and_keep_gradients_in_ddp_buckets(tmp_path, monkeypatch):
+def test_two_processes_compiled_give_the_one_process_validation_and_keep_gradients_in_ddp_buckets(tmp_path,
+                                                                                                  monkeypatch):
     """Three compiled steps with accumulation and a recompilation made an error, on one process and on two. At LR 0
     the weights and the EMA stay at their start, so the two runs' validation (split over ranks, gathered) must
     give the one-process grid and held-out loss. On two processes, from the second step on, every gradient is a

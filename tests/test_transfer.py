@@ -68,7 +68,8 @@ def test_a_grid_with_buckets_resamples_its_resolution_square_onto_the_old_one():
                                                                abs=1e-5)
     # init_from reads each run's square from its config: data.resolution over the largest side, of its grid
     from training.run.start import squares
-    square_run, bucket_run = {"data": {"resolution": 16}}, {"data": {"resolution": 24, "bucket_shapes": [[24, 24], [36, 16]]}}
+    square_run, bucket_run = {"data": {"resolution": 16}}, {"data": {"resolution": 24,
+                                                                     "bucket_shapes": [[24, 24], [36, 16]]}}
     assert squares(square_run, bucket_run, old, grid) == (old, square) and squares(square_run, square_run, 8, 8) is None
     # and back: the bucket run's square onto a square run's whole grid gives the square run's grid
     torch.testing.assert_close(resample_pos_embed(bucketed, old, "resample", squares=(square, old)), pos_embed,
@@ -191,7 +192,8 @@ def test_init_from_a_22k_run_maps_each_class_to_its_wordnet_id(tmp_path):
     assert json.loads((target_run / "export" / "class_ids.json").read_text()) == ["n01440764", "n02084071", "n09999999"]
     report = json.loads((target_run / "init_from.json").read_text())
     assert any("2 of 3 classes mapped by id from 4" in line and "n09999999" in line for line in report["adapted"])
-    source = load_file(str(source_run / "export" / "conditioner" / "diffusion_pytorch_model.safetensors"))["class_embed.weight"]
+    source = load_file(str(source_run / "export" / "conditioner" / "diffusion_pytorch_model.safetensors"))
+    source = source["class_embed.weight"]
     target = load_file(str(target_run / "checkpoints" / "step_00000002" / "model.safetensors"))
     emb = target["conditioner.class_embed.weight"]  # lr = 0: exactly what init_from loaded
     assert torch.equal(emb[0], source[0]) and torch.equal(emb[1], source[3])  # n01440764, n02084071
@@ -224,8 +226,8 @@ def test_init_from_starts_fresh_and_resume_continues(source_run, tmp_path, capsy
     assert f"init_from {low}/checkpoints/step_00000004" in out and "resumed from" not in out
     report = json.loads((high / "init_from.json").read_text())
     assert report["adapted"][0].startswith("transformer.pos_embed.pos_embed: resample 4^2 -> 8^2")
-    assert sorted(report["missing"]) == sorted(k for k in load_file(str(high / "checkpoints/step_00000003/model.safetensors"))
-                                               if k.startswith("conditioner.control_mlp.size"))
+    weights = load_file(str(high / "checkpoints/step_00000003/model.safetensors"))
+    assert sorted(report["missing"]) == sorted(k for k in weights if k.startswith("conditioner.control_mlp.size"))
     assert report["unexpected"] == [] and report["reshaped"] == []
     # Fresh optimizer and step: the new run counts from 0 (3 steps, not 4 + 3).
     ckpt = high / "checkpoints" / "step_00000003"
@@ -333,7 +335,8 @@ def test_transfer_recipes_load_and_their_tiny_versions_run_as_a_chain(trainer, t
         if parent:
             assert full["init_from"].startswith(f"runs/{method}_")  # resolved in the dict: config.json records it
         if full.data.resolution == 512:
-            assert full.train.batch_size * full.train.grad_accum * 16 == 384 and common.shift_of(full) == 2.0  # 16 GPUs; a = 512 / 256
+            # 16 GPUs; a = 512 / 256
+            assert full.train.batch_size * full.train.grad_accum * 16 == 384 and common.shift_of(full) == 2.0
             assert full.model.pos_embed_transfer == "resample"
         if "22k" in recipe and not recipe.endswith("from22k"):
             assert full.data.num_classes == len(read_class_ids(full.data, None)) == 21841

@@ -65,7 +65,8 @@ def fake_eval(calls, best=(2.0, 16), confirmed=None, chatter=False):
             d += abs(a.guidance_interval[0] - target[2][0]) + abs(a.guidance_interval[1] - target[2][1])
         warnings = [f"fd_classifier's covariances have more dimensions (128) than images (the samples {a.num_samples})"]
         if chatter:
-            print(f"eval_fid chatter: generate 1/10\nwarning: {warnings[0]}\nfd_classifier_{size_tag(a.num_samples)} {d}")
+            print("eval_fid chatter: generate 1/10\nwarning: "
+                  f"{warnings[0]}\nfd_classifier_{size_tag(a.num_samples)} {d}")
         n = size_tag(a.num_samples)
         return {"metrics": {f"fd_classifier_{n}": d, f"class_accuracy_{n}": 0.5},
                 "warnings": warnings if chatter else [],
@@ -173,11 +174,13 @@ def test_tuned_json_holds_for_the_model_it_was_chosen_for_not_for_the_name_it_wa
     first = add_checkpoint(run, 100, 3)
     calls = []
     monkeypatch.setattr(eval_fid, "main", fake_eval(calls))
-    tune.main(["--run", str(run), "--guidance", "1,2", "--steps", "16", "--num_samples", "100", "--confirm_samples", "0",
+    tune.main(["--run", str(run), "--guidance", "1,2", "--steps", "16", "--num_samples", "100",
+               "--confirm_samples", "0",
                "--checkpoint", "latest"])
     assert len(calls) == 2 and all(Path(a.checkpoint) == first for a in calls)  # 'latest' pinned when the search began
     saved = json.loads((run / "tuned.json").read_text())
-    assert (saved["model"]["model"], saved["model"]["step"], saved["sampler"]) == ("checkpoints/step_00000100", 100, "euler")
+    assert (saved["model"]["model"], saved["model"]["step"], saved["sampler"]) == \
+        ("checkpoints/step_00000100", 100, "euler")
 
     def steps(*flags):
         return tuning.tuned_defaults(eval_fid.parse_args(["--run", str(run), *flags])).steps
@@ -203,7 +206,8 @@ def test_help_lists_what_goes_to_eval_fid_and_its_description_is_whole(capsys):
     passed = out.split("passed on to eval_fid.py in every evaluation, as they are:")[1]
     for flag in ("--classifier", "--features", "--checkpoint", "--weights", "--sampler", "--seed", "--batch_size"):
         assert f"  {flag} " in passed, flag
-    for flag in ("--reference ", "--reference_split", "--guidance_scale", "--untuned", "--out_dir"):  # tune's own, refused
+    # tune's own, refused
+    for flag in ("--reference ", "--reference_split", "--guidance_scale", "--untuned", "--out_dir"):
         assert flag not in passed, flag
 
 
@@ -248,7 +252,8 @@ def test_selecting_on_anything_but_the_heldout_rows_is_refused_before_sampling(r
 
 
 def test_a_run_validated_on_a_test_split_is_refused(run, monkeypatch):
-    (run / "config.json").write_text(json.dumps({"data": {"val_split": "test"}, "val": {"guidance_scale": 3.0, "steps": 8}}))  # noqa: E501
+    (run / "config.json").write_text(json.dumps({"data": {"val_split": "test"},
+                                                 "val": {"guidance_scale": 3.0, "steps": 8}}))  # noqa: E501
     calls = []
     monkeypatch.setattr(eval_fid, "main", fake_eval(calls))
     with pytest.raises(ValueError, match="the run's data.val_split: test"):

@@ -75,7 +75,8 @@ def test_terminal_gets_the_bar_with_its_loss_labelled_smoothed(monkeypatch, caps
 def test_phases_announce_themselves_with_their_duration(capsys):
     with monitor.Phase("step 200: validation"):
         pass
-    assert re.fullmatch(r"step 200: validation \.\.\.\nstep 200: validation: done in \d+\.\d s\n", capsys.readouterr().out)
+    assert re.fullmatch(r"step 200: validation \.\.\.\nstep 200: validation: done in \d+\.\d s\n",
+                        capsys.readouterr().out)
     list(monitor.progress(range(20), "fid samples"))
     out = capsys.readouterr().out.splitlines()
     assert [line.split(" (")[0] for line in out] == [f"fid samples: {k}/20" for k in range(2, 21, 2)]
