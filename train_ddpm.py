@@ -21,7 +21,6 @@ init_from (another run's weights) -> optimizer -> resume -> loop (forward, loss,
 metrics, gradient analysis, loss spikes) -> validation (samples, loss on a fixed timestep grid) -> checkpoints
 -> export -> report.
 """
-import json
 import math
 import sys
 from typing import Literal
@@ -381,8 +380,7 @@ def main(argv=None):
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids
     train_set, val_set = (cache.cached_split(cfg, part, ds, d.encode, accelerator, signals)  # key, check, hit/miss
                           for part, ds in (("train", train_ds), ("val", val_ds)))  # memory-mapped, read lazily
-    # mean ~0, std ~1, or stop naming the factors
-    latents.check_scale(train_set, d.vae, cfg.encoders, accelerator.print)
+    latents.check_scale(train_set, d.vae, cfg.encoders, accelerator.print)  # mean ~0, std ~1 or stop naming the factors
     encoders.place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off GPU till needed
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
@@ -393,8 +391,7 @@ def main(argv=None):
     optimizer = optimizers.make_optimizer(model, tr)  # fused AdamW (weight_decay 0: Adam, the paper's), or Muon + AdamW
     ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
     # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe
-    phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or
-                     tr.batch_size * world * tr.grad_accum, run_dir, accelerator.is_main_process)
+    phema = PowerEMA.of_run(model.to(device), cfg, world, run_dir, accelerator.is_main_process)
     # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
     align = repa.Alignment(cfg, device)  # REPA's targets and weight per step (off: None); its encoder on the device
     fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt, align)
@@ -405,8 +402,7 @@ def main(argv=None):
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     def load(ckpt):  # at resume and on a rollback: weights, EMA, optimizer, RNG, then the post-hoc EMA profiles
-        state, _ = checkpoints.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator), phema.load(ckpt)
-        return state
+        return checkpoints.load_run(ckpt, raw_model, ema, optimizer, accelerator, phema)
 
     state = load(ckpt) if ckpt else {"step": 0}
     step = state["step"]
@@ -434,11 +430,8 @@ def main(argv=None):
         stab.slopes.record(step, losses.tolist())  # the slope of each bin's validation loss: still falling, or flat
         validation.report(log, step, losses, nfe, path, accelerator)
 
-    def checkpoint(step):
-        state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
-                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict(), **stab.state_dict()}  # in state.pt
-        tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
-        checkpoints.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep, raw_model)
+    def checkpoint(step):  # the weights, EMA, optimizer, RNG and post-hoc EMA profiles; the monitor's, stab's state
+        checkpoints.save_run(accelerator, step, cfg, raw_model, ema, optimizer, phema, d.class_ids, monitor, stab)
 
     @ema_update.on_device
     def fid(step, ema):  # every rank samples its share

@@ -20,7 +20,6 @@ init_from (another run's weights) -> optimizer -> resume -> loop (forward, loss,
 metrics, gradient analysis, loss spikes) -> validation (samples, loss on a fixed time grid) -> checkpoints
 -> export -> report.
 """
-import json
 import math
 import sys
 from typing import Literal
@@ -115,6 +114,17 @@ def sample_time(n, obj, shift, device):
     else:
         raise ValueError(f"objective.time_sampling must be 'logit_normal' or 'uniform', got {obj.time_sampling!r}")
     return common.time_shift(t, shift)
+
+
+def draw_times(n, obj, shift, device, density=None):
+    """A batch's times and loss weights (t, r, equal, weight): t from sample_time, or from the adaptive density
+    (objective.time_sampling="adaptive", training/optimisation/time_density.py) with its importance weights, and
+    r = t; with objective.meanflow, MeanFlow's t >= r, two logit-normal draws, the first `equal` with r = t
+    (objective.meanflow_equal_share; training/objectives/meanflow.py), weight 1."""
+    if obj.meanflow:
+        return (*meanflow.sample_times(n, obj, shift, device), 1.0)
+    t, weight = density.draw(n) if density else (sample_time(n, obj, shift, device), 1.0)
+    return t, t, n, weight
 
 
 def time_quantile(u, obj, shift):
@@ -244,8 +254,7 @@ def main(argv=None):
     d = cache.frozen_encoders(cfg, train_ds, val_ds, accelerator)  # encode; null and grid prompts; class ids
     train_set, val_set = (cache.cached_split(cfg, part, ds, d.encode, accelerator, signals)  # key, check, hit/miss
                           for part, ds in (("train", train_ds), ("val", val_ds)))  # memory-mapped, read lazily
-    # mean ~0, std ~1, or stop naming the factors
-    latents.check_scale(train_set, d.vae, cfg.encoders, accelerator.print)
+    latents.check_scale(train_set, d.vae, cfg.encoders, accelerator.print)  # mean ~0, std ~1 or stop naming the factors
     encoders.place_encoders(d.vae, d.text_encoder, device, encode_each_step=not data.cache_text)  # off GPU till needed
 
     # ---- Model, EMA, optimizer ----------------------------------------------------------------------------
@@ -256,8 +265,7 @@ def main(argv=None):
     optimizer = optimizers.make_optimizer(model, tr)  # fused AdamW (weight_decay 0: Adam, the paper's), or Muon + AdamW
     ema_update = fit.EMAUpdater(ema, model, optimizer, tr, device)  # on the GPU, or in pinned CPU memory
     # post-hoc EMA profiles (ckpt.phema_every; 0: off) on the main process, allocated before the batch probe
-    phema = PowerEMA(model.to(device), cfg.ckpt.phema_stds, cfg.ckpt.phema_every, tr.global_batch or
-                     tr.batch_size * world * tr.grad_accum, run_dir, accelerator.is_main_process)
+    phema = PowerEMA.of_run(model.to(device), cfg, world, run_dir, accelerator.is_main_process)
     # train.global_batch: the micro-batch ("auto": probed, or a resumed run's), accumulation and checkpointing
     align = repa.Alignment(cfg, device)  # REPA's targets and weight per step (off: None); its encoder on the device
     fit.plan_batch(cfg, accelerator, model, optimizer, train_set, d.text_encoder, ckpt, align,
@@ -269,8 +277,7 @@ def main(argv=None):
 
     # ---- Resume: same run, continues step, data position, optimizer, EMA, RNG and statistics ---------------
     def load(ckpt):  # at resume and on a rollback: weights, EMA, optimizer, RNG, then the post-hoc EMA profiles
-        state, _ = checkpoints.load_checkpoint(ckpt, raw_model, ema, optimizer, accelerator), phema.load(ckpt)
-        return state
+        return checkpoints.load_run(ckpt, raw_model, ema, optimizer, accelerator, phema)
 
     state = load(ckpt) if ckpt else {"step": 0}
     step = state["step"]
@@ -296,11 +303,8 @@ def main(argv=None):
         stab.slopes.record(step, losses.tolist())  # the slope of each bin's validation loss: still falling, or flat
         validation.report(log, step, losses, nfe, path, accelerator)
 
-    def checkpoint(step):
-        state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": d.class_ids,
-                 "ema_inherited": sorted(ema.inherited), **monitor.state_dict(), **stab.state_dict()}  # in state.pt
-        tensors = {"model": raw_model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
-        checkpoints.save_checkpoint(accelerator, run_dir, step, tensors, optimizer, state, cfg.ckpt.keep, raw_model)
+    def checkpoint(step):  # the weights, EMA, optimizer, RNG and post-hoc EMA profiles; the monitor's, stab's state
+        checkpoints.save_run(accelerator, step, cfg, raw_model, ema, optimizer, phema, d.class_ids, monitor, stab)
 
     @ema_update.on_device
     def fid(step, ema):  # every rank samples its share
@@ -322,12 +326,8 @@ def main(argv=None):
             # x0 and its conditions, the semantic and control ones dropped independently, for guidance on each
             batch, x0, cond = batching.training_inputs(next(batches), d.text_encoder, cfg.conditioning, accelerator)
             noise = torch.randn_like(x0)
-            if obj.ot_coupling:
-                noise = ot_pair(x0, noise, batch.get("label"))
-            if obj.meanflow:  # MeanFlow: t >= r, two logit-normal draws; r = t for objective.meanflow_equal_share
-                (t, r, equal), weight = meanflow.sample_times(len(x0), obj, shift, device), 1.0
-            else:
-                t, weight = density.draw(len(x0)) if density else (sample_time(len(x0), obj, shift, device), 1.0)
+            noise = ot_pair(x0, noise, batch.get("label")) if obj.ot_coupling else noise  # straighter paths
+            t, r, equal, weight = draw_times(len(x0), obj, shift, device, density)  # MeanFlow also r <= t
             # Gradients are all-reduced (sharded: reduce-scattered) only on the last micro-batch; the others accumulate
             with sharding.no_sync(model, accelerator, skip=micro < tr.grad_accum - 1):  # locally
                 with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32

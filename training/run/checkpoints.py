@@ -210,6 +210,27 @@ def load_checkpoint(ckpt, model, ema, optimizer, accelerator):
     return state
 
 
+def save_run(accelerator, step, cfg, model, ema, optimizer, phema, class_ids, *parts):
+    """A trainer's checkpoint at `step` in cfg.run_dir (save_checkpoint, the last ckpt.keep kept): the weights, the
+    EMA and the post-hoc EMA profiles (phema.checkpoint_tensors); state.pt holds the step, the resolved config (what
+    keep_recorded and the tools read back), the class ids, which EMA tensors init_from carried over (no warm-up for
+    them after a resume), and each of `parts`' state_dict() (the monitor's statistics, the stability parts')."""
+    state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": class_ids,
+             "ema_inherited": sorted(ema.inherited)}
+    for part in parts:
+        state.update(part.state_dict())
+    tensors = {"model": model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
+    return save_checkpoint(accelerator, cfg.run_dir, step, tensors, optimizer, state, cfg.ckpt.keep, model)
+
+
+def load_run(ckpt, model, ema, optimizer, accelerator, phema):
+    """A trainer's checkpoint read back, at resume and on a rollback: weights, EMA, optimizer, RNG
+    (load_checkpoint), then the post-hoc EMA profiles; returns its state (save_run's)."""
+    state = load_checkpoint(ckpt, model, ema, optimizer, accelerator)
+    phema.load(ckpt)
+    return state
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Resume: the values the run started with.
 

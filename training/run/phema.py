@@ -99,6 +99,14 @@ class PowerEMA:
         self.profiles = [[p.detach().float().clone() for _, p in exported_parameters(model)] for _ in self.stds] \
             if every and (main_process or sharded) else []
 
+    @classmethod
+    def of_run(cls, model, cfg, world, run_dir, main_process):
+        """A trainer's profiles: ckpt.phema_stds, a snapshot every ckpt.phema_every images, each optimizer step
+        train.global_batch images (else batch_size x processes x grad_accum)."""
+        tr = cfg.train
+        return cls(model, cfg.ckpt.phema_stds, cfg.ckpt.phema_every,
+                   tr.global_batch or tr.batch_size * world * tr.grad_accum, run_dir, main_process)
+
     @torch.no_grad()
     def update(self, model):
         """Once per optimizer step, after the weights moved: eq. 4 with t = images seen after this step. A
