@@ -3,6 +3,11 @@
 
     python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist
     python eval_fid.py --run runs/flow_matching_fashion_mnist --classifier classifiers/fashion_mnist ...
+    python tools/classifier.py --config configs/emoji.json --out classifiers/emoji --data.label_column=label
+
+Further --section.key=value arguments override the recipe, as the trainers' do: a text recipe's classes (emoji's
+category, the column "label") are named so. classifier.json records the column, which eval_fid.py reads from a text
+run's reference rows for its category accuracy (docs/evaluation.md, "Real captions").
 
 Every row of the recipe's training split (data.split, held-out rows included: none of them is a test image) is
 preprocessed exactly as the trainer's cache sees it (load_image, preprocess: centre crop, data.resolution, RGB).
@@ -38,9 +43,9 @@ def main(argv=None):
     p.add_argument("--test_split", default="test", help="the split its accuracy is measured on (never trained on)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", args.config], method="flow_matching",
-                             schema=train_flow_matching.CONFIG)
+    args, overrides = p.parse_known_args(argv)  # --section.key=value: as the trainers' (--data.label_column=label)
+    cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", args.config, *overrides],
+                             method="flow_matching", schema=train_flow_matching.CONFIG)
     data = cfg.data
     if not data.label_column:
         sys.exit(f"tools/classifier.py: {args.config} has no data.label_column: a classifier needs classes")
@@ -52,6 +57,7 @@ def main(argv=None):
     model = classifier.build(int(labels.max()) + 1, names)
     classifier.train(model, images, labels, args.epochs, seed=args.seed)
     record = {"source": data.source, "train_split": data.split, "train_rows": len(images), "resolution": data.resolution,
+              "label_column": data.label_column,  # what a text run's reference rows must carry (eval_fid.py)
               "test_split": args.test_split, "test_rows": len(test_images),
               "test_accuracy": classifier.accuracy(model, test_images, test_labels),
               "train_accuracy": classifier.accuracy(model, images[:10000], labels[:10000]),

@@ -363,9 +363,7 @@ def reference_images(key, cfg):
         else:
             items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in files]
     else:
-        ds = reference_rows(key, data)
-        if shape:  # the images whose nearest bucket it is, each cropped to it as the cache crops them
-            ds = ds.select(rows_in(ds, key["image_column"], key["buckets"], shape))
+        ds = bucket_rows(key, cfg)  # at a bucket, the images whose nearest bucket it is, cropped to it as the cache
         items = [lambda i=i: cropped(ds[i][key["image_column"]]) for i in range(len(ds))]
     return items[:key["num"]] if key["num"] else items
 
@@ -378,16 +376,37 @@ def reference_data(key, cfg):
                           "crop": key.get("crop", "center"), "random_flip": False})
 
 
+TRAINED = "trained"  # a key's split: the rows the trainer trains on (open_splits' first), the held-out ones left out
+
+
 def reference_rows(key, data):
-    """A dataset reference's rows: the held-out rows, or the split named."""
+    """A dataset reference's rows: the held-out rows, the trainer's training rows (TRAINED), or the split named."""
+    if key["split"] == TRAINED:
+        return open_splits(data, log=lambda line: None)[0]
     return heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
 
 
 def bucket_rows(key, cfg):
     """A dataset reference's rows in the order reference_images reads them (at a bucket: those whose nearest
-    bucket it is), their other columns (the labels) kept: what the classifier's accuracy on them reads."""
+    bucket it is; a drawn key: its draw, in the order drawn), their other columns (labels, captions) kept: what
+    the classifier's accuracy and the text protocol read."""
     ds = reference_rows(key, reference_data(key, cfg))
-    return ds.select(rows_in(ds, key["image_column"], key["buckets"], key["bucket"])) if key.get("bucket") else ds
+    ds = ds.select(rows_in(ds, key["image_column"], key["buckets"], key["bucket"])) if key.get("bucket") else ds
+    if key.get("draw"):  # [seed, count]: a seeded permutation's first rows, so a smaller draw is a prefix of it
+        ds = ds.select(np.random.default_rng(key["draw"][0]).permutation(len(ds))[:key["draw"][1]])
+    return ds
+
+
+def training_draw_key(key, cfg, count, seed=0):
+    """The key of `count` images drawn (seed) from the trainer's training rows of the run's own source, read as the
+    reference `key`'s images are (resolution, crop, bucket): the real-data floor of a Frechet distance against that
+    reference (docs/evaluation.md, "Real captions"). The held-out rows are never among them, so neither is a
+    reference of the held-out rows; a reference that is another split is never the training split's rows here
+    (the caller checks). Cached as any reference's statistics."""
+    data = cfg["data"]
+    out = {k: v for k, v in key.items() if k != "heldout"}
+    return {**out, "split": TRAINED, "num": None, "draw": [seed, count],
+            "trained": [data["split"], data["val_split"], data["val_holdout"]]}
 
 
 def folder_sizes(files):
