@@ -307,7 +307,7 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         if use_clip:
             metrics[f"clip_score_{n_tag}"] = float(per["clip"][:, 0].mean())
     else:  # the text protocol: each group's scores, and real images' beside them under the same names (captions.py)
-        floor, floor_note = captions.training_floor(key, cfg, len(ref_rows), feature_fn, accelerator, args)
+        floor, floor_note = captions.training_floor(key, cfg, ref_rows, parts, feature_fn, accelerator, args)
         real_clip = reference_for(args, cfg, clip_fn, accelerator)[1]["feats"] if use_clip else None
         real_per = {"clip": None if real_clip is None else captions.clip_rows(real_clip, text, own), "hits": None if
                     judge is None else classifier.reference_hits(judge[0], key, cfg, captions.label_column(judge[1]),

@@ -154,25 +154,26 @@ def test_each_image_ranks_the_distinct_captions_once_each():
 
 
 def test_the_floor_draws_training_rows_never_a_reference_image(setup):
-    """The floor's key reads images drawn (seed 0) from the trainer's training rows: none of them a test or a
-    held-out image, a smaller draw a prefix of a larger one, read as the reference's are; where the held-out rows are
-    drawn from the training split (no data.val_split), they are left out of the draw."""
+    """The floor's key reads images drawn (seed 0) from the trainer's training rows, none of them a test or a held-out
+    image, read as the reference's are; per class in the proportions asked (all of a class the training rows have
+    when they have fewer); where the held-out rows are drawn from the training split (no data.val_split), they are
+    left out of the draw."""
     _, data, _ = setup
     cfg = config.load_config(train_flow_matching.DEFAULTS, [f"--data.source={data}", "--data.val_split=validation",
                                                             "--data.resolution=16"])
 
-    def files(key):
-        return [r["image"]["path"] for r in reference.bucket_rows(key, cfg)]
+    def rows(key):
+        ds = reference.bucket_rows(key, cfg)
+        return [r["image"]["path"] for r in ds], ds["label"]
     key = reference.reference_key(reference.reference_args(["--reference_split", "test"]), cfg, "clip@x")
-    floor = reference.training_draw_key(key, cfg, 12)
-    drawn = files(floor)
+    drawn, _ = rows(floor := reference.training_draw_key(key, cfg, 12))
     assert len(set(drawn)) == 12 and {Path(f).parent.name for f in drawn} == {"train"}
-    assert files(reference.training_draw_key(key, cfg, 5)) == drawn[:5]
-    images = reference.reference_images(floor, cfg)
-    assert np.array_equal(images[3](), np.asarray(Image.open(drawn[3]).convert("RGB")))  # 16 px: as they are
+    assert np.array_equal(reference.reference_images(floor, cfg)[3](), np.asarray(Image.open(drawn[3])))  # 16 px
+    drawn, labels = rows(reference.training_draw_key(key, cfg, 12, 0, "label", [2, 0, 2, 2, 2, 2, 2, 2, 2, 2]))
+    assert labels == [0] + [2] * 8 and {Path(f).parent.name for f in drawn} == {"train"}  # 8 blue training rows
     cfg.data.val_split, cfg.data.val_holdout = None, 6  # held-out rows drawn from train
     heldout = reference.reference_key(reference.reference_args([]), cfg, "x")
-    held, drawn = files(heldout), files(reference.training_draw_key(heldout, cfg, 24))
+    held, drawn = rows(heldout)[0], rows(reference.training_draw_key(heldout, cfg, 24))[0]
     assert len(held) == 6 and len(drawn) == 18 and not set(held) & set(drawn)
 
 
@@ -213,7 +214,8 @@ def test_the_protocol_on_the_test_split_reads_each_row_its_part_and_real_images_
     prompts.txt and per_sample.jsonl say so, with each row's part and label; each part's FD is its samples against
     its reference images; retrieval ranks the 6 distinct captions; the classifier is read against the row's label;
     the real row's retrieval is tools/clip.py's own on the test images (training/data/clip.py's retrieval), its FD
-    that of 12 images drawn from the training rows, its accuracy the classifier's on the test images."""
+    that of as many images drawn from the training rows per colour, its accuracy the classifier's on the test
+    images."""
     run, root, data, eval_clip, judge = trained
     asked, encode = [], generation.encode_text
     monkeypatch.setattr(generation, "encode_text", lambda tok, enc, batch, n: asked.extend(batch) or encode(
@@ -273,19 +275,26 @@ def test_the_protocol_on_the_test_split_reads_each_row_its_part_and_real_images_
     assert m["class_accuracy_24"] == pytest.approx(hits.mean())
     assert report["real"]["class_accuracy_24"] == pytest.approx(classifier.hits(net, test_images, test["label"]).mean())
 
-    # The floor: 12 images drawn (seed 0) from the 24 training rows, against the test images.
+    # The floor: as many images as each group has, drawn (seed 0) from the 24 training rows per colour in the
+    # group's proportions (a permutation of each colour's rows, colours in order), against the group's test images.
     train = rows_of(data, "train")
-    drawn = [np.asarray(Image.open(train[int(i)]["image"].filename).convert("RGB"))
-             for i in np.random.default_rng(0).permutation(24)[:12]]
-    floor = metrics.all_scores(clip_fn(drawn), whole, "clean", 12, "clip")["fd_clip_12"]
-    assert report["real"]["fd_clip_24"] == pytest.approx(floor, rel=1e-4)
+    for part, want in (("", "fd_clip_24"), ("new", "fd_clip_12_new")):
+        idx = np.arange(12) if not part else np.flatnonzero(np.array(test["novelty"]) == part)
+        rng, colours = np.random.default_rng(0), np.array(train["label"])
+        picked = [i for c, n in zip(*np.unique(np.array(test["label"])[idx], return_counts=True))
+                  for i in rng.permutation(np.flatnonzero(colours == c))[:n]]
+        drawn = [np.asarray(train[int(i)]["image"].convert("RGB")) for i in picked]
+        ref = whole if not part else captions.part_statistics(ref_feats, idx)
+        floor = metrics.all_scores(clip_fn(drawn), ref, "clean", len(idx), "clip")[f"fd_clip_{len(idx)}"]
+        assert report["real"][want] == pytest.approx(floor, rel=1e-4)
     assert report["real"]["fd_clip_24"] < m["fd_clip_24"]  # real images nearer the test images than 2-step samples
 
 
 @pytest.mark.slow
 def test_the_validation_split_is_the_default_reference_and_tune_chooses_on_it(trained, capsys):
     """Without --reference_split the reference is the held-out rows, here split 'validation' (data.val_split): the
-    protocol samples its 8 rows' captions, one image each by default; tools/tune.py (which refuses any other
+    protocol samples its 8 rows' captions, one image each by default (tools/rate.py names each by prompts.txt);
+    tools/tune.py (which refuses any other
     reference) searches on it, scored by the first distance of the report, fd_clip at 8 samples; a count that is no
     multiple of 8 is refused in one line naming the nearest before any sampling."""
     from tools import tune
@@ -299,6 +308,10 @@ def test_the_validation_split_is_the_default_reference_and_tune_chooses_on_it(tr
     assert (Path(report["samples_dir"]).parent / "prompts.txt").read_text().splitlines() == validation["caption"]
     assert {"fd_clip_8", "retrieval_top1_4_recombination", "clip_score_4_new"} <= set(report["metrics"])
     assert "-ref-" not in report["samples_dir"]  # the default reference's folder
+    from tools import rate  # which caption each sample had, for the rating page: prompts.txt's line i % R
+
+    names = rate.condition_names(rate.side_of(Path(report["samples_dir"]).parent))
+    assert [names(i) for i in range(16)] == list(validation["caption"]) * 2
     with pytest.raises(config.ConfigError, match=r"^--num_samples 12: the text protocol samples each of the 8 "
                                                  r"reference rows' captions equally often .*\(nearest: 8 or 16\)"):
         tune.main(["--run", str(run), "--num_samples", "12", "--confirm_samples", "0", *common])

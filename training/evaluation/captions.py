@@ -14,8 +14,9 @@ split's own captions and read against its own images:
   * parts: rows with a `novelty` column (emoji's "recombination" and "new") give every metric for each part apart
     (the part's samples against the part's reference images) and for all together;
   * real images, beside each metric under its name: the Frechet-family floor is as many images drawn (seed 0) from
-    the trainer's training rows as the group has reference images, against them (reference.training_draw_key); CLIP
-    score, retrieval and accuracy are the reference images' own (the ceiling a generated image is read against).
+    the trainer's training rows as the group has reference images, per class in the group's proportions (emoji's
+    category), against them (reference.training_draw_key); CLIP score, retrieval and accuracy are the reference
+    images' own (the ceiling a generated image is read against).
 
 eval_fid.py calls these; report.json keeps `metrics` (the samples'), `real` (the same names) and `text_protocol`.
 """
@@ -187,31 +188,40 @@ def sample_scores(feats, ref, parts, per, mode, tag, device="cpu"):
 
 
 def real_scores(floor, ref, parts, per, mode, tag, device="cpu"):
-    """{group: {metric: value}} of real images: the Frechet family of the group's count of drawn training images
-    (`floor`, a prefix of one draw; None: none) against the group's reference images, and the per-row means (`per`,
-    over the reference images themselves: CLIP score, retrieval, class accuracy)."""
+    """{group: {metric: value}} of real images: the Frechet family of the group's drawn training images (`floor`:
+    {group: features}, training_floor's; None: none) against the group's reference images, and the per-row means
+    (`per`, over the reference images themselves: CLIP score, retrieval, class accuracy)."""
     out = {}
     for name, idx in parts.items():
         part_ref = ref if not name else part_statistics(ref["feats"], idx)
-        k = min(len(idx), 0 if floor is None else len(floor))
-        distances = unsized(all_scores(floor[:k], part_ref, mode, k, tag, device), k) if k >= 2 else {}
+        drawn = None if floor is None else floor[name]
+        distances = {} if drawn is None or len(drawn) < 2 else unsized(
+            all_scores(drawn, part_ref, mode, len(drawn), tag, device), len(drawn))
         out[name] = {**distances, **means(per, np.isin(np.arange(len(parts[""])), idx))}
     return out
 
 
-def training_floor(key, cfg, count, feature_fn, accelerator, args):
-    """(the features of `count` images drawn from the trainer's training rows, read as the reference's, or None; a
-    line saying which, or why none): the Frechet family's real-data floor. None where the reference is not the run's
-    own source (other images than it trained on), is its training split, or the source is streamed."""
+def training_floor(key, cfg, rows, parts, feature_fn, accelerator, args):
+    """({group: the features of as many images drawn from the trainer's training rows as the group has reference
+    images, read as the reference's} or None; a line saying which, or why none): the Frechet family's real-data
+    floor. Drawn per class where the rows carry the run's data.label_column (else "label": emoji's
+    category), in the group's proportions. None where the reference is not the run's own source (other images than
+    it trained on), is its training split, or the source is streamed. A collective: every rank calls it."""
     data = cfg["data"]
     if not same_source(key["source"], data["source"]):
         return None, f"none: the reference is not the run's own data.source ({data['source']})"
     if key["split"] == data["split"] or is_stream(config.Config(data)):
         return None, f"none: the reference is the training split '{data['split']}', or the source is streamed"
-    stats = reference_stats(training_draw_key(key, cfg, count), cfg, feature_fn, accelerator, args.stats_cache,
-                            args.batch_size)
-    return stats["feats"], (f"{len(stats['feats'])} images drawn (seed 0) from the training rows of split "
-                            f"'{data['split']}' ({stats['path']})")
+    column = data.get("label_column") or "label"
+    values = np.asarray(rows[column]) if column in rows.column_names else None
+    floor, paths = {}, []
+    for name, idx in parts.items():
+        draw = training_draw_key(key, cfg, len(idx), 0, column, None if values is None else values[idx])
+        stats = reference_stats(draw, cfg, feature_fn, accelerator, args.stats_cache, args.batch_size)
+        floor[name], paths = stats["feats"], paths + [stats["path"]]
+    how = f" per '{column}' in each group's proportions" if values is not None else ""
+    return floor, (f"as many images as each group has, drawn (seed 0){how} from the training rows of split "
+                   f"'{data['split']}' ({', '.join(paths)})")
 
 
 def flat(nested, num_samples, n_rows, parts):

@@ -392,20 +392,35 @@ def bucket_rows(key, cfg):
     the classifier's accuracy and the text protocol read."""
     ds = reference_rows(key, reference_data(key, cfg))
     ds = ds.select(rows_in(ds, key["image_column"], key["buckets"], key["bucket"])) if key.get("bucket") else ds
-    if key.get("draw"):  # [seed, count]: a seeded permutation's first rows, so a smaller draw is a prefix of it
-        ds = ds.select(np.random.default_rng(key["draw"][0]).permutation(len(ds))[:key["draw"][1]])
-    return ds
+    return ds.select(drawn_rows(ds, key["draw"])) if key.get("draw") else ds
 
 
-def training_draw_key(key, cfg, count, seed=0):
+def drawn_rows(ds, draw):
+    """The rows of a draw (training_draw_key): a seeded permutation's first `count` rows, or with `strata`
+    ([[value, count], ...] of `column`) a seeded permutation's first `count` rows of each value, in the order listed
+    (fewer where the rows have fewer)."""
+    rng = np.random.default_rng(draw["seed"])
+    if not draw.get("strata"):
+        return rng.permutation(len(ds))[:draw["count"]]
+    values = np.asarray(ds[draw["column"]])
+    return np.concatenate([rng.permutation(np.flatnonzero(values == v))[:n] for v, n in draw["strata"]])
+
+
+def training_draw_key(key, cfg, count, seed=0, column=None, values=None):
     """The key of `count` images drawn (seed) from the trainer's training rows of the run's own source, read as the
     reference `key`'s images are (resolution, crop, bucket): the real-data floor of a Frechet distance against that
-    reference (docs/evaluation.md, "Real captions"). The held-out rows are never among them, so neither is a
-    reference of the held-out rows; a reference that is another split is never the training split's rows here
-    (the caller checks). Cached as any reference's statistics."""
+    reference (docs/evaluation.md, "Real captions"). With `values` (the reference images' `column`, e.g. emoji's
+    category), drawn per value in the reference's proportions, so a reference that is mostly one class is read
+    against training images of its classes, not against the training set's mix. The held-out rows are never among
+    them, so neither is a reference of the held-out rows; a reference that is another split is never the training
+    split's rows here (the caller checks). Cached as any reference's statistics."""
     data = cfg["data"]
     out = {k: v for k, v in key.items() if k != "heldout"}
-    return {**out, "split": TRAINED, "num": None, "draw": [seed, count],
+    draw = {"seed": seed, "count": count}
+    if values is not None:
+        kinds, counts = np.unique(np.asarray(values), return_counts=True)
+        draw.update(column=column, strata=[[v.item(), int(n)] for v, n in zip(kinds, counts)])
+    return {**out, "split": TRAINED, "num": None, "draw": draw,
             "trained": [data["split"], data["val_split"], data["val_holdout"]]}
 
 
