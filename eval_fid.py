@@ -6,6 +6,11 @@ reference statistics) is training/evaluation/reference.py's; the scores themselv
     accelerate launch eval_fid.py --run runs/flow_matching_imagenet256 --reference ILSVRC/imagenet-1k --reference_split validation
     accelerate launch eval_fid.py --run runs/flow_matching_cc12m --prompts heldout --clip_model openai/clip-vit-large-patch14
     python eval_fid.py --run runs/flow_matching_demo --num_samples 1000 --dino facebook/dinov2-base
+    python eval_fid.py --run runs/flow_matching_emoji --reference_split test --features clip --clip_model clips/emoji
+
+A text run scored against a captioned dataset split follows the text protocol (training/evaluation/captions.py,
+docs/evaluation.md): sample i takes reference row i % R's caption, and every score comes for each part of the rows
+(`novelty`) and all together, beside what real images score.
 
 Pipeline: arguments -> model (the exported EMA model, or a checkpoint's EMA or raw weights, with the run's
 resolved config) -> generation (sample i always has the same seed, so the images do not depend on the process
