@@ -305,6 +305,7 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
     per = {"clip": common.gathered(clip_pairs) if use_clip else None,  # on every rank, also one without a batch
            "hits": common.gathered(judged) if judge is not None else None}
     samples = real_images = None
+    shown = set()  # the text protocol's metrics, printed as its table
     if ref_rows is None:
         metrics = all_scores(feats, ref, args.mode, args.num_samples, feature_tag(feature_fn), device)
         if judge is not None:
@@ -320,6 +321,7 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         samples = captions.sample_scores(feats, ref, parts, per, args.mode, feature_tag(feature_fn), device)
         real_images = captions.real_scores(floor, ref, parts, real_per, args.mode, feature_tag(feature_fn), device)
         metrics = captions.flat(samples, args.num_samples, len(ref_rows), parts)
+        shown = set(metrics)
     if ref["feats"] is None:
         accelerator.print(f"{ref['path']} has no features: no KID, precision, recall, density or coverage")
     dino_ref = None
@@ -358,7 +360,6 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
     }
     (path := out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     lines = captions.table(samples, real_images, parts, args.num_samples) if ref_rows is not None else []
-    shown = set(captions.flat(samples, args.num_samples, len(ref_rows), parts)) if ref_rows is not None else set()
     table = {**{k: f"{v:.4f}" for k, v in metrics.items() if k not in shown},
              "model": f"{model_desc['source']} ({weights})",
              "sampler": f"{sampler}, {steps} steps, guidance {guidance:g} in t {interval}", "reference": key["source"], "report": path}

@@ -113,7 +113,8 @@ def groups(rows):
 
 
 def safe(name):
-    return re.sub(r"[^A-Za-z0-9]+", "_", str(name)).strip("_").lower()
+    """A part's name as metric names carry it: lower case, letters and digits ("none" for an empty value)."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", str(name or "")).strip("_").lower() or "none"
 
 # ----------------------------------------------------------------------------------------------------------
 # What each image is asked: its caption's CLIP embedding, among the distinct captions.
