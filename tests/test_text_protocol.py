@@ -182,7 +182,8 @@ def test_the_floor_draws_training_rows_never_a_reference_image(setup):
 
 @pytest.fixture(scope="module", params=["flow_matching", "ddpm"])
 def trained(request, setup, tiny_text_encoder):
-    """A two-step text run of each trainer on the folder, and the category classifier of its recipe (one epoch)."""
+    """A two-step text run of each trainer on the folder, and the category classifier of its text recipe (one epoch),
+    its classes named on the command line as docs/evaluation.md's emoji steps do (--data.label_column=label)."""
     root, data, eval_clip = setup
     main = {"flow_matching": train_flow_matching.main, "ddpm": train_ddpm.main}[request.param]
     run = trained_for_the_module(main, run_args(root, data, tiny_text_encoder, request.param))
@@ -192,8 +193,11 @@ def trained(request, setup, tiny_text_encoder):
 
         recipe = root / "recipe.json"
         recipe.write_text(json.dumps({"data": {"source": str(data), "val_split": "validation", "resolution": 16,
-                                               }}))
-        classifier_tool.main(["--config", str(recipe), "--out", str(judge), "--epochs", "1"])
+                                               "label_column": None, "caption_column": "caption"},
+                                      "encoders": {"text_encoder": tiny_text_encoder, "max_tokens": 8}}))
+        classifier_tool.main(["--config", str(recipe), "--out", str(judge), "--epochs", "1",
+                              "--data.label_column=label"])
+        assert json.loads((judge / classifier.RECORD).read_text())["label_column"] == "label"
     return run, root, data, eval_clip, judge
 
 
