@@ -153,6 +153,11 @@ def test_each_image_ranks_the_distinct_captions_once_each():
     np.testing.assert_allclose(out[:, 0], 100 * cos, rtol=1e-5)
 
 
+def test_a_clip_that_cannot_be_loaded_is_one_line_naming_the_option(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"^--clip_model {tmp_path / 'gone'}: no CLIP could be loaded"):
+        metrics.clip_features(str(tmp_path / "gone"))
+
+
 def test_the_floor_draws_training_rows_never_a_reference_image(setup):
     """The floor's key reads images drawn (seed 0) from the trainer's training rows, none of them a test or a held-out
     image, read as the reference's are; per class in the proportions asked (all of a class the training rows have

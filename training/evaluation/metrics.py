@@ -227,8 +227,14 @@ def load_clip(model_id, device="cpu"):
 
     key = (str(model_id), str(device), json.dumps(text_encoder_identity(str(model_id))))
     if getattr(load_clip, "cache", (None,))[0] != key:
-        load_clip.cache = (key, CLIPModel.from_pretrained(model_id, use_safetensors=True).to(device).eval(),
-                           AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id))
+        try:
+            load_clip.cache = (key, CLIPModel.from_pretrained(model_id, use_safetensors=True).to(device).eval(),
+                               AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id))
+        except OSError as e:  # offline without the files, a folder that is not there: one line (eval_fid.py)
+            raise FileNotFoundError(f"--clip_model {model_id}: no CLIP could be loaded ({str(e).splitlines()[0]}). "
+                                    f"Give a folder made by tools/clip.py (or saved with save_pretrained), a hub id "
+                                    f"in the Hugging Face cache (tools/prefetch.py), or 'none' to score without CLIP"
+                                    ) from None
     return load_clip.cache[1:]
 
 
