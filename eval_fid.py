@@ -6,6 +6,11 @@ reference statistics) is training/evaluation/reference.py's; the scores themselv
     accelerate launch eval_fid.py --run runs/flow_matching_imagenet256 --reference ILSVRC/imagenet-1k --reference_split validation
     accelerate launch eval_fid.py --run runs/flow_matching_cc12m --prompts heldout --clip_model openai/clip-vit-large-patch14
     python eval_fid.py --run runs/flow_matching_demo --num_samples 1000 --dino facebook/dinov2-base
+    python eval_fid.py --run runs/flow_matching_emoji --reference_split test --features clip --clip_model clips/emoji
+
+A text run scored against a captioned dataset split follows the text protocol (training/evaluation/captions.py,
+docs/evaluation.md): sample i takes reference row i % R's caption, and every score comes for each part of the rows
+(`novelty`) and all together, beside what real images score.
 
 Pipeline: arguments -> model (the exported EMA model, or a checkpoint's EMA or raw weights, with the run's
 resolved config) -> generation (sample i always has the same seed, so the images do not depend on the process
@@ -39,9 +44,9 @@ import train_flow_matching
 from training.config import config
 from training.data.encoders import load_encoders
 from training.run.monitor import progress
-from training.evaluation import classifier, reference, sampling
+from training.evaluation import captions, classifier, reference, sampling
 from training.evaluation.generation import load_prompts, make_condition, make_controls
-from training.evaluation.metrics import (CLIP_DEFAULT, DINO_DEFAULT, all_scores, check_dino_reference, clip_scores,
+from training.evaluation.metrics import (CLIP_DEFAULT, DINO_DEFAULT, all_scores, check_dino_reference, clip_features,
                                          dino_scores, dinov2_features, feature_tag, fid_size_warning, size_tag)
 from training.evaluation.reference import inception_features, reference_for, reference_size
 from training.evaluation.sampling import png_path, read_png
@@ -64,7 +69,8 @@ def parser():
     a("--weights", default="ema", choices=["ema", "raw"], help="checkpoint weights; the export is always EMA")
     a("--out_dir", default=None, help="default: <run>/eval/<weights>-<sampler><steps>-g<guidance>-seed<seed>, then "
       "-<w>x<h> for a bucket and -ref-<reference> for any reference but the held-out rows")
-    a("--num_samples", type=int, default=50_000)
+    a("--num_samples", type=int, default=None, help="default: 50,000; the text protocol's (a text run against a "
+      "captioned split): one per reference image, and a multiple of their count")
     a("--batch_size", type=int, default=64, help="per process; stochastic samplers depend on it, noise does not")
     a("--seed", type=int, default=0, help="sample i's noise: seed_for(seed, 0, i)")
     a("--sampler", default=None, help="default: the run's val.sampler (flow matching: euler, heun, meanflow; DDPM: ddim, ddpm)")
@@ -83,16 +89,21 @@ def parser():
     a("--height", type=int, default=None, help="see --width")
     a("--aspect_ratio", default=None, help="instead of --width and --height: the run's bucket nearest this "
       "width / height ('3:2' or 1.5)")
-    a("--prompts", default=None, help="text models: a captions file (one per line) or 'heldout' (default)")
+    a("--prompts", default=None, help="text models: 'reference' (sample i: reference row i %% R's caption; the "
+      "default against a captioned dataset split: the text protocol, docs/evaluation.md), 'heldout' (the held-out "
+      "rows' captions; the default otherwise) or a captions file (one per line)")
     reference.add_arguments(p)  # --reference, --reference_split, ..., --stats_cache, --mode
     a("--inception_weights", default=None, help="a local inception-2015-12-05.pt (offline clusters)")
     a("--features", default="inception", help="'inception', 'classifier' (--classifier's features: FD, KID, "
-      "precision, recall named fd_classifier_N, kd_classifier_N, ...: never FID) or module:factory, returning a feature_fn")
+      "precision, recall named fd_classifier_N, kd_classifier_N, ...: never FID), 'clip' (--clip_model's image "
+      "embeddings: fd_clip_N, ...) or module:factory, returning a feature_fn")
     a("--classifier", default=None, help="a folder from tools/classifier.py: the class accuracy of the samples "
-      "(sample i asks for class i %% num_classes), beside the classifier's own accuracy on real test images")
+      "(sample i asks for class i %% num_classes; in the text protocol, its reference row's class), beside the "
+      "classifier's own accuracy on real test images")
     a("--dino", nargs="?", const=DINO_DEFAULT, default=None, help="also FD-DINOv2 (and precision/recall/density/"
       f"coverage) on DINOv2 features: a transformers Dinov2Model hub id or folder; bare --dino: {DINO_DEFAULT}")
-    a("--clip_model", default=CLIP_DEFAULT, help="hub id or local path; 'none' to skip")
+    a("--clip_model", default=CLIP_DEFAULT, help="hub id or local path (tools/clip.py's folder): CLIP score, "
+      "retrieval in the text protocol, --features clip; 'none' to skip")
     a("--adm_npz", default=None, help="also write the samples as uint8 NHWC 'arr_0' for ADM's evaluator")
     a("--generate_only", action="store_true", help="write the PNGs and stop (score later, anywhere)")
     a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
@@ -156,6 +167,10 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
     model, cfg, model_desc = sampling.load_model(args.run, args.checkpoint, args.weights, args.phema_std)
     args.reference_split, split_note = reference.reference_split(args, cfg)  # a test split that is the training one
     args.shape, bucket_note = reference.scored_bucket(cfg, args)  # data.buckets: the bucket scored (None: square)
+    ref_rows = captions.protocol_rows(args, cfg)  # a text run against a captioned split: the text protocol, else None
+    if ref_rows is not None:  # sample i: row i % R's caption; one sample per reference image unless told
+        args.prompts, args.num_samples = captions.REFERENCE, captions.sample_count(args.num_samples, ref_rows)
+    args.num_samples = args.num_samples or 50_000
     precision = args.mixed_precision or cfg["train"]["mixed_precision"]  # sampled at the run's precision
     # cpu=True without CUDA, as in the trainers: `accelerate launch --multi_gpu` then runs CPU processes over gloo.
     accelerator = common.make_accelerator(precision)
@@ -177,7 +192,8 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         f"-{args.shape[0]}x{args.shape[1]}" if args.shape else "") + reference.reference_tag(args, cfg)
     out_dir = Path(args.out_dir or Path(args.run) / "eval" / tag)
     samples_dir = out_dir / "samples"
-    prompts = load_prompts(args.prompts, cfg) if is_text else None
+    prompts = list(ref_rows[cfg["data"]["caption_column"]]) if ref_rows is not None else \
+        load_prompts(args.prompts, cfg) if is_text else None
     settings = {  # everything that decides the images; recorded with them and in the report
         "model": {"run": str(args.run), **model_desc, "method": method_of(cfg).__name__},
         "sampler": sampler, "steps": steps, "guidance_scale": guidance, "control_guidance_scale": control_guidance,
@@ -187,18 +203,24 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         "seeds": {"seed": args.seed, "batch_size": args.batch_size, "noise": "sample i: seed_for(seed, 0, i)",
                   "sampler_rng": "batch starting at sample i: seed_for(seed, 1, i)"},
         "conditioning": ({"prompts": args.prompts or "heldout", "num_prompts": len(prompts),
-                          "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest()}
+                          "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+                          **({"sample_i": f"reference row i % {len(ref_rows)}'s caption ({captions.PROMPTS})"}
+                             if ref_rows is not None else {})}
                          if is_text else {"labels": "i % num_classes", "num_classes": cfg["data"]["num_classes"]})}
-    judge = None  # the evaluation classifier and its record (test accuracy), loaded now: a wrong path fails before sampling
-    if args.classifier and not args.generate_only:
-        if is_text:
-            raise ValueError(f"--classifier {args.classifier}: {args.run} is a text model; class accuracy needs class labels")
+    judge, labels = None, None  # the evaluation classifier and its record (test accuracy), loaded now: a wrong path
+    if args.classifier and not args.generate_only:  # fails before sampling; a text run's classes are its rows'
         judge = classifier.load(args.classifier, device)
+        if is_text:
+            labels = captions.row_labels(ref_rows, judge[1], args.classifier, judge[0].config.num_labels)
     if args.features == "classifier" and judge is None and not args.generate_only:
         raise ValueError("--features classifier needs --classifier FOLDER (tools/classifier.py)")
     if feature_fn is None and not args.generate_only:  # a missing Inception file fails now, not after sampling
         if args.features == "classifier":
             feature_fn = classifier.feature_fn(judge[0], device)
+        elif args.features == "clip":
+            if args.clip_model == "none":
+                raise config.ConfigError("--features clip reads the image embeddings of --clip_model: name one")
+            feature_fn = clip_features(args.clip_model, device)
         elif args.features != "inception":
             module, factory = args.features.split(":")
             feature_fn = getattr(importlib.import_module(module), factory)()
@@ -212,10 +234,17 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         accelerator.print(bucket_note)
     warnings = [split_note] if split_note else []  # and the covariances against the feature dimension
     feature_name, use_clip = getattr(feature_fn, "name", "custom"), is_text and args.clip_model != "none"
+    clip_fn = text = own = None  # the evaluation CLIP, each caption's text embedding: loaded before any sampling
+    if use_clip and not args.generate_only:
+        clip_fn = feature_fn if getattr(feature_fn, "path", None) == str(args.clip_model) and \
+            getattr(feature_fn, "tag", None) == "clip" else clip_features(args.clip_model, device)
+        text, own = captions.caption_embeddings(clip_fn, prompts)
+    parts = captions.groups(ref_rows) if ref_rows is not None else None  # "": all rows, then each part's
     if feature_fn is not None:
         dim = feature_fn([np.zeros((cfg["data"]["resolution"],) * 2 + (3,), np.uint8)]).shape[1]
         n_ref = reference_size(args, cfg, feature_name)
         warnings += [w for w in [fid_size_warning(n_ref, args.num_samples, dim, feature_tag(feature_fn))] if w]
+        warnings += captions.part_warnings(parts, args.num_samples, dim, feature_tag(feature_fn)) if parts else []
         check_report(out_dir / "report.json", scored_as({
             "reference": reference.key_of(args, cfg, feature_name), "num_samples": args.num_samples, "mode": args.mode,
             "feature_extractor": feature_name, "clip_model": args.clip_model if use_clip else None,
@@ -229,6 +258,8 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         record.write_text(json.dumps(settings, indent=1))
+        if ref_rows is not None:  # sample i's caption is line i % R: --prompts FILE with it makes the same images
+            (out_dir / captions.PROMPTS).write_text("".join(f"{p}\n" for p in prompts))
 
     # ---- Generation: this rank's batches; a batch already on disk is skipped (resume) ----------------------
     vae = load_encoders(config.Config({"vae": cfg["encoders"]["vae"], "text_encoder": None}), device)[0]
@@ -254,33 +285,49 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
     pairs, clip_pairs, dino_pairs, judged = [], [], [], []
     for idx in progress(batches, "features", accelerator.is_local_main_process):
         images = [read_png(samples_dir, i) for i in idx]
-        pairs += zip(idx, feature_fn(images))
-        if judge is not None:  # 1 where the classifier sees the class that sample i asked for (i % K)
-            judged += zip(idx, classifier.class_hits(judge[0], images, idx, cfg["data"]["num_classes"], device,
-                                                     judge[1].get("resolution"))[:, None])
+        pairs += zip(idx, feats := feature_fn(images))
+        if judge is not None:  # 1 where the classifier sees the class that sample i asked for (i % K; its row's)
+            wanted = labels[np.array(idx) % len(labels)] if labels is not None else [
+                i % cfg["data"]["num_classes"] for i in idx]
+            judged += zip(idx, classifier.hits(judge[0], images, wanted, device, judge[1].get("resolution"))[:, None])
         if dino_fn is not None:
             dino_pairs += zip(idx, dino_fn(images))
-        if use_clip:
-            clip_pairs += zip(idx, clip_scores(args.clip_model, images, [prompts[i % len(prompts)] for i in idx],
-                                               device))
+        if use_clip:  # CLIP score, and its caption's rank among the distinct captions (sample i: prompt i % P)
+            emb = feats if clip_fn is feature_fn else clip_fn(images)
+            clip_pairs += zip(idx, captions.clip_rows(emb, text, own[np.array(idx) % len(own)]))
     feats = common.gathered(pairs)
     key, ref = reference_for(args, cfg, feature_fn, accelerator)
     real = None  # a bucket's real reference images: the classifier's accuracy there, the samples' bound at that shape
-    if judge is not None and args.shape and accelerator.is_main_process:
+    if judge is not None and args.shape and accelerator.is_main_process and ref_rows is None:
         real = classifier.reference_accuracy(judge[0], key, cfg, device, judge[1].get("resolution"))
 
     # ---- Metrics, ADM export, report ------------------------------------------------------------------------
-    metrics = all_scores(feats, ref, args.mode, args.num_samples, feature_tag(feature_fn), device)
-    if judge is not None:
-        metrics[f"class_accuracy_{n_tag}"] = float(common.gathered(judged).mean())
+    per = {"clip": common.gathered(clip_pairs) if use_clip else None,  # on every rank, also one without a batch
+           "hits": common.gathered(judged) if judge is not None else None}
+    samples = real_images = None
+    shown = set()  # the text protocol's metrics, printed as its table
+    if ref_rows is None:
+        metrics = all_scores(feats, ref, args.mode, args.num_samples, feature_tag(feature_fn), device)
+        if judge is not None:
+            metrics[f"class_accuracy_{n_tag}"] = float(per["hits"].mean())
+        if use_clip:
+            metrics[f"clip_score_{n_tag}"] = float(per["clip"][:, 0].mean())
+    else:  # the text protocol: each group's scores, and real images' beside them under the same names (captions.py)
+        floor, floor_note = captions.training_floor(key, cfg, ref_rows, parts, feature_fn, accelerator, args)
+        real_clip = reference_for(args, cfg, clip_fn, accelerator)[1]["feats"] if use_clip else None
+        real_per = {"clip": None if real_clip is None else captions.clip_rows(real_clip, text, own), "hits": None if
+                    judge is None else classifier.reference_hits(judge[0], key, cfg, captions.label_column(judge[1]),
+                                                                 device, judge[1].get("resolution"))}
+        samples = captions.sample_scores(feats, ref, parts, per, args.mode, feature_tag(feature_fn), device)
+        real_images = captions.real_scores(floor, ref, parts, real_per, args.mode, feature_tag(feature_fn), device)
+        metrics = captions.flat(samples, args.num_samples, len(ref_rows), parts)
+        shown = set(metrics)
     if ref["feats"] is None:
         accelerator.print(f"{ref['path']} has no features: no KID, precision, recall, density or coverage")
     dino_ref = None
     if dino_fn is not None:
         dino_ref = reference_for(args, cfg, dino_fn, accelerator)[1]
         metrics.update(dino_scores(common.gathered(dino_pairs), dino_ref, args.num_samples, device))
-    if use_clip:  # gathered on every rank, also one that had no batch
-        metrics[f"clip_score_{n_tag}"] = float(common.gathered(clip_pairs).mean())
     if not accelerator.is_main_process:
         accelerator.wait_for_everyone()
         return None
@@ -288,8 +335,13 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         np.savez(args.adm_npz, arr_0=np.stack([read_png(samples_dir, i) for i in range(args.num_samples)]))
     import importlib.metadata as md
 
+    if ref_rows is not None:  # each sample's row, caption, part, class and scores; what the protocol read
+        captions.write_per_sample(out_dir / captions.PER_SAMPLE, ref_rows, parts, prompts, args.num_samples, per,
+                                  labels)
+        protocol = {"real": captions.flat(real_images, args.num_samples, len(ref_rows), parts),
+                    "text_protocol": captions.record(ref_rows, parts, prompts, args.num_samples, floor_note)}
     report = {
-        "metrics": metrics, "num_samples": args.num_samples, **settings,
+        "metrics": metrics, **(protocol if ref_rows is not None else {}), "num_samples": args.num_samples, **settings,
         "nfe_per_sample": nfe[0] / nfe[1] if nfe[1] else None,  # network evaluations (this rank's new samples)
         "clip_model": args.clip_model if use_clip else None,
         "reference": {**key, "stats": ref["path"], "key_sha256": ref["key_sha256"], "stats_sha256": ref["sha256"],
@@ -307,14 +359,16 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         "config": cfg,
     }
     (path := out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    table = {**{k: f"{v:.4f}" for k, v in metrics.items()}, "model": f"{model_desc['source']} ({weights})",
+    lines = captions.table(samples, real_images, parts, args.num_samples) if ref_rows is not None else []
+    table = {**{k: f"{v:.4f}" for k, v in metrics.items() if k not in shown},
+             "model": f"{model_desc['source']} ({weights})",
              "sampler": f"{sampler}, {steps} steps, guidance {guidance:g} in t {interval}", "reference": key["source"], "report": path}
     if judge is not None:
         table["classifier"] = f"{args.classifier}: {judge[1]['test_accuracy']:.4f} on real '{judge[1]['test_split']}' images"
         if real is not None:  # beside the samples' class accuracy at this bucket: the real images' of the same bucket
             table["classifier"] += (f"; {real['accuracy']:.4f} on the {real['images']} real reference images of the "
                                     f"{args.shape[0]}x{args.shape[1]} bucket, read as its samples are")
-    print("\n".join(f"{k:<{max(map(len, table)) + 1}} {v}" for k, v in table.items()))
+    print("\n".join([*lines, *(f"{k:<{max(map(len, table)) + 1}} {v}" for k, v in table.items())]))
     accelerator.wait_for_everyone()
     return report
 

@@ -528,7 +528,8 @@ def test_a_text_export_carries_a_local_text_encoder_and_its_card_names_it_the_te
     model = build_denoiser(cfg, 3, 16, (8, 32, 32))
     (run / "eval" / "text").mkdir()
     (run / "eval" / "text" / "report.json").write_text(json.dumps({
-        "metrics": {"fd_clip_1k": 5.0, "clip_score_1k": 0.2512}, "num_samples": 1000, "written_by": "eval_fid.py",
+        "metrics": {"fd_clip_1k": 5.0, "clip_score_1k": 0.2512}, "real": {"fd_clip_1k": 1.5}, "num_samples": 1000,
+        "written_by": "eval_fid.py",
         "model": {"weights": "ema (export)"}, "sampler": "euler", "steps": 32, "guidance_scale": 7.0,
         "guidance_interval": [0, 1],
         "conditioning": {"prompts": "heldout", "num_prompts": 174, "prompts_sha256": "0123456789abcdef"},
@@ -550,7 +551,8 @@ def test_a_text_export_carries_a_local_text_encoder_and_its_card_names_it_the_te
     assert "| clip_score_1k | 0.2512 | the run's own | 1,000 samples (ema (export)), euler 32 steps, guidance 7, " \
            "interval [0, 1], conditioned on the held-out captions (174, sha256 0123456789ab), against emoji test, " \
            "clip features, CLIP score by eval_clip; `eval_fid.py --run me/emoji` |" in text
-    assert "| fd_clip_1k | 5.0000 | the run's own |" in text
+    assert "| fd_clip_1k | 5.0000 (real images: 1.5000) | the run's own |" in text  # the text protocol's real images
+    assert "(real images: ...) is what real images score the same way (eval_fid.py's text protocol" in text
     licences = text.split("## Licences of the training images\n\n")[1].split("\n\n")[0].splitlines()
     assert licences == [f"- {line}" for line in emoji.LICENCES] and len(licences) == 3
     assert "MIT License, Copyright (c) 2013 Cal Henderson" in licences[0] and "Apache License 2.0" in licences[1]

@@ -3,6 +3,11 @@
 
     python tools/classifier.py --config configs/fashion_mnist.json --out classifiers/fashion_mnist
     python eval_fid.py --run runs/flow_matching_fashion_mnist --classifier classifiers/fashion_mnist ...
+    python tools/classifier.py --config configs/emoji.json --out classifiers/emoji --data.label_column=label
+
+Further --section.key=value arguments override the recipe, as the trainers' do: a text recipe's classes (emoji's
+category, the column "label") are named so. classifier.json records the column, which eval_fid.py reads from a text
+run's reference rows for its category accuracy (docs/evaluation.md, "Real captions").
 
 Every row of the recipe's training split (data.split, held-out rows included: none of them is a test image) is
 preprocessed exactly as the trainer's cache sees it (load_image, preprocess: centre crop, data.resolution, RGB).
@@ -56,7 +61,8 @@ def main(argv=None):
     model = classifier.build(int(labels.max()) + 1, names)
     classifier.train(model, images, labels, args.epochs, seed=args.seed)
     record = {"source": data.source, "train_split": data.split, "train_rows": len(images),
-              "resolution": data.resolution, "test_split": args.test_split, "test_rows": len(test_images),
+              "resolution": data.resolution, "label_column": data.label_column,  # what a text run's rows must carry
+              "test_split": args.test_split, "test_rows": len(test_images),
               "test_accuracy": classifier.accuracy(model, test_images, test_labels),
               "train_accuracy": classifier.accuracy(model, images[:10000], labels[:10000]),
               "epochs": args.epochs, "seed": args.seed, "seconds": round(time.time() - start, 1)}

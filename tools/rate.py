@@ -76,8 +76,11 @@ def generate(item, args):
              *(["--guidance_scale", str(args.guidance_scale)] if args.guidance_scale is not None else [])]
     digest = hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:8]
     out = run / "eval" / f"rate-{ckpt.name if ckpt else 'export'}-seed{args.seed}-{digest}"
+    # A text run's default is the held-out captions, any number of samples, as before eval_fid.py's became the
+    # reference rows' (the same captions at its default reference): named here, so the folder's digest is as before.
     eval_fid.main(["--run", str(run), "--num_samples", str(args.num_samples), "--seed", str(args.seed),
-                   "--batch_size", str(args.batch_size), "--out_dir", str(out), "--generate_only", *extra])
+                   "--batch_size", str(args.batch_size), "--out_dir", str(out), "--generate_only", *extra,
+                   *([] if args.prompts else ["--prompts", "heldout"])])
     return out
 
 
@@ -110,6 +113,8 @@ def condition_names(side):
         k = cond["num_classes"]
         return lambda i: f"class {i % k}" + (f": {names[i % k]}" if names else "")
     prompts = cond["prompts"]
+    if prompts == "reference":  # eval_fid.py's text protocol: sample i has line i % R of the folder's prompts.txt
+        prompts = str(side["dir"] / "prompts.txt")
     if Path(prompts).is_file():
         lines = [s.strip() for s in Path(prompts).read_text().splitlines() if s.strip()]
     elif (run / "config.json").is_file():

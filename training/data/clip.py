@@ -178,20 +178,40 @@ def train(model, images, caption_ids, tokens, epochs, batch_size=64, lr=1e-3, se
 # Retrieval: each image against every distinct caption of its split.
 
 
+def caption_index(captions):
+    """(the distinct captions, sorted, each once however many images share it; the index of each of `captions`
+    among them)."""
+    distinct = sorted(set(captions))
+    index = {c: i for i, c in enumerate(distinct)}
+    return distinct, torch.tensor([index[c] for c in captions])
+
+
+def caption_ranks(image, text, own):
+    """How many captions score above each image's own: image embeddings (N, D) and the distinct captions' (C, D),
+    both L2-normalised, ranked by cosine; `own` (N,) its caption's index among them. 0: ranked first; a tie counts
+    for the image."""
+    scores = image @ text.T
+    return (scores > scores.gather(1, own[:, None])).sum(1)
+
+
+def retrieval_summary(ranks, captions):
+    """{images, captions, top1, top5, chance_top1, chance_top5} of the ranks of images among `captions` distinct
+    captions: top-k is the fraction whose own caption ranks within the first k."""
+    ranks = torch.as_tensor(ranks)
+    return {"images": len(ranks), "captions": captions, "top1": (ranks < 1).float().mean().item(),
+            "top5": (ranks < 5).float().mean().item(), "chance_top1": 1 / captions,
+            "chance_top5": min(5, captions) / captions}
+
+
 @torch.no_grad()
 def retrieval(model, tokenizer, images, captions, context, batch_size=500):
     """Image -> caption retrieval: each uint8 image (N, R, R, 3) ranks the distinct captions of `captions` (its
     own and every other, each once however many images share it) by cosine; top-1 and top-5 are the fractions
-    whose own caption ranks first and within the first five. Chance: 1 / and 5 / the number of captions."""
-    distinct = sorted(set(captions))
-    index = {c: i for i, c in enumerate(distinct)}
+    whose own caption ranks first and within the first five. Chance: 1 / and 5 / the number of captions.
+    eval_fid.py ranks generated images the same way (caption_index, caption_ranks)."""
+    distinct, own = caption_index(captions)
     text = torch.cat([text_embeddings(model, *tokenize(tokenizer, distinct[i:i + batch_size], context))
                       for i in range(0, len(distinct), batch_size)])
     image = torch.cat([image_embeddings(model, to_pixels(images[i:i + batch_size]))
                        for i in range(0, len(images), batch_size)])
-    scores = image @ text.T
-    own = scores.gather(1, torch.tensor([[index[c]] for c in captions]))
-    rank = (scores > own).sum(1)  # the captions scored above its own
-    return {"images": len(images), "captions": len(distinct), "top1": (rank < 1).float().mean().item(),
-            "top5": (rank < 5).float().mean().item(), "chance_top1": 1 / len(distinct),
-            "chance_top5": min(5, len(distinct)) / len(distinct)}
+    return retrieval_summary(caption_ranks(image, text, own), len(distinct))

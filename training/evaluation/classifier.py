@@ -96,7 +96,13 @@ def reference_accuracy(model, key, cfg, device="cpu", side=None, batch_size=256)
     labels (data.label_column), read as the samples of that shape are (hits): beside the samples' class accuracy at a
     bucket, the bound a perfect generator could reach there, which the test accuracy on squares is not. None where
     the reference has no labels (a folder, an .npz, a split without the column)."""
-    column = cfg["data"].get("label_column")
+    right = reference_hits(model, key, cfg, cfg["data"].get("label_column"), device, side, batch_size)
+    return None if right is None else {"images": len(right), "accuracy": float(right.mean())}
+
+
+def reference_hits(model, key, cfg, column, device="cpu", side=None, batch_size=256):
+    """1.0 where the classifier labels reference image k (reference_images' order) with its row's `column`, else
+    0.0; None where the reference has no such labels (a folder, an .npz, a split without the column, no images)."""
     if key.get("kind") != "dataset" or not column:
         return None
     rows, items = bucket_rows(key, cfg), reference_images(key, cfg)
@@ -106,7 +112,7 @@ def reference_accuracy(model, key, cfg, device="cpu", side=None, batch_size=256)
     for start in range(0, len(items), batch_size):
         chunk = range(start, min(start + batch_size, len(items)))
         right.append(hits(model, [items[i]() for i in chunk], [labels[i] for i in chunk], device, side))
-    return {"images": len(items), "accuracy": float(np.concatenate(right).mean())}
+    return np.concatenate(right)
 
 
 @torch.no_grad()

@@ -13,9 +13,14 @@ exactly as the `prdc` package computes them (k = 5 by default, strict '<'), but 
 N x N distance matrices (60 GB at N = 50k in float64); here at most `budget` distances exist at once.
 """
 import contextlib
+import json
+from pathlib import Path
 
 import numpy as np
 import torch
+
+from training.data.encoders import text_encoder_identity
+from training.evaluation.reference import sha256_of
 
 NEAREST_K = 5  # Naeem et al. 2020's default, and prdc's README
 
@@ -123,6 +128,9 @@ def dinov2_features(model_id=DINO_DEFAULT, device="cpu", accelerator=None, batch
 # the same Frechet distance on DINOv2 features (Stein et al. 2023).
 
 
+NOT_INCEPTION = ("classifier", "clip")  # features whose distances are named fd_<tag>, kd_<tag>: never FID, KID
+
+
 def size_tag(n):
     """50000 -> '50k', 1000 -> '1k', 999 -> '999', 1500 -> '1500' (only whole thousands get a 'k')."""
     return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
@@ -132,9 +140,9 @@ def fid_size_warning(n_ref, n_samples, dim, tag=None):
     """What a FID can and cannot mean when its covariances have fewer images than feature dimensions (then they
     are singular and FID is mostly the estimator's bias), with what fits instead; None when both sets are
     larger. Named as the distances are (all_scores): fd_classifier and kd_classifier for the classifier's features
-    (tag 'classifier'), FID and KID otherwise. Fewer than 2 reference images give no covariance at all: a
-    ValueError."""
-    fd, kd = ("fd_classifier", "kd_classifier") if tag == "classifier" else ("FID", "KID")
+    (tag 'classifier'), fd_clip and kd_clip for CLIP's, FID and KID otherwise. Fewer than 2 reference images give
+    no covariance at all: a ValueError."""
+    fd, kd = (f"fd_{tag}", f"kd_{tag}") if tag in NOT_INCEPTION else ("FID", "KID")
     if n_ref is not None and n_ref < 2:
         raise ValueError(f"the {fd} reference has {n_ref} image(s): a covariance needs at least 2. Score against "
                          f"more real images: --reference FOLDER, or more held-out rows (data.val_holdout)")
@@ -150,7 +158,7 @@ def fid_size_warning(n_ref, n_samples, dim, tag=None):
             f"so this {fd} is mostly the estimator's bias and noise. It can rank models scored against the same "
             f"reference with the same --num_samples, roughly; it cannot be compared with other "
             + ("FIDs (papers, other references, other sample counts)" if fd == "FID" else
-               f"{fd} values (other references, other sample counts, another classifier)")
+               f"{fd} values (other references, other sample counts, another {tag})")
             + f" nor read as a distance. {kd}, reported beside it, is unbiased at any size and fits small sets. "
             f"For {'a' if fd == 'FID' else 'an'} {fd} that means more, score "
             f"{' against '.join(more) if few_samples else 'against ' + more[0]}.")
@@ -185,8 +193,9 @@ def fid_kid(feats, ref, mode, n, names=None):
 
 def all_scores(feats, ref, mode, n, tag, device="cpu"):
     """fid_kid plus '<precision|recall|density|coverage>_<tag>_<N>' (k = 5) against the reference features.
-    The evaluation classifier's features (tag 'classifier') give fd_classifier_<N> and kd_classifier_<N>."""
-    names = ("fd_classifier", "kd_classifier") if tag == "classifier" else None
+    The evaluation classifier's features (tag 'classifier') give fd_classifier_<N> and kd_classifier_<N>, CLIP's
+    (tag 'clip') fd_clip_<N> and kd_clip_<N>."""
+    names = (f"fd_{tag}", f"kd_{tag}") if tag in NOT_INCEPTION else None
     return {**fid_kid(feats, ref, mode, n, names), **manifold_metrics(feats, ref["feats"], tag, size_tag(n), device)}
 
 
@@ -205,20 +214,70 @@ def check_dino_reference(reference):
 
 CLIP_DEFAULT = "openai/clip-vit-large-patch14"  # eval_fid.py's --clip_model (the CC12M recipe's text encoder)
 
+# ----------------------------------------------------------------------------------------------------------
+# CLIP (Radford et al. 2021): a hub id or a folder saved with save_pretrained beside its tokenizer and image processor
+# (tools/clip.py's), read with its own preprocessing. Its image embeddings are FD's features (--features clip), and,
+# L2-normalised, the CLIP score's and retrieval's (training/evaluation/captions.py).
 
-@torch.no_grad()
+
+def load_clip(model_id, device="cpu"):
+    """(CLIPModel in eval mode, its tokenizer, its image processor), loaded once per process: kept while the same
+    model (a local folder's files unchanged: encoders.text_encoder_identity) is asked for on the same device."""
+    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+    key = (str(model_id), str(device), json.dumps(text_encoder_identity(str(model_id))))
+    if getattr(load_clip, "cache", (None,))[0] != key:
+        try:
+            load_clip.cache = (key, CLIPModel.from_pretrained(model_id, use_safetensors=True).to(device).eval(),
+                               AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id))
+        except OSError as e:  # offline without the files, a folder that is not there: one line (eval_fid.py)
+            raise FileNotFoundError(f"--clip_model {model_id}: no CLIP could be loaded ({str(e).splitlines()[0]}). "
+                                    f"Give a folder made by tools/clip.py (or saved with save_pretrained), a hub id "
+                                    f"in the Hugging Face cache (tools/prefetch.py), or 'none' to score without CLIP"
+                                    ) from None
+    return load_clip.cache[1:]
+
+
+def clip_features(model_id=CLIP_DEFAULT, device="cpu", batch_size=64):
+    """feature_fn(list of uint8 (H, W, 3) images) -> float64 (N, projection_dim): CLIP's projected image embeddings
+    before their L2 normalisation (CLIPModel's image_embeds), the images through its own image processor. Its
+    `text(captions)` -> their L2-normalised text embeddings (torch, float32), CLIP's tokenizer truncating to its
+    context. Named for the reference cache by the model: a hub id, or a folder's weights' sha256, so a CLIP retrained
+    in place never reads statistics of the old one."""
+    model, tokenizer, processor = load_clip(model_id, device)
+    weights = Path(model_id) / "model.safetensors"
+    digest = sha256_of(weights) if weights.is_file() else None
+
+    @torch.no_grad()
+    def feature_fn(images):
+        out = []
+        for start in range(0, len(images), batch_size):
+            batch = [np.array(img) for img in images[start:start + batch_size]]  # writable copies, for torch
+            pixels = processor(images=batch, return_tensors="pt")["pixel_values"]
+            pooled = model.vision_model(pixel_values=pixels.to(device)).pooler_output
+            out.append(model.visual_projection(pooled).double().cpu().numpy())
+        return np.concatenate(out)
+
+    @torch.no_grad()
+    def text(captions):
+        tok = tokenizer(list(captions), padding=True, truncation=True, return_tensors="pt",
+                        max_length=model.config.text_config.max_position_embeddings).to(device)
+        pooled = model.text_model(input_ids=tok.input_ids, attention_mask=tok.attention_mask).pooler_output
+        return torch.nn.functional.normalize(model.text_projection(pooled), dim=-1).float().cpu()
+    feature_fn.name = f"clip@{digest[:16]}" if digest else f"clip@{model_id}"
+    feature_fn.tag, feature_fn.path, feature_fn.sha256, feature_fn.text = "clip", str(model_id), digest, text
+    return feature_fn
+
+
+def clip_cosines(image_feats, text_emb):
+    """cos(E_img, E_txt) of each image's features (N, D; clip_features', unnormalised) and its caption's
+    L2-normalised embedding (N, D)."""
+    image = torch.nn.functional.normalize(torch.as_tensor(np.asarray(image_feats), dtype=torch.float32), dim=-1)
+    return (image * text_emb).sum(-1).double().numpy()
+
+
 def clip_scores(model_id, images, captions, device):
     """Per image, 100 * max(cos(E_img, E_txt), 0) (CLIPScore, Hessel et al. 2021, w = 100 as torchmetrics),
     with CLIP's own preprocessing: its image processor, its tokenizer truncated to its context length."""
-    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
-
-    if getattr(clip_scores, "cache", (None,))[0] != model_id:
-        clip_scores.cache = (model_id, CLIPModel.from_pretrained(model_id, use_safetensors=True).to(device).eval(),
-                             AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id))
-    _, clip, tokenizer, processor = clip_scores.cache
-    pixels = processor(images=list(images), return_tensors="pt")["pixel_values"].to(device)
-    text = tokenizer(list(captions), padding=True, truncation=True, return_tensors="pt",
-                     max_length=clip.config.text_config.max_position_embeddings).to(device)
-    out = clip(input_ids=text.input_ids, attention_mask=text.attention_mask, pixel_values=pixels)
-    cos = (out.image_embeds * out.text_embeds).sum(-1)  # CLIPModel returns both L2-normalised
-    return (100 * cos.clamp(min=0)).double().cpu().numpy()
+    clip = clip_features(model_id, device)
+    return 100 * np.maximum(clip_cosines(clip(list(images)), clip.text(captions)), 0)

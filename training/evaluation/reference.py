@@ -365,9 +365,7 @@ def reference_images(key, cfg):
         else:
             items = [lambda f=f: np.asarray(Image.open(f).convert("RGB")) for f in files]
     else:
-        ds = reference_rows(key, data)
-        if shape:  # the images whose nearest bucket it is, each cropped to it as the cache crops them
-            ds = ds.select(rows_in(ds, key["image_column"], key["buckets"], shape))
+        ds = bucket_rows(key, cfg)  # at a bucket, the images whose nearest bucket it is, cropped to it as the cache
         items = [lambda i=i: cropped(ds[i][key["image_column"]]) for i in range(len(ds))]
     return items[:key["num"]] if key["num"] else items
 
@@ -380,16 +378,52 @@ def reference_data(key, cfg):
                           "crop": key.get("crop", "center"), "random_flip": False})
 
 
+TRAINED = "trained"  # a key's split: the rows the trainer trains on (open_splits' first), the held-out ones left out
+
+
 def reference_rows(key, data):
-    """A dataset reference's rows: the held-out rows, or the split named."""
+    """A dataset reference's rows: the held-out rows, the trainer's training rows (TRAINED), or the split named."""
+    if key["split"] == TRAINED:
+        return open_splits(data, log=lambda line: None)[0]
     return heldout(data) if key["split"] == "heldout" else open_dataset(data, key["split"])
 
 
 def bucket_rows(key, cfg):
     """A dataset reference's rows in the order reference_images reads them (at a bucket: those whose nearest
-    bucket it is), their other columns (the labels) kept: what the classifier's accuracy on them reads."""
+    bucket it is; a drawn key: its draw, in the order drawn), their other columns (labels, captions) kept: what
+    the classifier's accuracy and the text protocol read."""
     ds = reference_rows(key, reference_data(key, cfg))
-    return ds.select(rows_in(ds, key["image_column"], key["buckets"], key["bucket"])) if key.get("bucket") else ds
+    ds = ds.select(rows_in(ds, key["image_column"], key["buckets"], key["bucket"])) if key.get("bucket") else ds
+    return ds.select(drawn_rows(ds, key["draw"])) if key.get("draw") else ds
+
+
+def drawn_rows(ds, draw):
+    """The rows of a draw (training_draw_key): a seeded permutation's first `count` rows, or with `strata`
+    ([[value, count], ...] of `column`) a seeded permutation's first `count` rows of each value, in the order listed
+    (fewer where the rows have fewer)."""
+    rng = np.random.default_rng(draw["seed"])
+    if not draw.get("strata"):
+        return rng.permutation(len(ds))[:draw["count"]]
+    values = np.asarray(ds[draw["column"]])
+    return np.concatenate([rng.permutation(np.flatnonzero(values == v))[:n] for v, n in draw["strata"]])
+
+
+def training_draw_key(key, cfg, count, seed=0, column=None, values=None):
+    """The key of `count` images drawn (seed) from the trainer's training rows of the run's own source, read as the
+    reference `key`'s images are (resolution, crop, bucket): the real-data floor of a Frechet distance against that
+    reference (docs/evaluation.md, "Real captions"). With `values` (the reference images' `column`, e.g. emoji's
+    category), drawn per value in the reference's proportions, so a reference that is mostly one class is read
+    against training images of its classes, not against the training set's mix. The held-out rows are never among
+    them, so neither is a reference of the held-out rows; a reference that is another split is never the training
+    split's rows here (the caller checks). Cached as any reference's statistics."""
+    data = cfg["data"]
+    out = {k: v for k, v in key.items() if k != "heldout"}
+    draw = {"seed": seed, "count": count}
+    if values is not None:
+        kinds, counts = np.unique(np.asarray(values), return_counts=True)
+        draw.update(column=column, strata=[[v.item(), int(n)] for v, n in zip(kinds, counts)])
+    return {**out, "split": TRAINED, "num": None, "draw": draw,
+            "trained": [data["split"], data["val_split"], data["val_holdout"]]}
 
 
 def folder_sizes(files):

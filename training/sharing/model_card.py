@@ -251,15 +251,17 @@ def prompts_of(report):
     c = report.get("conditioning") or {}
     if "prompts" not in c:
         return ""
-    which = "the held-out captions" if c["prompts"] == "heldout" else f"the prompts of {source_name(c['prompts'])}"
+    named = {"heldout": "the held-out captions", "reference": "the reference rows' captions (sample i: row i % R)"}
+    which = named.get(c["prompts"]) or f"the prompts of {source_name(c['prompts'])}"
     count = f"{c['num_prompts']:,}" if "num_prompts" in c else "?"
     digest = f", sha256 {c['prompts_sha256'][:12]}" if "prompts_sha256" in c else ""
     return f", conditioned on {which} ({count}{digest})"
 
 
 def evaluations(cfg, run_dir, phema=None, tuned=None, repo=None):
-    """Table rows (metric, value, setting, protocol, date, warnings) of eval_fid.py's reports on these weights (the
-    export's EMA, or the post-hoc EMA of phema's std) and of quality.jsonl (the export's: its rows name their step),
+    """Table rows (metric, value, real images' value or None, setting, protocol, date, warnings) of eval_fid.py's
+    reports on these weights (the export's EMA, or the post-hoc EMA of phema's std) and of quality.jsonl (the
+    export's: its rows name their step),
     and the number of reports left out. A report written by tools/tune.py or tools/phema.py --sweep (written_by:
     what ran it, never its settings) chose a setting on the held-out rows and does not score the model: it is left
     out, and counted. Every other row says its setting: the run's own, tune.py's choice (`tuned`: the tuned.json
@@ -296,11 +298,13 @@ def evaluations(cfg, run_dir, phema=None, tuned=None, repo=None):
                     f"{', CLIP score by ' + source_name(r['clip_model']) if r.get('clip_model') else ''}; `{command}`")
         bucket = " ({}x{} bucket)".format(*r["shape"]) if r.get("shape") else ""
         date = datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
-        out += [(k + bucket, v, setting, protocol, date, r.get("warnings") or []) for k, v in r["metrics"].items()]
+        real = r.get("real") or {}  # the text protocol's real images, under the samples' names
+        out += [(k + bucket, v, real.get(k), setting, protocol, date, r.get("warnings") or [])
+                for k, v in r["metrics"].items()]
     quality = Path(run_dir) / "quality.jsonl"
     for row in read_rows(quality) if phema is None else []:
         date = datetime.date.fromtimestamp(quality.stat().st_mtime).isoformat()
-        out += [(k, v, "not recorded", f"quality.jsonl, step {row['step']}", date, []) for k, v in row.items()
+        out += [(k, v, None, "not recorded", f"quality.jsonl, step {row['step']}", date, []) for k, v in row.items()
                 if k != "step"]
     return out, left_out
 
@@ -418,9 +422,15 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
     warnings = list(dict.fromkeys(w for *_, ws in scores for w in ws))  # each once, numbered in the order met
     if scores:
         out += ["| metric | value | setting | protocol | date |", "| --- | --- | --- | --- | --- |"]
-        out += [f"| {k} | {v:.4f} | {setting} | {protocol}"
-                + "".join(f"; warning {warnings.index(w) + 1}" for w in ws) + f" | {date} |"
-                for k, v, setting, protocol, date, ws in scores]
+        out += [f"| {k} | {v:.4f}" + ("" if real is None else f" (real images: {real:.4f})") + f" | {setting} | "
+                f"{protocol}" + "".join(f"; warning {warnings.index(w) + 1}" for w in ws) + f" | {date} |"
+                for k, v, real, setting, protocol, date, ws in scores]
+        if any(real is not None for _, _, real, *_ in scores):
+            out += ["", "(real images: ...) is what real images score the same way (eval_fid.py's text protocol, "
+                    "docs/evaluation.md): for FD, KD, precision, recall, density and coverage, as many training images "
+                    "as the reference has, against it (the floor); for CLIP score, retrieval and class accuracy, the "
+                    "reference images themselves (the ceiling). A metric ending in a part's name (recombination, new) "
+                    "is that part's samples against that part's images."]
     else:
         out += ["Not evaluated yet: run eval_fid.py on the run, then export again (tools/export.py)."]
     if warnings:
