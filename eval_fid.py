@@ -3,8 +3,10 @@ coverage on the same features, FD-DINOv2 (--dino), CLIP score. What it scores ag
 reference statistics) is training/evaluation/reference.py's; the scores themselves are training/evaluation/metrics.py's.
 
     python eval_fid.py --run runs/flow_matching_demo --num_samples 1000 --inception_weights inception-2015-12-05.pt
-    accelerate launch eval_fid.py --run runs/flow_matching_imagenet256 --reference ILSVRC/imagenet-1k --reference_split validation
-    accelerate launch eval_fid.py --run runs/flow_matching_cc12m --prompts heldout --clip_model openai/clip-vit-large-patch14
+    accelerate launch eval_fid.py --run runs/flow_matching_imagenet256 --reference ILSVRC/imagenet-1k \
+        --reference_split validation
+    accelerate launch eval_fid.py --run runs/flow_matching_cc12m --prompts heldout \
+        --clip_model openai/clip-vit-large-patch14
     python eval_fid.py --run runs/flow_matching_demo --num_samples 1000 --dino facebook/dinov2-base
     python eval_fid.py --run runs/flow_matching_emoji --reference_split test --features clip --clip_model clips/emoji
 
@@ -73,7 +75,8 @@ def parser():
       "captioned split): one per reference image, and a multiple of their count")
     a("--batch_size", type=int, default=64, help="per process; stochastic samplers depend on it, noise does not")
     a("--seed", type=int, default=0, help="sample i's noise: seed_for(seed, 0, i)")
-    a("--sampler", default=None, help="default: the run's val.sampler (flow matching: euler, heun, meanflow; DDPM: ddim, ddpm)")
+    a("--sampler", default=None, help="default: the run's val.sampler (flow matching: euler, heun, meanflow; "
+      "DDPM: ddim, ddpm)")
     a("--steps", type=int, default=None, help="default: the run's val.steps")
     a("--guidance_scale", type=float, default=None, help="semantic guidance; default: the run's val.guidance_scale")
     a("--control_guidance_scale", type=float, default=None, help="default: the run's val.control_guidance_scale")
@@ -106,7 +109,8 @@ def parser():
       "retrieval in the text protocol, --features clip; 'none' to skip")
     a("--adm_npz", default=None, help="also write the samples as uint8 NHWC 'arr_0' for ADM's evaluator")
     a("--generate_only", action="store_true", help="write the PNGs and stop (score later, anywhere)")
-    a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"], help="default: the run's train.mixed_precision")
+    a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"],
+      help="default: the run's train.mixed_precision")
     a("--untuned", action="store_true", help="ignore RUN/tuned.json (tools/tune.py): the run's own settings")
     return p
 
@@ -349,7 +353,8 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
         "mode": args.mode, "feature_extractor": feature_name, "feature_weights": getattr(feature_fn, "path", None),
         "feature_weights_sha256": getattr(feature_fn, "sha256", None), "samples_dir": str(samples_dir),
         "dino": None if dino_ref is None else {"model": args.dino, "stats": dino_ref["path"],
-                                               "key_sha256": dino_ref["key_sha256"], "stats_sha256": dino_ref["sha256"]},
+                                               "key_sha256": dino_ref["key_sha256"],
+                                               "stats_sha256": dino_ref["sha256"]},
         "classifier": None if judge is None else {"path": args.classifier, **judge[1], "bucket_reference": real},
         "adm_npz": args.adm_npz, "warnings": warnings, "written_by": written_by, "reference_count": n_ref,
         "num_processes": world, "seconds": round(time.time() - t_start, 1),
@@ -362,9 +367,11 @@ def main(argv=None, feature_fn=None, written_by="eval_fid.py"):
     lines = captions.table(samples, real_images, parts, args.num_samples) if ref_rows is not None else []
     table = {**{k: f"{v:.4f}" for k, v in metrics.items() if k not in shown},
              "model": f"{model_desc['source']} ({weights})",
-             "sampler": f"{sampler}, {steps} steps, guidance {guidance:g} in t {interval}", "reference": key["source"], "report": path}
+             "sampler": f"{sampler}, {steps} steps, guidance {guidance:g} in t {interval}",
+             "reference": key["source"], "report": path}
     if judge is not None:
-        table["classifier"] = f"{args.classifier}: {judge[1]['test_accuracy']:.4f} on real '{judge[1]['test_split']}' images"
+        table["classifier"] = (f"{args.classifier}: {judge[1]['test_accuracy']:.4f} on real "
+                               f"'{judge[1]['test_split']}' images")
         if real is not None:  # beside the samples' class accuracy at this bucket: the real images' of the same bucket
             table["classifier"] += (f"; {real['accuracy']:.4f} on the {real['images']} real reference images of the "
                                     f"{args.shape[0]}x{args.shape[1]} bucket, read as its samples are")

@@ -55,7 +55,8 @@ class TinyFeatures:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A tiny class-conditional flow-matching run with controls, trained in-process (2 steps), exported."""
-    return trained_for_the_module(train_flow_matching.main, [*tiny_run_args(tmp_path_factory.mktemp("fm"), steps=2), *CONTROLS])
+    return trained_for_the_module(train_flow_matching.main,
+                                  [*tiny_run_args(tmp_path_factory.mktemp("fm"), steps=2), *CONTROLS])
 
 
 def pngs(folder):
@@ -108,7 +109,8 @@ def test_fid_of_samples_against_themselves_is_zero_and_report_is_complete(run, t
         assert field in on_disk, field
     assert on_disk["model"]["weights"] == "ema (export)" and on_disk["model"]["method"] == "train_flow_matching"
     assert on_disk["num_samples"] == 40 and on_disk["steps"] == 2 and on_disk["sampler"] == "euler"
-    assert on_disk["guidance_scale"] == train_flow_matching.DEFAULTS["val"]["guidance_scale"] and on_disk["seeds"]["seed"] == 0 and on_disk["mode"] == "clean"
+    assert on_disk["guidance_scale"] == train_flow_matching.DEFAULTS["val"]["guidance_scale"]
+    assert on_disk["seeds"]["seed"] == 0 and on_disk["mode"] == "clean"
     assert on_disk["control_guidance_scale"] == 0.0 and on_disk["controls"] == "heldout"
     assert on_disk["reference"]["kind"] == "folder" and len(on_disk["reference"]["stats_sha256"]) == 64
     assert on_disk["feature_extractor"] == "tiny-random-conv"
@@ -174,13 +176,15 @@ def test_a_class_folder_runs_heldout_reference_is_the_rows_the_trainer_held_out(
     for i in range(30):  # 30 flat colours in 2 class folders: each image is known by its colour
         (tmp_path / "pets" / "ab"[i % 2]).mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (12, 10), (i * 8, 100, 50)).save(tmp_path / "pets" / "ab"[i % 2] / f"{i:03d}.png")
-    cfg = config.load_config(train_flow_matching.DEFAULTS, [f"--data.source={tmp_path / 'pets'}", "--data.resolution=8"])
+    cfg = config.load_config(train_flow_matching.DEFAULTS,
+                             [f"--data.source={tmp_path / 'pets'}", "--data.resolution=8"])
     args = eval_fid.parse_args(["--run", str(tmp_path)])
     key = reference.reference_key(args, cfg, "f")
     assert key["kind"] == "dataset" and key["split"] == "heldout"
     colours = sorted(int(item()[0, 0, 0]) for item in reference.reference_images(key, cfg))
     held = open_splits(config.Config({**cfg.data}), print)[1]
-    assert colours == sorted(int(np.asarray(Image.open(row["image"]["path"]))[0, 0, 0]) for row in held) and len(held) == 3
+    assert colours == sorted(int(np.asarray(Image.open(row["image"]["path"]))[0, 0, 0]) for row in held)
+    assert len(held) == 3
     args = eval_fid.parse_args(["--run", str(tmp_path), "--reference", str(tmp_path / "pets" / "a")])
     assert reference.reference_key(args, cfg, "f")["kind"] == "folder"
 
@@ -437,9 +441,11 @@ def test_what_a_fid_on_few_images_can_mean_is_said_and_a_failed_sqrtm_loses_noth
     a, b = rng.standard_normal((12, 8)) @ rng.standard_normal((8, 8)), rng.standard_normal((40, 8)) + 0.3
     ref = {"mu": a.mean(0), "sigma": np.cov(a, rowvar=False), "feats": a}
     want = metrics.fid_kid(b, ref, "clean", 40)
-    monkeypatch.setattr(cleanfid.fid, "frechet_distance", lambda *x: (_ for _ in ()).throw(ValueError("Imaginary component 0.2")))
+    monkeypatch.setattr(cleanfid.fid, "frechet_distance",
+                        lambda *x: (_ for _ in ()).throw(ValueError("Imaginary component 0.2")))
     got = metrics.fid_kid(b, ref, "clean", 40)
-    assert got["fid_clean_40"] == pytest.approx(want["fid_clean_40"], rel=1e-8) and got["kid_clean_40"] == want["kid_clean_40"]
+    assert got["fid_clean_40"] == pytest.approx(want["fid_clean_40"], rel=1e-8)
+    assert got["kid_clean_40"] == want["kid_clean_40"]
 
 
 def test_inception_file_is_verified_and_downloaded_into_a_per_user_cache(tmp_path, monkeypatch):

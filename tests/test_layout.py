@@ -304,13 +304,6 @@ def test_each_benchmark_names_the_study_file_it_feeds_and_the_index_lists_every_
 # The developers' guide's measures: no line over 120 characters; a trainer's main() fits in 160 lines.
 MAX_LINE, MAX_MAIN = 120, 160
 TRAINERS = ("train_flow_matching.py", "train_ddpm.py")
-# TEMPORARY, to be emptied: the files another change of issue 68 was rewriting when this check came in, reflowed
-# once it lands. A file listed here with no long line left fails the test, so the list can only shrink.
-LONG_LINES_PENDING = {
-    "eval_fid.py", "tests/test_eval_fid.py", "tools/tune.py", "training/evaluation/generation.py",
-    "training/evaluation/metrics.py", "training/evaluation/ratings.py", "training/evaluation/reference.py",
-    "training/evaluation/validation.py", "training/sharing/model_card.py",
-}
 
 
 def python_files(root=ROOT):
@@ -335,35 +328,23 @@ def long_lines(root=ROOT, limit=MAX_LINE):
     return found
 
 
-def line_problems(found, pending=LONG_LINES_PENDING):
-    """Each long line outside the allowance, and each file the allowance names that has no long line left."""
-    problems = [line for name in sorted(found) if name not in pending for line in found[name]]
-    return problems + [f"{name}: no line over {MAX_LINE} characters left: take it out of LONG_LINES_PENDING"
-                       for name in sorted(set(pending) - set(found))]
-
-
 def test_no_line_of_a_python_file_is_over_120_characters():
     files = python_files()
     assert {"common.py", "train_ddpm.py", "training/run/checkpoints.py", "tests/test_layout.py"} <= set(files)
-    problems = line_problems(long_lines())
+    problems = [line for lines in long_lines().values() for line in lines]
     assert not problems, f"the developers' guide: no line over {MAX_LINE} characters\n  " + "\n  ".join(problems)
 
 
-def test_a_planted_long_line_is_named_by_file_and_line_and_an_allowance_with_nothing_left_fails(tmp_path):
+def test_a_planted_long_line_is_named_by_file_and_line(tmp_path):
     """A 121-character line on line 3 of tools/long.py is named; 120 characters pass; what a run wrote under a
-    folder .gitignore names is not read; the allowance excuses its files and fails on one with no long line."""
+    folder .gitignore names is not read."""
     (tmp_path / ".gitignore").write_text("__pycache__/\nruns/\n")
     (tmp_path / "tools").mkdir()
     (tmp_path / "tools" / "fine.py").write_text("x = 1\n" + "#" * 120 + "\n")
     (tmp_path / "tools" / "long.py").write_text("x = 1\n\ny = '" + "a" * 115 + "'\n")
     (tmp_path / "runs" / "demo" / "export").mkdir(parents=True)
     (tmp_path / "runs" / "demo" / "export" / "pipeline.py").write_text("#" * 200 + "\n")
-    found = long_lines(tmp_path)
-    assert found == {"tools/long.py": ["tools/long.py:3: 121 characters"]}
-    assert line_problems(found, pending=set()) == ["tools/long.py:3: 121 characters"]
-    assert line_problems(found, pending={"tools/long.py"}) == []
-    assert line_problems(found, pending={"tools/long.py", "tools/fine.py"}) == [
-        "tools/fine.py: no line over 120 characters left: take it out of LONG_LINES_PENDING"]
+    assert long_lines(tmp_path) == {"tools/long.py": ["tools/long.py:3: 121 characters"]}
 
 
 def function_lines(path, name="main"):

@@ -155,7 +155,8 @@ def main(argv=None, feature_fn=None):
     pinned = ["--checkpoint", str(Path(args.run) / model["model"])] if given.checkpoint else []
     grid = list(itertools.product(args.guidance or default_guidance(cfg),
                                   args.guidance_interval or [list(cfg["val"].get("guidance_interval", [0.0, 1.0]))],
-                                  [int(s) for s in args.steps or default_steps(cfg, sampler)], args.phema_std or [None]))
+                                  [int(s) for s in args.steps or default_steps(cfg, sampler)],
+                                  args.phema_std or [None]))
     warned = set()
 
     def score(row, num_samples, seed):

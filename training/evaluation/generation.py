@@ -83,6 +83,7 @@ def noise_shape(cfg, transformer, shape=None):
         return tc.in_channels, tc.sample_size, tc.sample_size
     scale, multiple = largest_side(cfg) // tc.sample_size, largest_side(cfg) // tc.sample_size * tc.patch_size
     if any(side % multiple or side > largest_side(cfg) for side in shape):
-        raise config.ConfigError(f"{shape[0]}x{shape[1]} px: each side must be a multiple of {multiple} (patch {tc.patch_size} "
-                         f"x the VAE's factor {scale}) and at most {largest_side(cfg)} (the positional grid)")
+        raise config.ConfigError(f"{shape[0]}x{shape[1]} px: each side must be a multiple of {multiple} (patch "
+                                 f"{tc.patch_size} x the VAE's factor {scale}) and at most {largest_side(cfg)} (the "
+                                 f"positional grid)")
     return tc.in_channels, shape[1] // scale, shape[0] // scale

@@ -101,7 +101,8 @@ def dinov2_features(model_id=DINO_DEFAULT, device="cpu", accelerator=None, batch
     except OSError as e:
         raise FileNotFoundError(f"DINOv2 {model_id!r} could not be loaded ({str(e).splitlines()[0]}). On a machine "
                                 f"with network run `python tools/prefetch.py --config CONFIG --dino {model_id}` and "
-                                f"copy the Hugging Face cache, or pass a local folder saved with save_pretrained.") from None
+                                f"copy the Hugging Face cache, or pass a local folder saved with "
+                                f"save_pretrained.") from None
     crop = processor.crop_size
     size = (crop["height"], crop["width"])
     mean = torch.tensor(processor.image_mean, device=device).view(1, 3, 1, 1)
@@ -202,7 +203,8 @@ def all_scores(feats, ref, mode, n, tag, device="cpu"):
 def dino_scores(feats, ref, n, device="cpu"):
     """'fd_dinov2_<N>' and the manifold metrics on DINOv2 features."""
     fd = frechet(feats.mean(0), np.cov(feats, rowvar=False), ref["mu"], ref["sigma"])
-    return {f"fd_dinov2_{size_tag(n)}": float(fd), **manifold_metrics(feats, ref["feats"], "dinov2", size_tag(n), device)}
+    return {f"fd_dinov2_{size_tag(n)}": float(fd),
+            **manifold_metrics(feats, ref["feats"], "dinov2", size_tag(n), device)}
 
 
 def check_dino_reference(reference):

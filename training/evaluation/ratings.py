@@ -163,7 +163,8 @@ def summary_lines(votes):
             lines.append(f"{a} vs {b}: no decided votes yet ({r['skips']} skipped)")
             continue
         lines.append(f"{a} vs {b}: win rate {r['rate']:.3f} [95% CI {r['low']:.3f}, {r['high']:.3f}] over {r['n']} "
-                     f"votes ({r['wins']} wins, {r['losses']} losses, {r['ties']} ties as half wins; {r['skips']} skipped)")
+                     f"votes ({r['wins']} wins, {r['losses']} losses, {r['ties']} ties as half wins; "
+                     f"{r['skips']} skipped)")
         if r["low"] <= 0.5 <= r["high"]:
             need = votes_needed(r["rate"]) if r["rate"] != 0.5 else math.inf
             lines.append(f"  too few votes to tell the two apart (the interval includes 0.5): a true rate of "

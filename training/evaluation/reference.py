@@ -21,7 +21,8 @@ from PIL import Image
 import common
 from training.config import config
 from training.data.buckets import image_sizes, nearest, rows_in, shape_arg
-from training.data.sources import is_stream, load_image, open_dataset, open_splits, preprocess, same_rows, stream_heldout
+from training.data.sources import (is_stream, load_image, open_dataset, open_splits, preprocess, same_rows,
+                                   stream_heldout)
 from training.run.monitor import progress
 
 INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
@@ -328,7 +329,8 @@ def reference_key(args, cfg, feature_name):
     if getattr(args, "shape", None):  # a run with data.buckets, scored at one of them: that bucket's images alone
         key.update(bucket=list(args.shape), buckets=data["bucket_shapes"])
     if source == "embedded":
-        key["demo"] = [data["demo_samples"], data["demo_resolution"]]  # and what the images depend on, as the cache's key
+        # and what the images depend on, as the cache's key
+        key["demo"] = [data["demo_samples"], data["demo_resolution"]]
         key["demo"] += [data["demo_sizes"]] if data.get("demo_sizes") else []
         key["demo"] += [data["demo_render"]] if data.get("demo_render", "native") != "native" else []
     return key
@@ -336,7 +338,8 @@ def reference_key(args, cfg, feature_name):
 
 def same_source(a, b):
     """Whether two data sources name the same thing (a folder however written, or the same id)."""
-    return a == b or (Path(a).expanduser().exists() and Path(a).expanduser().resolve() == Path(b).expanduser().resolve())
+    return a == b or (Path(a).expanduser().exists()
+                      and Path(a).expanduser().resolve() == Path(b).expanduser().resolve())
 
 
 def image_files(source):
@@ -473,8 +476,8 @@ def reference_stats(key, cfg, feature_fn, accelerator, cache_dir, batch_size=64)
     accelerator.print(f"reference statistics: cache {'hit' if path.exists() else 'miss'}, {path}")
     if not path.exists():
         items, pairs = reference_images(key, cfg), []
-        for idx in progress(common.my_batches(len(items), batch_size, accelerator.process_index, accelerator.num_processes),
-                            "reference features", accelerator.is_local_main_process):
+        batches = common.my_batches(len(items), batch_size, accelerator.process_index, accelerator.num_processes)
+        for idx in progress(batches, "reference features", accelerator.is_local_main_process):
             pairs += zip(idx, feature_fn([items[i]() for i in idx]))
         feats = common.gathered(pairs)
         if accelerator.is_main_process:

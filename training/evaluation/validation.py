@@ -72,7 +72,8 @@ def heldout_batches(val_set, num_samples, batch_size, seed, device):
     for group in same_bucket(val_set, range(n), batch_size):
         rows = [val_set[j] for j in group]
         batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-        x0 = batch["x"] + batch["x_std"] * torch.randn(batch["x"].shape, generator=gen) if "x_std" in batch else batch["x"]
+        x0 = (batch["x"] + batch["x_std"] * torch.randn(batch["x"].shape, generator=gen) if "x_std" in batch
+              else batch["x"])
         noise = torch.randn(x0.shape, generator=gen)
         yield x0.to(device), noise.to(device), conditions_of(batch, device)
 

@@ -292,7 +292,8 @@ def evaluations(cfg, run_dir, phema=None, tuned=None, repo=None):
         against = (f"the held-out rows of {source_name(ref['source'])}" if curves.on_heldout_rows(r) else
                    f"{source_name(ref.get('source', '?'))} {ref.get('split') or ''}".strip())
         count = f" ({r['reference_count']:,} images)" if r.get("reference_count") else ""
-        protocol = (f"{r['num_samples']:,} samples ({r['model'].get('weights', '')}), {r['sampler']} {r['steps']} steps, "
+        protocol = (f"{r['num_samples']:,} samples ({r['model'].get('weights', '')}), {r['sampler']} {r['steps']} "
+                    f"steps, "
                     f"guidance {r['guidance_scale']:g}, interval {r.get('guidance_interval', [0, 1])}{prompts_of(r)}, "
                     f"against {against}{count}, {r.get('feature_extractor') or 'inception'} features"
                     f"{', CLIP score by ' + source_name(r['clip_model']) if r.get('clip_model') else ''}; `{command}`")
@@ -388,7 +389,8 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
                if (Path(folder) / "text_encoder").is_dir() else f"`{enc['text_encoder']}`")  # a path: its name only
     conditioning = f"captions encoded by {encoder}" if text else f"{len(names) or d['num_classes']} classes"
     weights = ("the EMA of the weights" if phema is None else
-               f"the post-hoc EMA of relative std {phema['phema_std']:g} (gamma {phema['gamma']:.2f}, profile fit error "
+               f"the post-hoc EMA of relative std {phema['phema_std']:g} (gamma {phema['gamma']:.2f}, profile fit "
+               f"error "
                f"{phema['profile_fit_error']:.1e}), reconstructed from the run's snapshots (Karras et al. 2024)")
     out = [metadata(cfg, text), "", f"# {Path(cfg['run_dir']).name}", "",
            f"A {n_params / 1e6:.1f}M-parameter MMDiT (diffusers' SD3Transformer2DModel: {m['num_layers']} layers, "
@@ -442,7 +444,8 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
                 f"{'they do' if left_out > 1 else 'it does'} not score it: not shown."]
     if (Path(folder) / GRID).is_file():
         out += ["", "## Samples", "", f"![the last validation grid]({GRID})", "",
-                f"The run's last validation grid: {val['steps']} {val['sampler']} steps, guidance {val['guidance_scale']:g}."]
+                f"The run's last validation grid: {val['steps']} {val['sampler']} steps, guidance "
+                f"{val['guidance_scale']:g}."]
     reference = reference_rows(cfg, run_dir, rows)
     if reference:
         out += ["", "## Reference curves", "", f"The recipe's reference runs ({source_name(val['reference_curves'])}) "
