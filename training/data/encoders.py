@@ -15,6 +15,7 @@ tokenizers both count their special tokens within max_length). The empty caption
 guidance, and the null text of the model) is the start and end tokens alone; a CLIP's pooled vector is the final
 hidden state at its end token, a T5's the mean over the real tokens (docs/data.md, "Captions into tokens").
 """
+import contextlib
 from pathlib import Path
 
 import torch
@@ -57,9 +58,25 @@ def load_encoders(enc, device):
         kind = from_pretrained(key, AutoConfig.from_pretrained, name).model_type
         model_cls = {"clip": CLIPTextModel, "clip_text_model": CLIPTextModel, "t5": T5EncoderModel}.get(kind, AutoModel)
         tokenizer = from_pretrained(key, AutoTokenizer.from_pretrained, tokenizer_folder(name))
-        text_encoder = from_pretrained(key, model_cls.from_pretrained, name, use_safetensors=True)
+        with quiet_transformers(kind == "clip"):  # a whole CLIP (tools/clip.py's): its vision tower left out on purpose
+            text_encoder = from_pretrained(key, model_cls.from_pretrained, name, use_safetensors=True)
         text_encoder = text_encoder.to(device).eval().requires_grad_(False)
     return vae, tokenizer, text_encoder
+
+
+@contextlib.contextmanager
+def quiet_transformers(quiet=True):
+    """transformers' warnings off while a model loads: a whole CLIPModel read as its text tower (CLIPTextModel)
+    otherwise prints a table of every vision weight it leaves out ("UNEXPECTED"), which is what is meant."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def tokenizer_folder(name):
