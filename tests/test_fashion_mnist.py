@@ -149,6 +149,12 @@ def test_classifier_learns_saves_and_loads_with_its_record(tmp_path):
                        classifier.logits_and_features(model, test_images[:4])[0])
     features = classifier.feature_fn(again)(list(test_images[:3]))
     assert features.shape == (3, 128) and features.dtype == np.float64
+    # named for the reference cache by its weights: the same classifier read back the same, another not (a
+    # classifier retrained in place never reads the statistics of the one before)
+    assert classifier.feature_fn(again).name == classifier.feature_fn(model).name != classifier.feature_fn(
+        classifier.build(2, ["vertical", "horizontal"])).name
+    named = classifier.feature_fn(again)
+    assert named.name.startswith("classifier@") and named.tag == "classifier"
 
 
 def test_the_classifier_trains_on_the_training_split_and_is_measured_on_the_test_split(tmp_path, monkeypatch,

@@ -16,6 +16,7 @@ samples worse: check_scale stops such a run at start-up, naming the factors that
 """
 import itertools
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -125,9 +126,10 @@ def train(vae, images, steps, batch_size=128, lr=1e-3, kl_weight=1e-6, seed=0, l
         if step + 1 in marks:
             last = {"l1_per_pixel": (sums[0] / sums[2]).item(), "kl_per_image": (sums[1] / sums[2]).item()}
             eta = (time.time() - start) * (steps - step - 1) / (step + 1)
-            if bar.disable:
+            if bar.disable:  # flushed: a log file sees each line as it comes
                 log(f"autoencoder: step {step + 1}/{steps}, L1 per pixel {last['l1_per_pixel']:.4f}, KL per image "
                     f"{last['kl_per_image']:.0f}, {time.time() - start:.0f} s, ETA {eta:.0f} s")
+                sys.stdout.flush()
             sums.zero_()
     bar.close()
     return last

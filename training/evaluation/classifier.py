@@ -11,6 +11,7 @@ split alone. eval_fid.py --classifier uses it twice (docs/evaluation.md):
 It is trained by tools/classifier.py. 28 px images are upsampled 2x before the network (its stem downsamples 4x:
 at 28 px the first stage would see 7 x 7 pixels).
 """
+import hashlib
 import json
 from pathlib import Path
 
@@ -153,8 +154,12 @@ def load(path, device="cpu"):
 
 
 def feature_fn(model, device="cpu"):
-    """eval_fid.py's feature_fn: list of uint8 (H, W, 3) -> float64 (N, 128)."""
+    """eval_fid.py's feature_fn: list of uint8 (H, W, 3) -> float64 (N, 128). Named for the reference cache by a
+    digest of its weights, so a classifier retrained in place never reads the statistics of the one before."""
     def features(images):
         return logits_and_features(model, images, device)[1].double().cpu().numpy()
-    features.name = features.tag = "classifier"
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+    features.name, features.tag = f"classifier@{digest.hexdigest()[:16]}", "classifier"
     return features
