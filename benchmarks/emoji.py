@@ -223,7 +223,8 @@ def contrast(first, second, metric, part=""):
     b = [value(got_b[s], metric, part) for s in seeds]
     d = paired_comparison(a, b, higher_is_better=metric not in LOWER)
     names = (f"{arm_a} {name_a}", f"{arm_b} {name_b}")
-    return (f"| {names[0]} - {names[1]} | {metric}{part} | {d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}] | "
+    interval = f" [{d['low']:+.4f}, {d['high']:+.4f}]" if len(seeds) > 1 else ""  # one seed: no interval
+    return (f"| {names[0]} - {names[1]} | {metric}{part} | {d['mean']:+.4f}{interval} | "
             f"{', '.join(map(str, seeds))} | {verdict(d, metric in LOWER, names)} |")
 
 
