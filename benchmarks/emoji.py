@@ -66,6 +66,7 @@ METRICS = ("fd_clip", "kd_clip", "precision_clip", "recall_clip", "clip_score", 
 LOWER = {"fd_clip", "kd_clip"}
 PARTS = ("", "_recombination", "_new")  # all test captions, then each part
 AIM_FLOOR, AIM_RETRIEVAL = 3.0, 0.5  # FD within 3x the floor; top-5 retrieval at least half the real images'
+GRID = ROOT / "docs" / "img" / "emoji_test_captions.png"  # the README's grid (`grid`)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def cost(args):
     per_step = {}
     for name, arm_args in (("latent", []), ("pixel", PIXELS)):
         run = out / name
-        train(run, "flow_matching", [*arm_args, f"--train.max_steps={COST_STEPS}", "--val.every=0",
+        train(run, "flow_matching", [*arm_args, f"--train.max_steps={COST_STEPS}", f"--val.every={COST_STEPS}",
                                      f"--ckpt.every={COST_STEPS}", "--log.every=10"], args, 0)
         per_step[name] = step_cpu(run)
     recipe = json.loads(RECIPE.read_text())["train"]["max_steps"]
@@ -222,7 +223,8 @@ def contrast(first, second, metric, part=""):
     b = [value(got_b[s], metric, part) for s in seeds]
     d = paired_comparison(a, b, higher_is_better=metric not in LOWER)
     names = (f"{arm_a} {name_a}", f"{arm_b} {name_b}")
-    return (f"| {names[0]} - {names[1]} | {metric}{part} | {d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}] | "
+    interval = f" [{d['low']:+.4f}, {d['high']:+.4f}]" if len(seeds) > 1 else ""  # one seed: no interval
+    return (f"| {names[0]} - {names[1]} | {metric}{part} | {d['mean']:+.4f}{interval} | "
             f"{', '.join(map(str, seeds))} | {verdict(d, metric in LOWER, names)} |")
 
 
@@ -298,7 +300,8 @@ def grid(args):
     arm, seed, per_part = args.arm or "fm_latent", 0, 4
     folder = Path(args.out) / f"{arm}_s{seed}" / "eval" / "test-tuned"
     rows = [json.loads(line) for line in (folder / "per_sample.jsonl").read_text().splitlines()]
-    test = emoji.load("test")
+    source = json.loads((folder.parents[1] / "config.json").read_text())["data"]["source"]
+    test = emoji.load("test", emoji.folder_of(source))  # the packages the run was scored on, where the recipe has them
     picked = []
     for part in ("recombination", "new"):  # the first test images of each part whose vendor is google
         picked += [r for r in rows if r["part"] == part and test[r["row"]]["vendor"] == "google"][:per_part]
@@ -313,9 +316,8 @@ def grid(args):
         caption = r["caption"] if len(r["caption"]) <= 30 else r["caption"][:28] + ".."
         draw.text((x + 4, y + cell_px + 2), caption, fill="black")
         draw.text((x + 4, y + cell_px + 15), f"({r['part']}) sample | real", fill="grey")
-    path = ROOT / "docs" / "img" / "emoji_test_captions.png"
-    canvas.save(path)
-    print(f"{path}: {len(picked)} test captions of {arm} seed {seed}, each sample beside its real image")
+    canvas.save(GRID)
+    print(f"{GRID}: {len(picked)} test captions of {arm} seed {seed}, each sample beside its real image")
 
 
 def main(argv=None):

@@ -9,6 +9,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import resource
 import runpy
 import subprocess
@@ -18,12 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
+from scipy import stats
 from scipy.stats import ttest_rel
 
 from benchmarks import buckets
+from benchmarks import emoji as emoji_campaign
 from benchmarks import fashion_mnist as bench
 from conftest import ROOT
-from training.data import fashion_mnist
+from training.data import emoji, fashion_mnist
 
 # The recipe's runs scaled down: a one-block model of width 16, 8 images a step, 20 held-out rows, 2-step validation
 # sampling, no report.md (its plots are most of a tiny run); TINY_BUDGET: 2 steps and a checkpoint at every step (the
@@ -117,6 +121,7 @@ def children_in_process(monkeypatch):
     monkeypatch.setattr(subprocess, "run", child)
     monkeypatch.setattr(bench, "cpu_seconds", cpu_seconds)
     monkeypatch.setattr(buckets, "cpu_seconds", cpu_seconds)
+    monkeypatch.setattr(emoji_campaign, "cpu_seconds", cpu_seconds)
 
 
 def rows_of(printed, first):
@@ -377,3 +382,237 @@ def test_the_buckets_table_pairs_the_arms_by_seed_and_names_the_unpaired_seeds(t
         ["cannot draw it", ""]
     assert "unpaired (in the arm's own column, not in the paired difference): buckets seed(s) 2; square seed(s) 3" \
         in lines
+
+
+# ---- benchmarks/emoji.py -----------------------------------------------------------------------------------------
+
+
+def scaled_down_emoji(tmp_path, monkeypatch):
+    """The emoji campaign on test_emoji's fixture packages (29 training, 2 validation and 4 test images: 2 a test
+    part, the fewest a part's distances take; the floor of the 'new' part draws the 2 training flags there are),
+    16 px: configs/emoji.json with a one-block model, 2 steps of 8 images, 2 validation samples; its tools in
+    TMP/tools made by the campaign's own commands, scaled down (a CLIP of width 32 and one layer, 1 epoch; the
+    classifier 1 epoch; the autoencoder 8, 8 channels, 2 steps); 2-step cost runs, seeds 0 and 1, a tune of guidance
+    2 and 4 at 3 steps (neither guidance 1 nor the recipe's 3 and 2 steps, so a score at the wrong setting shows),
+    the grid to TMP/grid.png. Returns the out folder and the packages' folder."""
+    from test_emoji import write_packages
+
+    packages, tools = tmp_path / "emoji", tmp_path / "tools"
+    monkeypatch.setattr(emoji, "PINNED", write_packages(packages))
+    recipe = json.loads(emoji_campaign.RECIPE.read_text())
+    for section, values in {
+            "data": {"source": f"emoji:{packages}", "resolution": 16, "cache_dir": str(tmp_path / "cache")},
+            "encoders": {"vae": str(tools / emoji_campaign.AUTOENCODER),
+                         "text_encoder": str(tools / emoji_campaign.TEXT_CLIP)},
+            "model": {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 8},
+            "train": {"max_steps": 2, "batch_size": 8, "warmup_steps": 1},
+            "val": {"every": 2, "num_samples": 2, "steps": 2, "loss_samples": 2, "reference_curves": None},
+            "log": {"every": 1, "report": False}, "ckpt": {"every": 2}}.items():
+        recipe[section] = {**recipe.get(section, {}), **values}
+    (path := tmp_path / "emoji_recipe.json").write_text(json.dumps(recipe))
+    clip = ["--epochs", "1", "--width", "32", "--layers", "1", "--patch_size", "4", "--batch_size", "16"]
+    scaled = {emoji_campaign.TEXT_CLIP: clip, emoji_campaign.EVAL_CLIP: clip,
+              emoji_campaign.CLASSIFIER: ["--epochs", "1"],
+              emoji_campaign.AUTOENCODER: ["--channels", "8,8", "--steps", "2", "--batch_size", "8",
+                                           "--stats_cache", str(tmp_path / "cache" / "fid_stats")]}
+    monkeypatch.setattr(emoji_campaign, "TOOLS", {  # the campaign's commands, its folders (--classifier) in TMP/tools
+        str(tools / folder): [*(str(tools / c) if c in emoji_campaign.TOOLS else c for c in command), *scaled[folder]]
+        for folder, command in emoji_campaign.TOOLS.items()})
+    for name, value in {"RECIPE": path, "EVAL_CLIP": str(tools / emoji_campaign.EVAL_CLIP),
+                        "CLASSIFIER": str(tools / emoji_campaign.CLASSIFIER), "COST_STEPS": 2, "SEEDS": (0, 1),
+                        "TUNE": ["--guidance", "2,4", "--steps", "3", "--num_samples", "2", "--confirm_samples", "0"],
+                        "GRID": tmp_path / "grid.png"}.items():
+        monkeypatch.setattr(emoji_campaign, name, value)
+    return tmp_path / "out", packages
+
+
+def report_sections(text):
+    """{(arm, setting): {metric: [cell of all, recombination, new]}} of report.md's per-arm tables."""
+    out, arm, setting = {}, None, None
+    for line in text.splitlines():
+        if line.startswith("## ") and ": guidance " in line:
+            arm = line[3:].split(":")[0]
+        elif line.startswith("### "):
+            setting = line[4:].split(" ")[0]
+        elif arm and setting and line.startswith("| ") and not line.startswith(("| metric", "| ---")):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            out.setdefault((arm, setting), {})[cells[0]] = cells[1:]
+        if line.startswith("## Contrasts"):
+            break
+    return out
+
+
+def t95(values):
+    """[mean, low, high]: Student's 95% interval of the mean, mean +- t_0.975(n - 1) s / sqrt(n)."""
+    half = stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / np.sqrt(len(values))
+    return [np.mean(values), np.mean(values) - half, np.mean(values) + half]
+
+
+def numbers(cell):
+    return [float(x) for x in re.findall(r"[-+]?\d+\.\d+|nan", cell)]
+
+
+def test_the_emoji_report_reads_each_part_and_pairs_the_arms_by_seed():
+    """emoji.py's report on synthetic reports. value(): a metric at a part whatever its sample count ('1k' too), the
+    parts' keys listed before all's (a report may order them so), None where missing. contrast(): a planted FD
+    effect (A lower by 5, noise 0.3) is recovered with an interval excluding 0 on A's side ("A better"), a higher
+    CLIP score on A's side the same; a null effect (differences +1, -1, +0.5) "cannot tell"; seeds {0, 1, 2}
+    against {0, 1, 3} paired on 0 and 1 alone (scipy's ttest_rel interval); verdict(): one seed settles nothing."""
+    def report(fd, part_fd=(0.0, 0.0), clip=20.0):
+        return {"metrics": {"fd_clip_1k_recombination": part_fd[0], "fd_clip_1k_new": part_fd[1],
+                            "fd_clip_2k": fd, "clip_score_2k": clip, "clip_score_1k_new": -1.0}}
+
+    r = report(7.0, part_fd=(8.0, 9.0))
+    assert [emoji_campaign.value(r, "fd_clip", part) for part in emoji_campaign.PARTS] == [7.0, 8.0, 9.0]
+    assert emoji_campaign.value(r, "clip_score", "") == 20.0 and emoji_campaign.value(r, "kd_clip", "") is None
+    assert emoji_campaign.value(r, "clip_score", "_recombination") is None
+
+    rng = np.random.default_rng(0)
+    b = {seed: report(50.0 + 3 * seed, clip=20.0) for seed in (0, 1, 2)}
+    a = {seed: report(b[seed]["metrics"]["fd_clip_2k"] - 5 + rng.normal(0, 0.3), clip=25.0 + seed / 10)
+         for seed in (0, 1, 2)}
+    row = emoji_campaign.contrast(("fm_latent", "tuned", a), ("ddpm_latent", "tuned", b), "fd_clip").split(" | ")
+    d = [a[s]["metrics"]["fd_clip_2k"] - b[s]["metrics"]["fd_clip_2k"] for s in (0, 1, 2)]
+    low, high = ttest_rel(d, np.zeros(3)).confidence_interval()
+    assert row[2] == f"{np.mean(d):+.4f} [{low:+.4f}, {high:+.4f}]" and high < 0
+    assert row[3:] == ["0, 1, 2", "fm_latent tuned better |"]
+    row = emoji_campaign.contrast(("fm_latent", "tuned", a), ("ddpm_latent", "tuned", b), "clip_score").split(" | ")
+    assert row[4] == "fm_latent tuned better |"  # higher is better: A's side is above 0
+    row = emoji_campaign.contrast(("ddpm_latent", "tuned", b), ("fm_latent", "tuned", a), "fd_clip").split(" | ")
+    assert row[4] == "fm_latent tuned better |"  # the same contrast the other way round
+    null = {seed: report(b[seed]["metrics"]["fd_clip_2k"] + step) for seed, step in zip((0, 1, 2), (1, -1, 0.5))}
+    row = emoji_campaign.contrast(("fm_latent", "tuned", null), ("ddpm_latent", "tuned", b), "fd_clip").split(" | ")
+    assert row[4] == "cannot tell |"
+
+    unequal = {0: report(10.0), 1: report(12.0), 2: report(5.0)}
+    other = {0: report(11.0), 1: report(12.5), 3: report(20.0)}
+    row = emoji_campaign.contrast(("fm_latent", "tuned", unequal), ("fm_pixel", "tuned", other), "fd_clip")
+    low, high = ttest_rel([10.0, 12.0], [11.0, 12.5]).confidence_interval()
+    assert row.split(" | ")[2:4] == [f"-0.7500 [{low:+.4f}, {high:+.4f}]", "0, 1"]
+    one = emoji_campaign.contrast(("fm_latent", "tuned", {0: report(1.0)}), ("fm_pixel", "tuned", other), "fd_clip")
+    assert one.split(" | ")[2:] == ["-10.0000", "0", "not settled (one seed) |"]
+    assert emoji_campaign.verdict({"low": -2.0, "high": -1.0}, False, ("A", "B")) == "B better"
+
+
+@pytest.mark.slow
+def test_the_emoji_campaign_runs_each_documented_stage(tmp_path, children_in_process, monkeypatch, capsys):
+    """docs/benchmarks/emoji.md's commands in their order (prepare, cost; per arm: run seed 0, tune, then run and
+    score each seed; report, grid), seeds 0 and 1 (fm_pixel seed 0 alone: its contrasts have one seed). The tools
+    are made where the recipe names them; the pixel arm trains cost.json's steps; each score is at the arm's tuned
+    setting and at guidance 1 (the tuned steps); report.md's cells are the reports' means over the seeds at each part
+    with the real images' value, its contrasts the differences paired by seed with their verdicts, its aims the
+    latent arms' FD against the floor; the grid puts each test caption's sample beside its own real image; a second
+    prepare, run, tune or score does nothing."""
+    from test_emoji import CAPTIONS, FIXTURE, colour, files_of
+
+    out, packages = scaled_down_emoji(tmp_path, monkeypatch)
+    o, recipe = ["--out", str(out)], json.loads(emoji_campaign.RECIPE.read_text())
+    emoji_campaign.main(["prepare", *o])
+    assert all((Path(folder) / "cpu_seconds.json").is_file() for folder in emoji_campaign.TOOLS)
+    emoji_campaign.main(["cost", *o])
+    cost = json.loads((out / "cost.json").read_text())
+    per_step = cost["cpu_s_per_step"]
+    assert cost["latent_steps"] == 2 and cost["pixel_steps"] == round(2 * per_step["latent"] / per_step["pixel"])
+    cost["pixel_steps"] = 3  # what the pixel arm trains, whatever the tiny runs' CPU gave: the recipe's 2 would not do
+    (out / "cost.json").write_text(json.dumps(cost))
+    seeds = {"fm_latent": (0, 1), "ddpm_latent": (0, 1), "fm_pixel": (0,)}
+    for arm in emoji_campaign.ARMS:
+        emoji_campaign.main(["run", arm, "0", *o])
+        emoji_campaign.main(["tune", arm, *o])
+        for seed in seeds[arm]:
+            emoji_campaign.main(["run", arm, str(seed), *o])
+            emoji_campaign.main(["score", arm, str(seed), *o])
+    capsys.readouterr()
+    emoji_campaign.main(["report", *o])
+    assert capsys.readouterr().out == (out / "report.md").read_text()
+    emoji_campaign.main(["grid", *o])
+
+    # The runs: their tools, steps and CPU records; each score at its setting.
+    configs = {arm: json.loads((out / f"{arm}_s0" / "config.json").read_text()) for arm in seeds}
+    assert {arm: c["train"]["max_steps"] for arm, c in configs.items()} == {"fm_latent": 2, "ddpm_latent": 2,
+                                                                            "fm_pixel": 3}
+    assert configs["fm_latent"]["encoders"]["vae"] == recipe["encoders"]["vae"] and \
+        configs["fm_pixel"]["encoders"]["vae"] is None
+    reports, tuned = {}, {}
+    for arm, arm_seeds in seeds.items():
+        tuned[arm] = json.loads((out / f"{arm}_s0" / "tuned.json").read_text())["best"]
+        assert tuned[arm]["guidance_scale"] in (2, 4) and tuned[arm]["steps"] == 3
+        for seed in arm_seeds:
+            record = json.loads((out / f"{arm}_s{seed}" / "cpu_seconds.json").read_text())
+            assert len(record["processes"]) == 1 and record["train"] > 0 and record["steps"] > 0  # seed 0: run twice
+            for setting, guidance in (("tuned", tuned[arm]["guidance_scale"]), ("g1", 1.0)):
+                r = json.loads((out / f"{arm}_s{seed}" / "eval" / f"test-{setting}" / "report.json").read_text())
+                assert (r["guidance_scale"], r["steps"], r["num_samples"]) == (guidance, 3, 4), (arm, seed, setting)
+                reports[arm, setting, seed] = r
+
+    # report.md: every cell the seeds' mean (with its t-interval) of the reports' own keys, the real images' value.
+    text = (out / "report.md").read_text()
+    sections = report_sections(text)
+    assert sorted(sections) == sorted((arm, s) for arm in seeds for s in ("tuned", "g1"))
+    keys = {"": "4", "_recombination": "2_recombination", "_new": "2_new"}  # 4 test images, 2 in each part
+    for (arm, setting), rows in sections.items():
+        assert list(rows) == list(emoji_campaign.METRICS)
+        for metric, cells in rows.items():
+            for (part, key), got in zip(keys.items(), cells):
+                values = [reports[arm, setting, s]["metrics"].get(f"{metric}_{key}") for s in seeds[arm]]
+                values = [v for v in values if v is not None]  # none of precision, recall at 4 samples: no cell
+                real = reports[arm, setting, 0]["real"].get(f"{metric}_{key}")
+                want = [] if not values else t95(values) if len(values) > 1 else [np.mean(values)]
+                want += [] if real is None or not values else [real]
+                assert numbers(got) == pytest.approx(want, abs=1e-4), (arm, setting, metric, part, got)
+    assert text.count("Training CPU: ") == 6 and "the pixel arm trains 3 steps for the latent arm's 2." in text
+
+    # The contrasts: paired over the seeds both have, their verdicts by the rule; the aims for the latent arms.
+    contrasts = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+                 if line.startswith("| ") and " - " in line.split("|")[1]]
+    pairs = [("fm_latent", "tuned", "ddpm_latent", "tuned"), ("fm_latent", "tuned", "fm_pixel", "tuned")] + [
+        (arm, "tuned", arm, "g1") for arm in seeds]
+    assert [row[0] for row in contrasts] == [f"{a} {x} - {b} {y}" for a, x, b, y in pairs for _ in range(5)]
+    for (a, x, b, y), row in zip([p for p in pairs for _ in range(5)], contrasts):
+        metric, part = {"fd_clip": ("fd_clip", ""), "fd_clip_recombination": ("fd_clip", "_recombination"),
+                        "fd_clip_new": ("fd_clip", "_new"), "retrieval_top5_recombination": (
+                            "retrieval_top5", "_recombination"), "clip_score": ("clip_score", "")}[row[1]]
+        common = sorted(set(seeds[a]) & set(seeds[b]))
+        d = [reports[a, x, s]["metrics"][f"{metric}_{keys[part]}"] - reports[b, y, s]["metrics"][
+            f"{metric}_{keys[part]}"] for s in common]
+        assert row[3] == ", ".join(map(str, common)) and numbers(row[2])[0] == pytest.approx(np.mean(d), abs=1e-4)
+        if len(d) < 2:  # one seed: the difference alone
+            assert len(numbers(row[2])) == 1 and row[4] == "not settled (one seed)"
+            continue
+        _, low, high = t95(d)
+        assert numbers(row[2])[1:] == pytest.approx([low, high], abs=1e-4)
+        first_better = high < 0 if metric == "fd_clip" else low > 0
+        second_better = low > 0 if metric == "fd_clip" else high < 0
+        assert row[4] == (f"{a} {x} better" if first_better else f"{b} {y} better" if second_better else
+                          "cannot tell"), row
+    aims = [line for line in text.splitlines() if line.startswith("- ") and "x the floor" in line]
+    assert [line.split(":")[0] for line in aims] == ["- fm_latent", "- ddpm_latent"]
+    for arm, line in zip(("fm_latent", "ddpm_latent"), aims):
+        fd = np.mean([reports[arm, "tuned", s]["metrics"]["fd_clip_4"] for s in seeds[arm]])
+        floor = reports[arm, "tuned", 0]["real"]["fd_clip_4"]
+        assert line.startswith(f"- {arm}: FD {fd:.3f} = {fd / floor:.2f}x the floor {floor:.3f} (aim <= 3x: ")
+
+    # The grid: the google image of each part's test caption (recombination, then new) beside fm_latent's sample.
+    grid, test = np.asarray(Image.open(emoji_campaign.GRID)), emoji.load("test", packages)
+    folder = out / "fm_latent_s0" / "eval" / "test-tuned"
+    picked = [r for part in ("recombination", "new") for r in map(json.loads, (
+        folder / "per_sample.jsonl").read_text().splitlines()) if r["part"] == part and test[r["row"]]["vendor"] ==
+        "google"]
+    assert grid.shape == (2 * (96 + 30), 2 * 96, 3)
+    assert [r["caption"] for r in picked] == ["woman mage: medium skin tone", "brazil flag"]
+    files = dict(zip(CAPTIONS, files_of(FIXTURE)))  # the fixture lists its files in CAPTIONS' order
+    for k, r in enumerate(picked):
+        y = k * (96 + 30)
+        sample = np.asarray(Image.open(folder / "samples" / f"{r['sample']:06d}.png").resize((96, 96), Image.NEAREST))
+        assert (grid[y:y + 96, :96] == sample).all()
+        assert grid[y + 48, 96 + 48].tolist() == list(colour(files[r["caption"]], "google")), r["caption"]
+
+    # Every stage resumes: made tools, trained runs, tuned settings and scores are left as they are.
+    written = [*out.glob("*/cpu_seconds.json"), *out.glob("*/tuned.json"), *out.glob("*/eval/*/report.json"),
+               *(Path(f) / "cpu_seconds.json" for f in emoji_campaign.TOOLS)]
+    stamps = {p: p.stat().st_mtime_ns for p in written}
+    emoji_campaign.main(["prepare", *o])
+    emoji_campaign.main(["run", "fm_latent", "1", *o])
+    emoji_campaign.main(["tune", "fm_latent", *o])
+    emoji_campaign.main(["score", "fm_latent", "1", *o])
+    assert {p: p.stat().st_mtime_ns for p in written} == stamps

@@ -56,12 +56,16 @@ FIXTURE = [entry("GRINNING FACE WITH ONE LARGE AND ONE SMALL EYE", "Smileys & Em
                  tones=["1F3FB-1F3FF"]),
            entry("MAN IN TUXEDO", "People & Body", "1f935-200d-2642-fe0f.png", short_name="man_in_tuxedo"),
            entry("MAN IN TUXEDO", "People & Body", "1f935.png", short_name="person_in_tuxedo"),
-           {**entry("MOOSE", "Animals & Nature", "1face.png"), "has_img_twitter": False}]  # Google's alone
+           {**entry("MOOSE", "Animals & Nature", "1face.png"), "has_img_twitter": False},  # Google's alone
+           # a smiley that trains: the text protocol's floor for the validation caption draws training images of
+           # its category (tests/test_campaigns.py's emoji campaign tunes on that caption)
+           entry("GRINNING FACE", "Smileys & Emotion", "1f600.png")]
 CAPTIONS = ["grinning face with one large and one small eye", "woman mage", "woman mage: light skin tone",
             "woman mage: medium-light skin tone", "woman mage: medium skin tone", "woman mage: medium-dark skin tone",
             "woman mage: dark skin tone", "brazil flag", "maldives flag", "baby bottle", "handshake",
             "handshake: light skin tone", "handshake: light skin tone, dark skin tone", "kiss: man, man",
-            "kiss: man, man, light skin tone, dark skin tone", "man in tuxedo", "person in tuxedo", "moose"]
+            "kiss: man, man, light skin tone, dark skin tone", "man in tuxedo", "person in tuxedo", "moose",
+            "grinning face"]
 SPECIAL = "1fae8.png"  # google's: a half-transparent red, an opaque blue and a transparent green pixel; twitter's: LA
 
 
