@@ -13,7 +13,8 @@ interrupted trainer continues from its newest checkpoint.
             steps, for the latent arm's training CPU
   run       ARM SEED: train (ARMS: fm_latent, ddpm_latent, fm_pixel)
   tune      ARM: tools/tune.py on seed 0's run, on the validation captions (never the test split): guidance and steps
-  score     ARM SEED: the protocol on the test split at the arm's tuned setting and at guidance 1
+  score     ARM SEED: the protocol on the test split at the arm's tuned setting and at guidance 1; the run exported
+            again, so that its model card holds the scores
   report    OUT/report.md: each arm's scores with their intervals, the paired contrasts and their verdicts, the aims
   grid      the README's labelled grid: test captions, a sample of the best arm beside each real image
 
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval_fid  # noqa: E402
 from benchmarks.fashion_mnist import add_cpu, cpu_seconds, step_cpu  # noqa: E402
-from tools import tune  # noqa: E402
+from tools import export, tune  # noqa: E402
 from tools.compare import paired_comparison, t_interval  # noqa: E402
 
 RECIPE = ROOT / "configs" / "emoji.json"
@@ -167,6 +168,7 @@ def score(args):
         if not (out / "report.json").is_file():
             eval_fid.main(["--run", str(run), "--out_dir", str(out), "--reference_split", "test", "--untuned",
                            "--guidance_scale", str(guidance), "--steps", str(steps), *protocol(args)])
+    export.main(["--run", str(run)])  # the model card with the protocol's numbers (issue 69, item 6)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -544,6 +544,8 @@ def test_the_emoji_campaign_runs_each_documented_stage(tmp_path, children_in_pro
                 r = json.loads((out / f"{arm}_s{seed}" / "eval" / f"test-{setting}" / "report.json").read_text())
                 assert (r["guidance_scale"], r["steps"], r["num_samples"]) == (guidance, 3, 4), (arm, seed, setting)
                 reports[arm, setting, seed] = r
+            card = (out / f"{arm}_s{seed}" / "export" / "README.md").read_text()  # exported again after its scores
+            assert f"| fd_clip_4 | {reports[arm, 'tuned', seed]['metrics']['fd_clip_4']:.4f} (real images: " in card
 
     # report.md: every cell the seeds' mean (with its t-interval) of the reports' own keys, the real images' value.
     text = (out / "report.md").read_text()
