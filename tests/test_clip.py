@@ -86,6 +86,25 @@ def test_the_pooled_vector_is_the_hidden_state_at_the_end_token(tiny_clip):
     torch.testing.assert_close(shorter["text_tokens"], out["text_tokens"][:, :max(end) + 1], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("terminal", [False, True])
+def test_loading_a_model_draws_no_bar_in_a_log_file(tiny_clip, terminal, monkeypatch, capfd):
+    """transformers draws a bar for every model it loads ("Loading weights"): in a log file a line of noise each
+    time a tool reads the CLIP (tools/tune.py: two a confirmation block), so the loads go through
+    encoders.quiet_transformers, which turns it off there and leaves it to a terminal; the switch is put back."""
+    from transformers.utils import logging as hf_logging
+
+    from training.evaluation import metrics
+
+    monkeypatch.setattr(encoders.common, "interactive", lambda: terminal)
+    monkeypatch.setattr(metrics.load_clip, "cache", (None,), raising=False)
+    capfd.readouterr()
+    metrics.load_clip(tiny_clip)
+    encoders.load_encoders(config.Config(vae=None, text_encoder=tiny_clip), "cpu")
+    drawn = capfd.readouterr().err
+    assert drawn.count("Loading weights: 100%") == (2 if terminal else 0), drawn
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def test_the_empty_and_an_over_long_caption_do_what_the_docs_say(tiny_clip):
     """docs/data.md, "Captions into tokens": the empty caption (guidance's dropped condition, the model's null
     text) is the start and end tokens, padded with the end token; its pooled vector is the state at position 1.

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+import common
+
 def from_pretrained(key, load, name, recipe=None, **kwargs):
     """load(name, **kwargs) for the model that config key `key` names. A model that is neither a local folder
     nor in the Hugging Face cache, and cannot be downloaded (an offline node, a gated or misspelt id), stops the
@@ -58,25 +60,32 @@ def load_encoders(enc, device):
         kind = from_pretrained(key, AutoConfig.from_pretrained, name).model_type
         model_cls = {"clip": CLIPTextModel, "clip_text_model": CLIPTextModel, "t5": T5EncoderModel}.get(kind, AutoModel)
         tokenizer = from_pretrained(key, AutoTokenizer.from_pretrained, tokenizer_folder(name))
-        with quiet_transformers(kind == "clip"):  # a whole CLIP (tools/clip.py's): its vision tower left out on purpose
+        # a whole CLIP (tools/clip.py's) is read with its vision tower left out on purpose: no warning of it
+        with quiet_transformers(warnings=kind == "clip"):
             text_encoder = from_pretrained(key, model_cls.from_pretrained, name, use_safetensors=True)
         text_encoder = text_encoder.to(device).eval().requires_grad_(False)
     return vae, tokenizer, text_encoder
 
 
 @contextlib.contextmanager
-def quiet_transformers(quiet=True):
-    """transformers' warnings off while a model loads: a whole CLIPModel read as its text tower (CLIPTextModel)
-    otherwise prints a table of every vision weight it leaves out ("UNEXPECTED"), which is what is meant."""
+def quiet_transformers(warnings=True):
+    """transformers quieter while a model loads or saves: in a log file (not a terminal) its bar of each load or
+    save ("Loading weights", "Writing model shards") is off, a line of noise every time a tool reads a model; with
+    `warnings`, its warnings too: a whole CLIPModel read as its text tower (CLIPTextModel) otherwise prints a table
+    of every vision weight it leaves out ("UNEXPECTED"), which is what is meant."""
     from transformers.utils import logging as hf_logging
 
-    level = hf_logging.get_verbosity()
-    if quiet:
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    if warnings:
         hf_logging.set_verbosity_error()
+    if bars and not common.interactive():
+        hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
+        if bars and not hf_logging.is_progress_bar_enabled():
+            hf_logging.enable_progress_bar()
 
 
 def tokenizer_folder(name):

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from training.data.encoders import quiet_transformers
 from training.evaluation.reference import bucket_rows, reference_images
 
 RECORD = "classifier.json"  # beside the weights: what it was trained on and its test accuracy
@@ -149,7 +150,8 @@ def load(path, device="cpu"):
     if not (Path(path) / RECORD).is_file():
         raise FileNotFoundError(f"--classifier {path}: no {RECORD} there; train one with `python tools/classifier.py "
                                 f"--config YOUR_RECIPE --out {path}`")
-    model = ResNetForImageClassification.from_pretrained(path).to(device).eval()
+    with quiet_transformers(warnings=False):  # no bar of its weights in a log file
+        model = ResNetForImageClassification.from_pretrained(path).to(device).eval()
     return model, json.loads((Path(path) / RECORD).read_text())
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.data.encoders import text_encoder_identity
+from training.data.encoders import quiet_transformers, text_encoder_identity
 from training.evaluation.reference import sha256_of
 
 NEAREST_K = 5  # Naeem et al. 2020's default, and prdc's README
@@ -96,7 +96,8 @@ def dinov2_features(model_id=DINO_DEFAULT, device="cpu", accelerator=None, batch
 
     try:
         with accelerator.main_process_first() if accelerator else contextlib.nullcontext():  # one download
-            model = Dinov2Model.from_pretrained(model_id).to(device).eval()
+            with quiet_transformers(warnings=False):
+                model = Dinov2Model.from_pretrained(model_id).to(device).eval()
             processor = AutoImageProcessor.from_pretrained(model_id)
     except OSError as e:
         raise FileNotFoundError(f"DINOv2 {model_id!r} could not be loaded ({str(e).splitlines()[0]}). On a machine "
@@ -230,8 +231,10 @@ def load_clip(model_id, device="cpu"):
     key = (str(model_id), str(device), json.dumps(text_encoder_identity(str(model_id))))
     if getattr(load_clip, "cache", (None,))[0] != key:
         try:
-            load_clip.cache = (key, CLIPModel.from_pretrained(model_id, use_safetensors=True).to(device).eval(),
-                               AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id))
+            with quiet_transformers(warnings=False):  # no bar of its weights in a log file
+                model = CLIPModel.from_pretrained(model_id, use_safetensors=True).to(device).eval()
+            load_clip.cache = (key, model, AutoTokenizer.from_pretrained(model_id),
+                               AutoImageProcessor.from_pretrained(model_id))
         except OSError as e:  # offline without the files, a folder that is not there: one line (eval_fid.py)
             raise FileNotFoundError(f"--clip_model {model_id}: no CLIP could be loaded ({str(e).splitlines()[0]}). "
                                     f"Give a folder made by tools/clip.py (or saved with save_pretrained), a hub id "

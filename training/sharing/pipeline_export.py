@@ -44,7 +44,7 @@ from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteSchedu
 import common
 from training.config import config
 from training.data import latents
-from training.data.encoders import load_encoders
+from training.data.encoders import load_encoders, quiet_transformers
 from training.data.classes import readable_names
 from training.run import hub
 from training.evaluation import tuning
@@ -134,7 +134,8 @@ def save_text_encoder(source, folder):
     tokenizer into folder/tokenizer: diffusers' layout, so from_pretrained loads both as components. Returns
     model_index.json's entries: each one's transformers class."""
     _, tokenizer, text_encoder = load_encoders(config.Config({"vae": None, "text_encoder": str(source)}), "cpu")
-    text_encoder.save_pretrained(folder / "text_encoder", safe_serialization=True)
+    with quiet_transformers(warnings=False):  # no bar of its shards in a log file
+        text_encoder.save_pretrained(folder / "text_encoder", safe_serialization=True)
     tokenizer.save_pretrained(folder / "tokenizer")
     # transformers 5 names its generic fast tokenizer TokenizersBackend; PreTrainedTokenizerFast, the same class
     # there, is also 4.x's name for it, so the folder loads with either
