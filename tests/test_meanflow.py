@@ -27,7 +27,8 @@ from training.run.start import build_for_run
 from training.sharing import pipeline_export
 
 OBJECTIVE = {"meanflow": True, "meanflow_equal_share": 0.75, "meanflow_logit_mean": -0.4, "meanflow_logit_std": 1.0,
-             "meanflow_weight_power": 1.0, "meanflow_guidance": 2.0, "meanflow_guidance_mix": 0.5, "prediction": "v"}
+             "meanflow_weight_power": 1.0, "meanflow_guidance": 2.0, "meanflow_guidance_mix": 0.5, "prediction": "v",
+             "meanflow_anchor": 0.0}
 
 
 class Tiny(torch.nn.Module):
@@ -100,7 +101,7 @@ def test_the_target_and_its_gradient_are_the_hand_written_finite_difference_ones
     assert meanflow.equal_count(len(z), obj) == 2 and (expected - guided).abs().max() > 0.1  # the JVP's term shows
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
-    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, 2, noise, obj)
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, (0, 2), noise, obj)
     (loss + sum(terms.values())).sum().backward()
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -123,7 +124,7 @@ def test_the_adaptive_weight_takes_its_power(power):
     obj = {**OBJECTIVE, "meanflow_weight_power": power, "meanflow_guidance": 1.0, "meanflow_guidance_mix": 0.0}
     model = Tiny()
     x0, noise, cond, t, _ = tiny_batch()
-    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, len(x0), noise, obj)
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, (0, len(x0)), noise, obj)
     (loss + terms["adaptive_weight"]).sum().backward()
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -198,9 +199,9 @@ def test_repa_aligns_the_differentiated_forwards_tokens(tiny_dino):
     x0, noise = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(2)).tanh(), torch.randn(4, 1, 8, 8)
     targets = torch.randn(4, 16, 16)
     torch.manual_seed(3)
-    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, 1, noise, obj, align=(targets, 0.5))
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, (0, 1), noise, obj, align=(targets, 0.5))
     torch.manual_seed(3)
-    plain, _ = meanflow.training_loss(model, model, x0, cond, t, r, 1, noise, obj)
+    plain, _ = meanflow.training_loss(model, model, x0, cond, t, r, (0, 1), noise, obj)
     torch.testing.assert_close(loss, plain)
     t_ = t.view(-1, 1, 1, 1)
     _, tokens = model((1 - t_) * x0 + t_ * noise, t * 1000, {**cond, "interval": (t - r) * 1000}, align=True)
@@ -219,7 +220,7 @@ def test_r_equal_to_t_is_flow_matching_exactly(prediction):
            "meanflow_weight_power": 0.0}
     x0, noise = torch.randn(4, 1, 8, 8).tanh(), torch.randn(4, 1, 8, 8)
     t = torch.tensor([0.02, 0.3, 0.6, 0.97])  # one below x-prediction's T_MIN
-    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, 4, noise, obj)
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, (0, 4), noise, obj)
     assert terms == {}
     loss.sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -237,7 +238,7 @@ def test_the_times_follow_the_paper():
     """t >= r, the first round(0.75 n) with r = t, both logit-normal(-0.4, 1) draws sorted: medians sigmoid(-0.4 +-
     0.545) (the median of the larger / smaller of two standard normals: +-0.5449)."""
     torch.manual_seed(0)
-    t, r, equal = meanflow.sample_times(200_000, OBJECTIVE, 1.0, torch.device("cpu"))
+    t, r, (_, equal) = meanflow.sample_times(200_000, OBJECTIVE, 1.0, torch.device("cpu"))
     assert equal == 150_000 and (t >= r).all() and torch.equal(t[:150_000], r[:150_000]) and \
         (t[150_000:] > r[150_000:]).all()
     logit = lambda x: (x / (1 - x)).log()  # noqa: E731
@@ -252,7 +253,7 @@ def test_the_r_equal_to_t_share_holds_at_any_micro_batch(n):
     large model) trains r != t on 25% of its samples too, not never (round(0.75 n) = n there: flow matching
     alone). A whole share x n is drawn without the RNG: 0.75 x 64 is always 48."""
     random.seed(0)
-    counts = torch.tensor([meanflow.sample_times(n, OBJECTIVE, 1.0, torch.device("cpu"))[2] for _ in range(4000)],
+    counts = torch.tensor([meanflow.sample_times(n, OBJECTIVE, 1.0, torch.device("cpu"))[2][1] for _ in range(4000)],
                           dtype=torch.float64)
     assert set(counts.tolist()) <= {float(int(0.75 * n)), float(int(0.75 * n) + 1)}
     frac = 0.75 * n - int(0.75 * n)  # the mean of 4,000 draws of floor + Bernoulli(frac): within 5 standard errors
@@ -260,20 +261,158 @@ def test_the_r_equal_to_t_share_holds_at_any_micro_batch(n):
     state = random.getstate()
     assert meanflow.equal_count(64, OBJECTIVE) == 48 and random.getstate() == state
 
-def test_a_flow_matching_runs_weights_start_a_meanflow_run_as_that_model(tmp_path):
+
+# ----------------------------------------------------------------------------------------------------------
+# The flow-matching anchor (objective.meanflow_anchor, FACM): 0 is MeanFlow as before, 1 flow matching's loss.
+
+
+def test_without_the_anchor_the_draws_are_the_ones_before_the_key():
+    """meanflow_anchor 0: sample_times draws what it drew before the key, bitwise, and leaves torch's and Python's
+    generators where that left them (a run without the anchor trains as before, step for step): one (n, 2) normal
+    draw for t and r, one Python draw for the fractional r = t count, none for the anchor's whole 0."""
+    obj = {**OBJECTIVE, "meanflow_equal_share": 0.6}  # 0.6 x 6 = 3.6: the equal count is drawn
+    torch.manual_seed(3), random.seed(3)
+    t, r, split = meanflow.sample_times(6, obj, 2.0, torch.device("cpu"), flow_time=lambda k: torch.rand(k))
+    after = torch.get_rng_state(), random.getstate()
+    torch.manual_seed(3), random.seed(3)
+    draws = common.time_shift(torch.sigmoid(-0.4 + torch.randn(6, 2)), 2.0)
+    equal = 3 + (random.random() < 0.6)
+    assert split == (0, equal) and torch.equal(t, draws.max(1).values)
+    assert torch.equal(r, torch.cat([t[:equal], draws.min(1).values[equal:]]))
+    assert torch.equal(torch.get_rng_state(), after[0]) and random.getstate() == after[1]
+
+
+@pytest.mark.parametrize("prediction", ["v", "x0"])
+def test_at_share_one_the_loss_is_the_trainers_flow_matching_loss(prediction):
+    """meanflow_anchor 1 (no guidance in the target): every sample is the anchor, its times flow matching's own
+    (the trainer's sample_time, drawn from the same generator state), r = t, and the loss and the gradients of what
+    is trained (the adaptive weight left at its default p = 1) are the trainer's flow-matching ones, bitwise."""
+    cfg, model, cond, _, _, _, _ = mmdit("disentangled", prediction=prediction)
+    obj = {**cfg.objective, "meanflow_anchor": 1.0, "meanflow_guidance": 1.0, "meanflow_guidance_mix": 0.0}
+    assert obj["meanflow_weight_power"] == 1.0
+    x0, noise = torch.randn(4, 1, 8, 8).tanh(), torch.randn(4, 1, 8, 8)
+    flow_time = lambda k: fm.sample_time(k, cfg.objective, 1.5, torch.device("cpu"))  # noqa: E731
+    torch.manual_seed(4)
+    t, r, split = meanflow.sample_times(4, obj, 1.5, torch.device("cpu"), flow_time)
+    torch.manual_seed(4)
+    assert torch.equal(t, flow_time(4)) and torch.equal(r, t) and split == (4, 4)
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, split, noise, obj)
+    (loss + sum(terms.values())).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected, _ = fm.training_loss(model, x0, cond, t, noise, prediction)
+    expected.sum().backward()
+    assert torch.equal(loss, expected) and torch.equal(terms["adaptive_weight"], torch.zeros(4))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+
+
+def test_an_intermediate_share_splits_the_batch_as_documented():
+    """meanflow_anchor 0.5 and meanflow_equal_share 0.5 on 8 samples: the first 4 are the anchor (times from
+    flow_time, drawn after MeanFlow's own, r = t, flow matching's unweighted loss against the guided velocity v~, as
+    FACM's anchor), the next 2 MeanFlow's r = t (adaptively weighted), the last 2 r < t against the JVP's target;
+    each of the three logged apart (parts). Target and gradient against the hand-written ones (finite differences,
+    written-out guidance)."""
+    obj = {**OBJECTIVE, "meanflow_anchor": 0.5, "meanflow_equal_share": 0.5}
+    torch.manual_seed(5)
+    t, r, split = meanflow.sample_times(8, obj, 1.0, torch.device("cpu"), lambda k: torch.rand(k, dtype=torch.float64))
+    torch.manual_seed(5)
+    draws = torch.sigmoid(-0.4 + torch.randn(4, 2)).double()
+    anchor_t = torch.rand(4, dtype=torch.float64)
+    assert split == (4, 6) and torch.equal(t, torch.cat([anchor_t, draws.max(1).values]))
+    assert torch.equal(r[:6], t[:6]) and torch.equal(r[6:], draws.min(1).values[2:]) and (r[6:] < t[6:]).all()
+    parts = meanflow.parts(t, r, split, obj)
+    assert [parts[k].nonzero().flatten().tolist() for k in ("anchor", "r_eq_t", "r_lt_t")] == [[0, 1, 2, 3], [4, 5],
+                                                                                             [6, 7]]
+    model = Tiny()
+    x0, noise, cond, _, _ = tiny_batch(6)
+    x0, noise = torch.cat([x0, x0[:2].flip(1)]), torch.cat([noise, noise[:2].flip(1)])
+    cond = {"label": torch.arange(8) % 4, "drop": torch.tensor([False, True, False, False, False, True, False, False])}
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, split, noise, obj)
+    (loss + sum(terms.values())).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    t_ = t.view(-1, 1, 1, 1)
+    z = (1 - t_) * x0 + t_ * noise
+    with torch.no_grad():
+        expected = finite_difference_target(model, z, t, r, hand_written_guidance(model, z, t, noise - x0, cond, obj,
+                                                                                  "v"), cond, "v")
+    error = (model(z, t * 1000, {**cond, "interval": (t - r) * 1000}) - expected).pow(2).mean(dim=(1, 2, 3))
+    weight = torch.cat([torch.ones(4, dtype=torch.float64), 1 / (error[4:].detach() + meanflow.WEIGHT_EPS / 48)])
+    torch.testing.assert_close(loss.double(), error.detach(), rtol=1e-5, atol=1e-7)
+    assert torch.equal(terms["adaptive_weight"][:4], torch.zeros(4)) and (terms["adaptive_weight"][4:] != 0).all()
+    (weight * error).sum().backward()
+    for a, b in zip(got, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 3, 6])
+def test_the_anchors_share_holds_at_any_micro_batch(n):
+    """The anchor's count is share x n on average at any n, by share_count's random rounding (a fixed round() gives a
+    micro-batch of 1 no anchor at 0.25, and of 3 a third)."""
+    random.seed(1)
+    obj = {**OBJECTIVE, "meanflow_anchor": 0.25}
+    counts = torch.tensor([meanflow.sample_times(n, obj, 1.0, torch.device("cpu"), torch.rand)[2][0]
+                           for _ in range(4000)], dtype=torch.float64)
+    frac = 0.25 * n - int(0.25 * n)
+    assert set(counts.tolist()) <= {float(int(0.25 * n)), float(int(0.25 * n) + 1)}
+    assert abs(counts.mean() - 0.25 * n) < 5 * (frac * (1 - frac) / 4000) ** 0.5 + 1e-12
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Where the interval enters (objective.meanflow_interval_blocks, Decoupled MeanFlow).
+
+
+def tokens_after(model, block, z, t, cond):
+    """The image tokens after `block` (1-based) of the model's forward: REPA's hook with an identity projector."""
+    model.projector, model.align_block = torch.nn.Identity(), block
+    try:
+        return model(z, t * 1000, cond, align=True)[1]
+    finally:
+        model.projector, model.align_block = None, None
+
+
+def test_the_interval_enters_only_the_last_blocks_and_all_of_them_is_the_papers_placement():
+    """meanflow_interval_blocks K of 3 blocks, controls and the class vector in the adaptive norm: the tokens after the
+    first 3 - K blocks do not depend on the interval and those after the next one do; K = 3 is the paper's placement
+    (every block and the final norm) to float rounding, and K = 1 is not."""
+    outputs = {}
+    for blocks in (None, 3, 1):
+        extra = ["--model.num_layers=3"] + [f"--objective.meanflow_interval_blocks={blocks}"] * bool(blocks)
+        cfg, model, cond, z, _, t, r = mmdit("both", ["size", "flip"], extra=extra)
+        assert model.conditioner.interval_blocks == blocks
+        model.eval()
+        with torch.no_grad():
+            gaps = [{**cond, "interval": gap * 1000} for gap in (torch.zeros_like(t), t - r)]
+            outputs[blocks] = model(z, t * 1000, gaps[1])
+            if blocks == 1:
+                a, b = (tokens_after(model, 2, z, t, c) for c in gaps)
+                assert torch.equal(a, b)
+                a, b = (tokens_after(model, 3, z, t, c) for c in gaps)
+                assert (a - b).abs().max() > 1e-4
+    torch.testing.assert_close(outputs[3], outputs[None], rtol=1e-5, atol=1e-6)
+    assert (outputs[1] - outputs[None]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("blocks,mode,controls", [(None, "disentangled", []), (1, "both", ["size", "flip"])])
+def test_a_flow_matching_runs_weights_start_a_meanflow_run_as_that_model(tmp_path, blocks, mode, controls):
     """init_from an export of a flow-matching model: the MeanFlow model's interval embedding is the only thing
     missing, kept at its zero start, so before the first step its outputs are the source's, bitwise, at r = t and
-    at any other r."""
+    at any other r; with the interval in every block (the paper's) and in the last of two only (Decoupled
+    MeanFlow's placement, the class vector and controls in the adaptive norm beside it)."""
+    shape = ["--model.num_layers=2", f"--conditioning.mode={mode}", f"--conditioning.controls={json.dumps(controls)}"]
     source_cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=4", "--model.num_layers=1",
                                                   "--run_dir", str(tmp_path),
-                                                  "--model.num_attention_heads=2", "--model.attention_head_dim=8"])
+                                                  "--model.num_attention_heads=2", "--model.attention_head_dim=8",
+                                                  *shape])
     torch.manual_seed(0)
     source = build_denoiser(source_cfg, 1, 8).eval()
     with torch.no_grad():
         for p in source.parameters():
             p.add_(0.1 * torch.randn_like(p))
     folder = pipeline_export.write(source, json.loads(json.dumps(source_cfg)), tmp_path / "export")
-    cfg, model, cond, z, _, t, r = mmdit("disentangled")
+    cfg, model, cond, z, _, t, r = mmdit(mode, controls, extra=shape + [
+        f"--objective.meanflow_interval_blocks={blocks}"] * bool(blocks))
+    assert model.conditioner.interval_blocks == blocks
     torch.nn.init.zeros_(model.conditioner.interval_embed.linear_2.weight)  # as built (mmdit() gave it weights)
     ema = build_for_run(cfg, (1, 8, 8))
     report = start.init_from(str(folder), model, ema, log=lambda *a: None)
@@ -290,12 +429,32 @@ def test_a_flow_matching_runs_weights_start_a_meanflow_run_as_that_model(tmp_pat
                                         "objective.meanflow"),
                                        ("--objective.time_sampling=adaptive", "objective.time_sampling='adaptive' with "
                                         "objective.meanflow"),
-                                       ("--train.sharding=fsdp", "objective.meanflow with train.sharding='fsdp'")])
+                                       ("--objective.meanflow_anchor=1.5", "objective.meanflow_anchor"),
+                                       ("--objective.meanflow_interval_blocks=0",
+                                        "objective.meanflow_interval_blocks"),
+                                       ("--objective.meanflow_interval_blocks=7",
+                                        "objective.meanflow_interval_blocks=7: the model has 6 blocks "
+                                        "(model.num_layers); give 1 .. 6 (Decoupled MeanFlow: the last third, 2)")])
 def test_the_combinations_meanflow_cannot_make_are_refused_in_one_line(arg, words):
     with pytest.raises(config.ConfigError) as e:
-        config.load_config(fm.DEFAULTS, ["--objective.meanflow=true", arg], schema=fm.CONFIG)
+        config.load_config(fm.DEFAULTS, ["--objective.meanflow=true", "--model.num_layers=6", arg], schema=fm.CONFIG)
     lines = [line for line in str(e.value).splitlines() if "meanflow" in line]
     assert len(lines) == 1 and words in lines[0]
+
+
+@pytest.mark.parametrize("arg,words", [("--objective.meanflow_anchor=0.5", "objective.meanflow_anchor=0.5 without "
+                                        "objective.meanflow: the anchor is the flow-matching share of a MeanFlow "
+                                        "batch"),
+                                       ("--objective.meanflow_interval_blocks=2",
+                                        "objective.meanflow_interval_blocks=2 without objective.meanflow")])
+def test_the_fine_tuning_keys_without_meanflow_are_refused_in_one_line(arg, words):
+    """Each names its key and value, and the two ways out; and MeanFlow with FSDP (refused before issue 71) starts."""
+    with pytest.raises(config.ConfigError) as e:
+        config.load_config(fm.DEFAULTS, [arg], schema=fm.CONFIG)
+    lines = [line for line in str(e.value).splitlines() if "meanflow" in line]
+    assert len(lines) == 1 and words in lines[0] and "set objective.meanflow=true, or" in lines[0]
+    config.load_config(fm.DEFAULTS, ["--objective.meanflow=true", "--train.sharding=fsdp", "--train.batch_size=8",
+                                     "--objective.meanflow_anchor=0.5"], schema=fm.CONFIG)
 
 
 def test_the_sampler_steps_the_average_velocity():
