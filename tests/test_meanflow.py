@@ -4,6 +4,7 @@ and x-prediction against reverse-mode autograd, r = t as flow matching exactly, 
 the start of a MeanFlow run, the combinations refused at start-up, and a run that trains, resumes exactly,
 exports and samples in one step with diffusers alone."""
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -423,6 +424,93 @@ def test_a_flow_matching_runs_weights_start_a_meanflow_run_as_that_model(tmp_pat
         for gap in (torch.zeros_like(t), t - r):
             assert torch.equal(model(z, t * 1000, {**cond, "interval": gap * 1000}), source(z, t * 1000, cond))
         assert torch.equal(ema(z, t * 1000, cond), source(z, t * 1000, cond))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MeanFlow on several processes: DDP and FSDP2 against one process on the same global batch.
+
+DATA_PARALLEL = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import test_meanflow
+test_meanflow.data_parallel_steps(sys.argv[1:-1], sys.argv[-1])
+"""
+
+
+def data_parallel_steps(modes, out):
+    """Two SGD steps of MeanFlow's whole objective (the anchor on a quarter, guidance 2 with kappa 0.5, the adaptive
+    weight, the interval in the last of two blocks, a size control) on a global batch of 2 x 4 samples, each half
+    split as (1 anchored, 1 MeanFlow r = t, 2 r < t), for each train.sharding of `modes` on this launch's
+    processes: rank k of N takes halves 2k / N .. 2(k + 1) / N - 1, one micro-batch each, accumulated as the loop
+    accumulates them (so one process is the two-process run's global batch). The model, its wrapping and the
+    target's bare module are the trainer's (sharding.shard, sharding.prepare, accelerator.unwrap_model). Rank 0
+    writes {mode: (the two steps' losses, the weights after them)} to `out` and returns it."""
+    from training.run import sharding
+
+    accelerator = common.make_accelerator("no", 5)
+    rank, world, results = accelerator.process_index, accelerator.num_processes, {}
+    mine = range(rank * 2 // world, (rank + 1) * 2 // world)
+    for mode in modes:
+        cfg = config.load_config(fm.DEFAULTS, [
+            "--data.num_classes=4", "--objective.meanflow=true", "--model.num_layers=2",
+            "--model.num_attention_heads=2", "--model.attention_head_dim=8", "--objective.meanflow_anchor=0.25",
+            "--objective.meanflow_interval_blocks=1", '--conditioning.controls=["size"]', f"--train.sharding={mode}",
+            "--train.batch_size=4"])
+        torch.manual_seed(0)
+        model, ema = build_for_run(cfg, (1, 8, 8)).train(), build_for_run(cfg, (1, 8, 8))
+        torch.nn.init.normal_(model.conditioner.interval_embed.linear_2.weight, std=0.02)
+        model, ema = sharding.shard(model, ema, cfg, accelerator)
+        model, optimizer = sharding.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5), accelerator, cfg.train)
+        raw, g, losses = accelerator.unwrap_model(model), torch.Generator().manual_seed(1), []
+        for step in range(2):
+            halves = [(torch.randn(4, 1, 8, 8, generator=g).tanh(), torch.randn(4, 1, 8, 8, generator=g),
+                       torch.rand(4, generator=g) * 0.9 + 0.05) for _ in range(2)]
+            total = 0
+            for i, half in enumerate(mine):
+                x0, noise, t = halves[half]
+                r = torch.cat([t[:2], t[2:] * torch.tensor([0.5, 0.1])])
+                cond = {"label": torch.tensor([0, 1, 2, 3]), "drop": torch.tensor([False, False, True, False]),
+                        "orig_hw": torch.tensor([[8, 8], [12, 20], [30, 16], [8, 40]])}
+                with sharding.no_sync(model, accelerator, skip=i < len(mine) - 1):
+                    loss, terms = meanflow.training_loss(model, raw, x0, cond, t, r, (1, 2), noise, cfg.objective)
+                    accelerator.backward((loss + sum(terms.values())).mean() / len(mine))
+                total = total + loss.mean().detach() / len(mine)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(accelerator.reduce(total, "mean").item())
+        weights = {k: v.full_tensor() if common.is_dtensor(v) else v.detach().clone()  # FSDP: gathered (collective)
+                   for k, v in accelerator.unwrap_model(model).state_dict().items()}
+        results[mode] = (losses, weights)
+    if accelerator.is_main_process:
+        torch.save(results, out)
+    if world > 1:
+        common.end_processes(accelerator)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gloo")
+def test_two_processes_train_meanflow_as_one_process_on_the_same_global_batch_with_ddp_and_fsdp(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` over gloo: two SGD steps of MeanFlow's objective under DDP
+    and under FSDP2 (train.sharding=fsdp) give one process's losses on the same global batch (its two halves
+    accumulated) and its weights, to fp32 rounding. The JVP runs on the bare module outside either wrapper (through
+    DDP's it fails: an in-place copy_ of a captured tensor, torch 2.14.1); sharded, through the bare module's own
+    hooks, which all-gather its weights."""
+    script = tmp_path / "data_parallel.py"
+    script.write_text(DATA_PARALLEL.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          str(script), "ddp", "fsdp", str(tmp_path / "two.pt")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-3000:]
+    two = torch.load(tmp_path / "two.pt")
+    losses, weights = data_parallel_steps(["ddp"], tmp_path / "one.pt")["ddp"]
+    assert losses[1] < losses[0] * 0.999  # the step moved the weights
+    for mode in ("ddp", "fsdp"):
+        assert two[mode][0] == pytest.approx(losses, rel=1e-5), mode
+        assert two[mode][1].keys() == weights.keys()
+        for key, value in weights.items():
+            torch.testing.assert_close(two[mode][1][key], value, rtol=1e-4, atol=1e-6, msg=f"{mode} {key}")
 
 
 @pytest.mark.parametrize("arg,words", [("--objective.contrastive_weight=0.05", "objective.contrastive_weight=0.05 with "
