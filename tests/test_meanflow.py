@@ -4,6 +4,7 @@ and x-prediction against reverse-mode autograd, r = t as flow matching exactly, 
 the start of a MeanFlow run, the combinations refused at start-up, and a run that trains, resumes exactly,
 exports and samples in one step with diffusers alone."""
 import json
+import math
 import os
 import random
 import shutil
@@ -495,7 +496,8 @@ def test_two_processes_train_meanflow_as_one_process_on_the_same_global_batch_wi
     and under FSDP2 (train.sharding=fsdp) give one process's losses on the same global batch (its two halves
     accumulated) and its weights, to fp32 rounding. The JVP runs on the bare module outside either wrapper (through
     DDP's it fails: an in-place copy_ of a captured tensor, torch 2.14.1); sharded, through the bare module's own
-    hooks, which all-gather its weights."""
+    hooks, which all-gather its weights. And the trainer itself trains MeanFlow sharded on two processes, the anchor
+    and the placement on: every rank logs the same parts (their all-reduce), and it exports."""
     script = tmp_path / "data_parallel.py"
     script.write_text(DATA_PARALLEL.format(root=str(ROOT), tests=str(ROOT / "tests")))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -511,6 +513,18 @@ def test_two_processes_train_meanflow_as_one_process_on_the_same_global_batch_wi
         assert two[mode][1].keys() == weights.keys()
         for key, value in weights.items():
             torch.testing.assert_close(two[mode][1][key], value, rtol=1e-4, atol=1e-6, msg=f"{mode} {key}")
+
+    args = tiny_run_args(tmp_path, "fsdp", steps=2) + [
+        "--train.sharding=fsdp", "--objective.meanflow=true", "--objective.meanflow_anchor=0.25",
+        "--objective.meanflow_interval_blocks=1", "--log.every=1", "--log.report=false"]
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r[f"loss_{k}"]) for r in rows for k in ("anchor", "r_eq_t", "r_lt_t"))
+    assert (tmp_path / "fsdp" / "export" / "model_index.json").is_file()
 
 
 @pytest.mark.parametrize("arg,words", [("--objective.contrastive_weight=0.05", "objective.contrastive_weight=0.05 with "
