@@ -204,16 +204,20 @@ def exported_pipeline(trainer, tmp_path, overrides):
         for p in model.parameters():  # zero-initialised outputs and adaptive norms would make every sampler agree
             p.add_(0.2 * torch.randn_like(p))
     (tmp_path / "run").mkdir()
-    folder = pipeline_export.write(model, cfg, tmp_path / "export")
+    return model, cfg, folder_pipeline(pipeline_export.write(model, cfg, tmp_path / "export"))
+
+
+def folder_pipeline(folder):
+    """The pipeline an export folder holds (no VAE: latents), assembled here as diffusers assembles it."""
     index = json.loads((folder / "model_index.json").read_text())
     settings = {k: v for k, v in index.items() if not k.startswith("_")
-                and k not in ("transformer", "conditioner", "scheduler")}
+                and k not in ("transformer", "conditioner", "scheduler", "vae")}
     pipe = MinimalDiffusionPipeline(SD3Transformer2DModel.from_pretrained(folder / "transformer"),
                                     ExportedConditioner.from_pretrained(folder / "conditioner"),
                                     getattr(diffusers, index["scheduler"][1]).from_pretrained(folder / "scheduler"),
                                     **settings)
     pipe.set_progress_bar_config(disable=True)
-    return model, cfg, pipe
+    return pipe
 
 
 def assert_samples_as_the_trainer(trainer, model, cfg, pipe, steps):

@@ -705,3 +705,53 @@ def test_a_meanflow_run_trains_resumes_exactly_exports_and_samples_in_one_step_w
     index = json.loads((run / "export" / "model_index.json").read_text())
     assert (index["sampler"], index["num_inference_steps"], index["guidance_scale"]) == ("meanflow", 1, 1.0)
     assert "made for sampling in 1 step of its `meanflow` sampler" in (run / "export" / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_fine_tuning_recipe_starts_from_a_flow_matching_run_resumes_exactly_and_exports_one_step(tmp_path):
+    """configs/fashion_mnist_meanflow.json, shrunk (the embedded data at 16 px, three narrow blocks): a flow-matching
+    run of configs/fashion_mnist.json shrunk the same way, then the recipe with its init_from pointed at it. The run
+    starts from that run's weights, trains with the anchor and the interval in the last two blocks, and stopped at its
+    step-2 checkpoint and resumed gives the same losses and, bitwise, the same weights; its export samples in one
+    step what the trainer's sampler does (the folder's pipeline, assembled as diffusers does), at guidance 1."""
+    from safetensors.torch import load_file
+    from test_export_pipeline import folder_pipeline
+
+    shrink = [a for a in tiny_run_args(tmp_path, "x", steps=4) if not a.startswith(("--val.steps", "--run_dir",
+                                                                                      str(tmp_path / "x")))]
+    shrink += ["--data.source=embedded", "--data.resolution=16", "--model.num_layers=3", "--log.every=1",
+               "--log.report=false"]
+    source = fm.main(["--config", str(ROOT / "configs" / "fashion_mnist.json"), *shrink, "--train.max_steps=2",
+                      "--val.reference_curves=null", "--run_dir", str(tmp_path / "source")])
+    recipe = ["--config", str(ROOT / "configs" / "fashion_mnist_meanflow.json"), *shrink, "--ckpt.every=2",
+              "--init_from", str(source)]
+    run = fm.main([*recipe, "--run_dir", str(tmp_path / "run")])
+    cfg = json.loads((run / "config.json").read_text())
+    obj = cfg["objective"]
+    assert (obj["meanflow_anchor"], obj["meanflow_interval_blocks"], cfg["init_from"]) == (0.5, 2, str(source))
+    assert json.loads((run / "init_from.json").read_text())["loaded"] > 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss_anchor" in r] == [1, 2, 3, 4]
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004"), shutil.rmtree(resumed / "export")
+    fm.main([*recipe, "--run_dir", str(resumed), "--resume", "latest"])
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in again if "loss" in r] == [r["loss"] for r in rows if "loss" in r]
+    for name in ("model", "ema"):
+        a, b = (load_file(str(d / "checkpoints" / "step_00000004" / f"{name}.safetensors")) for d in (run, resumed))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+    pipe = folder_pipeline(run / "export")
+    assert (pipe.config.sampler, pipe.config.num_inference_steps, pipe.config.guidance_scale) == ("meanflow", 1, 1.0)
+    assert pipe.conditioner.config.interval_blocks == 2
+    assert "made for sampling in 1 step of its `meanflow` sampler" in (run / "export" / "README.md").read_text()
+    model, cfg, _ = sample.sampling.load_model(run)
+    noise = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    cond = {"label": torch.tensor([0, 8]), "drop": torch.zeros(2, dtype=torch.bool)}
+    with torch.no_grad(), common.counting_evaluations(model) as evaluations:
+        ours = fm.generate(model, noise, cond, cfg)
+    assert evaluations[0] == 2  # one evaluation an image
+    theirs = pipe([0, 8], latents=noise, output_type="latent").images
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
