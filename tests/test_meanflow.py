@@ -746,7 +746,10 @@ def test_the_fine_tuning_recipe_starts_from_a_flow_matching_run_resumes_exactly_
     pipe = folder_pipeline(run / "export")
     assert (pipe.config.sampler, pipe.config.num_inference_steps, pipe.config.guidance_scale) == ("meanflow", 1, 1.0)
     assert pipe.conditioner.config.interval_blocks == 2
-    assert "made for sampling in 1 step of its `meanflow` sampler" in (run / "export" / "README.md").read_text()
+    card = (run / "export" / "README.md").read_text()
+    assert "made for sampling in 1 step of its `meanflow` sampler" in card
+    assert "flow matching's own loss kept on 50% of each batch (FACM's anchor); the interval t - r in the last 2 " \
+        "blocks only (Decoupled MeanFlow)" in card
     model, cfg, _ = sample.sampling.load_model(run)
     noise = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     cond = {"label": torch.tensor([0, 8]), "drop": torch.zeros(2, dtype=torch.bool)}
