@@ -79,6 +79,13 @@ class Objective(BaseModel, extra="forbid", strict=True):
                                      "1: none")
     meanflow_guidance_mix: float = Field(0.5, ge=0, lt=1, description="MeanFlow: kappa, the target's share of the "
                                          "model's own conditional velocity (the paper's code: 0.5); 0: none")
+    # fine-tuning a flow-matching model (init_from) into a few-step one: FACM's anchor, Decoupled MeanFlow's placement
+    meanflow_anchor: float = Field(0.0, ge=0, le=1, description="MeanFlow: the share of each batch that keeps flow "
+                                   "matching's plain loss at r = t (FACM's flow-matching anchor); 0: none (the "
+                                   "paper's), 1: flow matching's loss")
+    meanflow_interval_blocks: int | None = Field(None, ge=1, description="MeanFlow: the interval t - r enters only "
+                                                 "the last K blocks (Decoupled MeanFlow: the last third); null: "
+                                                 "every block (the paper's)")
 
 
 class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in the val section
@@ -117,14 +124,15 @@ def sample_time(n, obj, shift, device):
 
 
 def draw_times(n, obj, shift, device, density=None):
-    """A batch's times and loss weights (t, r, equal, weight): t from sample_time, or from the adaptive density
+    """A batch's times and loss weights (t, r, split, weight): t from sample_time, or from the adaptive density
     (objective.time_sampling="adaptive", training/optimisation/time_density.py) with its importance weights, and
-    r = t; with objective.meanflow, MeanFlow's t >= r, two logit-normal draws, the first `equal` with r = t
-    (objective.meanflow_equal_share; training/objectives/meanflow.py), weight 1."""
+    r = t; with objective.meanflow, MeanFlow's t >= r, two logit-normal draws, the first `anchored` flow matching's
+    own (objective.meanflow_anchor), r = t for the first `equal` (objective.meanflow_equal_share; training/objectives/
+    meanflow.py), weight 1. The split (anchored, equal) is MeanFlow's; flow matching's is (0, n)."""
     if obj.meanflow:
-        return (*meanflow.sample_times(n, obj, shift, device), 1.0)
+        return (*meanflow.sample_times(n, obj, shift, device, lambda k: sample_time(k, obj, shift, device)), 1.0)
     t, weight = density.draw(n) if density else (sample_time(n, obj, shift, device), 1.0)
-    return t, t, n, weight
+    return t, t, (0, n), weight
 
 
 def time_quantile(u, obj, shift):
@@ -327,12 +335,12 @@ def main(argv=None):
             batch, x0, cond = batching.training_inputs(next(batches), d.text_encoder, cfg.conditioning, accelerator)
             noise = torch.randn_like(x0)
             noise = ot_pair(x0, noise, batch.get("label")) if obj.ot_coupling else noise  # straighter paths
-            t, r, equal, weight = draw_times(len(x0), obj, shift, device, density)  # MeanFlow also r <= t
+            t, r, split, weight = draw_times(len(x0), obj, shift, device, density)  # MeanFlow: r <= t, the anchor
             # Gradients are all-reduced (sharded: reduce-scattered) only on the last micro-batch; the others accumulate
             with sharding.no_sync(model, accelerator, skip=micro < tr.grad_accum - 1):  # locally
                 with accelerator.autocast():  # train.mixed_precision: bf16 matmuls; the loss itself in fp32
                     if obj.meanflow:  # |u(z_t, r, t) - sg(v - (t - r) du/dt)|^2, du/dt by a JVP along (v, 0, 1)
-                        loss, terms = meanflow.training_loss(model, raw_model, x0, cond, t, r, equal, noise, obj,
+                        loss, terms = meanflow.training_loss(model, raw_model, x0, cond, t, r, split, noise, obj,
                                                              align(batch, step))  # v guided; the adaptive weight
                     else:
                         loss, terms = training_loss(model, x0, cond, t, noise, obj.prediction, obj.contrastive_weight,
@@ -342,7 +350,7 @@ def main(argv=None):
                 density.observe(loss)  # the per-bin loss it follows
             stab.noise_scale.micro_batch(micro)  # on its steps: the small batch's gradient norm
             monitor.micro_batch(loss, (t * obj.loss_bins).long().clamp(max=obj.loss_bins - 1), weight, terms,
-                                meanflow.parts(t, r) if obj.meanflow else None)  # MeanFlow: r = t's loss, r < t's
+                                meanflow.parts(t, r, split, obj) if obj.meanflow else None)  # r = t, r < t, anchor
         # Everything below happens once per real optimizer step, never per micro-batch.
         grad_norm = stab.clip(model.parameters())  # to train.grad_clip, or a percentile of recent norms
         stab.noise_scale.measure(grad_norm)  # every log.grad_every steps: the gradient noise scale

@@ -336,7 +336,7 @@ def test_every_meanflow_key_given_to_ddpm_says_whose_it_is():
         config.load_config(ddpm.DEFAULTS, [f"--objective.{k}={json.dumps(fm.DEFAULTS.objective[k])}" for k in keys],
                            "ddpm", schema=ddpm.CONFIG)
     lines = str(e.value).splitlines()[1:]
-    assert len(keys) == 7 and len(lines) == len(keys)
+    assert len(keys) == 9 and len(lines) == len(keys)
     assert all(line.endswith("flow matching's option (the average velocity of its straight path): use "
                              "train_flow_matching.py") and "known keys" not in line for line in lines)
 

@@ -204,16 +204,20 @@ def exported_pipeline(trainer, tmp_path, overrides):
         for p in model.parameters():  # zero-initialised outputs and adaptive norms would make every sampler agree
             p.add_(0.2 * torch.randn_like(p))
     (tmp_path / "run").mkdir()
-    folder = pipeline_export.write(model, cfg, tmp_path / "export")
+    return model, cfg, folder_pipeline(pipeline_export.write(model, cfg, tmp_path / "export"))
+
+
+def folder_pipeline(folder):
+    """The pipeline an export folder holds (no VAE: latents), assembled here as diffusers assembles it."""
     index = json.loads((folder / "model_index.json").read_text())
     settings = {k: v for k, v in index.items() if not k.startswith("_")
-                and k not in ("transformer", "conditioner", "scheduler")}
+                and k not in ("transformer", "conditioner", "scheduler", "vae")}
     pipe = MinimalDiffusionPipeline(SD3Transformer2DModel.from_pretrained(folder / "transformer"),
                                     ExportedConditioner.from_pretrained(folder / "conditioner"),
                                     getattr(diffusers, index["scheduler"][1]).from_pretrained(folder / "scheduler"),
                                     **settings)
     pipe.set_progress_bar_config(disable=True)
-    return model, cfg, pipe
+    return pipe
 
 
 def assert_samples_as_the_trainer(trainer, model, cfg, pipe, steps):
@@ -260,15 +264,20 @@ def test_an_x0_model_samples_as_its_trainer_samples_it(tmp_path, trainer, sample
     assert_samples_as_the_trainer(trainer, model, cfg, pipe, None)
 
 
-@pytest.mark.parametrize("prediction", ["v", "x0"])
-def test_a_meanflow_model_samples_as_its_trainer_samples_it_in_one_and_two_steps(tmp_path, prediction):
+LAST_BLOCK = ["--model.num_layers=3", "--objective.meanflow_interval_blocks=1"]  # the interval in the last block only
+
+
+@pytest.mark.parametrize("prediction,placed", [("v", []), ("x0", []), ("v", LAST_BLOCK)])
+def test_a_meanflow_model_samples_as_its_trainer_samples_it_in_one_and_two_steps(tmp_path, prediction, placed):
     """MeanFlow (objective.meanflow, sampler "meanflow"): z_r = z_t - (t - r) u(z_t, r, t), the interval t - r given to
     the folder's conditioner, in 1 and 2 steps (the run's default 1), with v- and x-prediction, and with guidance 2 on
-    top (two evaluations a step)."""
+    top (two evaluations a step); and with the interval in the last of three blocks only
+    (objective.meanflow_interval_blocks, Decoupled MeanFlow), which the folder's pipeline places as the trainer."""
     model, cfg, pipe = exported_pipeline(fm, tmp_path, ["--objective.meanflow=true", "--val.sampler=meanflow",
                                                         "--val.steps=1", "--val.guidance_scale=1",
-                                                        f"--objective.prediction={prediction}"])
+                                                        f"--objective.prediction={prediction}", *placed])
     assert pipe.config.sampler == "meanflow" and pipe.conditioner.config.interval
+    assert pipe.conditioner.config.interval_blocks == (1 if placed else None)
     folder = tmp_path / "export"  # the card counts the evaluations at the pipeline's default guidance
     assert "1 step of its `meanflow` sampler: one network evaluation a step" in (folder / "README.md").read_text()
     guided = model_card.card({**cfg, "val": {**cfg["val"], "guidance_scale": 2.0}}, tmp_path / "run", folder, 1)

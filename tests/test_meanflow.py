@@ -4,6 +4,8 @@ and x-prediction against reverse-mode autograd, r = t as flow matching exactly, 
 the start of a MeanFlow run, the combinations refused at start-up, and a run that trains, resumes exactly,
 exports and samples in one step with diffusers alone."""
 import json
+import math
+import os
 import random
 import shutil
 import subprocess
@@ -27,7 +29,8 @@ from training.run.start import build_for_run
 from training.sharing import pipeline_export
 
 OBJECTIVE = {"meanflow": True, "meanflow_equal_share": 0.75, "meanflow_logit_mean": -0.4, "meanflow_logit_std": 1.0,
-             "meanflow_weight_power": 1.0, "meanflow_guidance": 2.0, "meanflow_guidance_mix": 0.5, "prediction": "v"}
+             "meanflow_weight_power": 1.0, "meanflow_guidance": 2.0, "meanflow_guidance_mix": 0.5, "prediction": "v",
+             "meanflow_anchor": 0.0}
 
 
 class Tiny(torch.nn.Module):
@@ -100,7 +103,7 @@ def test_the_target_and_its_gradient_are_the_hand_written_finite_difference_ones
     assert meanflow.equal_count(len(z), obj) == 2 and (expected - guided).abs().max() > 0.1  # the JVP's term shows
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
-    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, 2, noise, obj)
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, (0, 2), noise, obj)
     (loss + sum(terms.values())).sum().backward()
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -123,7 +126,7 @@ def test_the_adaptive_weight_takes_its_power(power):
     obj = {**OBJECTIVE, "meanflow_weight_power": power, "meanflow_guidance": 1.0, "meanflow_guidance_mix": 0.0}
     model = Tiny()
     x0, noise, cond, t, _ = tiny_batch()
-    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, len(x0), noise, obj)
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, (0, len(x0)), noise, obj)
     (loss + terms["adaptive_weight"]).sum().backward()
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -198,9 +201,9 @@ def test_repa_aligns_the_differentiated_forwards_tokens(tiny_dino):
     x0, noise = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(2)).tanh(), torch.randn(4, 1, 8, 8)
     targets = torch.randn(4, 16, 16)
     torch.manual_seed(3)
-    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, 1, noise, obj, align=(targets, 0.5))
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, (0, 1), noise, obj, align=(targets, 0.5))
     torch.manual_seed(3)
-    plain, _ = meanflow.training_loss(model, model, x0, cond, t, r, 1, noise, obj)
+    plain, _ = meanflow.training_loss(model, model, x0, cond, t, r, (0, 1), noise, obj)
     torch.testing.assert_close(loss, plain)
     t_ = t.view(-1, 1, 1, 1)
     _, tokens = model((1 - t_) * x0 + t_ * noise, t * 1000, {**cond, "interval": (t - r) * 1000}, align=True)
@@ -219,7 +222,7 @@ def test_r_equal_to_t_is_flow_matching_exactly(prediction):
            "meanflow_weight_power": 0.0}
     x0, noise = torch.randn(4, 1, 8, 8).tanh(), torch.randn(4, 1, 8, 8)
     t = torch.tensor([0.02, 0.3, 0.6, 0.97])  # one below x-prediction's T_MIN
-    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, 4, noise, obj)
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, t, (0, 4), noise, obj)
     assert terms == {}
     loss.sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -237,7 +240,7 @@ def test_the_times_follow_the_paper():
     """t >= r, the first round(0.75 n) with r = t, both logit-normal(-0.4, 1) draws sorted: medians sigmoid(-0.4 +-
     0.545) (the median of the larger / smaller of two standard normals: +-0.5449)."""
     torch.manual_seed(0)
-    t, r, equal = meanflow.sample_times(200_000, OBJECTIVE, 1.0, torch.device("cpu"))
+    t, r, (_, equal) = meanflow.sample_times(200_000, OBJECTIVE, 1.0, torch.device("cpu"))
     assert equal == 150_000 and (t >= r).all() and torch.equal(t[:150_000], r[:150_000]) and \
         (t[150_000:] > r[150_000:]).all()
     logit = lambda x: (x / (1 - x)).log()  # noqa: E731
@@ -252,7 +255,7 @@ def test_the_r_equal_to_t_share_holds_at_any_micro_batch(n):
     large model) trains r != t on 25% of its samples too, not never (round(0.75 n) = n there: flow matching
     alone). A whole share x n is drawn without the RNG: 0.75 x 64 is always 48."""
     random.seed(0)
-    counts = torch.tensor([meanflow.sample_times(n, OBJECTIVE, 1.0, torch.device("cpu"))[2] for _ in range(4000)],
+    counts = torch.tensor([meanflow.sample_times(n, OBJECTIVE, 1.0, torch.device("cpu"))[2][1] for _ in range(4000)],
                           dtype=torch.float64)
     assert set(counts.tolist()) <= {float(int(0.75 * n)), float(int(0.75 * n) + 1)}
     frac = 0.75 * n - int(0.75 * n)  # the mean of 4,000 draws of floor + Bernoulli(frac): within 5 standard errors
@@ -260,20 +263,158 @@ def test_the_r_equal_to_t_share_holds_at_any_micro_batch(n):
     state = random.getstate()
     assert meanflow.equal_count(64, OBJECTIVE) == 48 and random.getstate() == state
 
-def test_a_flow_matching_runs_weights_start_a_meanflow_run_as_that_model(tmp_path):
+
+# ----------------------------------------------------------------------------------------------------------
+# The flow-matching anchor (objective.meanflow_anchor, FACM): 0 is MeanFlow as before, 1 flow matching's loss.
+
+
+def test_without_the_anchor_the_draws_are_the_ones_before_the_key():
+    """meanflow_anchor 0: sample_times draws what it drew before the key, bitwise, and leaves torch's and Python's
+    generators where that left them (a run without the anchor trains as before, step for step): one (n, 2) normal
+    draw for t and r, one Python draw for the fractional r = t count, none for the anchor's whole 0."""
+    obj = {**OBJECTIVE, "meanflow_equal_share": 0.6}  # 0.6 x 6 = 3.6: the equal count is drawn
+    torch.manual_seed(3), random.seed(3)
+    t, r, split = meanflow.sample_times(6, obj, 2.0, torch.device("cpu"), flow_time=lambda k: torch.rand(k))
+    after = torch.get_rng_state(), random.getstate()
+    torch.manual_seed(3), random.seed(3)
+    draws = common.time_shift(torch.sigmoid(-0.4 + torch.randn(6, 2)), 2.0)
+    equal = 3 + (random.random() < 0.6)
+    assert split == (0, equal) and torch.equal(t, draws.max(1).values)
+    assert torch.equal(r, torch.cat([t[:equal], draws.min(1).values[equal:]]))
+    assert torch.equal(torch.get_rng_state(), after[0]) and random.getstate() == after[1]
+
+
+@pytest.mark.parametrize("prediction", ["v", "x0"])
+def test_at_share_one_the_loss_is_the_trainers_flow_matching_loss(prediction):
+    """meanflow_anchor 1 (no guidance in the target): every sample is the anchor, its times flow matching's own
+    (the trainer's sample_time, drawn from the same generator state), r = t, and the loss and the gradients of what
+    is trained (the adaptive weight left at its default p = 1) are the trainer's flow-matching ones, bitwise."""
+    cfg, model, cond, _, _, _, _ = mmdit("disentangled", prediction=prediction)
+    obj = {**cfg.objective, "meanflow_anchor": 1.0, "meanflow_guidance": 1.0, "meanflow_guidance_mix": 0.0}
+    assert obj["meanflow_weight_power"] == 1.0
+    x0, noise = torch.randn(4, 1, 8, 8).tanh(), torch.randn(4, 1, 8, 8)
+    flow_time = lambda k: fm.sample_time(k, cfg.objective, 1.5, torch.device("cpu"))  # noqa: E731
+    torch.manual_seed(4)
+    t, r, split = meanflow.sample_times(4, obj, 1.5, torch.device("cpu"), flow_time)
+    torch.manual_seed(4)
+    assert torch.equal(t, flow_time(4)) and torch.equal(r, t) and split == (4, 4)
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, split, noise, obj)
+    (loss + sum(terms.values())).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected, _ = fm.training_loss(model, x0, cond, t, noise, prediction)
+    expected.sum().backward()
+    assert torch.equal(loss, expected) and torch.equal(terms["adaptive_weight"], torch.zeros(4))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+
+
+def test_an_intermediate_share_splits_the_batch_as_documented():
+    """meanflow_anchor 0.5 and meanflow_equal_share 0.5 on 8 samples: the first 4 are the anchor (times from
+    flow_time, drawn after MeanFlow's own, r = t, flow matching's unweighted loss against the guided velocity v~, as
+    FACM's anchor), the next 2 MeanFlow's r = t (adaptively weighted), the last 2 r < t against the JVP's target;
+    each of the three logged apart (parts). Target and gradient against the hand-written ones (finite differences,
+    written-out guidance)."""
+    obj = {**OBJECTIVE, "meanflow_anchor": 0.5, "meanflow_equal_share": 0.5}
+    torch.manual_seed(5)
+    t, r, split = meanflow.sample_times(8, obj, 1.0, torch.device("cpu"), lambda k: torch.rand(k, dtype=torch.float64))
+    torch.manual_seed(5)
+    draws = torch.sigmoid(-0.4 + torch.randn(4, 2)).double()
+    anchor_t = torch.rand(4, dtype=torch.float64)
+    assert split == (4, 6) and torch.equal(t, torch.cat([anchor_t, draws.max(1).values]))
+    assert torch.equal(r[:6], t[:6]) and torch.equal(r[6:], draws.min(1).values[2:]) and (r[6:] < t[6:]).all()
+    parts = meanflow.parts(t, r, split, obj)
+    assert [parts[k].nonzero().flatten().tolist() for k in ("anchor", "r_eq_t", "r_lt_t")] == [[0, 1, 2, 3], [4, 5],
+                                                                                             [6, 7]]
+    model = Tiny()
+    x0, noise, cond, _, _ = tiny_batch(6)
+    x0, noise = torch.cat([x0, x0[:2].flip(1)]), torch.cat([noise, noise[:2].flip(1)])
+    cond = {"label": torch.arange(8) % 4, "drop": torch.tensor([False, True, False, False, False, True, False, False])}
+    loss, terms = meanflow.training_loss(model, model, x0, cond, t, r, split, noise, obj)
+    (loss + sum(terms.values())).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    t_ = t.view(-1, 1, 1, 1)
+    z = (1 - t_) * x0 + t_ * noise
+    with torch.no_grad():
+        expected = finite_difference_target(model, z, t, r, hand_written_guidance(model, z, t, noise - x0, cond, obj,
+                                                                                  "v"), cond, "v")
+    error = (model(z, t * 1000, {**cond, "interval": (t - r) * 1000}) - expected).pow(2).mean(dim=(1, 2, 3))
+    weight = torch.cat([torch.ones(4, dtype=torch.float64), 1 / (error[4:].detach() + meanflow.WEIGHT_EPS / 48)])
+    torch.testing.assert_close(loss.double(), error.detach(), rtol=1e-5, atol=1e-7)
+    assert torch.equal(terms["adaptive_weight"][:4], torch.zeros(4)) and (terms["adaptive_weight"][4:] != 0).all()
+    (weight * error).sum().backward()
+    for a, b in zip(got, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 3, 6])
+def test_the_anchors_share_holds_at_any_micro_batch(n):
+    """The anchor's count is share x n on average at any n, by share_count's random rounding (a fixed round() gives a
+    micro-batch of 1 no anchor at 0.25, and of 3 a third)."""
+    random.seed(1)
+    obj = {**OBJECTIVE, "meanflow_anchor": 0.25}
+    counts = torch.tensor([meanflow.sample_times(n, obj, 1.0, torch.device("cpu"), torch.rand)[2][0]
+                           for _ in range(4000)], dtype=torch.float64)
+    frac = 0.25 * n - int(0.25 * n)
+    assert set(counts.tolist()) <= {float(int(0.25 * n)), float(int(0.25 * n) + 1)}
+    assert abs(counts.mean() - 0.25 * n) < 5 * (frac * (1 - frac) / 4000) ** 0.5 + 1e-12
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Where the interval enters (objective.meanflow_interval_blocks, Decoupled MeanFlow).
+
+
+def tokens_after(model, block, z, t, cond):
+    """The image tokens after `block` (1-based) of the model's forward: REPA's hook with an identity projector."""
+    model.projector, model.align_block = torch.nn.Identity(), block
+    try:
+        return model(z, t * 1000, cond, align=True)[1]
+    finally:
+        model.projector, model.align_block = None, None
+
+
+def test_the_interval_enters_only_the_last_blocks_and_all_of_them_is_the_papers_placement():
+    """meanflow_interval_blocks K of 3 blocks, controls and the class vector in the adaptive norm: the tokens after the
+    first 3 - K blocks do not depend on the interval and those after the next one do; K = 3 is the paper's placement
+    (every block and the final norm) to float rounding, and K = 1 is not."""
+    outputs = {}
+    for blocks in (None, 3, 1):
+        extra = ["--model.num_layers=3"] + [f"--objective.meanflow_interval_blocks={blocks}"] * bool(blocks)
+        cfg, model, cond, z, _, t, r = mmdit("both", ["size", "flip"], extra=extra)
+        assert model.conditioner.interval_blocks == blocks
+        model.eval()
+        with torch.no_grad():
+            gaps = [{**cond, "interval": gap * 1000} for gap in (torch.zeros_like(t), t - r)]
+            outputs[blocks] = model(z, t * 1000, gaps[1])
+            if blocks == 1:
+                a, b = (tokens_after(model, 2, z, t, c) for c in gaps)
+                assert torch.equal(a, b)
+                a, b = (tokens_after(model, 3, z, t, c) for c in gaps)
+                assert (a - b).abs().max() > 1e-4
+    torch.testing.assert_close(outputs[3], outputs[None], rtol=1e-5, atol=1e-6)
+    assert (outputs[1] - outputs[None]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("blocks,mode,controls", [(None, "disentangled", []), (1, "both", ["size", "flip"])])
+def test_a_flow_matching_runs_weights_start_a_meanflow_run_as_that_model(tmp_path, blocks, mode, controls):
     """init_from an export of a flow-matching model: the MeanFlow model's interval embedding is the only thing
     missing, kept at its zero start, so before the first step its outputs are the source's, bitwise, at r = t and
-    at any other r."""
+    at any other r; with the interval in every block (the paper's) and in the last of two only (Decoupled
+    MeanFlow's placement, the class vector and controls in the adaptive norm beside it)."""
+    shape = ["--model.num_layers=2", f"--conditioning.mode={mode}", f"--conditioning.controls={json.dumps(controls)}"]
     source_cfg = config.load_config(fm.DEFAULTS, ["--data.num_classes=4", "--model.num_layers=1",
                                                   "--run_dir", str(tmp_path),
-                                                  "--model.num_attention_heads=2", "--model.attention_head_dim=8"])
+                                                  "--model.num_attention_heads=2", "--model.attention_head_dim=8",
+                                                  *shape])
     torch.manual_seed(0)
     source = build_denoiser(source_cfg, 1, 8).eval()
     with torch.no_grad():
         for p in source.parameters():
             p.add_(0.1 * torch.randn_like(p))
     folder = pipeline_export.write(source, json.loads(json.dumps(source_cfg)), tmp_path / "export")
-    cfg, model, cond, z, _, t, r = mmdit("disentangled")
+    cfg, model, cond, z, _, t, r = mmdit(mode, controls, extra=shape + [
+        f"--objective.meanflow_interval_blocks={blocks}"] * bool(blocks))
+    assert model.conditioner.interval_blocks == blocks
     torch.nn.init.zeros_(model.conditioner.interval_embed.linear_2.weight)  # as built (mmdit() gave it weights)
     ema = build_for_run(cfg, (1, 8, 8))
     report = start.init_from(str(folder), model, ema, log=lambda *a: None)
@@ -286,16 +427,136 @@ def test_a_flow_matching_runs_weights_start_a_meanflow_run_as_that_model(tmp_pat
         assert torch.equal(ema(z, t * 1000, cond), source(z, t * 1000, cond))
 
 
+# ----------------------------------------------------------------------------------------------------------
+# MeanFlow on several processes: DDP and FSDP2 against one process on the same global batch.
+
+DATA_PARALLEL = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import test_meanflow
+test_meanflow.data_parallel_steps(sys.argv[1:-1], sys.argv[-1])
+"""
+
+
+def data_parallel_steps(modes, out):
+    """Two SGD steps of MeanFlow's whole objective (the anchor on a quarter, guidance 2 with kappa 0.5, the adaptive
+    weight, the interval in the last of two blocks, a size control) on a global batch of 2 x 4 samples, each half
+    split as (1 anchored, 1 MeanFlow r = t, 2 r < t), for each train.sharding of `modes` on this launch's
+    processes: rank k of N takes halves 2k / N .. 2(k + 1) / N - 1, one micro-batch each, accumulated as the loop
+    accumulates them (so one process is the two-process run's global batch). The model, its wrapping and the
+    target's bare module are the trainer's (sharding.shard, sharding.prepare, accelerator.unwrap_model). Rank 0
+    writes {mode: (the two steps' losses, the weights after them)} to `out` and returns it."""
+    from training.run import sharding
+
+    accelerator = common.make_accelerator("no", 5)
+    rank, world, results = accelerator.process_index, accelerator.num_processes, {}
+    mine = range(rank * 2 // world, (rank + 1) * 2 // world)
+    for mode in modes:
+        cfg = config.load_config(fm.DEFAULTS, [
+            "--data.num_classes=4", "--objective.meanflow=true", "--model.num_layers=2",
+            "--model.num_attention_heads=2", "--model.attention_head_dim=8", "--objective.meanflow_anchor=0.25",
+            "--objective.meanflow_interval_blocks=1", '--conditioning.controls=["size"]', f"--train.sharding={mode}",
+            "--train.batch_size=4"])
+        torch.manual_seed(0)
+        model, ema = build_for_run(cfg, (1, 8, 8)).train(), build_for_run(cfg, (1, 8, 8))
+        torch.nn.init.normal_(model.conditioner.interval_embed.linear_2.weight, std=0.02)
+        model, ema = sharding.shard(model, ema, cfg, accelerator)
+        model, optimizer = sharding.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5), accelerator, cfg.train)
+        raw, g, losses = accelerator.unwrap_model(model), torch.Generator().manual_seed(1), []
+        for step in range(2):
+            halves = [(torch.randn(4, 1, 8, 8, generator=g).tanh(), torch.randn(4, 1, 8, 8, generator=g),
+                       torch.rand(4, generator=g) * 0.9 + 0.05) for _ in range(2)]
+            total = 0
+            for i, half in enumerate(mine):
+                x0, noise, t = halves[half]
+                r = torch.cat([t[:2], t[2:] * torch.tensor([0.5, 0.1])])
+                cond = {"label": torch.tensor([0, 1, 2, 3]), "drop": torch.tensor([False, False, True, False]),
+                        "orig_hw": torch.tensor([[8, 8], [12, 20], [30, 16], [8, 40]])}
+                with sharding.no_sync(model, accelerator, skip=i < len(mine) - 1):
+                    loss, terms = meanflow.training_loss(model, raw, x0, cond, t, r, (1, 2), noise, cfg.objective)
+                    accelerator.backward((loss + sum(terms.values())).mean() / len(mine))
+                total = total + loss.mean().detach() / len(mine)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(accelerator.reduce(total, "mean").item())
+        weights = {k: v.full_tensor() if common.is_dtensor(v) else v.detach().clone()  # FSDP: gathered (collective)
+                   for k, v in accelerator.unwrap_model(model).state_dict().items()}
+        results[mode] = (losses, weights)
+    if accelerator.is_main_process:
+        torch.save(results, out)
+    if world > 1:
+        common.end_processes(accelerator)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gloo")
+def test_two_processes_train_meanflow_as_one_process_on_the_same_global_batch_with_ddp_and_fsdp(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` over gloo: two SGD steps of MeanFlow's objective under DDP
+    and under FSDP2 (train.sharding=fsdp) give one process's losses on the same global batch (its two halves
+    accumulated) and its weights, to fp32 rounding. The JVP runs on the bare module outside either wrapper (through
+    DDP's it fails: an in-place copy_ of a captured tensor, torch 2.14.1); sharded, through the bare module's own
+    hooks, which all-gather its weights. And the trainer itself trains MeanFlow sharded on two processes, the anchor
+    and the placement on: every rank logs the same parts (their all-reduce), and it exports."""
+    script = tmp_path / "data_parallel.py"
+    script.write_text(DATA_PARALLEL.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          str(script), "ddp", "fsdp", str(tmp_path / "two.pt")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-3000:]
+    two = torch.load(tmp_path / "two.pt")
+    losses, weights = data_parallel_steps(["ddp"], tmp_path / "one.pt")["ddp"]
+    assert losses[1] < losses[0] * 0.999  # the step moved the weights
+    for mode in ("ddp", "fsdp"):
+        assert two[mode][0] == pytest.approx(losses, rel=1e-5), mode
+        assert two[mode][1].keys() == weights.keys()
+        for key, value in weights.items():
+            torch.testing.assert_close(two[mode][1][key], value, rtol=1e-4, atol=1e-6, msg=f"{mode} {key}")
+
+    args = tiny_run_args(tmp_path, "fsdp", steps=2) + [
+        "--train.sharding=fsdp", "--objective.meanflow=true", "--objective.meanflow_anchor=0.25",
+        "--objective.meanflow_interval_blocks=1", "--log.every=1", "--log.report=false"]
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          str(ROOT / "train_flow_matching.py"), *args], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r[f"loss_{k}"]) for r in rows for k in ("anchor", "r_eq_t", "r_lt_t"))
+    assert (tmp_path / "fsdp" / "export" / "model_index.json").is_file()
+
+
 @pytest.mark.parametrize("arg,words", [("--objective.contrastive_weight=0.05", "objective.contrastive_weight=0.05 with "
                                         "objective.meanflow"),
                                        ("--objective.time_sampling=adaptive", "objective.time_sampling='adaptive' with "
                                         "objective.meanflow"),
-                                       ("--train.sharding=fsdp", "objective.meanflow with train.sharding='fsdp'")])
+                                       ("--objective.meanflow_anchor=1.5", "objective.meanflow_anchor"),
+                                       ("--objective.meanflow_interval_blocks=0",
+                                        "objective.meanflow_interval_blocks"),
+                                       ("--objective.meanflow_interval_blocks=7",
+                                        "objective.meanflow_interval_blocks=7: the model has 6 blocks "
+                                        "(model.num_layers); give 1 .. 6 (Decoupled MeanFlow: the last third, 2)")])
 def test_the_combinations_meanflow_cannot_make_are_refused_in_one_line(arg, words):
     with pytest.raises(config.ConfigError) as e:
-        config.load_config(fm.DEFAULTS, ["--objective.meanflow=true", arg], schema=fm.CONFIG)
+        config.load_config(fm.DEFAULTS, ["--objective.meanflow=true", "--model.num_layers=6", arg], schema=fm.CONFIG)
     lines = [line for line in str(e.value).splitlines() if "meanflow" in line]
     assert len(lines) == 1 and words in lines[0]
+
+
+@pytest.mark.parametrize("arg,words", [("--objective.meanflow_anchor=0.5", "objective.meanflow_anchor=0.5 without "
+                                        "objective.meanflow: the anchor is the flow-matching share of a MeanFlow "
+                                        "batch"),
+                                       ("--objective.meanflow_interval_blocks=2",
+                                        "objective.meanflow_interval_blocks=2 without objective.meanflow")])
+def test_the_fine_tuning_keys_without_meanflow_are_refused_in_one_line(arg, words):
+    """Each names its key and value, and the two ways out; and MeanFlow with FSDP (refused before issue 71) starts."""
+    with pytest.raises(config.ConfigError) as e:
+        config.load_config(fm.DEFAULTS, [arg], schema=fm.CONFIG)
+    lines = [line for line in str(e.value).splitlines() if "meanflow" in line]
+    assert len(lines) == 1 and words in lines[0] and "set objective.meanflow=true, or" in lines[0]
+    config.load_config(fm.DEFAULTS, ["--objective.meanflow=true", "--train.sharding=fsdp", "--train.batch_size=8",
+                                     "--objective.meanflow_anchor=0.5"], schema=fm.CONFIG)
 
 
 def test_the_sampler_steps_the_average_velocity():
@@ -444,3 +705,56 @@ def test_a_meanflow_run_trains_resumes_exactly_exports_and_samples_in_one_step_w
     index = json.loads((run / "export" / "model_index.json").read_text())
     assert (index["sampler"], index["num_inference_steps"], index["guidance_scale"]) == ("meanflow", 1, 1.0)
     assert "made for sampling in 1 step of its `meanflow` sampler" in (run / "export" / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_fine_tuning_recipe_starts_from_a_flow_matching_run_resumes_exactly_and_exports_one_step(tmp_path):
+    """configs/fashion_mnist_meanflow.json, shrunk (the embedded data at 16 px, three narrow blocks): a flow-matching
+    run of configs/fashion_mnist.json shrunk the same way, then the recipe with its init_from pointed at it. The run
+    starts from that run's weights, trains with the anchor and the interval in the last two blocks, and stopped at its
+    step-2 checkpoint and resumed gives the same losses and, bitwise, the same weights; its export samples in one
+    step what the trainer's sampler does (the folder's pipeline, assembled as diffusers does), at guidance 1."""
+    from safetensors.torch import load_file
+    from test_export_pipeline import folder_pipeline
+
+    shrink = [a for a in tiny_run_args(tmp_path, "x", steps=4) if not a.startswith(("--val.steps", "--run_dir",
+                                                                                      str(tmp_path / "x")))]
+    shrink += ["--data.source=embedded", "--data.resolution=16", "--model.num_layers=3", "--log.every=1",
+               "--log.report=false"]
+    source = fm.main(["--config", str(ROOT / "configs" / "fashion_mnist.json"), *shrink, "--train.max_steps=2",
+                      "--val.reference_curves=null", "--run_dir", str(tmp_path / "source")])
+    recipe = ["--config", str(ROOT / "configs" / "fashion_mnist_meanflow.json"), *shrink, "--ckpt.every=2",
+              "--init_from", str(source)]
+    run = fm.main([*recipe, "--run_dir", str(tmp_path / "run")])
+    cfg = json.loads((run / "config.json").read_text())
+    obj = cfg["objective"]
+    assert (obj["meanflow_anchor"], obj["meanflow_interval_blocks"], cfg["init_from"]) == (0.5, 2, str(source))
+    assert json.loads((run / "init_from.json").read_text())["loaded"] > 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss_anchor" in r] == [1, 2, 3, 4]
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004"), shutil.rmtree(resumed / "export")
+    fm.main([*recipe, "--run_dir", str(resumed), "--resume", "latest"])
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in again if "loss" in r] == [r["loss"] for r in rows if "loss" in r]
+    for name in ("model", "ema"):
+        a, b = (load_file(str(d / "checkpoints" / "step_00000004" / f"{name}.safetensors")) for d in (run, resumed))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+    pipe = folder_pipeline(run / "export")
+    assert (pipe.config.sampler, pipe.config.num_inference_steps, pipe.config.guidance_scale) == ("meanflow", 1, 1.0)
+    assert pipe.conditioner.config.interval_blocks == 2
+    card = (run / "export" / "README.md").read_text()
+    assert "made for sampling in 1 step of its `meanflow` sampler" in card
+    assert "flow matching's own loss kept on 50% of each batch (FACM's anchor); the interval t - r in the last 2 " \
+        "blocks only (Decoupled MeanFlow)" in card
+    model, cfg, _ = sample.sampling.load_model(run)
+    noise = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    cond = {"label": torch.tensor([0, 8]), "drop": torch.zeros(2, dtype=torch.bool)}
+    with torch.no_grad(), common.counting_evaluations(model) as evaluations:
+        ours = fm.generate(model, noise, cond, cfg)
+    assert evaluations[0] == 2  # one evaluation an image
+    theirs = pipe([0, 8], latents=noise, output_type="latent").images
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)

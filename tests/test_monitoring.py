@@ -208,8 +208,9 @@ def test_a_parts_loss_is_the_mean_of_its_own_samples_and_survives_a_checkpoint_m
     from training.objectives import meanflow
 
     t = torch.tensor([0.9, 0.5, 0.8, 0.3])
-    steps = [(torch.tensor([1.0, 2.0, 3.0, 4.0]), meanflow.parts(t, torch.tensor([0.9, 0.5, 0.1, 0.2]))),
-             (torch.tensor([5.0, 6.0, 7.0, 8.0]), meanflow.parts(t, torch.tensor([0.9, 0.4, 0.1, 0.2])))]
+    obj = {"meanflow_anchor": 0.0}
+    steps = [(torch.tensor([1.0, 2.0, 3.0, 4.0]), meanflow.parts(t, torch.tensor([0.9, 0.5, 0.1, 0.2]), (0, 2), obj)),
+             (torch.tensor([5.0, 6.0, 7.0, 8.0]), meanflow.parts(t, torch.tensor([0.9, 0.4, 0.1, 0.2]), (0, 1), obj))]
 
     def step(mon, loss, parts):
         mon.micro_batch(loss, torch.zeros(4, dtype=torch.long), 1.0, None, parts)

@@ -116,12 +116,14 @@ def test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer,
                              "--objective.prediction=x0"], marks=pytest.mark.slow),
     pytest.param("train_ddpm", ["--train.grad_accum=2"], marks=pytest.mark.slow),  # targets from the cache
     pytest.param("train_flow_matching", ["--objective.meanflow=true", "--objective.prediction=x0",
-                                         "--val.sampler=meanflow", "--val.steps=1"], marks=pytest.mark.slow)])
+                                         "--val.sampler=meanflow", "--val.steps=1", "--objective.meanflow_anchor=0.3",
+                                         "--objective.meanflow_interval_blocks=1"], marks=pytest.mark.slow)])
 def test_ordinary_steps_never_wait_on_the_device_with_the_training_options(tmp_path, monkeypatch, tiny_dino, trainer,
                                                                             extra):
     """REPA (its encoder on the fly in flow matching, switched off at step 5; cached targets in DDPM),
-    contrastive flow matching and x-prediction on; and MeanFlow (its JVP, guided target and adaptive weight) with
-    REPA and x-prediction: still no sync on an ordinary step."""
+    contrastive flow matching and x-prediction on; and MeanFlow (its JVP, guided target and adaptive weight, the
+    flow-matching anchor on a drawn share, the interval in the last block) with REPA and x-prediction: still no sync
+    on an ordinary step."""
     repa = ["--objective.repa_weight=0.5", f"--objective.repa_encoder={tiny_dino}", "--objective.repa_block=2",
             "--objective.repa_projector_dim=16"]
     test_ordinary_steps_never_wait_on_the_device(tmp_path, monkeypatch, trainer, repa + extra)

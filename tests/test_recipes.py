@@ -59,6 +59,13 @@ def test_the_restated_default_check_sees_nested_keys_and_both_trainers():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 @pytest.mark.parametrize("method", TRAINERS)
 def test_every_recipe_loads_with_both_trainers(path, method):
+    """A recipe that turns on a method's own option (objective.meanflow: configs/fashion_mnist_meanflow.json) loads with
+    that trainer, and the other refuses each of its keys in a line that names the trainer to use."""
+    if method == "ddpm" and json.loads(path.read_text()).get("objective", {}).get("meanflow"):
+        with pytest.raises(config.ConfigError) as e:
+            config.load_config(TRAINERS[method], ["--config", str(path)], method)
+        assert all("use train_flow_matching.py" in line for line in str(e.value).splitlines()[1:])
+        return
     cfg = config.load_config(TRAINERS[method], ["--config", str(path)], method)
     assert cfg.run_dir == f"runs/{method}_{path.stem}"
     if cfg.init_from:

@@ -100,12 +100,16 @@ class Conditioner(nn.Module):
     it averages the velocity, as cond["interval"] in timestep units (1000 (t - r); absent: 0, r = t), embedded as
     SD3 embeds t (sinusoids, then an MLP) and added to the adaptive-norm vector: the paper's best time input,
     (t, t - r) (Geng et al. 2025, its ablations, Tab. 1). Its last layer starts at zero, so a flow-matching model that
-    init_from starts a MeanFlow run from is, before the first step, exactly that model at every (r, t).
+    init_from starts a MeanFlow run from is, before the first step, exactly that model at every (r, t). With
+    `interval_blocks` K (objective.meanflow_interval_blocks, Decoupled MeanFlow) the forward leaves it out of the
+    vector and the Denoiser adds it (`interval`) for the last K blocks and the final norm only.
     """
 
     def __init__(self, num_classes, class_tokens, context_dim, pooled_dim, width, text_tokens=0,
-                 controls=None, mode="disentangled", padding_noise=None, pooled_text=None, interval=False):
+                 controls=None, mode="disentangled", padding_noise=None, pooled_text=None, interval=False,
+                 interval_blocks=None):
         super().__init__()
+        self.interval_blocks = interval_blocks
         if mode not in MODES:
             raise ValueError(f"conditioning.mode must be one of {MODES}, got {mode!r}")
         self.num_classes, self.class_tokens, self.pooled_dim = num_classes, class_tokens, pooled_dim
@@ -165,11 +169,14 @@ class Conditioner(nn.Module):
             w = torch.ones_like(noise_level) if self.mode == "adanorm" else control_weight(noise_level, power)
             emb = self.control_mlp[name](sinusoidal(control_values(name, cond)))
             adanorm = adanorm + emb * (w.float() * keep)[:, None]
-        if self.interval_embed is not None:  # MeanFlow: the interval t - r (absent: r = t, the velocity at t)
-            gap = cond["interval"] if "interval" in cond else torch.zeros_like(noise_level)
-            gap_proj = self.interval_proj(gap).to(self.interval_embed.linear_1.weight.dtype)
-            adanorm = adanorm + self.interval_embed(gap_proj)
+        if self.interval_embed is not None and not self.interval_blocks:  # MeanFlow's t - r, in every block
+            adanorm = adanorm + self.interval(cond, noise_level)
         return context, pooled, adanorm
+
+    def interval(self, cond, noise_level):
+        """MeanFlow: the embedding of the interval t - r (absent: r = t, the velocity at t)."""
+        gap = cond["interval"] if "interval" in cond else torch.zeros_like(noise_level)
+        return self.interval_embed(self.interval_proj(gap).to(self.interval_embed.linear_1.weight.dtype))
 
 
 class Denoiser(nn.Module):
@@ -183,7 +190,9 @@ class Denoiser(nn.Module):
     between calls (torch.compile sees one pure function), and the transformer stays a stock diffusers model:
     its weights, state-dict keys and export are diffusers'. tests/test_core.py checks this forward against
     diffusers' own. With REPA on (training/objectives/repa.py attaches `projector` and `align_block`), align=True also
-    returns the projected tokens after block `align_block`, from the same pass.
+    returns the projected tokens after block `align_block`, from the same pass. MeanFlow's interval placed in the
+    last K blocks (conditioner.interval_blocks; Decoupled MeanFlow): those blocks and the final norm read the vector
+    with the interval's embedding added, the blocks before them the vector without it, as the flow-matching model.
     """
 
     def __init__(self, transformer, conditioner):
@@ -200,16 +209,19 @@ class Denoiser(nn.Module):
         temb = mmdit.time_text_embed(timestep, pooled)  # time + pooled vector: the adaptive-norm input
         if torch.is_tensor(adanorm):  # controls (and the baseline's class vector) join it here
             temb = temb + adanorm.to(temb.dtype)
+        late, blocks = self.conditioner.interval_blocks, mmdit.transformer_blocks  # MeanFlow's interval: last K only
+        late_temb = temb + self.conditioner.interval(cond, noise_level).to(temb.dtype) if late else temb
         context = mmdit.context_embedder(context)
         checkpointing = mmdit.gradient_checkpointing and torch.is_grad_enabled()  # train.gradient_checkpointing
         aligned = None  # REPA: the tokens after block align_block
-        for i, block in enumerate(mmdit.transformer_blocks, 1):
+        for i, block in enumerate(blocks, 1):
+            vector = late_temb if late and i > len(blocks) - late else temb
             if checkpointing:  # recompute the block in backward instead of keeping its activations
-                context, tokens = torch.utils.checkpoint.checkpoint(block, tokens, context, temb, use_reentrant=False)
+                context, tokens = torch.utils.checkpoint.checkpoint(block, tokens, context, vector, use_reentrant=False)
             else:
-                context, tokens = block(hidden_states=tokens, encoder_hidden_states=context, temb=temb)
+                context, tokens = block(hidden_states=tokens, encoder_hidden_states=context, temb=vector)
             aligned = tokens if i == self.align_block else aligned
-        tokens = mmdit.proj_out(mmdit.norm_out(tokens, temb))  # (B, N, p * p * C)
+        tokens = mmdit.proj_out(mmdit.norm_out(tokens, late_temb))  # (B, N, p * p * C)
         p, c = mmdit.config.patch_size, mmdit.out_channels
         tokens = tokens.reshape(len(x), height // p, width // p, p, p, c)
         out = torch.einsum("nhwpqc->nchpwq", tokens).reshape(len(x), c, height, width)
@@ -269,13 +281,14 @@ def make_conditioner(cfg, width, context_dim, pooled_dim, text_tokens=0):
     if unknown:
         raise ValueError(f"conditioning.controls: unknown {sorted(unknown)}; choose from {sorted(CONTROL_FIELDS)}")
     num_classes = cfg["data"]["num_classes"] if cfg["data"]["label_column"] and not text_tokens else 0
+    meanflow = bool(cfg["objective"].get("meanflow"))  # MeanFlow's second time, t - r (DDPM: no such key)
     if num_classes is None:  # the trainers read it from the data (sources.open_splits) before building the model
         raise ValueError("data.num_classes is unset: set it to build a class-conditional model outside a trainer")
     return Conditioner(num_classes, cfg["model"]["class_tokens"], context_dim, pooled_dim, width, text_tokens,
                        {name: c["control_power"][name] for name in c["controls"]}, c["mode"],
                        c["padding_noise"] if c["replicate_padding"] else None,
                        c["pooled_text"] if "pooled_text" in c else True,  # a run from before the key: pooled on
-                       bool(cfg["objective"].get("meanflow")))  # MeanFlow's second time, t - r (DDPM: no such key)
+                       meanflow, cfg["objective"].get("meanflow_interval_blocks") if meanflow else None)  # None: all
 
 
 def build_denoiser(cfg, channels, size, text_dims=None):

@@ -33,13 +33,35 @@ its authors' code's, Gsunshine/meanflow, meanflow.py and configs/default.py):
                           w' = 2, kappa = 0.5 the code's default (omega = 1, kappa = 0.5); samples whose condition
                           was dropped keep v. w' = 1, kappa = 0: no guidance, no extra evaluation
 
+Two keys for fine-tuning a trained flow-matching model (init_from) into a few-step one, each off by default:
+
+  meanflow_anchor         the flow-matching anchor (FACM, flow-anchored consistency models, ICLR 2026, ali-vilab/
+                          FACM losses.py: FACMLoss keeps a plain flow-matching loss beside the shortcut's, so the
+                          fine-tune keeps the velocity field it starts from): this share of each batch comes first
+                          and trains flow matching's own loss, at r = t, at flow matching's time density (objective.
+                          time_sampling, logit_mean / _std: the trainer's sample_time, handed over as flow_time),
+                          without the adaptive weight; the rest is MeanFlow's batch as above (meanflow_equal_share
+                          of it at r = t). Its target is v~, the velocity MeanFlow's r = t samples regress (FACM's
+                          anchor regresses the same guided velocity as its shortcut loss; two targets at one input
+                          would pull apart): with meanflow_guidance 1 it is flow matching's loss exactly, and at
+                          share 1 the whole batch is (tests/test_meanflow.py). Logged as loss_anchor
+  meanflow_interval_blocks  where the interval enters the network (Decoupled MeanFlow, kyungmnlee/dmf models/
+                          dmft.py: the second time only in the last blocks, the last 8 of DMF-XL/2's 28), so the
+                          first blocks stay the flow-matching model's own: None, every block (the paper's: added to
+                          the adaptive-norm vector); K, the last K blocks and the final norm only (training/model/
+                          mmdit.py, Denoiser.forward)
+
 The JVP: PyTorch's flash and memory-efficient attention kernels (and the CPU's flash kernel) have no forward-mode
 derivative (pytorch #165530, #154226), so it runs with the math backend, exact to float rounding; it runs without
 autograd (the target is a stop-gradient), on the raw module, eager, so DDP, torch.compile and gradient
-checkpointing see only the ordinary forward that the loss differentiates. Its cost is measured in
-docs/performance.md ("MeanFlow's step"). How the options combine: REPA aligns the ordinary forward's tokens;
-x-prediction differentiates through the conversion u = (z_t - x0_hat) / max(t, T_MIN); contrastive flow matching,
-the adaptive time density and FSDP are refused at start-up (problems).
+checkpointing see only the ordinary forward that the loss differentiates: rCM's way (the JVP in a forward of its
+own without gradients, then one forward with them), which is also why it runs on several processes, where
+torch.func.jvp through DDP's or FSDP2's wrapper fails (pytorch #182661, #182641). Sharded (train.sharding=fsdp), the
+bare module is called through its own __call__: FSDP2's hooks all-gather the root's and each block's weights for the
+target's passes as for any forward (its raw forward would meet the root's weights as shards); no gradient, so none
+of its backward hooks. Its cost is measured in docs/performance.md ("MeanFlow's step"). How the options combine:
+REPA aligns the ordinary forward's tokens; x-prediction differentiates through the conversion u = (z_t - x0_hat) /
+max(t, T_MIN); contrastive flow matching and the adaptive time density are refused at start-up (problems).
 """
 import random
 
@@ -52,24 +74,40 @@ from training.objectives import repa, xprediction
 WEIGHT_EPS = 0.01  # c of the adaptive weight 1 / (|Delta|^2 + c)^p: the authors' norm_eps (|Delta|^2 summed)
 
 
-def equal_count(n, obj):
-    """How many of a micro-batch of n have r = t: share x n, rounded down or up at random with the fraction's
+def share_count(n, share):
+    """How many of a micro-batch of n a share is: share x n, rounded down or up at random with the fraction's
     probability, so the share is the configured one on average at any micro-batch (a fixed round() would give a
     micro-batch of 1 or 2 no r != t sample at 0.75: flow matching alone, and 3 a third). A host number, drawn from
     Python's generator (seeded per rank, in a checkpoint's RNG state: a resumed run draws the same counts; no tensor
     is read), so the JVP's share of the batch is known without waiting on the device (the authors' code: a fixed
-    count per device, its data_proportion)."""
-    whole, part = divmod(round(obj["meanflow_equal_share"] * n, 9), 1)
+    count per device, its data_proportion). A whole share x n draws nothing."""
+    whole, part = divmod(round(share * n, 9), 1)
     return int(whole) + (part > 0 and random.random() < part)
 
 
-def sample_times(n, obj, shift, device):
-    """(t, r, equal), t >= r: the larger and smaller of two logit-normal draws, both through the run's time shift
-    (common.time_shift, monotone: the order holds); r = t for the first `equal` samples (equal_count's draw)."""
-    draws = torch.sigmoid(obj["meanflow_logit_mean"] + obj["meanflow_logit_std"] * torch.randn(n, 2, device=device))
+def equal_count(n, obj):
+    """How many of the n MeanFlow samples of a micro-batch have r = t (objective.meanflow_equal_share)."""
+    return share_count(n, obj["meanflow_equal_share"])
+
+
+def sample_times(n, obj, shift, device, flow_time=None):
+    """(t, r, split), t >= r, split = (anchored, equal): the first `anchored` samples (share_count of
+    objective.meanflow_anchor) are the flow-matching anchor, t from `flow_time(k)` (flow matching's own density: the
+    trainer's sample_time) and r = t; the others take the larger and smaller of two logit-normal draws, both through
+    the run's time shift (common.time_shift, monotone: the order holds), r = t for equal_count of them. r = t for
+    the first `equal` samples in all. Without the anchor (0) nothing more is drawn than before the key."""
+    anchored = share_count(n, obj["meanflow_anchor"])
+    if anchored and flow_time is None:
+        raise ValueError("objective.meanflow_anchor > 0: sample_times needs flow matching's time density (flow_time)")
+    k = n - anchored
+    draws = torch.sigmoid(obj["meanflow_logit_mean"] + obj["meanflow_logit_std"] * torch.randn(k, 2, device=device))
     draws = common.time_shift(draws, shift)
-    t, r, equal = draws.max(dim=1).values, draws.min(dim=1).values, equal_count(n, obj)
-    return t, torch.cat([t[:equal], r[equal:]]), equal
+    t, r, equal = draws.max(dim=1).values, draws.min(dim=1).values, equal_count(k, obj)
+    r = torch.cat([t[:equal], r[equal:]])
+    if anchored:
+        anchor = flow_time(anchored)
+        t, r = torch.cat([anchor, t]), torch.cat([anchor, r])
+    return t, r, (anchored, anchored + equal)
 
 
 def average_velocity(model, z, t, r, cond, prediction="v"):
@@ -114,23 +152,32 @@ def target(model, z, t, r, v, cond, equal, prediction="v"):
     return torch.cat([v[:equal], v[equal:] - gap * dudt.float()])
 
 
-def training_loss(model, raw, x0, cond, t, r, equal, noise, obj, align=None):
+def eager(raw):
+    """What makes the target, without autograd: the bare module's forward, outside DDP and torch.compile (the
+    compiled module's __call__); a sharded module (FSDP2) through its __call__, whose hooks all-gather the weights."""
+    return raw if any(map(common.is_dtensor, raw.parameters())) else raw.forward
+
+
+def training_loss(model, raw, x0, cond, t, r, split, noise, obj, align=None):
     """(per-sample |u_theta - sg(u_tgt)|^2, the mean over elements as flow matching's loss, {name: per-sample term})
-    of the micro-batch, (t, r, equal) from sample_times (t >= r; r = t for the first `equal`). `model` is the module
-    the loop trains (DDP, compiled): its forward is the one differentiated, with REPA's tokens (`align`, repa.py);
-    `raw` the bare module (accelerator.unwrap_model), whose eager forward makes the target without autograd: the
-    guided velocity v~ and the JVP.
+    of the micro-batch, (t, r, split) from sample_times (t >= r; split = (anchored, equal): the first `anchored` the
+    flow-matching anchor, r = t for the first `equal`). `model` is the module the loop trains (DDP, compiled,
+    sharded): its forward is the one differentiated, with REPA's tokens (`align`, repa.py); `raw` the bare module
+    (accelerator.unwrap_model), whose forward (eager) makes the target without autograd: the guided velocity v~ and
+    the JVP.
 
     The adaptive weight is a term of its own, "adaptive_weight" = (sg(w') - 1) |Delta|^2, so that what is trained
     is sg(w') |Delta|^2 and the logged loss stays the plain error, per time bin as flow matching's. w' = 1 /
     (|Delta|^2 + c / D)^p with |Delta|^2 the mean over the D elements is the paper's w = 1 / (D |Delta|^2 + c)^p
-    times D^p, a constant: p = 0 is flow matching's loss exactly and p = 1 the paper's gradient exactly."""
+    times D^p, a constant: p = 0 is flow matching's loss exactly and p = 1 the paper's gradient exactly. The anchor's
+    samples take w' = 1: flow matching's plain loss (FACM's anchor is unweighted)."""
+    anchored, equal = split
     t_ = t.view(-1, *([1] * (x0.dim() - 1)))
     z = (1 - t_) * x0 + t_ * noise
     # v as flow matching's target: eps - x0, or with x-prediction the velocity x0 implies (clamped below T_MIN)
     v = xprediction.velocity(x0.float(), z, t_) if obj["prediction"] == "x0" else (noise - x0).float()
     with torch.no_grad():
-        forward = raw.forward  # eager, outside DDP and torch.compile: the target's passes are no training step's
+        forward = eager(raw)  # outside DDP and torch.compile: the target's passes are no training step's
         v = guided_velocity(forward, z, t, v, cond, obj, obj["prediction"])
         u_tgt = target(forward, z, t, r, v, cond, equal, obj["prediction"])
     out, tokens = repa.forward(model, align, z, t * 1000, {**cond, "interval": (t - r) * 1000})
@@ -139,16 +186,21 @@ def training_loss(model, raw, x0, cond, t, r, equal, noise, obj, align=None):
     terms = repa.terms(tokens, align)
     if obj["meanflow_weight_power"]:
         weight = 1 / (error.detach() + WEIGHT_EPS / x0[0].numel()) ** obj["meanflow_weight_power"]
+        weight[:anchored] = 1  # the anchor: flow matching's own, unweighted loss
         terms["adaptive_weight"] = (weight - 1) * error
     return error, terms
 
 
-def parts(t, r):
-    """The batch's two kinds of sample, each one's loss logged apart (monitor.Monitor.micro_batch): r = t, where the
+def parts(t, r, split, obj):
+    """The batch's kinds of sample, each one's loss logged apart (monitor.Monitor.micro_batch): r = t, where the
     target is the velocity (guided: meanflow_guidance), so its loss is flow matching's, on its scale; and r < t,
     the average velocity against the JVP's target, MeanFlow's own part, larger, growing as the model learns du/dt
-    (docs/training.md, "What a healthy run looks like")."""
-    return {"r_eq_t": t == r, "r_lt_t": t != r}
+    (docs/training.md, "What a healthy run looks like"). With objective.meanflow_anchor, the anchor's samples (the
+    first split[0]) are a part of their own, "anchor", and not in "r_eq_t": every rank logs the same names."""
+    if not obj["meanflow_anchor"]:
+        return {"r_eq_t": t == r, "r_lt_t": t != r}
+    anchor = torch.arange(len(t), device=t.device) < split[0]
+    return {"anchor": anchor, "r_eq_t": (t == r) & ~anchor, "r_lt_t": t != r}
 
 
 def probe_loss(obj):
@@ -158,7 +210,8 @@ def probe_loss(obj):
     equal_count's Python draw, which it does not, is never made."""
     def loss(forward, model, x0, cond, align):
         t = torch.rand(len(x0), device=x0.device)
-        return training_loss(forward, model, x0, cond, t, t * torch.rand_like(t), 0, torch.randn_like(x0), obj, align)
+        return training_loss(forward, model, x0, cond, t, t * torch.rand_like(t), (0, 0), torch.randn_like(x0), obj,
+                             align)
     return loss
 
 
@@ -166,7 +219,18 @@ def problems(cfg):
     """The start-up checks of objective.meanflow (handed to the config loader by train_flow_matching.py)."""
     obj, out = cfg["objective"], []
     if not obj.get("meanflow"):
-        return out
+        return [f"objective.{key}={obj[key]} without objective.meanflow: {what}; set objective.meanflow=true, or "
+                f"{unset}" for key, what, unset in (
+                    ("meanflow_anchor", "the anchor is the flow-matching share of a MeanFlow batch (FACM)",
+                     "objective.meanflow_anchor=0"),
+                    ("meanflow_interval_blocks", "MeanFlow's interval t - r is the input it places",
+                     "objective.meanflow_interval_blocks=null"))
+                if obj.get(key)]
+    blocks, depth = obj["meanflow_interval_blocks"], cfg["model"]["num_layers"]
+    if blocks is not None and blocks > depth:
+        out.append(f"objective.meanflow_interval_blocks={blocks}: the model has {depth} blocks (model.num_layers); "
+                   f"give 1 .. {depth} (Decoupled MeanFlow: the last third, {max(1, depth // 3)}), or null for every "
+                   f"block")
     if obj["contrastive_weight"]:
         out.append(f"objective.contrastive_weight={obj['contrastive_weight']} with objective.meanflow: contrastive "
                    "flow matching's negatives are other samples' velocities, MeanFlow's targets average velocities "
@@ -174,9 +238,6 @@ def problems(cfg):
     if obj["time_sampling"] == "adaptive":
         out.append("objective.time_sampling='adaptive' with objective.meanflow: MeanFlow draws (r, t) itself "
                    "(objective.meanflow_logit_mean / _std); use 'logit_normal' or 'uniform'")
-    if cfg["train"]["sharding"] == "fsdp":
-        out.append("objective.meanflow with train.sharding='fsdp': the JVP runs the bare module eager, which the "
-                   "sharded, per-block compiled model is not; use train.sharding='ddp'")
     return out
 
 

@@ -373,9 +373,13 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
     if objective.get("meanflow"):  # made for few steps: say how many (the pipeline's default, tuned or the run's)
         best = (tuned or {}).get("best", {})
         n, guidance = best.get("steps", val["steps"]), best.get("guidance_scale", val["guidance_scale"])
+        anchor, blocks = objective.get("meanflow_anchor"), objective.get("meanflow_interval_blocks")  # .get: older
         what = (f"MeanFlow (Geng et al. 2025: the average velocity over [r, t], {objective['prediction']}-prediction, "
                 f"r = t for {objective['meanflow_equal_share']:.0%} of the samples, guidance "
-                f"{objective['meanflow_guidance']:g} folded into training)")
+                f"{objective['meanflow_guidance']:g} folded into training"
+                + (f"; flow matching's own loss kept on {anchor:.0%} of each batch (FACM's anchor)" if anchor else "")
+                + (f"; the interval t - r in the last {blocks} blocks only (Decoupled MeanFlow)" if blocks else "")
+                + ")")
         # the pipeline's default guidance_scale is applied on top of the trained-in guidance: two evaluations a step
         per_step = ("one network evaluation a step, the guidance already in the weights" if guidance == 1 else
                     f"two network evaluations a step: classifier-free guidance {guidance:g} on top of the "

@@ -60,12 +60,13 @@ class Conditioner(ModelMixin, ConfigMixin):
     mode: "disentangled" (classes through attention, the paper's), "both" (attention and the adaptive norm) or
     "adanorm" (DiT / SDXL). class_ids and class_names name the classes in index order. interval: a MeanFlow model's
     second time, "interval" in cond (t - r in timestep units; absent: 0), embedded as SD3 embeds t and added to the
-    adaptive norm."""
+    adaptive norm: of every block, or with interval_blocks K (Decoupled MeanFlow) of the last K blocks and the final
+    norm only, which the pipeline adds (`interval`)."""
 
     @register_to_config
     def __init__(self, num_classes=0, class_tokens=1, context_dim=64, pooled_dim=64, width=64, text_tokens=0,
                  controls=None, mode="disentangled", replicate_padding=False, pooled_text=False, class_ids=None,
-                 class_names=None, interval=False):
+                 class_names=None, interval=False, interval_blocks=None):
         super().__init__()
         self.controls = dict(controls or {})
         if num_classes and mode != "adanorm":
@@ -110,8 +111,11 @@ class Conditioner(ModelMixin, ConfigMixin):
             w = torch.ones_like(noise_level) if c.mode == "adanorm" else control_weight(noise_level, power)
             emb = self.control_mlp[name](sinusoidal(control_values(name, cond)))
             adanorm = adanorm + emb * (w.float() * keep)[:, None]
-        if c.interval:
-            gap = cond["interval"] if "interval" in cond else torch.zeros_like(noise_level)
-            gap_proj = self.interval_proj(gap).to(self.interval_embed.linear_1.weight.dtype)
-            adanorm = adanorm + self.interval_embed(gap_proj)
+        if c.interval and not c.interval_blocks:
+            adanorm = adanorm + self.interval(cond, noise_level)
         return context, pooled, adanorm
+
+    def interval(self, cond, noise_level):
+        """The embedding of a MeanFlow model's interval t - r (absent: 0, r = t)."""
+        gap = cond["interval"] if "interval" in cond else torch.zeros_like(noise_level)
+        return self.interval_embed(self.interval_proj(gap).to(self.interval_embed.linear_1.weight.dtype))

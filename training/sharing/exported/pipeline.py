@@ -187,7 +187,8 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
 
     def denoise(self, x, timestep, cond, noise_level):
         """The MMDiT's forward with the conditioner's adaptive-norm addition added to the vector every block's
-        AdaLayerNorm reads (SD3Transformer2DModel.forward, written out with its modules)."""
+        AdaLayerNorm reads (SD3Transformer2DModel.forward, written out with its modules); a MeanFlow model's interval
+        placed in the last K blocks (the conditioner's interval_blocks) joins the vector of those and the final norm."""
         context, pooled, adanorm = self.conditioner(cond, noise_level)
         mmdit, (height, width) = self.transformer, x.shape[-2:]
         dtype = mmdit.dtype
@@ -195,10 +196,13 @@ class MinimalDiffusionPipeline(DiffusionPipeline):
         temb = mmdit.time_text_embed(timestep.to(dtype), pooled.to(dtype))
         if torch.is_tensor(adanorm):
             temb = temb + adanorm.to(temb.dtype)
+        late, blocks = self.conditioner.config.interval_blocks, mmdit.transformer_blocks
+        late_temb = temb + self.conditioner.interval(cond, noise_level).to(temb.dtype) if late else temb
         context = mmdit.context_embedder(context.to(dtype))
-        for block in mmdit.transformer_blocks:
-            context, tokens = block(hidden_states=tokens, encoder_hidden_states=context, temb=temb)
-        tokens = mmdit.proj_out(mmdit.norm_out(tokens, temb))
+        for i, block in enumerate(blocks, 1):
+            vector = late_temb if late and i > len(blocks) - late else temb
+            context, tokens = block(hidden_states=tokens, encoder_hidden_states=context, temb=vector)
+        tokens = mmdit.proj_out(mmdit.norm_out(tokens, late_temb))
         p, c = mmdit.config.patch_size, mmdit.out_channels
         tokens = tokens.reshape(len(x), height // p, width // p, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", tokens).reshape(len(x), c, height, width)
