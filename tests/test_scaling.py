@@ -1,0 +1,155 @@
+"""benchmarks/scaling.py (issue 73): the plan's points and CPU arithmetic, each point's schedule set for its own
+length, resume (a scored point is not trained again, a half-trained one continues from its checkpoint), and the
+power-law fit on synthetic points whose exponent is known. The slow test runs the documented stages on the tiny
+Fashion-MNIST of tests/test_campaigns.py with the children in this process."""
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+from benchmarks import scaling
+from test_campaigns import children_in_process, tiny, tiny_fashion_mnist  # noqa: F401  (fixtures)
+
+COST = {"recipe": 1.0, "small": 0.5, "large": 2.0}
+
+
+def write_cost(out, cost=COST):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cost.json").write_text(json.dumps({"cpu_s_per_step": cost, "steps": 30}))
+
+
+def test_the_grid_holds_the_issues_points():
+    points = scaling.grid().values()
+    fm = {(p["size"], p["budget"]) for p in points if p["method"] == "flow_matching" and p["seed"] == 0
+          and p["optimizer"] == "muon" and p["lr_factor"] == 1}
+    assert {("recipe", b) for b in (0.5, 1, 2, 4, 8)} <= fm  # every budget at the recipe's size
+    assert {s for s, _ in fm} == {"small", "recipe", "large"}
+    assert {p["budget"] for p in points if p["method"] == "ddpm"} >= {1, 4}
+    seeds = {}
+    for p in points:
+        if p["method"] == "flow_matching" and p["optimizer"] == "muon" and p["lr_factor"] == 1 and p["size"] == "recipe":
+            seeds.setdefault(p["budget"], set()).add(p["seed"])
+    assert sum(s == {0, 1, 2} for s in seeds.values()) == 2  # 3 seeds at two points
+    adamw = {p["seed"] for p in points if p["optimizer"] == "adamw" and p["budget"] == 4}
+    assert adamw == {0, 1, 2} and seeds[4] == {0, 1, 2}  # Muon against AdamW at 4x, paired by seed
+    assert {(p["budget"], p["lr_factor"]) for p in points if p["lr_factor"] != 1} >= {(4, 0.5), (4, 2), (8, 0.5)}
+
+
+def test_the_plan_gives_each_point_its_steps_and_cpu(tmp_path, capsys):
+    write_cost(tmp_path)
+    totals = scaling.plan(scaling_args(tmp_path, unit_steps=100))
+    rows = {m[0]: m[1:] for m in re.findall(r"^(\S+)\s+\w+\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", capsys.readouterr().out,
+                                            re.M)}
+    assert len(rows) == len(scaling.grid())
+    # equal CPU at equal budget: a large step costs 2 recipe steps, so 4x at large is 200 steps; small's 2x is 400
+    assert rows["fm-large-4x-s0"][0] == "200" and rows["fm-small-2x-s0"][0] == "400"
+    assert rows["fm-recipe-8x-s0"][0] == "800" and float(rows["fm-large-4x-s0"][1]) == pytest.approx(400 / 3600, 0.05)
+    sampled = scaling.NUM_SAMPLES + scaling.EMA_SAMPLES * len(scaling.EMA_STDS)
+    core = sum(p["budget"] * 100 + sampled * scaling.SAMPLE_PER_STEP * COST[p["size"]]
+               for p in scaling.grid().values() if p["tier"] == "core")
+    assert totals["core"] == pytest.approx(core)
+
+
+def test_each_point_is_scheduled_for_its_own_length():
+    points = scaling.grid()
+    one, four = (dict(a.split("=") for a in scaling.point_args(points[n], COST, 1200))
+                 for n in ("fm-recipe-1x-s0", "fm-recipe-4x-s0"))
+    assert one["--train.max_steps"] == "1200" and one["--train.warmup_steps"] == "100"  # the recipe's own
+    assert four["--train.max_steps"] == "4800" and four["--train.warmup_steps"] == "400"  # not 1x continued
+    assert int(four["--ckpt.phema_every"]) * scaling.SNAPSHOTS == 4800 * 128  # snapshots through the whole run
+    lr = dict(a.split("=") for a in scaling.point_args(points["fm-recipe-4x-lr2-s0"], COST, 1200))
+    assert float(lr["--train.muon_lr"]) == 2e-2
+    assert dict(a.split("=") for a in scaling.point_args(points["fm-recipe-4x-adamw-s0"], COST, 1200)
+                )["--train.optimizer"] == "adamw"
+
+
+def scaling_args(out, unit_steps=4, **more):
+    return scaling.argparse.Namespace(out=str(out), unit_steps=unit_steps, extra=[], eval_args=[], floor=scaling.FLOOR,
+                                      num_samples=10, ema_samples=6, classifier="unused", **more)
+
+
+def test_a_scored_point_is_neither_trained_nor_scored_again(tmp_path, monkeypatch):
+    folder = tmp_path / "fm-recipe-1x-s0"
+    (folder / "eval" / "test").mkdir(parents=True)
+    (folder / "eval" / "test" / "report.json").write_text(json.dumps({"metrics": {"fd_classifier_2k": 1.0}}))
+    (folder / "ema.json").write_text(json.dumps({"std": 0.1}))
+
+    def refuse(*a, **k):
+        raise AssertionError("a scored point was worked on again")
+    monkeypatch.setattr(scaling, "train", refuse)
+    monkeypatch.setattr(scaling.eval_fid, "main", refuse)
+    monkeypatch.setattr(scaling.phema, "main", refuse)
+    args = scaling_args(tmp_path, point="fm-recipe-1x-s0")
+    scaling.run(args), scaling.ema(args), scaling.score(args)
+
+
+def test_an_unknown_point_is_named_with_the_points():
+    with pytest.raises(SystemExit, match="no point 'fm-huge-1x-s0'.*fm-recipe-1x-s0"):
+        scaling.named_point("fm-huge-1x-s0")
+
+
+def power_law_points(b, rng, noise=0.05, floor=scaling.FLOOR):
+    cpu = 1080 * np.array([0.5, 1, 2, 4, 8])
+    return cpu, floor + 3.0 * (cpu / 1080) ** -b * np.exp(noise * rng.standard_normal(5))
+
+
+def test_the_fit_recovers_a_known_exponent_within_its_interval():
+    exact = scaling.power_fit(*power_law_points(0.6, np.random.default_rng(0), noise=0), scaling.FLOOR)
+    assert exact["b"] == pytest.approx(0.6) and exact["a"] == pytest.approx(3.0 * 1080 ** 0.6)
+    rng, covered = np.random.default_rng(1), 0
+    for _ in range(400):  # the interval covers the true exponent about 95% of the time
+        f = scaling.power_fit(*power_law_points(0.6, rng), scaling.FLOOR)
+        covered += f["b_low"] <= 0.6 <= f["b_high"]
+    assert 0.92 <= covered / 400 <= 0.98
+
+
+def test_a_fit_that_forgets_the_floor_misses_the_exponent():
+    cpu, fd = power_law_points(0.6, np.random.default_rng(2), noise=0.01)
+    wrong = scaling.power_fit(cpu, fd, 0.0)  # FD itself, not FD - floor: the exponent comes out flatter
+    assert not wrong["b_low"] <= 0.6 <= wrong["b_high"]
+    with pytest.raises(ValueError, match="at or under the floor"):
+        scaling.power_fit(cpu, np.minimum(fd, 0.1), scaling.FLOOR)
+
+
+def test_the_fit_says_where_it_stops_holding():
+    cpu, fd = power_law_points(0.6, np.random.default_rng(3), noise=0.02)
+    assert scaling.holds_at_the_largest(cpu, fd, scaling.FLOOR)["holds"]
+    bent = fd.copy()
+    bent[-1] = fd[-2]  # FD stops falling at the largest budget
+    assert not scaling.holds_at_the_largest(cpu, bent, scaling.FLOOR)["holds"]
+    assert scaling.holds_at_the_largest(cpu[:3], fd[:3], scaling.FLOOR) is None
+
+
+@pytest.mark.slow
+def test_the_scaling_campaign_runs_each_documented_stage(tmp_path, tiny, children_in_process, monkeypatch,  # noqa: F811
+                                                         capsys):
+    monkeypatch.setattr(scaling, "COST_STEPS", 2)
+    monkeypatch.setattr(scaling, "EMA_STDS", (0.05, 0.1))
+    out, common = tmp_path / "scaling", ["--classifier", tiny.classifier, "--unit_steps", "4",
+                                         "--num_samples", "10", "--ema_samples", "6", *tiny.model]
+    scaling.main(["cost", "--out", str(out), *common])
+    cost = json.loads((out / "cost.json").read_text())["cpu_s_per_step"]
+    assert set(cost) == set(scaling.SIZES) and all(c > 0 for c in cost.values())
+    cost.update({"recipe": 1.0, "small": 1.0})  # 4 steps for the point below, whatever this machine measured
+    write_cost(out, cost)
+    scaling.main(["run", "fm-recipe-1x-s0", "--out", str(out), *common])
+    folder = out / "fm-recipe-1x-s0"
+    assert json.loads((folder / "config.json").read_text())["train"]["max_steps"] == 4
+    # a half-trained point: the export and the last checkpoint gone, as a process stopped after step 3
+    import shutil
+    shutil.rmtree(folder / "export"), shutil.rmtree(folder / "checkpoints" / "step_00000004")
+    capsys.readouterr()
+    scaling.main(["run", "fm-recipe-1x-s0", "--out", str(out), *common])
+    assert "at step 3" in capsys.readouterr().out and (folder / "export").is_dir()
+    assert len(json.loads((folder / "cpu_seconds.json").read_text())["processes"]) == 2
+    for stage in ("ema", "score"):
+        scaling.main([stage, "fm-recipe-1x-s0", "--out", str(out), *common])
+    report = json.loads((folder / "eval" / "test" / "report.json").read_text())
+    assert report["model"]["phema"] and any(k.startswith("fd_classifier") for k in report["metrics"])
+    assert json.loads((folder / "ema.json").read_text())["std"] in (0.05, 0.1)
+    scaling.main(["report", "--out", str(out)])
+    assert "fm-recipe-1x-s0" in (out / "report.md").read_text()
+    scaling.main(["plot", "--out", str(out), "--plot", str(tmp_path / "scaling.png")])
+    assert (tmp_path / "scaling.png").stat().st_size > 0
