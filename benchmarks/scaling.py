@@ -31,6 +31,8 @@ Arguments past the stage's own go to every trainer run (a scaled-down run: --mod
 import argparse
 import json
 import math
+import resource
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,7 +42,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval_fid  # noqa: E402
 from benchmarks import fashion_mnist as bench  # noqa: E402
-from benchmarks.emoji import train  # noqa: E402
 from tools import phema  # noqa: E402
 from tools.compare import paired_comparison, t_interval  # noqa: E402
 
@@ -115,6 +116,23 @@ def point_args(p, cost, unit_steps):
     if p["lr_factor"] != 1:
         args.append(f"--train.muon_lr={train_cfg['muon_lr'] * p['lr_factor']:g}")
     return args
+
+
+def train(run, method, run_args, args, seed):
+    """Train RUN from the recipe, or continue it from its newest checkpoint; skipped once exported. The trainer
+    processes' CPU goes to RUN/cpu_seconds.json (a resumed run: the sum over them) with the steps' own CPU
+    (benchmarks/emoji.py's `train`, on this recipe)."""
+    if (run / "export").is_dir():
+        return
+    before = bench.cpu_seconds(resource.RUSAGE_CHILDREN)
+    try:
+        subprocess.run([sys.executable, str(ROOT / f"train_{method}.py"), "--config", str(RECIPE), f"--seed={seed}",
+                        f"--run_dir={run}", "--log.wandb=off", "--resume=latest", *run_args, *args.extra],
+                       cwd=ROOT, check=True)
+    finally:
+        record = bench.add_cpu(run, bench.cpu_seconds(resource.RUSAGE_CHILDREN) - before)
+    record["steps"] = bench.step_cpu(run) * json.loads((run / "config.json").read_text())["train"]["max_steps"]
+    (run / "cpu_seconds.json").write_text(json.dumps(record))
 
 
 def load_cost(out, required=True):
@@ -259,8 +277,8 @@ def holds_at_the_largest(cpu, fd, floor, level=0.95):
     x = np.log(cpu[:-1])
     se = f["s"] * math.sqrt(1 + 1 / len(x) + (math.log(cpu[-1]) - x.mean()) ** 2 / ((x - x.mean()) ** 2).sum())
     miss = math.log(fd[-1] - floor) - math.log(predicted(f, cpu[-1], floor) - floor)
-    return {"miss": miss, "limit": float(t.ppf((1 + level) / 2, len(x) - 2) * se),
-            "holds": abs(miss) <= t.ppf((1 + level) / 2, len(x) - 2) * se}
+    limit = float(t.ppf((1 + level) / 2, len(x) - 2) * se)
+    return {"miss": float(miss), "limit": limit, "holds": bool(abs(miss) <= limit)}
 
 
 def metric(report, name):
@@ -304,9 +322,11 @@ def fit(args):
         if f["largest"] is not None:
             lines.append(f"  the largest budget {'inside' if f['largest']['holds'] else 'OUTSIDE'} the fit of the "
                          f"others (miss {f['largest']['miss']:+.3f}, limit {f['largest']['limit']:.3f} log units)")
-    budgets = sorted({c for f in fits.values() for c in f["cpu"]})
+    budgets = sorted({float(c) for f in fits.values() for c in f["cpu"]})
     best = {c: min(fits, key=lambda s: predicted(fits[s], c, args.floor)) for c in budgets}
-    lines += [f"at {c:.0f} CPU s the fits' best size: {s}" for c, s in best.items()]
+    lines += [f"at {c:.0f} CPU s the fits' best size: {s}" + ("" if min(fits[s]["cpu"]) <= c <= max(fits[s]["cpu"])
+                                                              else " (extrapolated: outside its budgets)")
+              for c, s in best.items()]
     (Path(args.out) / "fit.json").write_text(json.dumps({"floor": args.floor, "fits": fits,
                                                          "best_size": {str(c): s for c, s in best.items()}}, indent=1))
     print("\n".join(lines))

@@ -29,7 +29,7 @@ def test_the_grid_holds_the_issues_points():
     assert {p["budget"] for p in points if p["method"] == "ddpm"} >= {1, 4}
     seeds = {}
     for p in points:
-        if p["method"] == "flow_matching" and p["optimizer"] == "muon" and p["lr_factor"] == 1 and p["size"] == "recipe":
+        if (p["method"], p["optimizer"], p["lr_factor"], p["size"]) == ("flow_matching", "muon", 1, "recipe"):
             seeds.setdefault(p["budget"], set()).add(p["seed"])
     assert sum(s == {0, 1, 2} for s in seeds.values()) == 2  # 3 seeds at two points
     adamw = {p["seed"] for p in points if p["optimizer"] == "adamw" and p["budget"] == 4}
@@ -120,6 +120,35 @@ def test_the_fit_says_where_it_stops_holding():
     bent[-1] = fd[-2]  # FD stops falling at the largest budget
     assert not scaling.holds_at_the_largest(cpu, bent, scaling.FLOOR)["holds"]
     assert scaling.holds_at_the_largest(cpu[:3], fd[:3], scaling.FLOOR) is None
+
+
+def scored_point(out, name, cpu, fd):
+    folder = out / name
+    (folder / "eval" / "test").mkdir(parents=True)
+    (folder / "eval" / "test" / "report.json").write_text(json.dumps({"metrics": {"fd_classifier_2k": fd}}))
+    (folder / "cpu_seconds.json").write_text(json.dumps({"steps": cpu}))
+    (folder / "ema.json").write_text(json.dumps({"std": 0.1}))
+
+
+def test_the_fit_stage_reads_the_points_and_names_the_best_size_and_the_budget_for_2x_the_floor(tmp_path, capsys):
+    """Recipe size: FD - floor = 3 (C/1080)^-0.6; small: 2 (C/1080)^-0.3, the best at 0.5x; large 2.5 (C/1080)^-0.8,
+    the best from 2x, at 8x outside its budgets (1-4x). The DDPM and the 1x seed 1 points must stay out of the fits."""
+    for b in (0.5, 1, 2, 4, 8):
+        scored_point(tmp_path, f"fm-recipe-{b:g}x-s0", 1080 * b, scaling.FLOOR + 3 * b ** -0.6)
+    for b in (0.5, 1, 2):
+        scored_point(tmp_path, f"fm-small-{b:g}x-s0", 1080 * b, scaling.FLOOR + 2 * b ** -0.3)
+    for b in (1, 2, 4):
+        scored_point(tmp_path, f"fm-large-{b:g}x-s0", 1080 * b, scaling.FLOOR + 2.5 * b ** -0.8)
+    scored_point(tmp_path, "ddpm-recipe-1x-s0", 1080, 50.0)
+    scored_point(tmp_path, "fm-recipe-1x-s1", 1080, 50.0)
+    fits = scaling.fit(scaling_args(tmp_path))
+    assert fits["recipe"]["b"] == pytest.approx(0.6) and fits["small"]["b"] == pytest.approx(0.3)
+    assert fits["recipe"]["two_floor_cpu"] == pytest.approx(1080 * (3 / scaling.FLOOR) ** (1 / 0.6))
+    best = json.loads((tmp_path / "fit.json").read_text())["best_size"]
+    assert best[str(540.0)] == "small" and best[str(2160.0)] == "large" and best[str(8640.0)] == "large"
+    printed = capsys.readouterr().out
+    assert "2160 CPU s the fits' best size: large\n" in printed  # inside large's budgets
+    assert "8640 CPU s the fits' best size: large (extrapolated" in printed
 
 
 @pytest.mark.slow
