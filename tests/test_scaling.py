@@ -107,8 +107,9 @@ def test_the_fit_recovers_a_known_exponent_within_its_interval():
 
 def test_a_fit_that_forgets_the_floor_misses_the_exponent():
     cpu, fd = power_law_points(0.6, np.random.default_rng(2), noise=0.01)
-    wrong = scaling.power_fit(cpu, fd, 0.0)  # FD itself, not FD - floor: the exponent comes out flatter
-    assert not wrong["b_low"] <= 0.6 <= wrong["b_high"]
+    right, wrong = scaling.power_fit(cpu, fd, scaling.FLOOR), scaling.power_fit(cpu, fd, 0.0)
+    assert right["b_low"] <= 0.6 <= right["b_high"]
+    assert not wrong["b_low"] <= 0.6 <= wrong["b_high"]  # FD itself, not FD - floor: the exponent comes out flatter
     with pytest.raises(ValueError, match="at or under the floor"):
         scaling.power_fit(cpu, np.minimum(fd, 0.1), scaling.FLOOR)
 
