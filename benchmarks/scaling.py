@@ -366,6 +366,19 @@ def cell(values):
     return f"{mean:.4f} [{low:.4f}, {high:.4f}]" if len(values) > 1 else f"{mean:.4f}"
 
 
+def lr_verdict(sweep, seeds_4x):
+    """docs/benchmarks/scaling.md's rule: the recipe's Muon LR (x1) stays right unless another factor's FD is
+    lower by more than the half width of the 3-seed 95% t-interval at 4x (the seed spread); one seed per LR."""
+    if sweep.get(1) is None or len(seeds_4x) < 3:
+        return "not settled (needs x1 and the 4x seeds 0-2)"
+    mean, low, high = t_interval(seeds_4x)
+    better = [f for f, v in sweep.items() if f != 1 and v is not None and sweep[1] - v > (high - mean)]
+    if better:
+        return f"x{min(better, key=lambda f: sweep[f]):g} better than the recipe's (beyond the seed spread " \
+               f"{high - mean:.4f})"
+    return f"the recipe's LR stays (no factor better by more than the seed spread {high - mean:.4f})"
+
+
 def report(args):
     found = scored(args.out)
     names = ("fd_classifier", "kd_classifier", "precision_classifier", "recall_classifier", "coverage_classifier",
@@ -391,11 +404,12 @@ def report(args):
             "AdamW better"
         lines.append(f"- Muon - AdamW at 4x, FD: {d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}] over seeds "
                      f"{seeds}: {rule if len(seeds) > 1 else 'one seed: not settled'}")
+    spread = [fd[f"fm-recipe-4x-s{s}"] for s in (0, 1, 2) if f"fm-recipe-4x-s{s}" in fd]
     for b in (4, 8):
         sweep = {f: fd.get(f"fm-recipe-{b}x-lr{f:g}-s0") for f in (0.5, 2)} | {1: fd.get(f"fm-recipe-{b}x-s0")}
         if any(v is not None for v in sweep.values()):
             lines.append(f"- Muon LR at {b}x (seed 0): " + ", ".join(f"x{f:g} {v:.4f}" for f, v in sorted(sweep.items())
-                                                                  if v is not None))
+                                                                  if v is not None) + ": " + lr_verdict(sweep, spread))
     fit_path = Path(args.out) / "fit.json"
     if fit_path.is_file():
         fits = json.loads(fit_path.read_text())["fits"]

@@ -183,3 +183,22 @@ def test_the_scaling_campaign_runs_each_documented_stage(tmp_path, tiny, childre
     assert "fm-recipe-1x-s0" in (out / "report.md").read_text()
     scaling.main(["plot", "--out", str(out), "--plot", str(tmp_path / "scaling.png")])
     assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_the_report_pairs_muon_and_adamw_by_seed_and_rules_on_the_lr_by_the_seed_spread(tmp_path):
+    """4x: Muon FD 1.00, 1.10, 0.90 on seeds 0-2 (half width of its interval: 4.30 x 0.1 / sqrt 3 = 0.248), AdamW
+    0.2 worse on every seed: Muon better, the difference -0.2 exactly. LR at 4x: x0.5 at 0.80 (0.2 under, inside the
+    spread): the recipe's LR stays; at 8x x0.5 0.40 under the recipe's 0.9 (but no seed spread at 8x: 4x's rules)."""
+    for seed, v in enumerate((1.0, 1.1, 0.9)):
+        scored_point(tmp_path, f"fm-recipe-4x-s{seed}", 4320, v)
+        scored_point(tmp_path, f"fm-recipe-4x-adamw-s{seed}", 4320, v + 0.2)
+    scored_point(tmp_path, "fm-recipe-4x-lr0.5-s0", 4320, 0.8)
+    scored_point(tmp_path, "fm-recipe-8x-s0", 8640, 0.9)
+    scored_point(tmp_path, "fm-recipe-8x-lr0.5-s0", 8640, 0.5)
+    scaling.report(scaling_args(tmp_path))
+    text = (tmp_path / "report.md").read_text()
+    assert "Muon - AdamW at 4x, FD: -0.2000 [-0.2000, -0.2000] over seeds [0, 1, 2]: Muon better" in text
+    half = 4.302653 * 0.1 / math.sqrt(3)
+    assert re.search(r"LR at 4x .*x0.5 0.8000, x1 1.0000: the recipe's LR stays \(.*spread " + f"{half:.4f}", text)
+    assert re.search(r"LR at 8x .*: x0.5 better than the recipe's", text)
+    assert "best point fm-recipe-8x-lr0.5-s0 at FD 0.5000: not met" in text
