@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from training.data import buckets
-from training.model import mmdit, transfer
+from training.model import lora, mmdit, transfer
 from training.objectives import repa
 from training.run import checkpoints, hub
 
@@ -37,10 +37,14 @@ def prepare_model(cfg, x_shape, null_text, class_ids, run_dir, accelerator):
     ema.inherited = set()  # names of EMA tensors init_from takes from another run's EMA (common.ema_update)
     ckpt = checkpoints.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
     ckpt = checkpoints.same_checkpoint(ckpt, accelerator) if cfg.resume else None
-    if cfg.init_from and ckpt is None:
+    if cfg.init_from and (ckpt is None or cfg.train.lora_rank):  # LoRA: the base is init_from's at resume too
         report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print, cfg)
         if accelerator.is_main_process:
             (Path(run_dir) / "init_from.json").write_text(json.dumps(report, indent=1))
+        if cfg.train.lora_rank:  # adapters on the frozen base; a resume checks it is the checkpoint's
+            model, ema = lora.attach(model, ema, report, cfg.train, accelerator.print)
+            if ckpt is not None:
+                lora.check_base(model, checkpoints.read_state(ckpt), ckpt)
     return model, ema, ckpt
 
 

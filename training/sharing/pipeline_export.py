@@ -46,6 +46,7 @@ from training.config import config
 from training.data import latents
 from training.data.encoders import load_encoders, quiet_transformers
 from training.data.classes import readable_names
+from training.model import lora
 from training.run import hub
 from training.evaluation import tuning
 from training.objectives import meanflow
@@ -178,6 +179,7 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     part = folder.with_name(folder.name + ".partial")
     shutil.rmtree(part, ignore_errors=True)  # left by an export that died writing
     part.mkdir(parents=True)
+    ema = lora.merged(ema)  # LoRA: the adapters folded into the base's weights
     ema.transformer.save_pretrained(part / "transformer", safe_serialization=True)
     exported_conditioner(ema.conditioner, ema.transformer, class_ids).save_pretrained(part / "conditioner")
     shutil.copy(SOURCES / "conditioner.py", part / "conditioner" / "conditioner.py")
