@@ -1,6 +1,10 @@
 """LoRA adapters on a trained run (issue 72, training/model/lora.py): only the adapters and the run's own new layers
 train, the base stays bitwise the source's, a checkpoint holds the adapters and the base's hash (resume exact,
 another base refused), the combinations LoRA cannot run refused at start-up, and the export folds the adapters in."""
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -8,6 +12,7 @@ from safetensors.torch import load_file
 from training.config import config
 from training.model import lora
 from training.model.mmdit import load_exported
+from training.sharing import pipeline_export
 import train_ddpm as ddpm
 import train_flow_matching as fm
 from conftest import TINY_MODEL, tiny_run_args, trained_for_the_module
@@ -105,3 +110,51 @@ def test_lora_refuses_what_it_cannot_run_at_start_up(option, message, tmp_path):
     message = message or "train.lora_rank=4 adapts a trained model: set init_from"
     with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         fm.main(tiny_run_args(tmp_path, "bad") + ["--train.lora_rank=4", *base, *option])
+
+
+DIFFUSERS_ALONE = r"""
+import json, sys
+import torch
+try:
+    import training
+    sys.exit("this repository is importable here")
+except ImportError:
+    pass
+from diffusers import DiffusionPipeline
+adapters, merged, out = sys.argv[1:]
+def latents(pipe):
+    return pipe(["0", "3"], generator=[torch.Generator().manual_seed(s) for s in (0, 1)], num_inference_steps=3,
+                output_type="latent").images
+pipe = DiffusionPipeline.from_pretrained(adapters, trust_remote_code=True)
+result = {"base": latents(pipe)}
+pipe.load_lora_weights(adapters, adapter_name="run")
+for scale in (0.0, 1.0):
+    pipe.set_adapters(["run"], [scale])
+    result[scale] = latents(pipe)
+result["merged"] = latents(DiffusionPipeline.from_pretrained(merged, trust_remote_code=True))
+torch.save(result, out)
+"""
+
+
+@pytest.mark.slow
+def test_the_adapters_load_the_diffusers_way_scale_0_is_the_base_and_merged_equals_unmerged(source, tmp_path,
+                                                                                             monkeypatch):
+    """The export's adapter file, read by diffusers alone (a process that cannot import this repository): the
+    exported pipeline's load_lora_weights and set_adapters; at scale 0 it samples as its base, at scale 1 as the
+    merged export (train.lora_merged_export) of the same EMA."""
+    models = captured(monkeypatch)
+    run = fm.main(lora_args(tmp_path, source, "adapted", steps=4) + ["--train.lora_alpha=8"])  # scale 2
+    assert (run / "export" / lora.ADAPTERS).is_file()
+    cfg = config.Config(json.loads((run / "config.json").read_text()))
+    cfg["train"]["lora_merged_export"] = True
+    merged = pipeline_export.write(models[0][1], cfg, tmp_path / "merged", run_dir=run)
+    assert not (merged / lora.ADAPTERS).exists()
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-I", "-c", DIFFUSERS_ALONE, str(run / "export"), str(merged),
+                           str(tmp_path / "out.pt")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    torch.testing.assert_close(out[0.0], out["base"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[1.0], out["merged"], atol=1e-4, rtol=1e-4)
+    assert (out[1.0] - out["base"]).abs().max() > 1e-3  # the adapters change what it samples

@@ -160,6 +160,8 @@ class Train(BaseModel, extra="forbid", strict=True):
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
     lora_targets: list[str] | None = Field(None, min_length=1, description="the transformer's modules adapted (peft "
                                            "target_modules); None: the attention projections (lora.ATTENTION)")
+    lora_merged_export: bool = Field(False, description="LoRA: export one model, the adapters folded in; False: the "
+                                     "base and diffusers' adapter file (load_lora_weights)")
     timeout_minutes: float = Field(30.0, gt=0, description="how long a collective waits for a slow rank "
                                    "(NCCL's own: 10)")
 

@@ -9,6 +9,7 @@ and refuses another base with one line. What a LoRA run refuses, and why, is pro
 """
 import copy
 import hashlib
+from pathlib import Path
 
 import torch
 
@@ -84,6 +85,7 @@ def attach(model, ema, report, tr, log=print):
         p.requires_grad_(".lora_" in name or name.replace("base_layer.", "") in fresh)
     trained = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
     model.lora_trained = sorted(n for n, _ in trained)
+    model.lora_scale = (tr.lora_alpha or tr.lora_rank) / tr.lora_rank  # peft's scaling, alpha / r
     adapters = sum(c for n, c in trained if ".lora_" in n)
     base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     log(f"LoRA rank {tr.lora_rank} (alpha {tr.lora_alpha or tr.lora_rank}, dropout {tr.lora_dropout}) on "
@@ -125,9 +127,12 @@ def load_state(module, state):
     module.load_state_dict(state, strict=False)
 
 
-def merged(model):
-    """A copy of an adapted model with each adapter folded into its weight, W + (alpha / r) B A (peft's merge), and
-    the peft layers replaced by plain ones: the model the adapters define, in the base's layout. Unadapted: itself."""
+ADAPTERS = "pytorch_lora_weights.safetensors"  # diffusers' LoRA file name (save_lora_weights, load_lora_weights)
+
+
+def without_adapters(model, merge=True):
+    """A copy of an adapted model with the peft layers replaced by plain ones: each adapter folded into its weight,
+    W + (alpha / r) B A (peft's merge), or (merge=False) dropped, leaving the base. Unadapted: the model itself."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     if getattr(model, "lora_trained", None) is None:
@@ -135,11 +140,41 @@ def merged(model):
     out = copy.deepcopy(model)
     for name, module in list(out.named_modules()):
         if isinstance(module, BaseTunerLayer):
-            module.merge(safe_merge=True)
+            if merge:
+                module.merge(safe_merge=True)
             parent, _, child = name.rpartition(".")
             setattr(out.get_submodule(parent), child, module.get_base_layer())
-    for attr in ("lora_trained", "lora_base_hash"):
+    for attr in ("lora_trained", "lora_base_hash", "lora_scale"):
         delattr(out, attr)
     out.transformer.__dict__.pop("peft_config", None)  # a stock diffusers transformer again (save_pretrained)
     out.transformer._hf_peft_config_loaded = False
+    return out
+
+
+def diffusers_adapters(model):
+    """The transformer's adapters as diffusers' SD3 LoRA loader reads them (peft's state dict, "transformer." keys
+    added by save_lora_weights), with alpha / r folded into B: without adapter metadata diffusers takes alpha = r,
+    so the file means the same at any train.lora_alpha."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model.transformer)
+    return {k: (v * model.lora_scale if ".lora_B." in k else v).detach().float().cpu().contiguous()
+            for k, v in state.items()}
+
+
+def fold_exported(transformer_state, folder):
+    """An export's transformer weights with its adapters (ADAPTERS beside them, diffusers' format) folded in,
+    W + B A, so sample.py, eval_fid.py and init_from read the adapted model; without the file, as they are."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / ADAPTERS
+    if not path.is_file():
+        return transformer_state
+    adapters, out = load_file(str(path), device="cpu"), dict(transformer_state)
+    for key, a in adapters.items():
+        if ".lora_A." in key:
+            module = key.removeprefix("transformer.").split(".lora_A.")[0]
+            b = adapters[key.replace(".lora_A.", ".lora_B.")]
+            w = out[f"{module}.weight"]
+            out[f"{module}.weight"] = (w.double() + b.double() @ a.double()).to(w.dtype)
     return out

@@ -60,8 +60,9 @@ def read_weights(source):
         return (checkpoints.read_tensors(folder, "model"), checkpoints.read_tensors(folder, "ema"),
                 checkpoints.read_state(folder).get("class_ids"), folder)
     if (folder / "transformer").is_dir() and mmdit.conditioner_weights(folder).exists():
-        weights = {f"transformer.{k}": v for f in sorted((folder / "transformer").glob("*.safetensors"))
-                   for k, v in load_file(str(f), device="cpu").items()}
+        transformer = lora.fold_exported({k: v for f in sorted((folder / "transformer").glob("*.safetensors"))
+                                          for k, v in load_file(str(f), device="cpu").items()}, folder)
+        weights = {f"transformer.{k}": v for k, v in transformer.items()}  # LoRA: the adapters folded in
         weights.update({f"conditioner.{k}": v
                         for k, v in load_file(str(mmdit.conditioner_weights(folder)), device="cpu").items()})
         ids = folder / "class_ids.json"

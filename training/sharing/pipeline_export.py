@@ -179,7 +179,13 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     part = folder.with_name(folder.name + ".partial")
     shutil.rmtree(part, ignore_errors=True)  # left by an export that died writing
     part.mkdir(parents=True)
-    ema = lora.merged(ema)  # LoRA: the adapters folded into the base's weights
+    adapters = lora.diffusers_adapters(ema) if cfg["train"].get("lora_rank") and not cfg["train"].get(
+        "lora_merged_export") else None  # LoRA: the base and diffusers' adapter file, or (merged) one model
+    ema = lora.without_adapters(ema, merge=adapters is None)
+    if adapters is not None:
+        from diffusers.loaders import SD3LoraLoaderMixin
+
+        SD3LoraLoaderMixin.save_lora_weights(part, transformer_lora_layers=adapters, weight_name=lora.ADAPTERS)
     ema.transformer.save_pretrained(part / "transformer", safe_serialization=True)
     exported_conditioner(ema.conditioner, ema.transformer, class_ids).save_pretrained(part / "conditioner")
     shutil.copy(SOURCES / "conditioner.py", part / "conditioner" / "conditioner.py")
