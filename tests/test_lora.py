@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from training.config import config
 from training.model import lora
 from training.model.mmdit import load_exported
+from training.evaluation import sampling
 from training.sharing import pipeline_export
 import train_ddpm as ddpm
 import train_flow_matching as fm
@@ -93,6 +94,9 @@ def test_resume_is_exact_with_adapters_and_refuses_another_base(source, tmp_path
     for name in ("model", "ema"):
         a, b = (load_file(str(r / "checkpoints" / "step_00000004" / f"{name}.safetensors")) for r in (whole, split))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # What reads a whole model from a checkpoint says, in one line, that this one holds adapters: read the export
+    with pytest.raises(SystemExit, match="is a LoRA run's checkpoint .* read the run's export instead"):
+        sampling.load_model(whole, "latest")
     other = source / "checkpoints" / SOURCE_STEPS[0]  # the same run two steps earlier: another base
     with pytest.raises(SystemExit, match="adapters were trained on a base with sha256"):
         fm.main(args[:] + ["--train.max_steps=6", "--resume", "latest", f"--init_from={other}"])

@@ -107,6 +107,14 @@ def check_base(model, recorded, ckpt):
                          f"init_from now gives {model.lora_base_hash[:12]}: set init_from to the run's original base")
 
 
+def refuse_adapter_checkpoint(state, ckpt, reader):
+    """A LoRA run's checkpoint holds its adapters, not a whole model: what reads whole weights from a checkpoint
+    (`reader`) stops with one line pointing to the run's export, which holds the base and the adapters."""
+    if state.get("lora_base_hash"):
+        raise SystemExit(f"{reader}: {ckpt} is a LoRA run's checkpoint (its adapters alone, on the base "
+                         f"{state['config'].get('init_from')}); read the run's export instead")
+
+
 def saved_state(module):
     """What a checkpoint holds of a model or its EMA: with LoRA the trained tensors only (the base is init_from's,
     checked by its hash), else the whole state dict."""

@@ -57,6 +57,7 @@ def read_weights(source):
     if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").exists():
         folder = checkpoints.find_checkpoint(folder, "latest") or folder / "checkpoints"
     if checkpoints.checkpoint_ok(folder):  # on the CPU, and never the optimizer
+        lora.refuse_adapter_checkpoint(checkpoints.read_state(folder), folder, "init_from")
         return (checkpoints.read_tensors(folder, "model"), checkpoints.read_tensors(folder, "ema"),
                 checkpoints.read_state(folder).get("class_ids"), folder)
     if (folder / "transformer").is_dir() and mmdit.conditioner_weights(folder).exists():
