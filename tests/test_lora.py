@@ -57,7 +57,9 @@ def test_only_the_adapters_and_the_new_layer_train_and_the_base_stays_bitwise(tr
     models = captured(monkeypatch)
     capsys.readouterr()
     # DDPM's run also accumulates two micro-batches under bf16 autocast, with its EMA in CPU memory: all work
-    extra = [] if trainer is fm else ["--train.grad_accum=2", "--train.mixed_precision=bf16", "--train.ema_device=cpu"]
+    # Flow matching's adapts the documented option too: the adaptive norms and the conditioner's class tokens
+    extra = ["--train.lora_targets", json.dumps(lora.ATTENTION + lora.ADAPTIVE_NORMS + lora.CONDITIONER[:1])] \
+        if trainer is fm else ["--train.grad_accum=2", "--train.mixed_precision=bf16", "--train.ema_device=cpu"]
     run = trainer.main(lora_args(tmp_path, base_run, "adapted") + extra)
     out = capsys.readouterr().out
     model, ema = models[0]
@@ -71,6 +73,9 @@ def test_only_the_adapters_and_the_new_layer_train_and_the_base_stays_bitwise(tr
     # Every adapter moved, but the last block's text queries: that block's text output is dropped (context_pre_only)
     still = [n for n, p in model.named_parameters() if "lora_B" in n and p.detach().abs().sum() == 0]
     assert still == ["transformer.transformer_blocks.1.attn.add_q_proj.lora_B.default.weight"]
+    adapted = {n.split(".lora_")[0] for n in trained if ".lora_" in n}
+    assert ("transformer.transformer_blocks.0.norm1.linear" in adapted) == (trainer is fm)
+    assert ("conditioner.class_embed" in adapted) == (trainer is fm)
     assert "LoRA rank 4" in out and "conditioner.control_mlp.size" in out and "parameters" in out
     # A checkpoint holds exactly the trained tensors (and the EMA of them), and the base's hash.
     for name in ("model", "ema"):
@@ -106,6 +111,7 @@ def test_resume_is_exact_with_adapters_and_refuses_another_base(source, tmp_path
     (["--train.optimizer=muon"], "train.optimizer='muon' with train.lora_rank=4"),
     (["--train.sharding=fsdp"], "train.sharding='fsdp' with train.lora_rank=4"),
     (["--ckpt.phema_every=10"], "ckpt.phema_every > 0 with train.lora_rank=4"),
+    (["--train.lora_targets", '["conditioner.class_embed"]'], "name at least one transformer module"),
     ([], None),  # no init_from
 ])
 def test_lora_refuses_what_it_cannot_run_at_start_up(option, message, tmp_path):

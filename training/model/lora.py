@@ -21,6 +21,8 @@ from training.model.transfer import TEXT_BUFFERS
 ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
              "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 ADAPTIVE_NORMS = ["norm1.linear", "norm1_context.linear", "norm_out.linear"]
+# This project's conditioner, named with a "conditioner." prefix: the class tokens (an embedding) and a control's MLP
+CONDITIONER = ["conditioner.class_embed", "conditioner.control_mlp.size.0", "conditioner.control_mlp.size.2"]
 
 
 def problems(cfg):
@@ -32,6 +34,9 @@ def problems(cfg):
     if not cfg.get("init_from"):
         out.append(f"train.lora_rank={rank} adapts a trained model: set init_from to a run, checkpoint or export "
                    f"folder (its weights are the frozen base)")
+    if tr.get("lora_targets") and all(t.startswith("conditioner.") for t in tr["lora_targets"]):
+        out.append(f"train.lora_targets={tr['lora_targets']}: name at least one transformer module (the export's "
+                   f"adapter file is the transformer's); lora.ATTENTION lists the default ones")
     if tr.get("optimizer", "adamw") == "muon":
         out.append(f"train.optimizer='muon' with train.lora_rank={rank}: Muon orthogonalises a matrix's update, and "
                    f"an adapter factor's (rank x width) orthogonalised update is not the weight's; use 'adamw' "
@@ -71,16 +76,22 @@ def attach(model, ema, report, tr, log=print):
     samples and exports with), loaded into the model first; the returned EMA is a copy of the adapted model, so it
     averages the adapters (and the run's new layers) over an identical frozen base. Sets model.lora_base_hash and
     model.lora_trained (the names a checkpoint holds); returns (model, ema)."""
-    from peft import LoraConfig
+    from peft import LoraConfig, inject_adapter_in_model
 
     model.load_state_dict(ema.state_dict())
     fresh = {k for k in fresh_keys(report) if k in dict(model.named_parameters())}
     model.lora_base_hash = base_hash(model.state_dict(), skip=fresh)
     model.requires_grad_(False)
     targets = list(tr.lora_targets) if tr.lora_targets else ATTENTION
-    model.transformer.add_adapter(LoraConfig(r=tr.lora_rank, lora_alpha=tr.lora_alpha or tr.lora_rank,
-                                             lora_dropout=tr.lora_dropout, init_lora_weights="gaussian",
-                                             target_modules=targets))
+    ours = [t.removeprefix("conditioner.") for t in targets if t.startswith("conditioner.")]  # this project's part
+
+    def adapters(modules):
+        return LoraConfig(r=tr.lora_rank, lora_alpha=tr.lora_alpha or tr.lora_rank, lora_dropout=tr.lora_dropout,
+                          init_lora_weights="gaussian", target_modules=modules)
+
+    model.transformer.add_adapter(adapters([t for t in targets if not t.startswith("conditioner.")]))
+    if ours:  # the conditioner is no diffusers model: peft's own injection; its adapters are folded in at export
+        inject_adapter_in_model(adapters(ours), model.conditioner)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name or name.replace("base_layer.", "") in fresh)
     trained = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
@@ -140,7 +151,8 @@ ADAPTERS = "pytorch_lora_weights.safetensors"  # diffusers' LoRA file name (save
 
 def without_adapters(model, merge=True):
     """A copy of an adapted model with the peft layers replaced by plain ones: each adapter folded into its weight,
-    W + (alpha / r) B A (peft's merge), or (merge=False) dropped, leaving the base. Unadapted: the model itself."""
+    W + (alpha / r) B A (peft's merge), or (merge=False) the transformer's dropped, leaving its base (the
+    conditioner's, outside diffusers' LoRA format, are folded in either way). Unadapted: the model itself."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     if getattr(model, "lora_trained", None) is None:
@@ -148,7 +160,7 @@ def without_adapters(model, merge=True):
     out = copy.deepcopy(model)
     for name, module in list(out.named_modules()):
         if isinstance(module, BaseTunerLayer):
-            if merge:
+            if merge or name.startswith("conditioner."):  # the conditioner's adapters: always folded in
                 module.merge(safe_merge=True)
             parent, _, child = name.rpartition(".")
             setattr(out.get_submodule(parent), child, module.get_base_layer())
