@@ -15,6 +15,7 @@ from training.model.mmdit import load_exported
 from training.evaluation import sampling
 from training.sharing import pipeline_export
 import train_ddpm as ddpm
+from tools import export as export_tool
 import train_flow_matching as fm
 from conftest import TINY_MODEL, tiny_run_args, trained_for_the_module
 
@@ -168,3 +169,8 @@ def test_the_adapters_load_the_diffusers_way_scale_0_is_the_base_and_merged_equa
     torch.testing.assert_close(out[0.0], out["base"], atol=1e-6, rtol=0)
     torch.testing.assert_close(out[1.0], out["merged"], atol=1e-4, rtol=1e-4)
     assert (out[1.0] - out["base"]).abs().max() > 1e-3  # the adapters change what it samples
+    # tools/export.py re-exports the run from its export (adapters folded in on reading): one model, the same one
+    before = load_exported(run / "export")[0].state_dict()
+    export_tool.main(["--run", str(run)])
+    after = load_exported(run / "export")[0].state_dict()
+    assert not (run / "export" / lora.ADAPTERS).exists() and all(torch.equal(before[k], after[k]) for k in before)

@@ -179,8 +179,10 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     part = folder.with_name(folder.name + ".partial")
     shutil.rmtree(part, ignore_errors=True)  # left by an export that died writing
     part.mkdir(parents=True)
-    adapters = lora.diffusers_adapters(ema) if cfg["train"].get("lora_rank") and not cfg["train"].get(
-        "lora_merged_export") else None  # LoRA: the base and diffusers' adapter file, or (merged) one model
+    # LoRA: the base and diffusers' adapter file, or (merged) one model. A model read back from an export (tools/
+    # export.py) has its adapters folded in already: it is written as one model.
+    adapted = getattr(ema, "lora_trained", None) is not None
+    adapters = lora.diffusers_adapters(ema) if adapted and not cfg["train"].get("lora_merged_export") else None
     ema = lora.without_adapters(ema, merge=adapters is None)
     if adapters is not None:
         from diffusers.loaders import SD3LoraLoaderMixin
