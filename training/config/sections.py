@@ -154,6 +154,14 @@ class Train(BaseModel, extra="forbid", strict=True):
     compile: bool = Field(False, description="torch.compile the model (on in the recipes; docs/performance.md)")
     sharding: Literal["ddp", "fsdp"] = Field("ddp", description='"fsdp": weights, gradients, Adam and EMA sharded '
                                              'over the GPUs, for models DDP cannot fit (training/run/sharding.py)')
+    lora_rank: int = Field(0, ge=0, description="LoRA adapters of this rank on init_from's frozen base (0: off, all "
+                           "weights train; training/model/lora.py)")
+    lora_alpha: float | None = Field(None, gt=0, description="the adapters' scale alpha / rank; None: alpha = rank")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    lora_targets: list[str] | None = Field(None, min_length=1, description="the transformer's modules adapted (peft "
+                                           "target_modules); None: the attention projections (lora.ATTENTION)")
+    lora_merged_export: bool = Field(False, description="LoRA: export one model, the adapters folded in; False: the "
+                                     "base and diffusers' adapter file (load_lora_weights)")
     timeout_minutes: float = Field(30.0, gt=0, description="how long a collective waits for a slow rank "
                                    "(NCCL's own: 10)")
 

@@ -19,6 +19,7 @@ from PIL import Image
 import common
 from training.config import config
 from training.data.encoders import decode
+from training.model import lora
 from training.model.mmdit import build_denoiser, load_exported
 from training.run import checkpoints, hub
 from training.run.monitor import progress
@@ -50,6 +51,7 @@ def load_model(run, checkpoint=None, weights="ema", phema_std=None):
         raise FileNotFoundError(f"no finished checkpoint under {run}/checkpoints")
     state = checkpoints.read_state(ckpt)  # the small part, on the CPU (never the optimizer)
     cfg = config.Config(state["config"])
+    lora.refuse_adapter_checkpoint(state, ckpt, "a checkpoint's model")  # LoRA: the export holds base and adapters
     tensors = checkpoints.read_tensors(ckpt, "ema" if weights == "ema" else "model")  # (sharded: gathered whole)
     channels = tensors["transformer.pos_embed.proj.weight"].shape[1]
     size = math.isqrt(tensors["transformer.pos_embed.pos_embed"].shape[1]) * cfg["model"]["patch_size"]

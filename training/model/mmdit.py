@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from training.config import config
+from training.model import lora
 
 # ----------------------------------------------------------------------------------------------------------
 # Conditioning: class tokens or text tokens go to the MMDiT's context stream (attention); the pooled
@@ -327,6 +328,7 @@ def load_exported(folder):
         if (folder / key / "config.json").is_file():
             cfg["encoders"][key] = str(folder / key)
     transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer", use_safetensors=True)
+    transformer.load_state_dict(lora.fold_exported(transformer.state_dict(), folder))  # LoRA: adapters folded in
     state = load_file(str(conditioner_weights(folder)))
     tc = transformer.config
     conditioner = make_conditioner(cfg, tc.num_attention_heads * tc.attention_head_dim, tc.joint_attention_dim,

@@ -12,7 +12,8 @@ def make_optimizer(model, tr):
     AdamW for the rest (training/optimisation/muon.py)."""
     if tr.get("optimizer", "adamw") == "muon":
         return muon.MuonAdamW(model, tr)
-    return torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay,
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters, not the frozen base
+    return torch.optim.AdamW(trained, lr=tr.lr, betas=tuple(tr.betas), weight_decay=tr.weight_decay,
                              fused=True)
 
 

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from training.config import config
+from training.model import lora
 from training.run import sharding
 
 # ----------------------------------------------------------------------------------------------------------
@@ -197,8 +198,8 @@ def load_checkpoint(ckpt, model, ema, optimizer, accelerator):
     if (ckpt / sharding.SHARDED).is_dir() or sharding.is_sharded(model):  # into this run's shards, any process count
         sharding.load(ckpt, model, ema, optimizer)
     else:
-        model.load_state_dict(load_file(str(ckpt / "model.safetensors"), device="cpu"))
-        ema.load_state_dict(load_file(str(ckpt / "ema.safetensors"), device="cpu"))
+        lora.load_state(model, load_file(str(ckpt / "model.safetensors"), device="cpu"))  # LoRA: the adapters
+        lora.load_state(ema, load_file(str(ckpt / "ema.safetensors"), device="cpu"))
         optimizer.load_state_dict(read_optimizer_state(ckpt))  # a temporary: nothing keeps it after this line
     state = read_state(ckpt)
     ema.inherited = set(state.get("ema_inherited", ()))  # init_from's EMA tensors: no warm-up (ema_update)
@@ -216,10 +217,10 @@ def save_run(accelerator, step, cfg, model, ema, optimizer, phema, class_ids, *p
     keep_recorded and the tools read back), the class ids, which EMA tensors init_from carried over (no warm-up for
     them after a resume), and each of `parts`' state_dict() (the monitor's statistics, the stability parts')."""
     state = {"step": step, "config": json.loads(json.dumps(cfg)), "class_ids": class_ids,
-             "ema_inherited": sorted(ema.inherited)}
+             "ema_inherited": sorted(ema.inherited), "lora_base_hash": getattr(model, "lora_base_hash", None)}
     for part in parts:
         state.update(part.state_dict())
-    tensors = {"model": model.state_dict(), "ema": ema.state_dict(), **phema.checkpoint_tensors()}
+    tensors = {"model": lora.saved_state(model), "ema": lora.saved_state(ema), **phema.checkpoint_tensors()}
     return save_checkpoint(accelerator, cfg.run_dir, step, tensors, optimizer, state, cfg.ckpt.keep, model)
 
 

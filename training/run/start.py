@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from training.data import buckets
-from training.model import mmdit, transfer
+from training.model import lora, mmdit, transfer
 from training.objectives import repa
 from training.run import checkpoints, hub
 
@@ -37,10 +37,14 @@ def prepare_model(cfg, x_shape, null_text, class_ids, run_dir, accelerator):
     ema.inherited = set()  # names of EMA tensors init_from takes from another run's EMA (common.ema_update)
     ckpt = checkpoints.find_checkpoint(run_dir, cfg.resume) if cfg.resume else None
     ckpt = checkpoints.same_checkpoint(ckpt, accelerator) if cfg.resume else None
-    if cfg.init_from and ckpt is None:
+    if cfg.init_from and (ckpt is None or cfg.train.lora_rank):  # LoRA: the base is init_from's at resume too
         report = init_from(cfg.init_from, model, ema, class_ids, cfg.model.pos_embed_transfer, accelerator.print, cfg)
         if accelerator.is_main_process:
             (Path(run_dir) / "init_from.json").write_text(json.dumps(report, indent=1))
+        if cfg.train.lora_rank:  # adapters on the frozen base; a resume checks it is the checkpoint's
+            model, ema = lora.attach(model, ema, report, cfg.train, accelerator.print)
+            if ckpt is not None:
+                lora.check_base(model, checkpoints.read_state(ckpt), ckpt)
     return model, ema, ckpt
 
 
@@ -53,11 +57,13 @@ def read_weights(source):
     if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").exists():
         folder = checkpoints.find_checkpoint(folder, "latest") or folder / "checkpoints"
     if checkpoints.checkpoint_ok(folder):  # on the CPU, and never the optimizer
+        lora.refuse_adapter_checkpoint(checkpoints.read_state(folder), folder, "init_from")
         return (checkpoints.read_tensors(folder, "model"), checkpoints.read_tensors(folder, "ema"),
                 checkpoints.read_state(folder).get("class_ids"), folder)
     if (folder / "transformer").is_dir() and mmdit.conditioner_weights(folder).exists():
-        weights = {f"transformer.{k}": v for f in sorted((folder / "transformer").glob("*.safetensors"))
-                   for k, v in load_file(str(f), device="cpu").items()}
+        transformer = lora.fold_exported({k: v for f in sorted((folder / "transformer").glob("*.safetensors"))
+                                          for k, v in load_file(str(f), device="cpu").items()}, folder)
+        weights = {f"transformer.{k}": v for k, v in transformer.items()}  # LoRA: the adapters folded in
         weights.update({f"conditioner.{k}": v
                         for k, v in load_file(str(mmdit.conditioner_weights(folder)), device="cpu").items()})
         ids = folder / "class_ids.json"

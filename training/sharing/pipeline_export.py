@@ -46,6 +46,7 @@ from training.config import config
 from training.data import latents
 from training.data.encoders import load_encoders, quiet_transformers
 from training.data.classes import readable_names
+from training.model import lora
 from training.run import hub
 from training.evaluation import tuning
 from training.objectives import meanflow
@@ -178,6 +179,15 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     part = folder.with_name(folder.name + ".partial")
     shutil.rmtree(part, ignore_errors=True)  # left by an export that died writing
     part.mkdir(parents=True)
+    # LoRA: the base and diffusers' adapter file, or (merged) one model. A model read back from an export (tools/
+    # export.py) has its adapters folded in already: it is written as one model.
+    adapted = getattr(ema, "lora_trained", None) is not None
+    adapters = lora.diffusers_adapters(ema) if adapted and not cfg["train"].get("lora_merged_export") else None
+    ema = lora.without_adapters(ema, merge=adapters is None)
+    if adapters is not None:
+        from diffusers.loaders import SD3LoraLoaderMixin
+
+        SD3LoraLoaderMixin.save_lora_weights(part, transformer_lora_layers=adapters, weight_name=lora.ADAPTERS)
     ema.transformer.save_pretrained(part / "transformer", safe_serialization=True)
     exported_conditioner(ema.conditioner, ema.transformer, class_ids).save_pretrained(part / "conditioner")
     shutil.copy(SOURCES / "conditioner.py", part / "conditioner" / "conditioner.py")

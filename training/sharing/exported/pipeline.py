@@ -26,6 +26,7 @@ import PIL.Image
 import torch
 from diffusers import (AutoencoderKL, DDPMScheduler, DiffusionPipeline, FlowMatchEulerDiscreteScheduler,
                        ImagePipelineOutput)
+from diffusers.loaders import SD3LoraLoaderMixin
 from diffusers.utils.torch_utils import randn_tensor
 
 X0_MIN_T = 0.05  # flow matching with x-prediction: the smallest t the velocity conversion divides by (JiT's)
@@ -86,10 +87,13 @@ def time_input(alphas_cumprod, shift):
     return torch.from_numpy(tau)
 
 
-class MinimalDiffusionPipeline(DiffusionPipeline):
-    """Class-conditional or text-to-image sampling from an MMDiT trained by minimal-diffusion."""
+class MinimalDiffusionPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
+    """Class-conditional or text-to-image sampling from an MMDiT trained by minimal-diffusion. A LoRA run's
+    export holds its base and pytorch_lora_weights.safetensors: load_lora_weights(folder) and set_adapters, as
+    diffusers' StableDiffusion3Pipeline (whose LoRA loader this is)."""
 
     model_cpu_offload_seq = "text_encoder->conditioner->transformer->vae"
+    text_encoder_2 = None  # SD3's second text encoder, which its LoRA loader reads: none here
     _optional_components = ["vae", "text_encoder", "tokenizer"]
 
     def __init__(self, transformer, conditioner, scheduler, vae=None, text_encoder=None, tokenizer=None,
