@@ -49,6 +49,7 @@ def test_package_files_are_upstreams():
     assert np.bincount(labels).tolist() == [6000] * 10
 
 
+@pytest.mark.slow  # 2-3 s: the fast tier stays under 60 s
 @installed
 def test_source_opens_through_the_trainers_path_with_class_names():
     data = config.Config(train_flow_matching.DEFAULTS["data"])

@@ -225,6 +225,7 @@ def test_without_chromium_the_browser_test_is_skipped_with_the_reason(monkeypatc
         browser()
 
 
+@pytest.mark.slow  # 2-3 s: the fast tier stays under 60 s
 def test_rating_in_a_headless_browser_by_clicks_and_keys_in_two_tabs(tmp_path, server_of, capsys):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait

@@ -117,6 +117,7 @@ def test_190_votes_tell_60_from_50_percent():
     assert ratings.votes_needed(0.5) == math.inf and ratings.votes_needed(0.7) < 60
 
 
+@pytest.mark.slow  # 2-3 s: the fast tier stays under 60 s
 def test_star_summary_and_summary_lines(tmp_path):
     votes = [{"id": str(i), "kind": "rating", "index": i % 4, "seed": 0, "condition": f"class {i % 4}",
               "side": "run/x", "choice": c} for i, c in enumerate([5, 4, 1, 3, 5, 4, 2, "skip"])]

@@ -4,6 +4,7 @@ import math
 import re
 import statistics
 
+import pytest
 from PIL import Image
 
 from training.record import report
@@ -59,6 +60,7 @@ def table_value(md, metric):
     return match and match.group(1)
 
 
+@pytest.mark.slow  # 2-3 s: the fast tier stays under 60 s
 def test_full_run_report(tmp_path):
     run_dir = tmp_path / "full"
     write_run(run_dir, full_rows(), config(time_sampling="logit_normal"))
