@@ -9,7 +9,7 @@ from PIL import Image
 from training.config import config
 from training.data.batching import drop_conditions
 from training.data.sources import preprocess
-from training.model.mmdit import build_denoiser, control_weight, guided, load_exported, replicate_padding
+from training.model.mmdit import Conditioner, build_denoiser, control_weight, guided, load_exported, replicate_padding
 import train_flow_matching as fm
 
 
@@ -205,6 +205,29 @@ def test_noisy_replicate_padding():
         rms = tokens[row, :n].pow(2).mean().sqrt().item()
         assert (noisy - exact)[row, n:].std().item() == pytest.approx(0.1 * rms, rel=0.15)
     assert not torch.isclose(noisy[~real], tokens[~real]).all(1).any()  # no pad embedding survives
+
+
+def test_zero_padding_is_the_baseline_of_replicate_padding():
+    """conditioning.zero_padding (docs/benchmarks/emoji_claims.md's baseline): the padded positions of the context
+    hold zeros, the caption's own tokens are untouched, a dropped caption's padding is the empty caption's (its
+    mask); with replicate padding the same positions hold copies, and with neither the encoder's pad features."""
+    torch.manual_seed(0)
+    arms = {name: Conditioner(0, 1, 8, 8, 16, text_tokens=5, padding_noise=noise, zero_padding=zeros).eval()
+            for name, noise, zeros in (("zeros", None, True), ("replicate", 0.0, False), ("encoder", None, False))}
+    null = torch.randn(5, 8)
+    for c in arms.values():
+        c.null_tokens.copy_(null), c.null_mask[:2].fill_(1)
+    tokens = torch.randn(2, 5, 8) + 3.0  # no feature is 0 by chance
+    cond = {"text_tokens": tokens, "text_mask": torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 1, 1, 0]]),
+            "text_pooled": torch.randn(2, 8), "drop": torch.tensor([False, True])}
+    level = torch.tensor([0.5, 0.5])
+    context = {name: c(cond, level)[0] for name, c in arms.items()}
+    torch.testing.assert_close(context["zeros"][0, :3], tokens[0, :3])
+    assert (context["zeros"][0, 3:] == 0).all()
+    torch.testing.assert_close(context["zeros"][1, :2], null[:2])  # dropped: the empty caption, its mask
+    assert (context["zeros"][1, 2:] == 0).all()
+    torch.testing.assert_close(context["replicate"][0, 3:], tokens[0, :2])
+    torch.testing.assert_close(context["encoder"][0], tokens[0])
 
 
 @pytest.mark.parametrize("crop,flip", [("center", False), ("random", True), ("random_resized", True)])

@@ -57,6 +57,8 @@ def test_config_errors_in_a_file_name_the_file(tmp_path):
 
 BAD = [  # (trainer, arguments, what the message must say); "{tmp}" is the test's folder
     (fm, ["--train.lr=-1"], r"train.lr=-1.0 must be a number >= 0"),
+    (fm, ["--conditioning.zero_padding=true"],
+     r"conditioning.zero_padding=true and conditioning.replicate_padding=true"),
     (fm, ["--train.betas=[0.9]"], r"train.betas=\[0.9\] must be a list of 2, each in \[0, 1\) \(from"),
     (fm, ["--data.cache_dtype=float99"], r"data.cache_dtype='float99' must be 'float16' or 'bfloat16' or 'float32'"),
     (fm, ["--model.patch_size=0"], r"model.patch_size=0 must be a number >= 1"),

@@ -292,14 +292,17 @@ def test_a_meanflow_model_samples_as_its_trainer_samples_it_in_one_and_two_steps
 @pytest.mark.parametrize("mode,text,controls,interval", [("disentangled", False, ["size", "crop", "flip"], False),
                                                          ("both", False, ["size"], True),
                                                          ("adanorm", False, ["crop", "flip"], False),
-                                                         ("disentangled", True, ["size"], True)])
+                                                         ("disentangled", True, ["size"], True),
+                                                         ("disentangled", "zeros", ["size"], False),
+                                                         ("adanorm", "encoder", [], False)])
 def test_the_exported_conditioner_is_the_trained_one(mode, text, controls, interval):
     """The folder's conditioner.py (no import from here) gives what training/model/mmdit.py's Conditioner gives, in eval
-    mode, for every mode, text with replicate padding, each control, dropped or not (crops square and not), and
-    MeanFlow's interval t - r (given, and absent: r = t); same weights, strictly."""
+    mode, for every mode, text with each padding (replicate, zeros, the encoder's), each control, dropped or not (crops
+    square and not), and MeanFlow's interval t - r (given, and absent: r = t); same weights, strictly."""
     torch.manual_seed(0)
     trained = Conditioner(5, 2, 24, 24, 32, text_tokens=6 if text else 0, controls={c: 1.0 for c in controls},
-                          mode=mode, padding_noise=0.1 if text else None, pooled_text=True, interval=interval).eval()
+                          mode=mode, padding_noise=0.1 if text is True else None, pooled_text=True, interval=interval,
+                          zero_padding=text == "zeros").eval()
     for p in trained.parameters():
         torch.nn.init.normal_(p)  # controls start as a no-op: give every weight a value that shows
     if text:

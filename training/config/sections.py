@@ -106,6 +106,8 @@ class Conditioning(BaseModel, extra="forbid", strict=True):
     control_dropout: float = Field(0.1, ge=0, le=1, description="the controls' dropout")
     replicate_padding: bool = Field(True, description="text: noisy replicate padding instead of pad embeddings")
     padding_noise: float = Field(0.02, ge=0, description="its noise std, relative to the real tokens' RMS")
+    zero_padding: bool = Field(False, description="text, with replicate_padding false: zeros at the padded positions "
+                               "instead of the encoder's pad features (docs/benchmarks/emoji_claims.md's baseline)")
 
 
 class Train(BaseModel, extra="forbid", strict=True):
@@ -299,6 +301,9 @@ def combination_problems(cfg):
     if d["label_captions"] and (d["caption_column"] or not d["label_column"]):
         problems.append("data.label_captions captions each image with its class name: it needs data.label_column "
                         "and no data.caption_column")
+    if cfg["conditioning"]["zero_padding"] and cfg["conditioning"]["replicate_padding"]:
+        problems.append("conditioning.zero_padding=true and conditioning.replicate_padding=true: the padded text "
+                        "positions take one of the two; set conditioning.replicate_padding=false for zeros")
     if not d["label_column"] and not d["caption_column"]:
         problems.append("set data.label_column (class-conditional) or data.caption_column (text-to-image)")
     if d["label_column"] and not d["caption_column"] and d["num_classes"] is not None and d["num_classes"] < 1:

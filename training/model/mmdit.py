@@ -66,6 +66,12 @@ def control_weight(noise_level, power):
     return torch.cos(math.pi / 2 * noise_level.float().clamp(0, 1)).clamp(min=0) ** power
 
 
+def zero_padding(tokens, mask):
+    """The baseline of noisy replicate padding (conditioning.zero_padding): padded positions j >= n hold zeros, so
+    after the context projection every one is the same constant (its bias), whatever the caption."""
+    return tokens * mask[..., None].to(tokens.dtype)
+
+
 def replicate_padding(tokens, mask, noise_std):
     """Noisy replicate padding (Berrada et al. 2024): padded positions j >= n take a copy of real token
     j mod n plus Gaussian noise, instead of the encoder's pad embeddings, so attention over the padding
@@ -108,9 +114,9 @@ class Conditioner(nn.Module):
 
     def __init__(self, num_classes, class_tokens, context_dim, pooled_dim, width, text_tokens=0,
                  controls=None, mode="disentangled", padding_noise=None, pooled_text=None, interval=False,
-                 interval_blocks=None):
+                 interval_blocks=None, zero_padding=False):
         super().__init__()
-        self.interval_blocks = interval_blocks
+        self.interval_blocks, self.zero_padding = interval_blocks, zero_padding
         if mode not in MODES:
             raise ValueError(f"conditioning.mode must be one of {MODES}, got {mode!r}")
         self.num_classes, self.class_tokens, self.pooled_dim = num_classes, class_tokens, pooled_dim
@@ -146,12 +152,13 @@ class Conditioner(nn.Module):
         if "text_tokens" in cond:
             tokens = torch.where(drop[:, None, None], self.null_tokens.to(cond["text_tokens"]), cond["text_tokens"])
             pooled = torch.where(drop[:, None], self.null_pooled.to(cond["text_pooled"]), cond["text_pooled"])
-            if self.padding_noise is not None:
+            if self.padding_noise is not None or self.zero_padding:
+                mask = torch.where(drop[:, None], self.null_mask.to(cond["text_mask"]), cond["text_mask"])
                 # The noise is a training-time regulariser: in eval mode (validation, sampling, FID) the copies
                 # come without it, so sampling is deterministic, both guidance branches see the same padding,
                 # and the validation loss does not depend on the training RNG.
-                mask = torch.where(drop[:, None], self.null_mask.to(cond["text_mask"]), cond["text_mask"])
-                tokens = replicate_padding(tokens, mask, self.padding_noise if self.training else 0.0)
+                tokens = zero_padding(tokens, mask) if self.zero_padding else \
+                    replicate_padding(tokens, mask, self.padding_noise if self.training else 0.0)
             context = tokens
             if not self.pooled_text:  # conditioning.pooled_text: the adaptive norm sees time and controls only
                 pooled = torch.zeros_like(pooled)
@@ -289,7 +296,8 @@ def make_conditioner(cfg, width, context_dim, pooled_dim, text_tokens=0):
                        {name: c["control_power"][name] for name in c["controls"]}, c["mode"],
                        c["padding_noise"] if c["replicate_padding"] else None,
                        c["pooled_text"] if "pooled_text" in c else True,  # a run from before the key: pooled on
-                       meanflow, cfg["objective"].get("meanflow_interval_blocks") if meanflow else None)  # None: all
+                       meanflow, cfg["objective"].get("meanflow_interval_blocks") if meanflow else None,  # None: all
+                       c.get("zero_padding", False))
 
 
 def build_denoiser(cfg, channels, size, text_dims=None):

@@ -88,7 +88,8 @@ def exported_conditioner(conditioner, transformer, class_ids):
         text_tokens=len(getattr(conditioner, "null_tokens", ())), controls=conditioner.controls, mode=conditioner.mode,
         replicate_padding=conditioner.padding_noise is not None, pooled_text=conditioner.pooled_text,
         class_ids=class_ids, class_names=names if conditioner.num_classes else None,
-        interval=conditioner.interval_embed is not None, interval_blocks=conditioner.interval_blocks)
+        interval=conditioner.interval_embed is not None, interval_blocks=conditioner.interval_blocks,
+        zero_padding=conditioner.zero_padding)
     out.load_state_dict({k: v.detach().float().cpu() for k, v in conditioner.state_dict().items()})
     return out
 

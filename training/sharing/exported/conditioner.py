@@ -66,7 +66,7 @@ class Conditioner(ModelMixin, ConfigMixin):
     @register_to_config
     def __init__(self, num_classes=0, class_tokens=1, context_dim=64, pooled_dim=64, width=64, text_tokens=0,
                  controls=None, mode="disentangled", replicate_padding=False, pooled_text=False, class_ids=None,
-                 class_names=None, interval=False, interval_blocks=None):
+                 class_names=None, interval=False, interval_blocks=None, zero_padding=False):
         super().__init__()
         self.controls = dict(controls or {})
         if num_classes and mode != "adanorm":
@@ -90,9 +90,10 @@ class Conditioner(ModelMixin, ConfigMixin):
         if "text_tokens" in cond:
             tokens = torch.where(drop[:, None, None], self.null_tokens.to(cond["text_tokens"]), cond["text_tokens"])
             pooled = torch.where(drop[:, None], self.null_pooled.to(cond["text_pooled"]), cond["text_pooled"])
-            if c.replicate_padding:
+            if c.replicate_padding or c.zero_padding:
                 mask = torch.where(drop[:, None], self.null_mask.to(cond["text_mask"]), cond["text_mask"])
-                tokens = replicate_padding(tokens, mask)
+                zeros = tokens * mask[..., None].to(tokens.dtype)  # zero_padding: the padded positions hold zeros
+                tokens = zeros if c.zero_padding else replicate_padding(tokens, mask)
             context = tokens
             if not c.pooled_text:
                 pooled = torch.zeros_like(pooled)
