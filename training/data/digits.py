@@ -12,7 +12,7 @@ stops the run with one line naming the file and the command.
 The package holds package/src/digits/0.json ... 9.json, one per class: {"data": [...]}, the class's images one after
 another, each 28 x 28 = 784 grey values row by row, white digit on black, as the pixel / 255 written with three
 decimals (0.992 for 253), so round(255 v) gives back the byte exactly (the three decimals are within 0.0005 of
-it, a byte step is 0.0039). 1,001 zeros, 1,127 ones, 991 twos, 1,032 threes, 980 fours, 863 fives, 1,014 sixes,
+it, a byte step is 0.0039; a value farther than 0.0005 from every byte / 255 is refused). 1,001 zeros, 1,127 ones, 991 twos, 1,032 threes, 980 fours, 863 fives, 1,014 sixes,
 1,070 sevens, 944 eights, 978 nines: 10,000, no two alike. The package does not say which of MNIST's 70,000 they
 are; its README calls them "10000 different samples of mnist digits".
 
@@ -50,6 +50,7 @@ SIDE = 28
 CLASSES = [str(d) for d in range(10)]
 SPLITS = ("train", "validation", "test")
 TEST_FRACTION, VALIDATION_FRACTION = 0.2, 0.05
+WRITTEN = 0.0005 + 1e-9  # three decimals: each value within 0.0005 of its byte / 255 (the pinned package's: 0.00049)
 
 
 def is_source(source):
@@ -73,11 +74,11 @@ def integrity(raw):
     return "sha512-" + base64.b64encode(hashlib.sha512(raw).digest()).decode()
 
 
-def read_package(folder, pinned=PINNED):
+def read_package(folder, pinned=None):
     """(images uint8 (N, 28, 28), labels uint8 (N,)) of the package in `folder`, class by class in the package's
     order, after its integrity is checked against `pinned`. A missing, wrong or truncated file, or one whose digit
     files are not 784-value images of bytes / 255, is one line naming it (and the fetch command)."""
-    path = tarball(folder)
+    path, pinned = tarball(folder), pinned or PINNED
     if not path.is_file():
         raise ConfigError(f"data.source='{SOURCE}': {path} not found. Fetch the pinned package once: "
                           f"{fetch_command(folder)}")
@@ -100,7 +101,7 @@ def read_package(folder, pinned=PINNED):
         if values.ndim != 1 or values.size == 0 or values.size % (SIDE * SIDE):
             raise ConfigError(f"{where}: {values.size} values, not a whole number of {SIDE} x {SIDE} images")
         pixels = np.rint(values * 255)
-        if values.min() < 0 or values.max() > 1 or np.abs(pixels / 255 - values).max() > 0.5 / 255:
+        if values.min() < 0 or values.max() > 1 or np.abs(pixels / 255 - values).max() > WRITTEN:
             raise ConfigError(f"{where}: values outside [0, 1] or not bytes / 255 (min {values.min():g}, max "
                               f"{values.max():g})")
         images.append(pixels.astype(np.uint8).reshape(-1, SIDE, SIDE))
@@ -120,7 +121,7 @@ def split_of(image):
     return "test" if u < TEST_FRACTION else "validation" if u < TEST_FRACTION + VALIDATION_FRACTION else "train"
 
 
-def split_arrays(split, folder=DEFAULT_FOLDER, pinned=PINNED):
+def split_arrays(split, folder=DEFAULT_FOLDER, pinned=None):
     """(images uint8 (N, 28, 28), labels uint8 (N,)) of split `split`, in the package's order."""
     if split not in SPLITS:
         raise ValueError(f"data.source='{SOURCE}' has the splits {sorted(SPLITS)}, not '{split}'")
@@ -129,14 +130,14 @@ def split_arrays(split, folder=DEFAULT_FOLDER, pinned=PINNED):
     return images[keep], labels[keep]
 
 
-def counts(folder=DEFAULT_FOLDER, pinned=PINNED):
+def counts(folder=DEFAULT_FOLDER, pinned=None):
     """{split: [images of class 0, ..., class 9]}: what tools/fetch_mnist.py prints and docs/data.md reports."""
     images, labels = read_package(folder, pinned)
     sides = np.array([split_of(image) for image in images])
     return {s: np.bincount(labels[sides == s], minlength=len(CLASSES)).tolist() for s in SPLITS}
 
 
-def load(split, folder=DEFAULT_FOLDER, pinned=PINNED):
+def load(split, folder=DEFAULT_FOLDER, pinned=None):
     """Split `split` as a `datasets.Dataset` (image, label: a ClassLabel of CLASSES). Its fingerprint is a digest of
     the rows themselves, so the trainers' cache key follows the package and the split's rule."""
     import datasets
