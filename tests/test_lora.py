@@ -208,3 +208,48 @@ def test_a_lora_exports_card_says_rank_alpha_targets_trainable_parameters_and_th
     text = (folder / "README.md").read_text()
     assert f"trainable parameters: {want + 1280:,} " in text and "folded into this folder's weights" in text
     assert "load_lora_weights" not in text
+
+
+def adapted_tiny(lora_rank=4):
+    """A one-block model with LoRA (rank 4 on the attention) and a fresh class embedding, and its EMA, as attach
+    makes them."""
+    cfg = config.as_config(json.loads(json.dumps(fm.DEFAULTS)))
+    cfg["data"]["num_classes"], cfg["model"]["num_layers"], cfg["train"]["lora_rank"] = 9, 1, lora_rank
+    torch.manual_seed(0)
+    model = build_denoiser(cfg, 3, 16)
+    fresh = {"missing": ["conditioner.class_embed.weight"], "reshaped": [], "adapted": []}
+    return (*lora.attach(model, copy.deepcopy(model), fresh, cfg.train, log=lambda *_: None), cfg)
+
+
+@pytest.mark.parametrize("every, device", [(1, "same"), (2, "same"), (1, "cpu")],
+                         ids=["each-step", "every-2", "offloaded"])
+def test_the_ema_of_a_lora_run_averages_the_trained_tensors_alone_bit_for_bit_as_before(every, device):
+    """Issue 72 (item 1): a LoRA run's EMA lerped every frozen base tensor toward its identical copy in the model at
+    every update, the whole base's cost for no change. It averages the trained tensors alone now: after 6 steps of
+    changing weights its trained tensors are bitwise what the old code (every parameter averaged: the same EMA
+    without lora_trained) gives, on each of the trainer's paths (each step, every k steps, offloaded to the CPU),
+    and no frozen tensor was written (its version counter unchanged, its bytes the base's)."""
+    from training.run import fit
+
+    model, ema, cfg = adapted_tiny()
+    old_ema = copy.deepcopy(ema)
+    del old_ema.lora_trained  # what the old code averaged: every parameter
+    trained = set(model.lora_trained)
+    frozen = {n: (p._version, p.clone()) for n, p in ema.named_parameters() if n not in trained}
+    tr = config.Config({**cfg.train, "ema_decay": 0.9, "ema_every": every, "ema_device": device, "max_steps": 6})
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    updaters = [fit.EMAUpdater(e, model, optimizer, tr, torch.device("cpu")) for e in (ema, old_ema)]
+    for step in range(6):
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p))
+        for update in updaters:
+            update(step)
+    for update in updaters:
+        update.wait()
+    new, old = dict(ema.named_parameters()), dict(old_ema.named_parameters())
+    assert all(torch.equal(new[n], old[n]) for n in new)
+    assert all(not torch.equal(new[n], dict(model.named_parameters())[n]) for n in trained)  # they did average
+    assert all(new[n]._version == version and torch.equal(new[n], before) for n, (version, before) in frozen.items())
+    assert len(frozen) > 20
