@@ -63,20 +63,22 @@ RANKS = {"lora4": 4, "lora16": 16, "lora64": 64}
 REFERENCE, REFERENCE_STEPS = "full", 600  # its steps: 10 epochs of the 7,503 training digits at batch 128
 COST_STEPS = 50
 SEEDS = (0, 1, 2)
+MIN_SEEDS = 3  # paired seeds below which a contrast has no verdict (tools/compare.py's MIN_SEEDS)
 DIGIT_SAMPLES, FASHION_SAMPLES = 2000, 1000  # one sample a test digit; forgetting: 1,000 against 10,000 garments
 # The scores of scores.json: (key, lower is better); the first three are the contrasts' metrics
 SCORES = [("fd_digits", True), ("accuracy_digits", False), ("fd_fashion", True), ("accuracy_fashion", False)]
 MEASURES = ["steps", "cpu_s_per_step", "train_cpu_s", "trainable_parameters", "checkpoint_mb", "peak_memory_gb"]
+COUNTS = {"steps": ",.0f", "train_cpu_s": ",.0f", "trainable_parameters": ",.0f"}  # whole numbers, with commas
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The arms' trainer arguments, and their steps at equal training CPU.
 
 
-def equal_cpu_steps(per_step, reference=REFERENCE, reference_steps=REFERENCE_STEPS):
+def equal_cpu_steps(per_step, reference=None, reference_steps=None):
     """{arm: steps} so that every arm's training CPU (steps x its CPU a step) is the reference arm's
-    (reference_steps x its CPU a step), to the nearest step."""
-    budget = reference_steps * per_step[reference]
+    (reference_steps x its CPU a step; by default REFERENCE and REFERENCE_STEPS), to the nearest step."""
+    budget = (reference_steps or REFERENCE_STEPS) * per_step[reference or REFERENCE]
     return {arm: max(1, round(budget / cpu)) for arm, cpu in per_step.items()}
 
 
@@ -272,7 +274,7 @@ def verdict(d, lower_is_better, names):
     """docs/benchmarks/lora_digits.md's rule: A better where the paired 95% interval of A - B excludes 0 on A's
     side, B better on B's, else cannot tell; no verdict below 3 seeds."""
     a, b = names
-    if d["n"] < len(SEEDS) or np.isnan(d["low"]):
+    if d["n"] < MIN_SEEDS or np.isnan(d["low"]):
         return f"no verdict ({d['n']} seed{'s' * (d['n'] != 1)})"
     if d["high"] < 0:
         return f"{a if lower_is_better else b} better"
@@ -298,7 +300,7 @@ def recommend(scores):
     if not ranks or REFERENCE not in scores:
         return None, "not yet: every rank and full fine-tuning need their scores"
     if any(contrast(scores, r, REFERENCE, "fd_digits", True)[1].startswith("no verdict") for r in ranks):
-        return None, f"not yet: every rank needs {len(SEEDS)} seeds paired with full fine-tuning's"
+        return None, f"not yet: every rank needs {MIN_SEEDS} seeds paired with full fine-tuning's"
     beaten = {r: contrast(scores, r, REFERENCE, "fd_digits", True)[1] == f"{REFERENCE} better" for r in ranks}
     if all(beaten.values()):
         best = min(ranks, key=lambda r: np.mean([s["fd_digits"] for s in scores[r].values()]))
@@ -323,9 +325,9 @@ def collect(out):
     return found
 
 
-def cell(values, digits=4):
+def cell(values, form=".4g"):
     mean, low, high = t_interval(values)
-    return f"{mean:.{digits}g} [{low:.{digits}g}, {high:.{digits}g}]" if len(values) > 1 else f"{mean:.{digits}g}"
+    return f"{mean:{form}} [{low:{form}}, {high:{form}}]" if len(values) > 1 else f"{mean:{form}}"
 
 
 def report(args):
@@ -342,7 +344,7 @@ def report(args):
     lines += ["| arm | seeds | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 2)]
     for arm, by_seed in scores.items():
         lines.append(f"| {arm} | {', '.join(map(str, by_seed))} | "
-                     + " | ".join(cell([s[k] for s in by_seed.values()]) for k in keys) + " |")
+                     + " | ".join(cell([s[k] for s in by_seed.values()], COUNTS.get(k, ".4g")) for k in keys) + " |")
     lines += ["", "## Contrasts (paired by seed, 95% t-interval)", "",
               "| contrast | metric | difference | seeds | verdict |", "| --- | --- | --- | --- | --- |"]
     for arm in RANKS:
