@@ -50,7 +50,7 @@ from tools.compare import paired_comparison, t_interval  # noqa: E402
 RECIPE = ROOT / "configs" / "fashion_mnist.json"
 DIGITS_CLASSIFIER, FASHION_CLASSIFIER = "classifiers/mnist_digits", "classifiers/fashion_mnist"
 # Every arm trains on the digits, validates on their validation split (never test), with an EMA short enough for a
-# run of a few hundred steps (the recipe's 0.999 with init_from's inherited EMA would keep 0.999^600 = 55% of the
+# run of a few hundred steps (the recipe's 0.999 with init_from's inherited EMA would keep 0.999^800 = 45% of the
 # base's weights in full fine-tuning's EMA; LoRA's fresh adapters warm up instead: 0.99 treats both alike), and no
 # reference curves (the recipe's are Fashion-MNIST's).
 COMMON = ["--data.val_split=validation", "--train.ema_decay=0.99", "--val.reference_curves=null"]
@@ -60,7 +60,7 @@ ADAPT = ["--train.optimizer=adamw", "--train.muon_lr=null"]
 ARMS = {"lora4": [*ADAPT, "--train.lora_rank=4"], "lora16": [*ADAPT, "--train.lora_rank=16"],
         "lora64": [*ADAPT, "--train.lora_rank=64"], "full": ADAPT, "scratch": []}
 RANKS = {"lora4": 4, "lora16": 16, "lora64": 64}
-REFERENCE, REFERENCE_STEPS = "full", 600  # its steps: 10 epochs of the 7,503 training digits at batch 128
+REFERENCE, REFERENCE_STEPS = "full", 800  # its steps: 13.6 epochs of the 7,503 training digits at batch 128
 COST_STEPS = 50
 SEEDS = (0, 1, 2)
 MIN_SEEDS = 3  # paired seeds below which a contrast has no verdict (tools/compare.py's MIN_SEEDS)

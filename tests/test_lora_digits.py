@@ -234,9 +234,9 @@ def test_each_arm_trains_the_steps_that_buy_the_reference_arms_training_cpu():
     per_step = {"lora4": 0.81, "lora16": 0.83, "lora64": 0.9, "full": 1.2, "scratch": 1.33}
     steps = campaign.equal_cpu_steps(per_step)
     budget = campaign.REFERENCE_STEPS * per_step[campaign.REFERENCE]
-    assert campaign.REFERENCE == "full" and steps["full"] == campaign.REFERENCE_STEPS == 600
+    assert campaign.REFERENCE == "full" and steps["full"] == campaign.REFERENCE_STEPS == 800
     assert all(abs(steps[arm] * cpu - budget) <= cpu / 2 for arm, cpu in per_step.items())
-    assert steps == {"lora4": 889, "lora16": 867, "lora64": 800, "full": 600, "scratch": 541}
+    assert steps == {"lora4": 1185, "lora16": 1157, "lora64": 1067, "full": 800, "scratch": 722}
 
 
 def flat(tree, prefix=""):
