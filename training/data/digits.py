@@ -12,8 +12,9 @@ stops the run with one line naming the file and the command.
 The package holds package/src/digits/0.json ... 9.json, one per class: {"data": [...]}, the class's images one after
 another, each 28 x 28 = 784 grey values row by row, white digit on black, as the pixel / 255 written with three
 decimals (0.992 for 253), so round(255 v) gives back the byte exactly (the three decimals are within 0.0005 of
-it, a byte step is 0.0039; a value farther than 0.0005 from every byte / 255 is refused). 1,001 zeros, 1,127 ones, 991 twos, 1,032 threes, 980 fours, 863 fives, 1,014 sixes,
-1,070 sevens, 944 eights, 978 nines: 10,000, no two alike. The package does not say which of MNIST's 70,000 they
+it, a byte step is 0.0039; a value farther than 0.0005 from every byte / 255 is refused). 1,001 zeros, 1,127
+ones, 991 twos, 1,032 threes, 980 fours, 863 fives, 1,014 sixes, 1,070 sevens, 944 eights, 978 nines: 10,000, no
+two alike. The package does not say which of MNIST's 70,000 they
 are; its README calls them "10000 different samples of mnist digits".
 
 A row: image (28 x 28 grey, uint8), label (a ClassLabel of CLASSES, "0" .. "9": the digit itself). The split is
