@@ -108,6 +108,7 @@ def test_the_split_is_fixed_by_the_pixels_deterministic_disjoint_and_whole(packa
     assert [digits.split_of(img) for img in sides["test"][0][:3]] == ["test"] * 3
 
 
+@pytest.mark.slow
 @installed
 def test_the_real_package_holds_what_docs_data_md_says():
     per_class = digits.counts()
