@@ -126,6 +126,8 @@ def prepare(args):
         export = Path(args.base) / "export" if (Path(args.base) / "export").is_dir() else Path(args.base)
         if not (export / "model_index.json").is_file():
             sys.exit(f"--base {args.base}: neither an export folder nor a run with one (its export/)")
+    elif (out / "base.json").is_file():  # prepare again: the base it recorded, given or made
+        export = Path(base_export(args))
     else:  # the recipe as it is, seed 0: the Fashion-MNIST model every adapting arm starts from
         run = out / "base"
         train(run, ["--config", str(RECIPE), "--seed=0", f"--run_dir={run}", "--log.wandb=off", "--resume=latest"],
