@@ -334,6 +334,8 @@ def cell(values, form=".4g"):
 
 def report(args):
     out = Path(args.out)
+    if not out.is_dir():
+        sys.exit(f"{out}: no campaign there: run `python benchmarks/lora_digits.py prepare --out {out}` first")
     scores = collect(out)
     lines = ["# LoRA on the digits: adapting the Fashion-MNIST model", "",
              "Written by benchmarks/lora_digits.py report; the analysis and rules: docs/benchmarks/lora_digits.md.", ""]
