@@ -215,12 +215,24 @@ def ema_update(ema, model, decay, num_updates, applied=None):
     bool tensor): the step's update happened; when False the EMA moves by 0, decided on the device."""
     warm = min(decay, (1 + num_updates) / (10 + num_updates))
     inherited = getattr(ema, "inherited", ())
-    names, ema_p = zip(*ema.named_parameters())
+    names, ema_p, model_p = averaged(ema, model)
     rates = {True: 1 - decay, False: 1 - warm}  # (1 - d): how far each tensor moves toward the model
     if applied is not None:  # device tensors: a float weight alone would be read on the host (a sync) by lerp
         rates = {k: rate * applied.float() for k, rate in rates.items()}
     weights = [rates[name in inherited] for name in names]
-    torch._foreach_lerp_(local(ema_p), local(p.detach().float() for p in model.parameters()), weights)
+    torch._foreach_lerp_(local(ema_p), local(p.detach().float() for p in model_p), weights)
+
+
+def averaged(ema, model):
+    """(names, EMA tensors, model tensors) that the EMA averages: every parameter, or for a LoRA run
+    (ema.lora_trained, training/model/lora.py) the trained ones alone. Its frozen base is bitwise the same in the
+    model and the EMA (attach copies the one into the other) and a lerp toward an equal tensor leaves it as it is:
+    skipping the base changes no bit, only the cost of each update."""
+    trained = getattr(ema, "lora_trained", None)
+    trained = None if trained is None else set(trained)
+    pairs = [(n, e, p) for (n, e), p in zip(ema.named_parameters(), model.parameters())
+             if trained is None or n in trained]
+    return tuple(list(column) for column in zip(*pairs))
 
 
 def local(tensors):

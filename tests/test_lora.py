@@ -1,6 +1,7 @@
 """LoRA adapters on a trained run (issue 72, training/model/lora.py): only the adapters and the run's own new layers
 train, the base stays bitwise the source's, a checkpoint holds the adapters and the base's hash (resume exact,
 another base refused), the combinations LoRA cannot run refused at start-up, and the export folds the adapters in."""
+import copy
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from safetensors.torch import load_file
 
 from training.config import config
 from training.model import lora
-from training.model.mmdit import load_exported
+from training.model.mmdit import build_denoiser, load_exported
 from training.evaluation import sampling
 from training.sharing import pipeline_export
 import train_ddpm as ddpm
@@ -174,3 +175,81 @@ def test_the_adapters_load_the_diffusers_way_scale_0_is_the_base_and_merged_equa
     export_tool.main(["--run", str(run)])
     after = load_exported(run / "export")[0].state_dict()
     assert not (run / "export" / lora.ADAPTERS).exists() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_lora_exports_card_says_rank_alpha_targets_trainable_parameters_and_the_base(tmp_path):
+    """Issue 72 (item 1): a LoRA run's model card said nothing of LoRA, and its loading lines gave the base alone.
+    The card names rank, alpha (and scale), targets, the base (init_from, sha256) and the trainable parameters: the
+    adapters' count checked against r x (in + out) of every adapted Linear, and the run's own layer; a re-export
+    (its model merged) keeps them and says the adapters are folded in."""
+    cfg = config.as_config(json.loads(json.dumps(fm.DEFAULTS)))
+    run = tmp_path / "adapted"
+    (run / "samples").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 0.5, "images_per_s": 1.0}) + "\n")
+    cfg["run_dir"], cfg["init_from"], cfg["data"]["num_classes"], cfg["model"]["num_layers"] = \
+        str(run), str(tmp_path / "base" / "export"), 9, 1
+    cfg["train"]["lora_rank"], cfg["train"]["lora_alpha"] = 4, 8
+    model = build_denoiser(cfg, 3, 16)
+    linears = {n: m for n, m in model.transformer.named_modules() if any(n.endswith(t) for t in lora.ATTENTION)}
+    want = sum(4 * (m.in_features + m.out_features) for m in linears.values())
+    ema = copy.deepcopy(model)
+    fresh = {"missing": ["conditioner.class_embed.weight"], "reshaped": [], "adapted": []}  # a layer the base lacks
+    model, ema = lora.attach(model, ema, fresh, cfg.train, log=lambda *_: None)
+    folder = pipeline_export.write(ema, cfg, run / "export", None, run)
+    text = (folder / "README.md").read_text()
+    base = sum(p.numel() for p in build_denoiser(cfg, 3, 16).parameters()) - 10 * 128
+    assert (f"- LoRA (Hu et al. 2022) on a frozen base, `base/export` (sha256 `{ema.lora_base_hash[:12]}`): rank 4, "
+            f"alpha 8 (scale 2), dropout 0, on the attention projections") in text
+    assert f"trainable parameters: {want + 1280:,} " in text and f"the adapters {want:,}; this run's own " \
+        f"`conditioner.class_embed.weight` in full (1,280); the base's {base:,} frozen" in text
+    assert "pipe.load_lora_weights('OWNER/NAME')" in text and lora.ADAPTERS in text
+    # A re-export (tools/export.py) writes the merged model: the card keeps the counts and says where the adapters went
+    folder = pipeline_export.write(lora.without_adapters(ema), cfg, run / "export", None, run)
+    text = (folder / "README.md").read_text()
+    assert f"trainable parameters: {want + 1280:,} " in text and "folded into this folder's weights" in text
+    assert "load_lora_weights" not in text
+
+
+def adapted_tiny(lora_rank=4):
+    """A one-block model with LoRA (rank 4 on the attention) and a fresh class embedding, and its EMA, as attach
+    makes them."""
+    cfg = config.as_config(json.loads(json.dumps(fm.DEFAULTS)))
+    cfg["data"]["num_classes"], cfg["model"]["num_layers"], cfg["train"]["lora_rank"] = 9, 1, lora_rank
+    torch.manual_seed(0)
+    model = build_denoiser(cfg, 3, 16)
+    fresh = {"missing": ["conditioner.class_embed.weight"], "reshaped": [], "adapted": []}
+    return (*lora.attach(model, copy.deepcopy(model), fresh, cfg.train, log=lambda *_: None), cfg)
+
+
+@pytest.mark.parametrize("every, device", [(1, "same"), (2, "same"), (1, "cpu")],
+                         ids=["each-step", "every-2", "offloaded"])
+def test_the_ema_of_a_lora_run_averages_the_trained_tensors_alone_bit_for_bit_as_before(every, device):
+    """Issue 72 (item 1): a LoRA run's EMA lerped every frozen base tensor toward its identical copy in the model at
+    every update, the whole base's cost for no change. It averages the trained tensors alone now: after 6 steps of
+    changing weights its trained tensors are bitwise what the old code (every parameter averaged: the same EMA
+    without lora_trained) gives, on each of the trainer's paths (each step, every k steps, offloaded to the CPU),
+    and no frozen tensor was written (its version counter unchanged, its bytes the base's)."""
+    from training.run import fit
+
+    model, ema, cfg = adapted_tiny()
+    old_ema = copy.deepcopy(ema)
+    del old_ema.lora_trained  # what the old code averaged: every parameter
+    trained = set(model.lora_trained)
+    frozen = {n: (p._version, p.clone()) for n, p in ema.named_parameters() if n not in trained}
+    tr = config.Config({**cfg.train, "ema_decay": 0.9, "ema_every": every, "ema_device": device, "max_steps": 6})
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    updaters = [fit.EMAUpdater(e, model, optimizer, tr, torch.device("cpu")) for e in (ema, old_ema)]
+    for step in range(6):
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p))
+        for update in updaters:
+            update(step)
+    for update in updaters:
+        update.wait()
+    new, old = dict(ema.named_parameters()), dict(old_ema.named_parameters())
+    assert all(torch.equal(new[n], old[n]) for n in new)
+    assert all(not torch.equal(new[n], dict(model.named_parameters())[n]) for n in trained)  # they did average
+    assert all(new[n]._version == version and torch.equal(new[n], before) for n, (version, before) in frozen.items())
+    assert len(frozen) > 20

@@ -19,7 +19,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from training.config.config import ConfigError
-from training.data import emoji, fashion_mnist
+from training.data import digits, emoji, fashion_mnist
 from training.data.buckets import crop_extent
 from training.data.classes import check_labels, class_count, class_id_list, labels_are_the_condition
 
@@ -140,6 +140,8 @@ def open_dataset(data, split):
                                 render=data.get("demo_render", "native"))
     elif emoji.is_source(source):  # the two pinned packages' images, split by caption
         ds = emoji.load(split, emoji.folder_of(source))
+    elif digits.is_source(source):  # the pinned package's digits, split by their pixels
+        ds = digits.load(split, digits.folder_of(source))
     else:
         ds = fashion_mnist.load(split) if source == fashion_mnist.SOURCE else load_source(source, split)
     for key in ("image_column", "label_column", "caption_column"):
@@ -315,11 +317,12 @@ def same_rows(data, a, b, chunk=1000):
 def training_and_test(data, test_split, tool):
     """(training rows, test rows, the test split's name) for a tool that learns from the recipe's training split
     and is measured on `test_split` (tools/classifier.py, tools/autoencoder.py, tools/clip.py). A test split that is
-    the training split is refused before any work (ConfigError), as is learning from an emoji source's test split
-    (emoji.test_refusal); one that reads the training split's images (a folder without a test folder) gives way to
-    the trainer's own split: its training rows, and the rows it holds out (test split 'heldout'), and `tool` says
-    so."""
-    if line := emoji.test_refusal(data.source, data.split, "data.split"):
+    the training split is refused before any work (ConfigError), as is learning from an emoji or digits source's
+    test split (emoji.test_refusal, digits.test_refusal); one that reads the training split's images (a folder
+    without a test folder) gives way to the trainer's own split: its training rows, and the rows it holds out (test
+    split 'heldout'), and `tool` says so."""
+    if line := emoji.test_refusal(data.source, data.split, "data.split") or \
+            digits.test_refusal(data.source, data.split, "data.split"):
         raise ConfigError(line)
     if test_split == data.split:
         raise ConfigError(f"--test_split '{test_split}' is the training split (data.split): it learns from that "
@@ -409,7 +412,7 @@ def preprocess(img, resolution, data, rng=random, flip=None, shape=None):
 
 
 def is_stream(data):
-    if data.source == "embedded" or emoji.is_source(data.source):  # generated, or read whole from its packages
+    if data.source == "embedded" or emoji.is_source(data.source) or digits.is_source(data.source):  # read whole
         return False
     return bool(data.get("streaming")) or ".tar" in data.source  # .get: runs saved before streaming existed
 

@@ -367,7 +367,7 @@ class EMAUpdater:
         pin = device.type == "cuda"  # pinned memory needs CUDA
         for tensor in (*ema.parameters(), *ema.buffers()):
             tensor.data = tensor.data.to("cpu").pin_memory() if pin else tensor.data.to("cpu")
-        self.staged = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in ema.parameters()]
+        self.staged = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in common.averaged(ema, model)[1]]
         self.weight = torch.zeros(2, pin_memory=pin)  # 1 - D of the update in flight: fresh, inherited tensors
         if device.type == "cuda":
             self.stream, self.copied = torch.cuda.Stream(device), torch.cuda.Event()
@@ -395,14 +395,15 @@ class EMAUpdater:
             before, d = math.prod(decays[:-1]), decays[-1]
             weight.append(1 - before * d if applied is None else torch.where(applied, 1 - before * d, 1 - before))
         inherited = getattr(self.ema, "inherited", ())
-        which = [int(name in inherited) for name, _ in self.ema.named_parameters()]  # 0: fresh, 1: inherited
+        names, ema_p, model_p = common.averaged(self.ema, self.model)  # LoRA: the trained tensors alone
+        which = [int(name in inherited) for name in names]  # 0: fresh, 1: inherited
         if not self.offload:  # (sharded: shard by shard)
-            torch._foreach_lerp_(common.local(self.ema.parameters()), common.local(p.detach().float() for p in
-                                 self.model.parameters()), [weight[i] for i in which])
+            torch._foreach_lerp_(common.local(ema_p), common.local(p.detach().float() for p in model_p),
+                                 [weight[i] for i in which])
             return
         self.wait()  # the previous update, k steps ago, is done with the staging buffers
-        self.which = which
-        weights = [p.detach() for p in self.model.parameters()]
+        self.which, self.averaged = which, ema_p
+        weights = [p.detach() for p in model_p]
         weight = torch.tensor(weight) if applied is None else torch.stack(weight)
         if self.device.type == "cuda":
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after this step's optimizer step
@@ -422,8 +423,7 @@ class EMAUpdater:
         try:
             if self.device.type == "cuda":
                 self.copied.synchronize()  # this thread waits for the copy, the training loop does not
-            ema_p = list(self.ema.parameters())
-            torch._foreach_lerp_(ema_p, self.staged, [self.weight[i] for i in self.which])
+            torch._foreach_lerp_(self.averaged, self.staged, [self.weight[i] for i in self.which])
         except BaseException as e:  # raised in the training thread by wait()
             self.error = e
 

