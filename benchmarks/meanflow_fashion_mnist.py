@@ -24,6 +24,12 @@ classifier's FD, KD, precision, recall, class accuracy against the test split), 
         --sampler meanflow --steps 1 2 4 --guidance 1 --out runs/meanflow_bench
     python benchmarks/meanflow_fashion_mnist.py table --out runs/meanflow_bench --base runs/meanflow_bench/flow_matching
 
+The fine-tuning lengths (issue 71; docs/benchmarks/meanflow_fashion_mnist.md, "Fine-tuning to one step"): each
+FINETUNE_ARMS arm (`train --arm finetune --name ARM` with LENGTHS and the arm's keys) is one run of LENGTH_STEPS at a
+constant LR whose checkpoints every LENGTH_STEPS / 8 steps are the shorter fine-tunings (a constant LR and an EMA of
+fixed decay make step N of the long run what an N-step run is); `score --checkpoint` scores each at 1, 2, 4 and 20
+meanflow steps, and `aims` reads them against the recipe's 20-step FD and its training CPU.
+
 `train` is benchmarks/fashion_mnist.py's `ours` with the variant's arguments: the run, its CPU record
 (cpu_seconds.json: "steps" is the training steps' own CPU, the equal-CPU measure) and its score at its own
 settings (1 meanflow step). `score` writes each setting's eval_fid.py report under OUT/scores/ARM_sSEED/ (never
@@ -36,6 +42,8 @@ import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -51,6 +59,16 @@ MEANFLOW = ["--objective.meanflow=true", "--val.sampler=meanflow", "--val.steps=
 FINETUNE_STEPS = 150
 FINETUNE = [f"--train.max_steps={FINETUNE_STEPS}", "--train.warmup_steps=15", "--train.ema_decay=0.98",
             f"--val.every={FINETUNE_STEPS}", f"--ckpt.every={FINETUNE_STEPS}"]
+# Issue 71: the fine-tuning lengths in one run a (arm, seed), and the arms (FACM's anchor; DMF's interval placement)
+LENGTH_STEPS = 600  # 97% of the recipe's training CPU at the MeanFlow step's 1.94x; checkpoints at 75, 150, 300
+LENGTHS = [f"--train.max_steps={LENGTH_STEPS}", "--train.lr_schedule=constant", f"--ckpt.every={LENGTH_STEPS // 8}",
+           "--ckpt.keep=8", f"--val.every={LENGTH_STEPS}"]
+SCORED_STEPS = (75, 150, 300, 600)  # 12.1%, 24.3%, 48.5%, 97% of the recipe's training CPU
+FINETUNE_ARMS = {"plain": ["--objective.meanflow_anchor=0", "--objective.meanflow_interval_blocks=null"],
+                 "anchor": ["--objective.meanflow_anchor=0.5", "--objective.meanflow_interval_blocks=null"],
+                 "anchor_dmf": ["--objective.meanflow_anchor=0.5", "--objective.meanflow_interval_blocks=2"]}
+AIMS = {1: 3.0, 2: 1.5, 20: 1.2}  # evaluations: the most FD / the recipe's 20-step FD (issue 71, item 3)
+AIM_CPU = 0.5  # at no more than half the recipe's training CPU
 METRICS = ("fd_classifier", "kd_classifier", "precision_classifier", "recall_classifier", "class_accuracy")
 
 
@@ -166,9 +184,96 @@ def table(args):
                   f"{t_interval(cpu)[0] / t_interval(base)[0]:.2f})")
 
 
+def recipe_cpu(args):
+    """{seed: the recipe's training steps' CPU} of the baselines under --base."""
+    return {int(p.parent.name.rsplit("_s", 1)[1]): json.loads(p.read_text())["steps"]
+            for p in sorted(Path(args.base).glob("flow_matching_s*/cpu_seconds.json"))}
+
+
+def length_rows(found, recipe, recipe_cpu_s, args):
+    """{(arm, step): {"fraction": per seed, evaluations: per seed FD / the recipe's 20-step FD, "fd_E": FDs}} of
+    the fine-tuning arms' checkpoint scores (meanflow sampler, guidance 1): a checkpoint's training CPU is its share
+    of the run's steps' CPU, over the recipe's of the same seed."""
+    rows = {}
+    for (arm, step, sampler, steps, guidance), by_seed in found.items():
+        if arm not in FINETUNE_ARMS or step is None or sampler != "meanflow" or guidance != 1:
+            continue
+        row = rows.setdefault((arm, step), {})
+        for seed, metrics in by_seed.items():
+            run = Path(args.out) / arm / f"flow_matching_s{seed}"
+            if seed not in recipe or seed not in recipe_cpu_s or not (run / "cpu_seconds.json").is_file():
+                continue
+            cpu = json.loads((run / "cpu_seconds.json").read_text())["steps"] * step / LENGTH_STEPS
+            row.setdefault("fraction", {})[seed] = cpu / recipe_cpu_s[seed]
+            row.setdefault(steps, {})[seed] = value(metrics, "fd_classifier") / value(recipe[seed], "fd_classifier")
+            row.setdefault(f"fd_{steps}", {})[seed] = value(metrics, "fd_classifier")
+    return rows
+
+
+def interval_text(values, digits=2):
+    mean, low, high = t_interval(list(values))
+    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]" if len(values) > 1 else f"{mean:.{digits}f}"
+
+
+def aims(args):
+    """Issue 71's aims on the fine-tuning lengths: each arm and length, its training CPU over the recipe's and FD at
+    1, 2, 4 and 20 evaluations over the recipe's 20-step FD (mean and 95% t-interval over the seeds), each aim met
+    where the seeds' mean is within it; the arms paired by seed; flow matching's best FD at the same evaluation
+    counts; and, for an arm that misses the one-step aim, the CPU where a power law through its lengths reaches it."""
+    found, settings = reports(args), {setting(r) for r in baselines(args).values()}
+    if len(settings) != 1:
+        sys.exit(f"{args.base}: no baselines scored at one setting ({sorted(settings, key=str)})")
+    recipe, cpu_s = found.get(("flow_matching", *settings.pop()), {}), recipe_cpu(args)
+    rows = length_rows(found, recipe, cpu_s, args)
+    evaluations = " | ".join(f"{e} eval. FD / recipe's" for e in (1, 2, 4, 20))
+    print(f"| arm | step | training CPU / the recipe's | {evaluations}"
+          + " | aims (1 <= 3x, 2 <= 1.5x, 20 <= 1.2x, CPU <= 0.5) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (arm, step), row in sorted(rows.items()):
+        if "fraction" not in row:
+            continue
+        means = {k: t_interval(list(v.values()))[0] for k, v in row.items() if not str(k).startswith("fd_")}
+        met = [f"{e}: {'met' if means[e] <= limit else 'not met'}" for e, limit in AIMS.items() if e in means]
+        met.append(f"CPU: {'met' if means['fraction'] <= AIM_CPU else 'not met'}")
+        cells = [interval_text(row[e].values()) if e in row else "-" for e in (1, 2, 4, 20)]
+        fraction = interval_text(row["fraction"].values())
+        print(f"| {arm} | {step} | {fraction} | {' | '.join(cells)} | {', '.join(met)} |")
+    print("\nPaired by seed (FD difference, 95% t-interval):")
+    for a, b in (("anchor", "plain"), ("anchor_dmf", "anchor")):
+        for step in SCORED_STEPS:
+            for e in (1, 2, 20):
+                ra, rb = rows.get((a, step), {}).get(f"fd_{e}", {}), rows.get((b, step), {}).get(f"fd_{e}", {})
+                seeds = sorted(set(ra) & set(rb))
+                if len(seeds) > 1:
+                    print(f"  {a} - {b}, step {step}, {e} evaluations: "
+                          f"{interval_text([ra[s] - rb[s] for s in seeds], 3)} (seeds {seeds})")
+    print("\nFlow matching at the same evaluation counts (its best setting, Euler, guidance 1 or 2):")
+    for e in (1, 2, 4):
+        best = [(np.mean([value(m, "fd_classifier") for m in by_seed.values()]), f"{sampler} {steps}, g{guidance:g}")
+                for (arm, step, sampler, steps, guidance), by_seed in found.items()
+                if arm == "flow_matching" and step is None and steps * (1 + (guidance != 1)) == e]
+        if best:
+            print(f"  {e} evaluations: FD {min(best)[0]:.3f} ({min(best)[1]})")
+    for arm in FINETUNE_ARMS:
+        points = sorted((t_interval(list(row["fraction"].values()))[0], t_interval(list(row[1].values()))[0])
+                        for (name, _), row in rows.items() if name == arm and 1 in row and "fraction" in row)
+        if len(points) >= 2 and points[-1][1] > AIMS[1]:
+            print(f"{arm}: {predicted_cpu(points, AIMS[1])}")
+
+
+def predicted_cpu(points, target):
+    """Where log(FD ratio) = a + b log(CPU fraction), fitted through (fraction, ratio) points, reaches `target`."""
+    x, y = np.log([p[0] for p in points]), np.log([p[1] for p in points])
+    b, a = np.polyfit(x, y, 1)
+    if b >= 0:
+        return f"the one-evaluation ratio does not fall with training CPU here (slope {b:+.2f}): no prediction"
+    return (f"one evaluation at {target:g}x the recipe's FD predicted at {np.exp((np.log(target) - a) / b):.2f}x the "
+            f"recipe's training CPU (power law through {len(points)} lengths, slope {b:+.2f}; an extrapolation)")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["train", "score", "table"])
+    p.add_argument("what", choices=["train", "score", "table", "aims"])
     p.add_argument("--arm", default="meanflow", choices=["meanflow", "finetune"])
     p.add_argument("--name", default=None, help="train: the arm's folder (an ablation's); score: its label")
     p.add_argument("--checkpoint", default=None, help="score: a checkpoint folder of the run instead of its export")
@@ -182,7 +287,7 @@ def main(argv=None):
     p.add_argument("--classifier", default="classifiers/fashion_mnist")
     p.add_argument("--num_samples", type=int, default=2000, help="samples per score (the recent campaigns': 2,000)")
     args, args.extra = p.parse_known_args(argv)
-    {"train": train, "score": score, "table": table}[args.what](args)
+    {"train": train, "score": score, "table": table, "aims": aims}[args.what](args)
 
 
 if __name__ == "__main__":

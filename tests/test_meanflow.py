@@ -758,3 +758,53 @@ def test_the_fine_tuning_recipe_starts_from_a_flow_matching_run_resumes_exactly_
     assert evaluations[0] == 2  # one evaluation an image
     theirs = pipe([0, 8], latents=noise, output_type="latent").images
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+# ---- Issue 71's fine-tuning lengths: benchmarks/meanflow_fashion_mnist.py aims ----------------------------------
+
+
+def write_report(folder, step, sampler, steps, guidance, fd):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps({"model": {"step": step}, "sampler": sampler, "steps": steps,
+                                                    "guidance_scale": guidance, "metrics": {"fd_classifier_2k": fd}}))
+
+
+def test_the_fine_tuning_lengths_are_read_against_the_recipes_fd_and_cpu(tmp_path, capsys):
+    """Synthetic scores laid out as the campaign writes them: the recipe (20-step FD 1.0 and 2.0 for seeds 0 and 1,
+    1,000 CPU s of steps each) and the anchor arm (600 steps in 2,000 CPU s: step 150 is half the recipe's CPU) whose
+    one-evaluation FD ratio follows 6 f^-0.5 in the CPU fraction f: the rows' fractions and ratios, each aim's verdict
+    on the seeds' mean, the paired difference between arms, flow matching's best at an evaluation count, and the
+    power law's prediction (f = 4 for the 3x aim)."""
+    from benchmarks import meanflow_fashion_mnist as mf
+
+    out, base = tmp_path / "bench", tmp_path / "bench" / "base"
+    for seed, fd in ((0, 1.0), (1, 2.0)):
+        run = base / f"flow_matching_s{seed}"
+        write_report(run / "eval" / "test-step1200", None, "euler", 20, 2.0, fd)
+        (run / "config.json").write_text(json.dumps({"train": {"max_steps": 1200}}))
+        (run / "cpu_seconds.json").write_text(json.dumps({"steps": 1000.0}))
+        write_report(out / "scores" / f"flow_matching_s{seed}" / "euler1", None, "euler", 1, 1.0, 30 * fd)
+        write_report(out / "scores" / f"flow_matching_s{seed}" / "euler1-g2", None, "euler", 1, 2.0, 20 * fd)
+        for arm, offset in (("anchor", 0.0), ("plain", 0.5)):
+            run = out / arm / f"flow_matching_s{seed}"
+            run.mkdir(parents=True, exist_ok=True)
+            (run / "config.json").write_text("{}")
+            (run / "cpu_seconds.json").write_text(json.dumps({"steps": 2000.0}))
+            for step in mf.SCORED_STEPS:
+                fraction = 2000.0 * step / mf.LENGTH_STEPS / 1000.0
+                for e, ratio in ((1, 6 * fraction ** -0.5), (2, 1.4), (20, 1.3)):
+                    write_report(out / "scores" / f"{arm}_s{seed}" / f"step{step}-{e}", step, "meanflow", e, 1.0,
+                                 (ratio + offset) * fd)
+    args = mf.main.__globals__["argparse"].Namespace(out=str(out), base=str(base))
+    rows = mf.length_rows(mf.reports(args), {0: {"fd_classifier_2k": 1.0}, 1: {"fd_classifier_2k": 2.0}},
+                          mf.recipe_cpu(args), args)
+    assert rows[("anchor", 150)]["fraction"] == {0: 0.5, 1: 0.5}
+    assert rows[("anchor", 150)][1] == pytest.approx({0: 6 * 0.5 ** -0.5, 1: 6 * 0.5 ** -0.5})
+    capsys.readouterr()
+    mf.aims(args)
+    printed = capsys.readouterr().out
+    assert "| anchor | 150 | 0.50 [0.50, 0.50] | 8.49 [8.49, 8.49] | 1.40 [1.40, 1.40] | - | 1.30 [1.30, 1.30] | " \
+           "1: not met, 2: met, 20: not met, CPU: met |" in printed
+    assert "anchor - plain, step 75, 1 evaluations: -0.750 [-3.927, 2.427] (seeds [0, 1])" in printed
+    assert "1 evaluations: FD 45.000 (euler 1, g1)" in printed and "2 evaluations: FD 30.000 (euler 1, g2)" in printed
+    assert "anchor: one evaluation at 3x the recipe's FD predicted at 4.00x the recipe's training CPU" in printed
