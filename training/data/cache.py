@@ -32,6 +32,7 @@ from training.data.classes import class_names, read_class_ids, validation_prompt
 from training.data.encoders import encode_text, load_encoders, make_encode, text_encoder_identity, vae_identity
 from training.data.encoding import DecodedShards, cache_size, encoded_rows, human_bytes, samples_per_shard
 from training.data.sources import expand_braces, is_stream, stream_shards
+from training.data import sd3_base
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ def cache_key(cfg, part, ds, rows):
         key["vae_identity"] = vae_identity(enc.vae)
     if enc.text_encoder and text_encoder_identity(enc.text_encoder):  # a local folder's files: retrained, a miss
         key["text_encoder_identity"] = text_encoder_identity(enc.text_encoder)
+    key.update(sd3_base.cache_key(enc))  # an SD3-family pipeline: which of its text encoders encode
     key.update(repa_targets.cache_key(cfg))  # REPA's targets, when stored with the rows
     return key
 
