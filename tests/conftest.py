@@ -259,8 +259,9 @@ def make_tiny_sd3(folder, shift=3.0):
                                         caption_projection_dim=16, pooled_projection_dim=20, pos_embed_max_size=6,
                                         dual_attention_layers=(0,), qk_norm="rms_norm")
     pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
-                                    vae=vae, text_encoder=clip(16, 8), tokenizer=clip_l_tok, text_encoder_2=clip(24, 12),
-                                    tokenizer_2=clip_g_tok, text_encoder_3=t5, tokenizer_3=t5_tok)
+                                    vae=vae, text_encoder=clip(16, 8), tokenizer=clip_l_tok,
+                                    text_encoder_2=clip(24, 12), tokenizer_2=clip_g_tok, text_encoder_3=t5,
+                                    tokenizer_3=t5_tok)
     pipe.save_pretrained(folder)
     return str(folder)
 

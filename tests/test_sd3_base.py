@@ -112,7 +112,8 @@ def test_the_model_is_the_base_transformer_and_computes_what_it_computes(tiny_sd
     report = start.init_from(tiny_sd3, model, ema, log=lambda *_: None, cfg=cfg)
     base = SD3Transformer2DModel.from_pretrained(tiny_sd3, subfolder="transformer").eval()
     assert report["loaded"] == len(base.state_dict()) and not report["missing"] + report["reshaped"]
-    assert list(model.transformer.config.dual_attention_layers) == [0] and len(model.transformer.transformer_blocks) == 2
+    blocks = model.transformer.transformer_blocks  # the base's 2 with SD3.5's dual attention, not model.num_layers' 7
+    assert list(model.transformer.config.dual_attention_layers) == [0] and len(blocks) == 2
     _, negative = diffusers_pipeline(tiny_sd3).encode_prompt("", None, None, device="cpu", max_sequence_length=12)[:2]
     torch.testing.assert_close(model.conditioner.null_tokens, negative[0].float(), rtol=0, atol=1e-6)
     captions = ["a red circle", "small blue square"]

@@ -101,7 +101,8 @@ class MinimalDiffusionPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
                             "text_encoder_3", "tokenizer_3"]
 
     def __init__(self, conditioner, scheduler, transformer=None, vae=None, text_encoder=None, tokenizer=None,
-                 text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None, vae_id=None, text_encoder_id=None, max_tokens=77, num_inference_steps=50, guidance_scale=1.0,
+                 text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None, vae_id=None,
+                 text_encoder_id=None, max_tokens=77, num_inference_steps=50, guidance_scale=1.0,
                  control_guidance_scale=0.0, guidance_interval=(0.0, 1.0), guidance_rescale=0.0, sampler="euler",
                  prediction="v", time_shift=1.0, resolution=None, buckets=None, vae_subfolder=None,
                  sd3_text_encoders=None, transformer_id=None):
