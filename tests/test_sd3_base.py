@@ -147,6 +147,38 @@ def test_ddpm_refuses_an_sd3_base(tiny_sd3, tmp_path):
         train_ddpm.main(["--run_dir", str(tmp_path / "run"), *sd3_args(tiny_sd3, "--train.lora_rank=4")])
 
 
+# ---- The recipe: configs/sd35_lora_own_data.json ----------------------------------------------------------------
+
+RECIPE = "configs/sd35_lora_own_data.json"
+SD35_SHIFT = 3.0  # stabilityai/stable-diffusion-3.5-medium's scheduler/scheduler_config.json: "shift": 3.0
+
+
+def test_the_sd35_recipe_validates_offline_with_its_ids_pointed_at_the_tiny_base(tiny_sd3, tmp_path):
+    """The recipe passes every start-up check of the trainer (the SD3 base's, LoRA's, the encoders': no weights read)
+    with its three hub ids pointed at the tiny SD3-layout pipeline, and is SD3's training: the velocity objective on
+    SD3.5's time shift (the tiny base's scheduler has SD3.5's 3.0), its padding and pooled text, T5's 256 tokens of
+    the SD3.5 pipeline, LoRA on the attention (diffusers' defaults), bf16 with gradient checkpointing. With the real
+    id and no network, the one line says what to run (tools/prefetch.py)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    ids = [f"--{key}={tiny_sd3}" for key in ("init_from", "encoders.vae", "encoders.text_encoder")]
+    cfg = config.load_config(fm.DEFAULTS, ["--config", RECIPE, *ids, "--run_dir", str(tmp_path / "run")],
+                             schema=fm.CONFIG)
+    base_shift = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_sd3, subfolder="scheduler").config.shift
+    assert cfg.objective.time_shift == base_shift == SD35_SHIFT and cfg.objective.prediction == "v"
+    assert (cfg.conditioning.pooled_text, cfg.conditioning.replicate_padding) == (True, False)
+    assert cfg.encoders.max_tokens == 256 and cfg.encoders.sd3_text_encoders is None  # all three, T5 included
+    tr = cfg.train
+    assert 4 <= tr.lora_rank <= 64 and tr.lora_targets is None and tr.optimizer == "adamw" and tr.lr == 1e-4
+    assert (tr.mixed_precision, tr.gradient_checkpointing, cfg.data.resolution) == ("bf16", True, 1024)
+    recipe = json.loads(open(RECIPE).read())
+    assert recipe["init_from"] == recipe["encoders"]["vae"] == recipe["encoders"]["text_encoder"] == \
+        "stabilityai/stable-diffusion-3.5-medium"
+    with pytest.raises(config.ConfigError, match="encoders.vae='stabilityai/stable-diffusion-3.5-medium' cannot be "
+                                                 "loaded.*tools/prefetch.py"):
+        config.load_config(fm.DEFAULTS, ["--config", RECIPE, "--run_dir", str(tmp_path / "run2")], schema=fm.CONFIG)
+
+
 # ---- A LoRA run on the tiny base, on a folder of captioned images -----------------------------------------------
 
 

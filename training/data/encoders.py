@@ -60,10 +60,11 @@ def load_encoders(enc, device):
         vae = from_pretrained("encoders.vae", AutoencoderKL.from_pretrained, enc.vae, use_safetensors=True,
                               **vae_location(enc.vae))
         vae = vae.to(device).eval().requires_grad_(False)
-    if enc.text_encoder and sd3_base.is_base(enc.text_encoder):
+    if enc.text_encoder and sd3_base.is_base(enc.text_encoder):  # bf16 on a GPU (T5-XXL: 9.5 GB), as diffusers'
         tokenizer, text_encoder = sd3_base.load_text_encoders(
             enc.text_encoder, enc, lambda load, **kw: from_pretrained("encoders.text_encoder", load,
-                                                                      kw.pop("pretrained_model_name_or_path"), **kw))
+                                                                      kw.pop("pretrained_model_name_or_path"), **kw),
+            torch.bfloat16 if torch.device(device).type == "cuda" else None)
         text_encoder = text_encoder.to(device).eval().requires_grad_(False)
     elif enc.text_encoder:
         from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel, T5EncoderModel  # (text runs only)

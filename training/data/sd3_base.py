@@ -151,17 +151,20 @@ class TextEncoders(torch.nn.Module):
                                attention_mask=torch.cat([attention_mask[:, :n], t5_mask.to(attention_mask)], 1))
 
 
-def load_text_encoders(name, enc, load):
+def load_text_encoders(name, enc, load, dtype=None):
     """(Tokenizers, TextEncoders) of the pipeline `name`, the encoders `enc` names (chosen), each component by the
     class its model_index.json names (CLIPTextModelWithProjection, T5EncoderModel, CLIPTokenizer, T5TokenizerFast),
-    as diffusers loads it. `load(fn, **kwargs)`: encoders.from_pretrained's one-line errors for the key."""
+    as diffusers loads it. `load(fn, **kwargs)`: encoders.from_pretrained's one-line errors for the key. `dtype`:
+    the encoders' (bf16 on a GPU, as diffusers' SD3 scripts load them: T5-XXL is 19 GB in fp32, 9.5 GB in bf16;
+    None: as stored, fp32 on the CPU)."""
     import transformers
 
     index, parts = pipeline_index(name), chosen(enc)
     models, tokenizers = {}, {}
     for part in TEXT_ENCODERS:
         if part in parts:
-            models[part] = load(getattr(transformers, index[part][1]).from_pretrained, **location(name, part))
+            models[part] = load(getattr(transformers, index[part][1]).from_pretrained, **location(name, part),
+                                **({"dtype": dtype} if dtype else {}))
             tok = TOKENIZERS[part]
             tokenizers[part] = load(getattr(transformers, index[tok][1]).from_pretrained, **location(name, tok))
     width = transformer_config(name)["joint_attention_dim"]
