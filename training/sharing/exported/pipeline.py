@@ -133,10 +133,9 @@ class MinimalDiffusionPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(text_encoder_id)
         self.register_modules(transformer=transformer, conditioner=conditioner, scheduler=scheduler, vae=vae,
                               text_encoder=text_encoder, tokenizer=tokenizer)
-        if sd3_text_encoders:  # SD3's other two: CLIP-G, and T5 unless the run left it out
-            given = {"text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2, "text_encoder_3": text_encoder_3,
-                     "tokenizer_3": tokenizer_3}
-            self.register_modules(**{name: sd3.get(name, module) for name, module in given.items()})
+        given = {"text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2, "text_encoder_3": text_encoder_3,
+                 "tokenizer_3": tokenizer_3}  # SD3's other two (CLIP-G, T5 unless the run left it out), or None
+        self.register_modules(**{name: sd3.get(name, module) for name, module in given.items()})
         self.register_to_config(vae_subfolder=vae_subfolder, sd3_text_encoders=sd3_text_encoders,
                                 transformer_id=transformer_id, vae_id=vae_id, text_encoder_id=text_encoder_id,
                                 max_tokens=max_tokens,
