@@ -6,15 +6,15 @@
     python tools/prefetch.py --config configs/imagenet256.json --dino                  # and DINOv2 for FD-DINOv2
 
 A config needs: its dataset (data.source, the split and the held-out split), the VAE (encoders.vae), the text
-encoder and tokenizer (encoders.text_encoder; of an SD3-family pipeline, those encoders.sd3_text_encoders
-names), an SD3-family init_from's transformer/ (configs/sd35_lora_own_data.json), the CLIP model of eval_fid.py's
-CLIP score for text-to-image runs, the Inception network of FID, and the DINOv2 model of FD-DINOv2 when asked
-(--dino [MODEL], default facebook/dinov2-base, for eval_fid.py --dino; or val.fid_dino in the config). Each is fetched through the very
-call that training or evaluation makes (data.open_dataset, encoders.load_encoders, metrics.clip_scores,
-metrics.dinov2_features), so the offline node finds exactly the files it will ask for. Then copy the cache
-folder to storage the nodes see and run with HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1 (launch/slurm.sbatch sets
-both). Local folders (an imagefolder, a model saved with save_pretrained) are not fetched: they must be at the same
-path on the nodes.
+encoder and tokenizer (encoders.text_encoder; of an SD3-family pipeline, those encoders.sd3_text_encoders names), an
+SD3-family init_from's transformer/ (configs/sd35_lora_own_data.json), the CLIP model of eval_fid.py's CLIP score
+for text-to-image runs, the Inception network of FID, and the DINOv2 model of FD-DINOv2 when asked (--dino [MODEL],
+default facebook/dinov2-base, for eval_fid.py --dino; or val.fid_dino in the config). Each is fetched through the
+very call that training or evaluation makes (data.open_dataset, encoders.load_encoders, metrics.clip_scores,
+metrics.dinov2_features), so the offline node finds exactly the files it will ask for. Then copy the cache folder to
+storage the nodes see and run with HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1 (launch/slurm.sbatch sets both). Local
+folders (an imagefolder, a model saved with save_pretrained) are not fetched: they must be at the same path on the
+nodes.
 
 Gated datasets and models (ILSVRC/imagenet-1k, for one) need their terms accepted on the dataset's hub page
 and a login (`hf auth login`, or HF_TOKEN) on this machine first; prefetch says so when it meets one.
