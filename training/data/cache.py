@@ -26,13 +26,12 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 import common
-from training.data import repa_targets
+from training.data import repa_targets, sd3_base
 from training.data.batching import loader_options, views_of
 from training.data.classes import class_names, read_class_ids, validation_prompts
 from training.data.encoders import encode_text, load_encoders, make_encode, text_encoder_identity, vae_identity
 from training.data.encoding import DecodedShards, cache_size, encoded_rows, human_bytes, samples_per_shard
 from training.data.sources import expand_braces, is_stream, stream_shards
-from training.data import sd3_base
 
 
 # ----------------------------------------------------------------------------------------------------------

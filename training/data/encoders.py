@@ -48,7 +48,7 @@ def build_hint(name, recipe=None):
 
 def load_encoders(enc, device):
     """(vae, tokenizer, text_encoder) that `enc` (the encoders section) names, frozen, on `device`. An SD3-family
-    pipeline (training/model/sd3_base.py) named by encoders.vae gives its vae/; named by encoders.text_encoder, its
+    pipeline (training/data/sd3_base.py) named by encoders.vae gives its vae/; named by encoders.text_encoder, its
     text encoders as SD3 conditions on them (encoders.sd3_text_encoders: which), one module and one tokenizer that
     the rest of this file reads like any other."""
     from training.data import sd3_base

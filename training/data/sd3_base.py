@@ -99,7 +99,8 @@ def chosen(enc):
 class Tokenizers:
     """The pipeline's tokenizers as one: a caption -> CLIP-L's ids, CLIP-G's and T5's, concatenated along the
     sequence, each padded as StableDiffusion3Pipeline pads it (CLIP: to CLIP-L's model_max_length, its own pad
-    token; T5: to max_length, the run's encoders.max_tokens, its end token added)."""
+    token; T5: to max_length, the run's encoders.max_tokens, its end token added). It is called as any tokenizer
+    (encoders.tokenize); SD3's padding and truncation are fixed, whatever the other arguments say."""
 
     def __init__(self, clip_l, clip_g, t5=None):
         self.clip_l, self.clip_g, self.t5 = clip_l, clip_g, t5
