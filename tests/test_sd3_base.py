@@ -47,6 +47,32 @@ def test_an_sd3_pipeline_is_recognised_by_its_model_index_and_nothing_else_is(ti
         assert sd3_base.pipeline_index(other) is None
 
 
+def test_a_hub_id_in_the_cache_loads_through_the_same_code_as_the_folder(tiny_sd3, tmp_path, monkeypatch):
+    """The tiny pipeline as the Hugging Face cache holds a downloaded "owner/name" (HF_HUB_OFFLINE: from the cache
+    alone, as on a node after tools/prefetch.py): recognised, and its VAE, text encoding and transformer are the
+    folder's."""
+    import shutil
+
+    import huggingface_hub
+
+    repo = tmp_path / "hub" / "models--someone--tiny-sd3"
+    shutil.copytree(tiny_sd3, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_id = "someone/tiny-sd3"
+    assert sd3_base.is_base(hub_id)
+    enc = {name: config.Config({"vae": name, "text_encoder": name, "max_tokens": 12}) for name in (hub_id, tiny_sd3)}
+    (vae, tokenizer, encoder), (vae_dir, tokenizer_dir, encoder_dir) = (encoders.load_encoders(e, "cpu")
+                                                                         for e in enc.values())
+    assert vae.config.shift_factor == vae_dir.config.shift_factor == 0.06
+    ours, folder = (encoders.encode_text(t, e, ["a red circle"], 12) for t, e in ((tokenizer, encoder),
+                                                                                 (tokenizer_dir, encoder_dir)))
+    assert all(torch.equal(ours[k], folder[k]) for k in ours)
+    base, local = sd3_base.transformer_state(hub_id), sd3_base.transformer_state(tiny_sd3)
+    assert base.keys() == local.keys() and all(torch.equal(base[k], local[k]) for k in base)
+
+
 def test_the_vae_is_the_pipelines_own_with_its_scaling_and_shift_factors(tiny_sd3):
     """encoders.vae naming the pipeline loads its vae/ and the cache's latents are (mean - shift) x scale with the
     pipeline's own factors (1.5 and 0.06 here), as diffusers' SD3 scripts make them."""
