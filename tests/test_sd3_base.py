@@ -140,8 +140,10 @@ def test_the_model_is_the_base_transformer_and_computes_what_it_computes(tiny_sd
     assert report["loaded"] == len(base.state_dict()) and not report["missing"] + report["reshaped"]
     blocks = model.transformer.transformer_blocks  # the base's 2 with SD3.5's dual attention, not model.num_layers' 7
     assert list(model.transformer.config.dual_attention_layers) == [0] and len(blocks) == 2
-    _, negative = diffusers_pipeline(tiny_sd3).encode_prompt("", None, None, device="cpu", max_sequence_length=12)[:2]
+    _, negative, _, negative_pooled = diffusers_pipeline(tiny_sd3).encode_prompt("", None, None, device="cpu",
+                                                                               max_sequence_length=12)
     torch.testing.assert_close(model.conditioner.null_tokens, negative[0].float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(model.conditioner.null_pooled, negative_pooled[0].float(), rtol=0, atol=1e-6)
     captions = ["a red circle", "small blue square"]
     cond = {**encoders.encode_text(tokenizer, encoder, captions, 12), "drop": torch.tensor([False, True])}
     x, t = torch.randn(2, 4, 8, 8), torch.tensor([250.0, 900.0])
