@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 
 import common
 from training.config import config
-from training.data import batching, buckets, cache, digits, emoji, encoders, latents, sources
+from training.data import batching, buckets, cache, digits, emoji, encoders, latents, sd3_base, sources
 from training.model import lora, mmdit
 from training.objectives import repa
 from training.optimisation import muon, optimizers
@@ -104,8 +104,8 @@ def check_objective(cfg):
 # The whole typed config: the shared sections with these two, and the start-up checks of the options this trainer
 # runs, each in its own module (every problem reported at once, before any work).
 CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, hub.problems,
-                                                   muon.problems, lora.problems, check_objective, emoji.problems,
-                                                   digits.problems))
+                                                   muon.problems, lora.problems, sd3_base.problems, check_objective,
+                                                   emoji.problems, digits.problems))
 # The defaults changed here: the demo's budget and guidance, chosen by benchmarks/demo_quality.py
 # (docs/benchmarks/demo_quality.md), as in train_flow_matching.py. The recipes set their own and pin the paper's
 # constant LR.

@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 
 import common
 from training.config import config
-from training.data import batching, buckets, cache, digits, emoji, encoders, latents, sources
+from training.data import batching, buckets, cache, digits, emoji, encoders, latents, sd3_base, sources
 from training.model import lora, mmdit
 from training.objectives import contrastive, meanflow, repa, xprediction
 from training.optimisation import muon, optimizers
@@ -97,8 +97,9 @@ class Sampler(BaseModel, extra="forbid", strict=True):  # this method's keys in 
 # The whole typed config: the shared sections with these two, and the start-up checks of the options this trainer
 # runs, each in its own module (every problem reported at once, before any work); MeanFlow's sampling defaults.
 CONFIG = config.schema(Objective, Sampler, checks=(encoders.problems, sharding.problems, repa.problems, hub.problems,
-                                                   muon.problems, lora.problems, contrastive.problems,
-                                                   meanflow.problems, emoji.problems, digits.problems),
+                                                   muon.problems, lora.problems, sd3_base.problems,
+                                                   contrastive.problems, meanflow.problems, emoji.problems,
+                                                   digits.problems),
                        resolvers=(meanflow.sampling_defaults,))  # MeanFlow: its own sampler, steps and guidance
 # The defaults changed here: 32 sampling steps, and the demo's budget and guidance, chosen by
 # benchmarks/demo_quality.py (docs/benchmarks/demo_quality.md): a cosine decay of a higher LR over 1000 steps

@@ -1,7 +1,8 @@
 """Feeds docs/benchmarks.md, "Numbers kept in other docs": docs/performance.md.
 
 The one prepared device check: both trainers' step on the imagenet256 recipe's model, on one GPU; and flow
-matching's with MeanFlow (objective.meanflow: its JVP through the MMDiT with the math attention backend).
+matching's with MeanFlow (objective.meanflow: its JVP through the MMDiT with the math attention backend); and the
+row sd35_lora: configs/sd35_lora_own_data.json's step (check_sd35_lora) on SD3.5 Medium's transformer.
 
     python benchmarks/gpu_check.py --out docs/gpu_check.json    # one H200: about 6 minutes (docs/performance.md)
 
@@ -20,6 +21,13 @@ device-side skip, optimizer.step(), zeroing in place, EMA. It prints
     same losses as the steps before it was read (the next step after a resume must be bitwise the same);
   * eval_fid's sampling throughput: sampling.sample_batch from the EMA at the recipe's val sampler, steps and
     guidance, under autocast, as eval_fid.py samples.
+
+sd35_lora: the recipe's LoRA step on SD3.5 Medium's transformer (SD35_MEDIUM: its config; random weights unless the
+pipeline is in the Hugging Face cache, whose config is then read; the step's cost does not depend on the weights),
+fp32 master weights frozen under bf16 autocast, rank-16 adapters on the attention with fused AdamW, gradient
+checkpointing, at the recipe's batch, resolution and 77 + max_tokens text tokens of width 4096 (cached, as the run
+reads them: no text encoder on the GPU); the EMA lives on the CPU (train.ema_device) and is not on the GPU. Its peak
+memory and step time check docs/performance.md's estimate ("SD3.5 LoRA: memory").
 
 A bare GPU machine without network lacks diffusers (and its importlib_metadata): put their wheels in .whl/
 (docs/performance.md has the download command) and this script installs them into /tmp/site before anything
@@ -72,7 +80,9 @@ import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
 from training.config import config  # noqa: E402
 from training.evaluation import sampling  # noqa: E402
-from training.model.mmdit import build_denoiser  # noqa: E402
+from training.data import sd3_base  # noqa: E402
+from training.model import lora  # noqa: E402
+from training.model.mmdit import Denoiser, build_denoiser, make_conditioner  # noqa: E402
 from training.objectives import meanflow  # noqa: E402
 from training.optimisation import optimizers  # noqa: E402
 from training.run import checkpoints, sharding  # noqa: E402
@@ -81,6 +91,12 @@ TRAINERS = {"flow_matching": train_flow_matching, "ddpm": train_ddpm}
 # A row "flow_matching:meanflow": the MeanFlow step (training/objectives/meanflow.py, the paper's defaults) and its
 # one-step sampling, unguided at sampling time (the guidance is in the weights).
 MEANFLOW = ["--objective.meanflow=true", "--val.sampler=meanflow", "--val.steps=1", "--val.guidance_scale=1"]
+SD35 = ROOT / "configs" / "sd35_lora_own_data.json"
+# stabilityai/stable-diffusion-3.5-medium's transformer/config.json (MMDiT-X: dual attention in its first 13 blocks)
+SD35_MEDIUM = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
+               "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
+               "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "pos_embed_max_size": 384,
+               "dual_attention_layers": list(range(13)), "qk_norm": "rms_norm"}
 COMPILE_LOGS = collections.Counter()  # records of dynamo's graph_breaks and recompiles loggers (TORCH_LOGS)
 
 
@@ -238,6 +254,69 @@ def check(name, args, overrides):
     return row
 
 
+def check_sd35_lora(args):
+    """The SD3.5 recipe's step (see the module's docstring): peak GPU memory and step time; `args.sd35_config` shrinks
+    the transformer (tests/test_performance.py, on CPU), args.sd35_resolution the images."""
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    cfg = config.load_config(train_flow_matching.DEFAULTS, ["--config", str(SD35)])
+    tr, base = cfg.train, cfg.init_from
+    found = sd3_base.is_base(base)  # in the cache: its own config
+    transformer_config = {**(sd3_base.transformer_config(base) if found else SD35_MEDIUM),
+                          **json.loads(args.sd35_config)}
+    accelerator = common.make_accelerator(tr.mixed_precision)
+    device = accelerator.device
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    with torch.device(device):
+        transformer = SD3Transformer2DModel.from_config(transformer_config)
+        tc = transformer.config
+        width, text = tc.num_attention_heads * tc.attention_head_dim, 77 + cfg.encoders.max_tokens
+        model = Denoiser(transformer, make_conditioner(cfg, width, tc.joint_attention_dim, tc.pooled_projection_dim,
+                                                       text)).train()
+    model.transformer.enable_gradient_checkpointing()
+    model.requires_grad_(False)  # the frozen base, as lora.attach leaves it
+    model.transformer.add_adapter(LoraConfig(r=tr.lora_rank, lora_alpha=tr.lora_alpha or tr.lora_rank,
+                                             init_lora_weights="gaussian", target_modules=lora.ATTENTION))
+    model.to(device)
+    optimizer = optimizers.make_optimizer(model, tr)
+    side = (args.sd35_resolution or cfg.data.resolution) // 8  # SD3's VAE: 8x down, 16 channels
+    x0 = torch.randn(tr.batch_size, tc.in_channels, side, side, device=device)
+    cond = {"drop": torch.rand(tr.batch_size, device=device) < 0.1,
+            "text_tokens": torch.randn(tr.batch_size, text, tc.joint_attention_dim, device=device),
+            "text_mask": torch.ones(tr.batch_size, text, device=device),
+            "text_pooled": torch.randn(tr.batch_size, tc.pooled_projection_dim, device=device)}
+    shift = common.shift_of(cfg)
+
+    def train_step():
+        with accelerator.autocast():
+            t = train_flow_matching.sample_time(len(x0), cfg.objective, shift, device)
+            loss = train_flow_matching.flow_matching_loss(model, x0, cond, t, torch.randn_like(x0))
+        accelerator.backward(loss.mean())
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], tr.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss.detach().mean()
+
+    train_step()
+    synchronize(device)
+    reset_peak(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        train_step()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"trainer": "sd35_lora", "weights": "pretrained config" if found else "SD35_MEDIUM, random",
+            "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6, "adapter_parameters_m": adapters / 1e6,
+            "batch_per_gpu": tr.batch_size, "resolution": side * 8, "image_tokens": (side // tc.patch_size) ** 2,
+            "context_tokens": text, "timed_steps": args.steps, "step_ms": 1e3 * seconds / args.steps,
+            "images_per_s": args.steps * tr.batch_size / seconds, "peak_memory_gb": peak_gb(device)}
+
+
 def report(result):
     rows = result["trainers"]
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
@@ -246,13 +325,22 @@ def report(result):
              "| trainer | graph breaks | recompiles | compile (s) | peak GB: first step / timed | images/s | TFLOP/s | "
              "MFU | checkpoint GB, write / read s | resume exact | sampling images/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in [r for r in rows if r["trainer"] != "sd35_lora"]:
         lines.append(f"| {r['trainer']} | {r['graph_breaks']} | {r['recompiles']} | {r['compile_s']:.0f} | "
                      f"{fmt(r['first_step_peak_gb'], '.1f')} / {fmt(r['peak_memory_gb'], '.1f')} | "
                      f"{r['images_per_s']:.1f} | {r['tflops']:.3g} | {fmt(r['mfu'], '.1%')} | "
                      f"{r['checkpoint_gb']:.1f}, {r['checkpoint_write_s']:.0f} / {r['checkpoint_read_s']:.0f} | "
                      f"{r['resume_exact']} | {r['sampling_images_per_s']:.2f} |")
+    for r in [r for r in rows if r["trainer"] == "sd35_lora"]:
+        lines.append(f"sd35_lora ({r['weights']}): {r['parameters_m']:.0f}M parameters, "
+                     f"{r['adapter_parameters_m']:.1f}M in adapters, batch {r['batch_per_gpu']} at {r['resolution']} "
+                     f"px ({r['image_tokens']} + {r['context_tokens']} tokens): peak "
+                     f"{fmt(r['peak_memory_gb'], '.1f')} GB, {r['step_ms']:.0f} ms a step, {r['images_per_s']:.2f} "
+                     f"images/s")
+    rows = [r for r in rows if r["trainer"] != "sd35_lora"] or [None]
     r = rows[0]
+    if r is None:
+        return "\n".join(lines)
     lines.append(f"{r['parameters_m']:.0f}M parameters, {r['image_tokens']} + {r['context_tokens']} tokens, batch "
                  f"{r['batch_per_gpu']} x {r['grad_accum']} micro-batches, {r['tflop_per_image']:.3g} TFLOP per image "
                  f"(sizing.py), {r['timed_steps']} timed steps; sampling: {r['sampler']}, {r['sampling_steps']} steps, "
@@ -263,8 +351,12 @@ def report(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "imagenet256.json"))
-    parser.add_argument("--trainers", default="flow_matching,ddpm,flow_matching:fsdp,flow_matching:meanflow",
-                        help="name[:fsdp] (sharded), flow_matching:meanflow")
+    parser.add_argument("--trainers", default="flow_matching,ddpm,flow_matching:fsdp,flow_matching:meanflow,"
+                        "sd35_lora", help="name[:fsdp] (sharded), flow_matching:meanflow, sd35_lora "
+                        "(configs/sd35_lora_own_data.json)")
+    parser.add_argument("--sd35_config", default="{}", help="sd35_lora: JSON overrides of SD3.5 Medium's transformer "
+                        "config (the CPU test's tiny one)")
+    parser.add_argument("--sd35_resolution", type=int, default=None, help="sd35_lora: pixels (default: the recipe's)")
     parser.add_argument("--steps", type=int, default=24, help="timed optimizer steps per trainer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling first one")
     parser.add_argument("--sample_batch", type=int, default=None, help="images in the timed sampling batch; "
@@ -282,7 +374,8 @@ def main(argv=None):
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
               "peak_bf16_tflops": gpu_throughput.peak_tflops(device), "torch": torch.__version__, "trainers": []}
     for name in args.trainers.split(","):
-        result["trainers"].append(check(name, args, overrides))
+        row = check_sd35_lora(args) if name == "sd35_lora" else check(name, args, overrides)
+        result["trainers"].append(row)
         print(json.dumps(result["trainers"][-1]), flush=True)
     result["seconds"] = time.perf_counter() - started
     print(report(result), flush=True)

@@ -210,6 +210,67 @@ def tiny_text_encoder(tmp_path_factory):
 
 
 
+def make_tiny_sd3(folder, shift=3.0):
+    """A Stable Diffusion 3.5-layout pipeline small enough for CPU tests, built offline from configs and saved with
+    StableDiffusion3Pipeline.save_pretrained, so it loads through the same code as "stabilityai/stable-diffusion-
+    3.5-medium": two CLIPTextModelWithProjection of different widths (16 and 24, projections 8 and 12, so an order
+    or a width mix-up shows), a T5EncoderModel of width 48 (wider than the CLIPs' 40: their zero padding is real), a
+    BPE CLIP tokenizer (CLIP-G's padding with "!", as SD3's) and a Unigram T5 tokenizer over the demo's words, an
+    AutoencoderKL with scaling and shift factors, and an SD3Transformer2DModel with SD3.5 Medium's features: dual
+    attention in its first block and RMS qk norm, and a positional grid larger than its sample (cropped)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, \
+        StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, \
+        T5TokenizerFast
+
+    chars = sorted({c for w in DEMO_WORDS for c in w})
+    vocab = {"!": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    vocab.update({c + "</w>": len(vocab) + i for i, c in enumerate(chars)})
+    merges = []
+    for word in DEMO_WORDS:  # BPE merges that spell each word, letter by letter
+        part = word[0] + ("</w>" if len(word) == 1 else "")
+        for i, c in enumerate(word[1:], 1):
+            piece = c + ("</w>" if i == len(word) - 1 else "")
+            merges += [(part, piece)] if (part, piece) not in merges else []
+            part += piece
+            vocab.setdefault(part, len(vocab))
+    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
+    clip_l_tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    clip_g_tok = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77, pad_token="!")
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
+    pieces += [("\u2581" + w, -1.0) for w in DEMO_WORDS] + [(c, -5.0) for c in chars]
+    t5_tok = T5TokenizerFast(vocab=pieces, extra_ids=0)
+    torch.manual_seed(0)
+
+    def clip(width, projection):
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=3,
+            num_attention_heads=2, max_position_embeddings=77, projection_dim=projection, hidden_act="gelu",
+            bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=0))
+
+    t5 = T5EncoderModel(T5Config(vocab_size=len(pieces), d_model=48, d_kv=8, d_ff=64, num_layers=2, num_heads=2,
+                                 relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=8, sample_size=16, scaling_factor=1.5, shift_factor=0.06,
+                        use_quant_conv=False, use_post_quant_conv=False)
+    transformer = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+                                        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=48,
+                                        caption_projection_dim=16, pooled_projection_dim=20, pos_embed_max_size=6,
+                                        dual_attention_layers=(0,), qk_norm="rms_norm")
+    pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+                                    vae=vae, text_encoder=clip(16, 8), tokenizer=clip_l_tok,
+                                    text_encoder_2=clip(24, 12), tokenizer_2=clip_g_tok, text_encoder_3=t5,
+                                    tokenizer_3=t5_tok)
+    pipe.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory):
+    return make_tiny_sd3(tmp_path_factory.mktemp("sd3") / "pipeline")
+
+
 @pytest.fixture(scope="session")
 def tiny_dino(tmp_path_factory):
     """A 1-layer DINOv2 (patch 2, width 16) with random weights, saved with save_pretrained: REPA's encoder,

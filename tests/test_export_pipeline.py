@@ -212,10 +212,10 @@ def folder_pipeline(folder):
     index = json.loads((folder / "model_index.json").read_text())
     settings = {k: v for k, v in index.items() if not k.startswith("_")
                 and k not in ("transformer", "conditioner", "scheduler", "vae")}
-    pipe = MinimalDiffusionPipeline(SD3Transformer2DModel.from_pretrained(folder / "transformer"),
-                                    ExportedConditioner.from_pretrained(folder / "conditioner"),
-                                    getattr(diffusers, index["scheduler"][1]).from_pretrained(folder / "scheduler"),
-                                    **settings)
+    pipe = MinimalDiffusionPipeline(
+        transformer=SD3Transformer2DModel.from_pretrained(folder / "transformer"),
+        conditioner=ExportedConditioner.from_pretrained(folder / "conditioner"),
+        scheduler=getattr(diffusers, index["scheduler"][1]).from_pretrained(folder / "scheduler"), **settings)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -372,11 +372,16 @@ def test_bf16_reaches_the_denoisers_linear_layers_in_training_validation_and_eva
         assert torch.bfloat16 in {dtype for _, dtype in calls}, name
 
 
+TINY_SD35 = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 16, "joint_attention_dim": 32,
+             "caption_projection_dim": 32, "pooled_projection_dim": 16, "dual_attention_layers": [0],
+             "pos_embed_max_size": 8}
+
+
 @pytest.mark.slow
 def test_the_gpu_check_runs_on_cpu_at_a_tiny_size(tmp_path):
     """benchmarks/gpu_check.py as the device runs it (a subprocess, TORCH_LOGS read at start-up), on a tiny model:
     both trainers, the sharded row (a group of one) and MeanFlow's, no graph break or recompile, the resumed steps
-    bitwise those before, sampling measured."""
+    bitwise those before, sampling measured; and the SD3.5 LoRA recipe's step on a shrunk SD3.5 Medium config."""
     import json
     import os
     import subprocess
@@ -387,13 +392,18 @@ def test_the_gpu_check_runs_on_cpu_at_a_tiny_size(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(out), "--steps=2",
                           "--warmup=1", "--sample_batch=2", "--compile_backend=aot_eager", f"--tmp={tmp_path}",
                           "--model.num_layers=1", "--model.num_attention_heads=2", "--model.attention_head_dim=16",
-                          "--train.batch_size=2", "--data.resolution=32", "--val.steps=2"],
+                          "--train.batch_size=2", "--data.resolution=32", "--val.steps=2", "--sd35_resolution=32",
+                          "--sd35_config", json.dumps(TINY_SD35)],
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [r["trainer"] for r in result["trainers"]] == ["flow_matching", "ddpm", "flow_matching:fsdp",
-                                                          "flow_matching:meanflow"] and \
+                                                          "flow_matching:meanflow", "sd35_lora"] and \
         result["peak_bf16_tflops"] is None
+    sd35 = result["trainers"].pop()  # configs/sd35_lora_own_data.json's step: batch 4, 77 + 256 text tokens
+    assert (sd35["batch_per_gpu"], sd35["context_tokens"], sd35["image_tokens"]) == (4, 333, (32 // 8 // 2) ** 2)
+    assert sd35["step_ms"] > 0 and 0 < sd35["adapter_parameters_m"] < sd35["parameters_m"] / 2
+    assert "sd35_lora (SD35_MEDIUM, random):" in run.stdout
     for r in result["trainers"]:
         assert r["graph_breaks"] == 0 and r["recompiles"] == 0 and r["graphs"] >= 1, r
         assert r["resume_exact"] and r["losses_before_resume"] == r["losses_after_resume"], r

@@ -6,14 +6,15 @@
     python tools/prefetch.py --config configs/imagenet256.json --dino                  # and DINOv2 for FD-DINOv2
 
 A config needs: its dataset (data.source, the split and the held-out split), the VAE (encoders.vae), the text
-encoder and tokenizer (encoders.text_encoder), the CLIP model of eval_fid.py's CLIP score for text-to-image
-runs, the Inception network of FID, and the DINOv2 model of FD-DINOv2 when asked (--dino [MODEL], default
-facebook/dinov2-base, for eval_fid.py --dino; or val.fid_dino in the config). Each is fetched through the very
-call that training or evaluation makes (data.open_dataset, encoders.load_encoders, metrics.clip_scores,
-metrics.dinov2_features), so the offline node finds exactly the files it will ask for. Then copy the cache
-folder to storage the nodes see and run with HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1 (launch/slurm.sbatch sets
-both). Local folders (an imagefolder, a model saved with save_pretrained) are not fetched: they must be at the same
-path on the nodes.
+encoder and tokenizer (encoders.text_encoder; of an SD3-family pipeline, those encoders.sd3_text_encoders names), an
+SD3-family init_from's transformer/ (configs/sd35_lora_own_data.json), the CLIP model of eval_fid.py's CLIP score
+for text-to-image runs, the Inception network of FID, and the DINOv2 model of FD-DINOv2 when asked (--dino [MODEL],
+default facebook/dinov2-base, for eval_fid.py --dino; or val.fid_dino in the config). Each is fetched through the
+very call that training or evaluation makes (data.open_dataset, encoders.load_encoders, metrics.clip_scores,
+metrics.dinov2_features), so the offline node finds exactly the files it will ask for. Then copy the cache folder to
+storage the nodes see and run with HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1 (launch/slurm.sbatch sets both). Local
+folders (an imagefolder, a model saved with save_pretrained) are not fetched: they must be at the same path on the
+nodes.
 
 Gated datasets and models (ILSVRC/imagenet-1k, for one) need their terms accepted on the dataset's hub page
 and a login (`hf auth login`, or HF_TOKEN) on this machine first; prefetch says so when it meets one.
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the trainers and the package
 
 from training.config import config  # noqa: E402
-from training.data import encoders, repa_targets, sources  # noqa: E402
+from training.data import encoders, repa_targets, sd3_base, sources  # noqa: E402
 from training.evaluation import metrics, reference  # noqa: E402
 import train_ddpm  # noqa: E402
 import train_flow_matching  # noqa: E402
@@ -50,6 +51,8 @@ def plan(cfg, dino=None):
                   for split in [d.split] + ([d.val_split] if d.val_split else [])]
     items += [{"key": f"encoders.{key}", "name": enc[key], "what": what}
               for key, what in (("vae", "VAE"), ("text_encoder", "text encoder and tokenizer")) if enc[key]]
+    if sd3_base.is_base(cfg.init_from):  # a pretrained SD3-family pipeline: its transformer/ (the rest: encoders.*)
+        items.append({"key": "init_from", "name": cfg.init_from, "what": "SD3-family base's transformer"})
     if cfg.objective.get("repa_weight"):
         items.append({"key": "objective.repa_encoder", "name": cfg.objective.repa_encoder, "what": "REPA's encoder"})
     if d.caption_column or d.label_captions:
@@ -74,10 +77,16 @@ def fetch(item, cfg, inception_file):
     if key == "data.source":
         return f"{len(sources.open_dataset(cfg.data, item['split'])):,} rows"  # downloaded and prepared
     if key.startswith("encoders."):
-        only = config.Config({"vae": None, "text_encoder": None, "max_tokens": cfg.encoders.max_tokens})
+        only = config.Config({"vae": None, "text_encoder": None, "max_tokens": cfg.encoders.max_tokens,
+                              "sd3_text_encoders": cfg.encoders.get("sd3_text_encoders")})  # an SD3 base's subset
         only[key.split(".")[1]] = name
         encoders.load_encoders(only, "cpu")
         return "loaded"
+    if key == "init_from":  # the transformer's files alone, into the cache from_pretrained reads
+        import huggingface_hub
+
+        huggingface_hub.snapshot_download(name, allow_patterns=["model_index.json", "transformer/*"])
+        return "downloaded"
     if key == "objective.repa_encoder":
         repa_targets.load_encoder(name, "cpu")  # the model and its image processor, as training loads them
         return "loaded"

@@ -68,7 +68,11 @@ class Data(BaseModel, extra="forbid", strict=True):
 class Encoders(BaseModel, extra="forbid", strict=True):
     vae: Str = Field(None, description='AutoencoderKL id or path ("stabilityai/sd-vae-ft-ema"); None: pixel space')
     text_encoder: Str = Field(None, description="transformers text encoder id or path (CLIP, T5); None: class labels")
-    max_tokens: int = Field(77, ge=1, description="text tokens per caption")
+    max_tokens: int = Field(77, ge=1, description="text tokens per caption (an SD3-family pipeline: T5's, after its "
+                            "CLIPs' 77)")
+    sd3_text_encoders: list[Literal["text_encoder", "text_encoder_2", "text_encoder_3"]] | None = Field(
+        None, min_length=2, description="an SD3-family pipeline as text_encoder: which of its encoders condition "
+        "(both CLIPs, and T5 or not: without it its tokens are zeros, as SD3's pipeline without T5); None: all three")
     latent_check: Literal["stop", "warn"] = Field("stop", description="cached latents far from mean 0 and std 1 "
                                                   "(the VAE's scaling / shift factors): stop the run, or warn and go "
                                                   "on")

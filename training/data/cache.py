@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 import common
-from training.data import repa_targets
+from training.data import repa_targets, sd3_base
 from training.data.batching import loader_options, views_of
 from training.data.classes import class_names, read_class_ids, validation_prompts
 from training.data.encoders import encode_text, load_encoders, make_encode, text_encoder_identity, vae_identity
@@ -94,6 +94,7 @@ def cache_key(cfg, part, ds, rows):
         key["vae_identity"] = vae_identity(enc.vae)
     if enc.text_encoder and text_encoder_identity(enc.text_encoder):  # a local folder's files: retrained, a miss
         key["text_encoder_identity"] = text_encoder_identity(enc.text_encoder)
+    key.update(sd3_base.cache_key(enc))  # an SD3-family pipeline: which of its text encoders encode
     key.update(repa_targets.cache_key(cfg))  # REPA's targets, when stored with the rows
     return key
 

@@ -47,13 +47,26 @@ def build_hint(name, recipe=None):
 
 
 def load_encoders(enc, device):
+    """(vae, tokenizer, text_encoder) that `enc` (the encoders section) names, frozen, on `device`. An SD3-family
+    pipeline (training/data/sd3_base.py) named by encoders.vae gives its vae/; named by encoders.text_encoder, its
+    text encoders as SD3 conditions on them (encoders.sd3_text_encoders: which), one module and one tokenizer that
+    the rest of this file reads like any other."""
+    from training.data import sd3_base
+
     vae = tokenizer = text_encoder = None
     if enc.vae:
         from diffusers import AutoencoderKL  # here, not at the top: seconds to import, and only latent runs need it
 
-        vae = from_pretrained("encoders.vae", AutoencoderKL.from_pretrained, enc.vae, use_safetensors=True)
+        vae = from_pretrained("encoders.vae", AutoencoderKL.from_pretrained, enc.vae, use_safetensors=True,
+                              **vae_location(enc.vae))
         vae = vae.to(device).eval().requires_grad_(False)
-    if enc.text_encoder:
+    if enc.text_encoder and sd3_base.is_base(enc.text_encoder):  # bf16 on a GPU (T5-XXL: 9.5 GB), as diffusers'
+        tokenizer, text_encoder = sd3_base.load_text_encoders(
+            enc.text_encoder, enc, lambda load, **kw: from_pretrained("encoders.text_encoder", load,
+                                                                      kw.pop("pretrained_model_name_or_path"), **kw),
+            torch.bfloat16 if torch.device(device).type == "cuda" else None)
+        text_encoder = text_encoder.to(device).eval().requires_grad_(False)
+    elif enc.text_encoder:
         from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel, T5EncoderModel  # (text runs only)
 
         key, name = "encoders.text_encoder", enc.text_encoder
@@ -125,7 +138,7 @@ def encode_text(tokenizer, encoder, captions, max_tokens):
 def encode_tokens(encoder, input_ids, attention_mask):
     input_ids, attention_mask = input_ids.to(encoder.device, torch.long), attention_mask.to(encoder.device, torch.long)
     out = encoder(input_ids=input_ids, attention_mask=attention_mask)
-    mask = attention_mask.float()
+    mask = getattr(out, "attention_mask", attention_mask).float()  # an SD3 base's: its tokens', not its ids' (sd3_base)
     pooled = getattr(out, "pooler_output", None)
     if pooled is None:
         pooled = (out.last_hidden_state * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
@@ -183,14 +196,22 @@ def decode(vae, x, device=None):
     return out
 
 
+def vae_location(name):
+    """from_pretrained's subfolder of the VAE `name`: vae/ of an SD3-family pipeline, else none (the folder itself)."""
+    from training.data import sd3_base
+
+    return {"subfolder": "vae"} if sd3_base.is_base(name) else {}
+
+
 def vae_identity(name):
     """What of the VAE `name` decides its cached latents beyond its name, for the cache key: its scaling and shift
     factors (the cache holds (z - shift) * scale) and, for a local folder, the size and time of its weights, so a
     recalibrated or retrained autoencoder at the same path is a miss, never the old latents. Its config only."""
     from diffusers import AutoencoderKL
 
-    vae = from_pretrained("encoders.vae", AutoencoderKL.load_config, name)
-    weights = Path(name) / "diffusion_pytorch_model.safetensors"
+    where = vae_location(name)
+    vae = from_pretrained("encoders.vae", AutoencoderKL.load_config, name, **where)
+    weights = Path(name) / where.get("subfolder", "") / "diffusion_pytorch_model.safetensors"
     stamp = [weights.stat().st_size, weights.stat().st_mtime_ns] if weights.is_file() else None
     return {"scaling_factor": vae.get("scaling_factor"), "shift_factor": vae.get("shift_factor"), "weights": stamp}
 
@@ -199,7 +220,7 @@ def vae_factor(name, recipe=None):
     """The VAE's downsampling factor, 2^(levels - 1), from its config alone (no weights)."""
     from diffusers import AutoencoderKL  # here, not at the top: diffusers takes seconds to import, pixel runs never do
 
-    config = from_pretrained("encoders.vae", AutoencoderKL.load_config, name, recipe)
+    config = from_pretrained("encoders.vae", AutoencoderKL.load_config, name, recipe, **vae_location(name))
     return 2 ** (len(config["block_out_channels"]) - 1)
 
 
@@ -216,8 +237,14 @@ def text_encoder_identity(name):
 
 def text_positions(name):
     """The positions the text encoder `name` has (its text config's max_position_embeddings), from its config
-    alone; None for one without a fixed number (T5's relative positions)."""
+    alone; None for one without a fixed number (T5's relative positions; an SD3-family pipeline, whose CLIPs read
+    their 77 tokens whatever max_tokens is and whose T5 is checked by sd3_base.problems)."""
     from transformers import AutoConfig
+
+    from training.data import sd3_base
+
+    if sd3_base.is_base(name):
+        return None
 
     config = from_pretrained("encoders.text_encoder", AutoConfig.from_pretrained, name)
     return getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from training.config import config
+from training.data import sd3_base
 from training.model import lora
 
 # ----------------------------------------------------------------------------------------------------------
@@ -303,9 +304,17 @@ def make_conditioner(cfg, width, context_dim, pooled_dim, text_tokens=0):
 def build_denoiser(cfg, channels, size, text_dims=None):
     """SD3Transformer2DModel (MMDiT, Esser et al. 2024) of the configured size and its conditioner.
     `text_dims` = (tokens, token dim, pooled dim) of the text encoder; None for class conditioning, whose
-    tokens live in the model width."""
+    tokens live in the model width. A run whose init_from is an SD3-family pipeline (sd3_base) has that pipeline's
+    transformer, built from its own config (SD3.5's dual attention and qk norm included; model.* is not read), its
+    weights loaded by init_from."""
     from diffusers import SD3Transformer2DModel
 
+    if sd3_base.is_base(cfg.get("init_from")):
+        transformer = SD3Transformer2DModel.from_config(sd3_base.transformer_config(cfg["init_from"]))
+        tc = transformer.config
+        tokens, context_dim, pooled_dim = text_dims
+        return Denoiser(transformer, make_conditioner(cfg, tc.num_attention_heads * tc.attention_head_dim,
+                                                      context_dim, pooled_dim, tokens))
     model = cfg["model"]
     width = model["num_attention_heads"] * model["attention_head_dim"]
     tokens, context_dim, pooled_dim = text_dims or (0, width, width)
@@ -335,7 +344,9 @@ def load_exported(folder):
     for key in ("vae", "text_encoder"):
         if (folder / key / "config.json").is_file():
             cfg["encoders"][key] = str(folder / key)
-    transformer = SD3Transformer2DModel.from_pretrained(folder / "transformer", use_safetensors=True)
+    where = {"pretrained_model_name_or_path": folder / "transformer"} if (folder / "transformer").is_dir() else \
+        sd3_base.location(exported_base(folder), "transformer")  # an SD3 base's adapters: the base's transformer
+    transformer = SD3Transformer2DModel.from_pretrained(**where, use_safetensors=True)
     transformer.load_state_dict(lora.fold_exported(transformer.state_dict(), folder))  # LoRA: adapters folded in
     state = load_file(str(conditioner_weights(folder)))
     tc = transformer.config
@@ -348,6 +359,17 @@ def load_exported(folder):
                          f"relative to the short side, docs/paper.md): retrain, or sample it with the older code")
     conditioner.load_state_dict(state)
     return Denoiser(transformer, conditioner).eval(), cfg
+
+
+def exported_base(folder):
+    """The SD3-family pipeline whose transformer an export without transformer/ adapts (model_index.json's
+    transformer_id: an SD3 base's LoRA export references the base instead of copying it), or FileNotFoundError."""
+    index = Path(folder) / "model_index.json"
+    base = json.loads(index.read_text()).get("transformer_id") if index.is_file() else None
+    if not sd3_base.is_base(base):
+        raise FileNotFoundError(f"{folder}: no transformer/, and its transformer_id {base!r} is no SD3-family pipeline "
+                                f"that can be read here to take it from")
+    return base
 
 
 def conditioner_weights(folder):

@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from training.data import buckets
+from training.data import buckets, sd3_base
 from training.model import lora, mmdit, transfer
 from training.objectives import repa
 from training.run import checkpoints, hub
@@ -53,6 +53,9 @@ def read_weights(source):
     checkpoint), a checkpoint folder, or an export folder (whose EMA weights serve as both)."""
     from safetensors.torch import load_file
 
+    if sd3_base.is_base(source):  # a pretrained SD3-family pipeline: its transformer/ alone (not its 10 GB of T5)
+        weights = {f"transformer.{k}": v for k, v in sd3_base.transformer_state(source).items()}
+        return weights, weights, None, source
     folder = hub.local_folder(source)  # a folder, or the hub id of an exported pipeline folder
     if (folder / "checkpoints").is_dir() and not (folder / "model.safetensors").exists():
         folder = checkpoints.find_checkpoint(folder, "latest") or folder / "checkpoints"
@@ -60,9 +63,13 @@ def read_weights(source):
         lora.refuse_adapter_checkpoint(checkpoints.read_state(folder), folder, "init_from")
         return (checkpoints.read_tensors(folder, "model"), checkpoints.read_tensors(folder, "ema"),
                 checkpoints.read_state(folder).get("class_ids"), folder)
-    if (folder / "transformer").is_dir() and mmdit.conditioner_weights(folder).exists():
-        transformer = lora.fold_exported({k: v for f in sorted((folder / "transformer").glob("*.safetensors"))
-                                          for k, v in load_file(str(f), device="cpu").items()}, folder)
+    if mmdit.conditioner_weights(folder).exists():
+        if (folder / "transformer").is_dir():
+            state = {k: v for f in sorted((folder / "transformer").glob("*.safetensors"))
+                     for k, v in load_file(str(f), device="cpu").items()}
+        else:  # an SD3-family base's adapter export holds no copy of its base: the base's own transformer
+            state = sd3_base.transformer_state(mmdit.exported_base(folder))
+        transformer = lora.fold_exported(state, folder)
         weights = {f"transformer.{k}": v for k, v in transformer.items()}  # LoRA: the adapters folded in
         weights.update({f"conditioner.{k}": v
                         for k, v in load_file(str(mmdit.conditioner_weights(folder)), device="cpu").items()})
@@ -94,7 +101,8 @@ def init_from(source, model, ema, class_ids=None, pos_embed_mode="resample", log
     `cfg`: this run's config, which with the source's places each run's data.resolution square in its grid."""
     model_state, ema_state, source_ids, folder = read_weights(source)
     grids = [math.isqrt(s["transformer.pos_embed.pos_embed"].shape[1]) for s in (model_state, model.state_dict())]
-    fit = squares(source_config(folder), cfg, *grids) if cfg is not None else None
+    pretrained = sd3_base.is_base(source)  # an SD3-family pipeline: no run config, its own grid
+    fit = squares(source_config(folder), cfg, *grids) if cfg is not None and not pretrained else None
     reports = []
     for module, state in ((model, model_state), (ema, ema_state)):
         adapted, report = transfer.adapt_state(state, module.state_dict(), source_ids, class_ids, pos_embed_mode, fit)

@@ -15,6 +15,11 @@ The folder (docs/evaluation.md, Sharing a model):
     tokenizer/              made by tools/clip.py, a copy of a hub model): saved as the classes the trainer loaded them
                             as (training/data/encoders.py: a CLIP folder's text tower alone), components the pipeline
                             loads; the export then samples where that folder is gone. A hub id stays a reference
+    (SD3 base)              a run whose init_from is a pretrained SD3-family pipeline (training/data/sd3_base.py)
+                            references it: vae_id and text_encoder_id name it (vae_subfolder, sd3_text_encoders:
+                            which of its text encoders), never copied; a LoRA run's export holds no transformer/
+                            either but its adapters and transformer_id, the base (train.lora_merged_export: the
+                            merged transformer/ instead)
     pipeline.py             the sampling code (training/sharing/exported/pipeline.py): diffusers loads it for
                             custom pipelines
     transformer/            diffusers' SD3Transformer2DModel (also loadable on its own with from_pretrained)
@@ -45,7 +50,7 @@ from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteSchedu
 
 import common
 from training.config import config
-from training.data import latents
+from training.data import latents, sd3_base
 from training.data.encoders import load_encoders, quiet_transformers
 from training.data.classes import readable_names
 from training.model import lora
@@ -101,7 +106,7 @@ def carried(cfg, key):
     None (pixels, class labels, a hub id). A name that can only be a path (absolute, ~, ./) and is no folder here is
     refused in one line: the export would name a folder its users do not have."""
     name = cfg["encoders"][key]
-    if not name:
+    if not name or sd3_base.is_base(name):  # an SD3-family pipeline: referenced, never copied (its T5 is 9 GB)
         return None
     if Path(name).expanduser().is_dir():
         return Path(name).expanduser()
@@ -147,7 +152,7 @@ def save_text_encoder(source, folder):
     return {"text_encoder": ["transformers", type(text_encoder).__name__], "tokenizer": ["transformers", kind]}
 
 
-def model_index(cfg, scheduler, best=None, text=None):
+def model_index(cfg, scheduler, best=None, text=None, transformer=True):
     """model_index.json: the pipeline class in pipeline.py, its components, and the sampling defaults: the run's
     settings, with steps, guidance and its interval from `best` (tools/tune.py's choice for the exported weights:
     tuning.export_choice) when given. A carried VAE is the component vae (vae/), else a hub id in vae_id; a carried
@@ -157,10 +162,16 @@ def model_index(cfg, scheduler, best=None, text=None):
     best = best or {}
     flow = curves.method_of(cfg) == "flow_matching"
     vae = {"vae": ["diffusers", "AutoencoderKL"], "vae_id": None} if carried(cfg, "vae") else \
-        {"vae_id": cfg["encoders"]["vae"]}
-    text = {**text, "text_encoder_id": None} if text else {"text_encoder_id": cfg["encoders"]["text_encoder"]}
+        {"vae_id": sd3_base.reference(cfg["encoders"]["vae"])}
+    text = {**text, "text_encoder_id": None} if text else \
+        {"text_encoder_id": sd3_base.reference(cfg["encoders"]["text_encoder"])}
+    enc = cfg["encoders"]
+    sd3 = {"vae_subfolder": "vae"} if sd3_base.is_base(enc["vae"]) else {}
+    sd3.update({"sd3_text_encoders": list(sd3_base.chosen(enc))} if sd3_base.is_base(enc["text_encoder"]) else {})
+    sd3.update({"transformer": ["diffusers", "SD3Transformer2DModel"]} if transformer else
+               {"transformer_id": sd3_base.reference(cfg["init_from"])})
     return {"_class_name": ["pipeline", "MinimalDiffusionPipeline"], "_diffusers_version": diffusers.__version__,
-            "transformer": ["diffusers", "SD3Transformer2DModel"], "conditioner": ["conditioner", "Conditioner"],
+            **sd3, "conditioner": ["conditioner", "Conditioner"],
             "scheduler": ["diffusers", type(scheduler).__name__], **vae, **text,
             "max_tokens": cfg["encoders"]["max_tokens"], "num_inference_steps": best.get("steps", val["steps"]),
             "guidance_scale": best.get("guidance_scale", val["guidance_scale"]),
@@ -194,7 +205,10 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
         from diffusers.loaders import SD3LoraLoaderMixin
 
         SD3LoraLoaderMixin.save_lora_weights(part, transformer_lora_layers=adapters, weight_name=lora.ADAPTERS)
-    ema.transformer.save_pretrained(part / "transformer", safe_serialization=True)
+    # An SD3-family base's adapters reference the base (transformer_id) instead of a copy of its transformer
+    transformer = adapters is None or not sd3_base.is_base(cfg.get("init_from"))
+    if transformer:
+        ema.transformer.save_pretrained(part / "transformer", safe_serialization=True)
     exported_conditioner(ema.conditioner, ema.transformer, class_ids).save_pretrained(part / "conditioner")
     shutil.copy(SOURCES / "conditioner.py", part / "conditioner" / "conditioner.py")
     shutil.copy(SOURCES / "pipeline.py", part / "pipeline.py")
@@ -215,7 +229,7 @@ def write(ema, cfg, folder, class_ids=None, run_dir=None, phema=None, repo=None)
               f"({run_dir / 'tuned.json'})")
     elif untuned:
         print(f"the pipeline's sampling defaults are the run's own: {run_dir / 'tuned.json'} {untuned}")
-    index = model_index(cfg, scheduler, tuned and tuned["best"], text)
+    index = model_index(cfg, scheduler, tuned and tuned["best"], text, transformer)
     (part / "model_index.json").write_text(json.dumps(index, indent=2))
     if note := meanflow.sampling_note(cfg["objective"], index["sampler"], index["num_inference_steps"],
                                       index["guidance_scale"], flags=False):  # a run recorded before, or its choice

@@ -12,7 +12,10 @@ run's shift for flow matching; DDIMScheduler or DDPMScheduler with the run's bet
 prediction type for DDPM, stepped on the trainer's exact trailing grid at any step count); the VAE and the
 text encoder with its tokenizer: components of the folder (vae/, text_encoder/, tokenizer/) where the run's were local
 folders, else named by hub id in model_index.json (vae_id, text_encoder_id) and loaded from there, or passed to
-from_pretrained. Every sampling setting defaults to the run's
+from_pretrained. A run on a pretrained Stable Diffusion 3 / 3.5 pipeline names that pipeline: its VAE (vae_subfolder),
+its text encoders (sd3_text_encoders: CLIP-L, CLIP-G and T5, or the CLIPs alone), encoded by diffusers' own
+StableDiffusion3Pipeline.encode_prompt, and, for a LoRA export, its transformer (transformer_id), which
+load_lora_weights then adapts. Every sampling setting defaults to the run's
 (model_index.json), and this loop is the trainers' sampler step for step: guidance on the semantic and the
 control condition, only inside the guidance interval, with DDPM's guidance rescale, so the same noise gives the
 images the repository's sample.py gives. A MeanFlow model (sampler "meanflow": it predicts the average velocity u
@@ -92,18 +95,35 @@ class MinimalDiffusionPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
     export holds its base and pytorch_lora_weights.safetensors: load_lora_weights(folder) and set_adapters, as
     diffusers' StableDiffusion3Pipeline (whose LoRA loader this is)."""
 
-    model_cpu_offload_seq = "text_encoder->conditioner->transformer->vae"
-    text_encoder_2 = None  # SD3's second text encoder, which its LoRA loader reads: none here
-    _optional_components = ["vae", "text_encoder", "tokenizer"]
+    model_cpu_offload_seq = "text_encoder->text_encoder_2->text_encoder_3->conditioner->transformer->vae"
+    text_encoder_2 = None  # SD3's second text encoder, which its LoRA loader reads: none but on an SD3 base
+    _optional_components = ["transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
+                            "text_encoder_3", "tokenizer_3"]
 
-    def __init__(self, transformer, conditioner, scheduler, vae=None, text_encoder=None, tokenizer=None,
-                 vae_id=None, text_encoder_id=None, max_tokens=77, num_inference_steps=50, guidance_scale=1.0,
+    def __init__(self, conditioner, scheduler, transformer=None, vae=None, text_encoder=None, tokenizer=None,
+                 text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None, vae_id=None,
+                 text_encoder_id=None, max_tokens=77, num_inference_steps=50, guidance_scale=1.0,
                  control_guidance_scale=0.0, guidance_interval=(0.0, 1.0), guidance_rescale=0.0, sampler="euler",
-                 prediction="v", time_shift=1.0, resolution=None, buckets=None):
+                 prediction="v", time_shift=1.0, resolution=None, buckets=None, vae_subfolder=None,
+                 sd3_text_encoders=None, transformer_id=None):
         super().__init__()
+        if transformer is None and transformer_id:  # an SD3 base's LoRA export: the base's transformer
+            from diffusers import SD3Transformer2DModel
+
+            transformer = SD3Transformer2DModel.from_pretrained(transformer_id, subfolder="transformer")
         if vae is None and vae_id:  # by reference: the run's VAE from its hub id (or folder)
-            vae = AutoencoderKL.from_pretrained(vae_id)
-        if text_encoder is None and text_encoder_id:
+            vae = AutoencoderKL.from_pretrained(vae_id, subfolder=vae_subfolder)
+        sd3 = {}
+        if text_encoder is None and sd3_text_encoders:  # an SD3-family pipeline's text encoders, as it loads them
+            import transformers
+
+            index = DiffusionPipeline.load_config(text_encoder_id)
+            for part in sd3_text_encoders:
+                tok = part.replace("text_encoder", "tokenizer")
+                sd3[part] = getattr(transformers, index[part][1]).from_pretrained(text_encoder_id, subfolder=part)
+                sd3[tok] = getattr(transformers, index[tok][1]).from_pretrained(text_encoder_id, subfolder=tok)
+            text_encoder, tokenizer = sd3.pop("text_encoder"), sd3.pop("tokenizer")
+        elif text_encoder is None and text_encoder_id:
             from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel, T5EncoderModel
 
             kind = AutoConfig.from_pretrained(text_encoder_id).model_type
@@ -113,7 +133,12 @@ class MinimalDiffusionPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(text_encoder_id)
         self.register_modules(transformer=transformer, conditioner=conditioner, scheduler=scheduler, vae=vae,
                               text_encoder=text_encoder, tokenizer=tokenizer)
-        self.register_to_config(vae_id=vae_id, text_encoder_id=text_encoder_id, max_tokens=max_tokens,
+        given = {"text_encoder_2": text_encoder_2, "tokenizer_2": tokenizer_2, "text_encoder_3": text_encoder_3,
+                 "tokenizer_3": tokenizer_3}  # SD3's other two (CLIP-G, T5 unless the run left it out), or None
+        self.register_modules(**{name: sd3.get(name, module) for name, module in given.items()})
+        self.register_to_config(vae_subfolder=vae_subfolder, sd3_text_encoders=sd3_text_encoders,
+                                transformer_id=transformer_id, vae_id=vae_id, text_encoder_id=text_encoder_id,
+                                max_tokens=max_tokens,
                                 num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                                 control_guidance_scale=control_guidance_scale,
                                 guidance_interval=list(guidance_interval),
@@ -143,7 +168,20 @@ class MinimalDiffusionPipeline(DiffusionPipeline, SD3LoraLoaderMixin):
                          f"{'; names: ' + known + (' ...' if c.num_classes > 12 else '') if known else ''})")
 
     def encode_prompt(self, prompts, device):
-        """Token features, mask and pooled vector of the run's text encoder (CLIP's pooler, else the masked mean)."""
+        """Token features, mask and pooled vector of the run's text encoder (CLIP's pooler, else the masked mean); on
+        an SD3 base, what StableDiffusion3Pipeline.encode_prompt makes of them (T5 left out: its zeros)."""
+        if self.config.sd3_text_encoders:
+            from diffusers import StableDiffusion3Pipeline
+
+            sd3 = StableDiffusion3Pipeline(
+                transformer=self.transformer, scheduler=self.scheduler, vae=self.vae, text_encoder=self.text_encoder,
+                tokenizer=self.tokenizer, text_encoder_2=self.text_encoder_2, tokenizer_2=self.tokenizer_2,
+                text_encoder_3=getattr(self, "text_encoder_3", None), tokenizer_3=getattr(self, "tokenizer_3", None))
+            tokens, _, pooled, _ = sd3.encode_prompt(prompts, None, None, device=device,
+                                                     do_classifier_free_guidance=False,
+                                                     max_sequence_length=self.config.max_tokens)
+            return {"text_tokens": tokens.float(), "text_mask": torch.ones(tokens.shape[:2], device=device),
+                    "text_pooled": pooled.float()}
         tok = self.tokenizer(prompts, padding="max_length", max_length=self.config.max_tokens, truncation=True,
                              return_tensors="pt")
         ids, mask = tok.input_ids.to(device), tok.attention_mask.to(device)
