@@ -40,7 +40,8 @@ def test_the_arms_differ_only_where_each_claim_says():
     assert differences(arms["adanorm"], arms["disentangled"]) == {"conditioning.mode"}
     assert differences(arms["disentangled"], arms["zero_padding"]) == {"conditioning.replicate_padding",
                                                                       "conditioning.zero_padding"}
-    assert arms["zero_padding"]["conditioning.zero_padding"] and not arms["zero_padding"]["conditioning.replicate_padding"]
+    zero = arms["zero_padding"]
+    assert zero["conditioning.zero_padding"] and not zero["conditioning.replicate_padding"]
     assert arms["disentangled"]["conditioning.replicate_padding"]  # the paper's padding in the paper's arm
     for cfg in arms.values():
         assert cfg["conditioning.controls"] == ["size"] and cfg["data.source"].endswith("data/mixed_sizes")
