@@ -64,9 +64,11 @@ LENGTH_STEPS = 600  # 97% of the recipe's training CPU at the MeanFlow step's 1.
 LENGTHS = [f"--train.max_steps={LENGTH_STEPS}", "--train.lr_schedule=constant", f"--ckpt.every={LENGTH_STEPS // 8}",
            "--ckpt.keep=8", f"--val.every={LENGTH_STEPS}"]
 SCORED_STEPS = (75, 150, 300, 600)  # 12.1%, 24.3%, 48.5%, 97% of the recipe's training CPU
+# (with the anchor, equal share 0.5 as the recipe: r < t, the JVP's part, is 25% of every arm's batch)
+ANCHOR = ["--objective.meanflow_anchor=0.5", "--objective.meanflow_equal_share=0.5"]
 FINETUNE_ARMS = {"plain": ["--objective.meanflow_anchor=0", "--objective.meanflow_interval_blocks=null"],
-                 "anchor": ["--objective.meanflow_anchor=0.5", "--objective.meanflow_interval_blocks=null"],
-                 "anchor_dmf": ["--objective.meanflow_anchor=0.5", "--objective.meanflow_interval_blocks=2"]}
+                 "anchor": [*ANCHOR, "--objective.meanflow_interval_blocks=null"],
+                 "anchor_dmf": [*ANCHOR, "--objective.meanflow_interval_blocks=2"]}
 AIMS = {1: 3.0, 2: 1.5, 20: 1.2}  # evaluations: the most FD / the recipe's 20-step FD (issue 71, item 3)
 AIM_CPU = 0.5  # at no more than half the recipe's training CPU
 METRICS = ("fd_classifier", "kd_classifier", "precision_classifier", "recall_classifier", "class_accuracy")
