@@ -11,14 +11,12 @@ the two files with any client from the registry (https://registry.npmjs.org/emoj
 emoji-datasource-google-16.0.0.tgz, the same with twitter) into the folder, and run this to check them.
 """
 import argparse
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from training.config.config import ConfigError  # noqa: E402
-from training.data import emoji  # noqa: E402
+from training.data import emoji, npm  # noqa: E402
 
 TOOL = "tools/fetch_emoji.py"
 
@@ -35,14 +33,7 @@ def main(argv=None):
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     if need := [vendor for vendor in emoji.PINNED if not intact(out, vendor)]:
-        if shutil.which("npm") is None:
-            sys.exit(f"{TOOL}: npm not found: install Node.js (npm), or fetch the .tgz files from the registry into "
-                     f"{out} yourself and run this again to check them (this file's docstring)")
-        command = ["npm", "pack", *[f"emoji-datasource-{vendor}@{emoji.VERSION}" for vendor in need],
-                   "--pack-destination", str(out), "--loglevel=warn"]  # npm checks the registry's integrity too
-        print(f"{TOOL}: {' '.join(command)}")
-        if subprocess.run(command, stdout=subprocess.DEVNULL).returncode:
-            sys.exit(f"{TOOL}: npm pack failed (its message above)")
+        npm.pack([f"emoji-datasource-{vendor}@{emoji.VERSION}" for vendor in need], out, TOOL)
     try:
         rows = emoji.table(out)[0]  # each file's integrity checked again, then read
     except ConfigError as e:

