@@ -571,6 +571,14 @@ def test_a_text_export_carries_a_local_text_encoder_and_its_card_names_it_the_te
     assert "Copyright 2019 Twitter, Inc and other contributors" in licences[2] and "CC-BY 4.0" in licences[2]
     assert model_card.licence_lines("fashion_mnist")[2].endswith("MIT License, Copyright 2017 Zalando SE")
     assert model_card.licence_lines("/data/mine") == [] and model_card.licence_lines("embedded") == []
+    own = tmp_path / "own"  # the user's own data says its terms in LICENCES.txt; a pattern or a file finds it
+    own.mkdir()
+    (own / model_card.LICENCES).write_text("Photos: CC-BY 4.0, Jane Doe\n\nLogos: used with permission\n")
+    terms = ["## Licences of the training images", "", "- Photos: CC-BY 4.0, Jane Doe", "- Logos: used with "
+             "permission", ""]
+    for source in (str(own), f"{own}/", f"{own}/{{00000..00009}}.tar", f"{own}/train-*.parquet", f"{own}/a.parquet"):
+        assert model_card.licence_lines(source) == terms, source
+    assert model_card.licence_lines(str(tmp_path)) == []  # the folder above says nothing
 
     cfg["encoders"]["text_encoder"] = "openai/clip-vit-large-patch14"  # a hub id: a reference, nothing copied
     folder = pipeline_export.write(model, cfg, run / "export", None, run)

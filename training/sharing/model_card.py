@@ -19,6 +19,7 @@ from training.run import hub
 from training.record import curves
 
 GRID = "samples.png"  # the run's last validation grid, copied beside the card
+LICENCES = "LICENCES.txt"  # beside the user's own data: one term of its images a line, copied to the card
 LORA = "lora.json"  # a LoRA run's record beside its export (lora_record): what the card says of the adaptation
 
 
@@ -188,12 +189,23 @@ def metadata(cfg, text):
     return "\n".join(lines + ["---"])
 
 
+def local_folder(source):
+    """The folder of the user's own data: the source's path, the folder of a file, or of a shard pattern."""
+    head = re.split(r"[{*?\[]", source)[0]  # up to the first wildcard of a pattern
+    local = Path(head or "/").expanduser()
+    return local if head.endswith("/") or local.is_dir() else local.parent
+
+
 def licence_lines(source):
     """The terms of the training images where the source is one this repository names (emoji: the packages and
-    each vendor's images, Twemoji's with the attribution CC-BY 4.0 requires; the MNIST digits; Fashion-MNIST); none
-    for the user's own data, whose terms the card cannot know."""
+    each vendor's images, Twemoji's with the attribution CC-BY 4.0 requires; the MNIST digits; Fashion-MNIST). The
+    user's own data has terms the card cannot know unless its folder says: each non-empty line of its
+    LICENCES.txt is one term, copied (benchmarks/emoji_claims.py writes one beside the emoji it resizes)."""
     terms = (emoji.LICENCES if emoji.is_source(source) else digits.LICENCES if digits.is_source(source) else
              [fashion_mnist.LICENCE] if source == fashion_mnist.SOURCE else [])
+    if not terms and source != "embedded" and not on_hub(source):
+        written = local_folder(source) / LICENCES
+        terms = [t.strip() for t in written.read_text().splitlines() if t.strip()] if written.is_file() else []
     return ["## Licences of the training images", "", *[f"- {t}" for t in terms], ""] if terms else []
 
 
