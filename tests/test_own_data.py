@@ -228,6 +228,7 @@ def test_a_local_folder_opens_without_datasets_download_bars(tmp_path, capfd):
     assert are_progress_bars_disabled() == was  # the switch set back
 
 
+@pytest.mark.slow  # about 1.5 s: the fast tier keeps its 60 s on 2 cores
 def test_unset_num_classes_is_read_from_class_names_never_the_demo_default(tmp_path):
     lines = []
     open_splits(data_cfg(), lines.append)  # the embedded demo: its 9 ClassLabel names

@@ -42,6 +42,7 @@ def test_it_trains_on_the_training_split_alone_and_holds_rows_out_for_the_probes
         assert set(record[name]) == {"knn_accuracy", "linear_probe_accuracy", "token_cosine_between_images"}
 
 
+@pytest.mark.slow  # about 1.5 s: the fast tier keeps its 60 s on 2 cores
 def test_both_folders_load_through_the_hub_id_path_with_the_training_normalisation(made):
     _, out, record, _ = made
     for name in ("trained", "random"):

@@ -92,6 +92,7 @@ def assert_same_shards(a, b):
         assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
 
 
+@pytest.mark.slow  # about 1.5 s: the fast tier keeps its 60 s on 2 cores
 def test_streamed_cache_is_the_same_for_1_and_2_processes_and_workers_and_resumes(wds, tmp_path, capsys):
     cfg1 = config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "one", workers=0))
     cfg2 = config.load_config(fm.DEFAULTS, stream_args(wds, tmp_path / "two", workers=2))
