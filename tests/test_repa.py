@@ -155,6 +155,23 @@ def test_start_up_problems_name_the_key(tiny_dino, tiny_text_encoder, tiny_vae):
     assert repa.problems(off) == []  # off: nothing is read
 
 
+def test_the_block_is_checked_against_an_sd3_bases_own_depth(tiny_dino, tiny_sd3):
+    """With an SD3-family init_from the model is the base's transformer (2 blocks in tiny_sd3), whatever
+    model.num_layers says: its depth, not model.num_layers, bounds objective.repa_block."""
+    def problems(block, num_layers):
+        cfg = run_config(tiny_dino, repa_block=block)
+        cfg.init_from, cfg.model.num_layers = tiny_sd3, num_layers
+        return repa.problems(cfg)
+
+    assert problems(2, num_layers=1) == []  # the base's last block, past model.num_layers
+    assert problems(3, num_layers=4) == [f"objective.repa_block=3 is past the model's last block (init_from="
+                                         f"{tiny_sd3!r} has 2 blocks): choose 1 .. 2 (REPA: 4 of 12 blocks for "
+                                         f"B-sized models, 8 of 28 for XL)"]
+    cfg = run_config(tiny_dino, repa_block=3)
+    cfg.model.num_layers = 2  # no base: model.num_layers bounds it
+    assert "past the model's last block (model.num_layers=2)" in repa.problems(cfg)[0]
+
+
 @pytest.mark.slow
 def test_a_run_with_repa_resumes_bitwise_logs_its_term_and_exports_without_the_projector(tmp_path, tiny_dino):
     """Flow matching with REPA (targets cached with the rows, HASTE's stop at step 4), 6 steps straight against

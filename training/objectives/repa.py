@@ -21,7 +21,7 @@ import math
 import torch.nn as nn
 import torch.nn.functional as F
 
-from training.data import repa_targets
+from training.data import repa_targets, sd3_base
 
 SPATIAL_GAMMA = 0.6  # iREPA's spatial normalisation: y - gamma mean_n(y), over std_n (its default zscore_alpha)
 
@@ -130,10 +130,12 @@ def problems(cfg):
     obj, out = cfg["objective"], []
     if not obj.get("repa_weight"):
         return out
-    layers = cfg["model"]["num_layers"]
+    base = sd3_base.is_base(cfg.get("init_from"))  # an SD3-family base brings its own depth; model.* is not read
+    layers = sd3_base.transformer_config(cfg["init_from"])["num_layers"] if base else cfg["model"]["num_layers"]
     if obj["repa_block"] > layers:
-        out.append(f"objective.repa_block={obj['repa_block']} is past the model's last block (model.num_layers="
-                   f"{layers}): choose 1 .. {layers} (REPA: 4 of 12 blocks for B-sized models, 8 of 28 for XL)")
+        depth = f"init_from={cfg['init_from']!r} has {layers} blocks" if base else f"model.num_layers={layers}"
+        out.append(f"objective.repa_block={obj['repa_block']} is past the model's last block ({depth}): choose "
+                   f"1 .. {layers} (REPA: 4 of 12 blocks for B-sized models, 8 of 28 for XL)")
     try:
         enc = repa_targets.encoder_config(obj["repa_encoder"])
         if not isinstance(getattr(enc, "patch_size", None), int) or not hasattr(enc, "hidden_size"):
