@@ -81,14 +81,14 @@ def data_stage(args):
 
     import common
     from training.data import emoji
-    from training.sharing import model_card
+    from training.sharing import public
 
     if not common.interactive():
         datasets.disable_progress_bars()  # a log file: one plain line a split, not a bar redrawn
     folder = data_folder(args)
     folder.mkdir(parents=True, exist_ok=True)
-    # the images' terms, which the model card of every run on this folder copies (model_card.licence_lines)
-    (folder / model_card.LICENCES).write_text("\n".join(emoji.LICENCES) + f", then box-downsampled to a side drawn "
+    # the images' terms, which the model card of every run on this folder copies (public.licence_lines)
+    (folder / public.LICENCES).write_text("\n".join(emoji.LICENCES) + f", then box-downsampled to a side drawn "
                                               f"in {SIDES[0]}-{SIDES[1]} px\n")
     if (folder / "sides.json").is_file():
         print(f"{folder}: made")

@@ -353,9 +353,9 @@ def test_the_image_tools_read_a_text_recipe_that_names_the_folders_they_build(pa
 
 
 def test_a_model_card_names_the_packages_not_the_folder():
-    from training.sharing import model_card
+    from training.sharing import public
 
-    name = model_card.data_name("emoji:/home/someone/private/emoji")
+    name = public.data_name("emoji:/home/someone/private/emoji")
     assert name == "`emoji` (the images of emoji-datasource-google and -twitter 16.0.0)" and "someone" not in name
 
 

