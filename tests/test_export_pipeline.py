@@ -439,10 +439,12 @@ def test_the_cards_scores_are_the_runs_not_tune_pys_search(tmp_path):
     assert [line.split(" | ")[:3] for line in table[2:]] == [
         ["| fid_clean_10k", "12.3456", "the run's own"],  # fake_run's
         ["| fd_classifier_10k", "1.5500", "the run's own"],
-        ["| fd_classifier_10k", "1.3000", "guidance_scale 5.0, not 7.0"],
+        ["| fd_classifier_10k", "1.3000", "steps 32, not 16; guidance_scale 5.0, not 9.0 (against tools/tune.py's "
+                                          "choice)"],  # the card's defaults are tune.py's: what differs from them
         ["| fd_classifier_10k", "1.2000", "tools/tune.py's choice (tuned.json)"],
         ["| fd_classifier_10k", "9.0000", "the run's own"],
-        ["| fd_classifier_2k", "4.5000", "guidance_scale 5.0, not 7.0"],  # the user's own, on the held-out rows
+        ["| fd_classifier_2k", "4.5000", "steps 32, not 16; guidance_scale 5.0, not 9.0 (against tools/tune.py's "
+                                         "choice)"],  # the user's own, on the held-out rows
         ["| class_accuracy", "0.8765", "not recorded"]]  # quality.jsonl; not the search's point at the run's setting
     assert ("16 more evaluations of these weights, run by tools/tune.py (or tools/phema.py --sweep) on the held-out "
             "rows, chose a setting; they do not score it: not shown.") in text

@@ -208,7 +208,7 @@ def evaluations(cfg, run_dir, phema=None, tuned=None, repo=None):
     what ran it, never its settings) chose a setting on the held-out rows and does not score the model: it is left
     out, and counted. Every other row says its setting: the run's own, tune.py's choice (`tuned`: the tuned.json
     chosen for these weights, tuning.export_choice; a choice made for other weights labels nothing), or what
-    differs; its metric names its bucket (a run with data.buckets scored at one shape), its protocol the reference's
+    differs from the card's defaults (tune.py's choice where there is one, else the run's own); its metric names its bucket (a run with data.buckets scored at one shape), its protocol the reference's
     image count, its warnings eval_fid.py's (a reference too small for the Frechet distance). No path of the
     machine that trained appears (public.command_of, public.source_name)."""
     best = tuned["best"] if tuned else None
@@ -224,8 +224,12 @@ def evaluations(cfg, run_dir, phema=None, tuned=None, repo=None):
             left_out += 1
             continue
         differs = curves.sampling_differences(r, cfg)
-        setting = ("the run's own" if not differs else "tools/tune.py's choice (tuned.json)"
-                   if as_tuned and not curves.sampling_differences(r, as_tuned) else "; ".join(differs))
+        if as_tuned and differs:  # the card's defaults are tune.py's choice: a row says how it differs from them
+            from_tuned = curves.sampling_differences(r, as_tuned)
+            setting = ("; ".join(from_tuned) + " (against tools/tune.py's choice)" if from_tuned else
+                       "tools/tune.py's choice (tuned.json)")
+        else:
+            setting = "; ".join(differs) or "the run's own"
         ref = r.get("reference") or {}
         # The command as eval_fid.py's: a report records the program that ran it (a benchmark) before eval_fid.py's
         # own arguments, which alone reproduce the report.
