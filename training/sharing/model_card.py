@@ -209,8 +209,9 @@ def evaluations(cfg, run_dir, phema=None, tuned=None, repo=None):
     out, and counted. Every other row says its setting: the run's own, tune.py's choice (`tuned`: the tuned.json
     chosen for these weights, tuning.export_choice; a choice made for other weights labels nothing), or what
     differs from the card's defaults (tune.py's choice where there is one, else the run's own); its metric names
-    its bucket (a run with data.buckets scored at one shape), its protocol the reference's image count, its warnings eval_fid.py's (a reference too small for the Frechet distance). No path of the
-    machine that trained appears (public.command_of, public.source_name)."""
+    its bucket (a run with data.buckets scored at one shape), its protocol the reference's image count, its
+    warnings eval_fid.py's (a reference too small for the Frechet distance). No path of the machine that trained
+    appears (public.command_of, public.source_name)."""
     best = tuned["best"] if tuned else None
     as_tuned = best and {**cfg, "val": {**cfg["val"], **{k: best[k] for k in ("guidance_scale", "guidance_interval",
                                                                              "steps")}}}  # the run at tune.py's choice
