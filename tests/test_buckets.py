@@ -114,6 +114,7 @@ def test_batches_hold_one_bucket_every_image_once_an_epoch_same_after_resume_dis
     assert same_bucket(ds, [0, 20, 1, 40, 14], 2) == [[0, 1], [20, 14], [40]]  # held-out rows: batches of one bucket
 
 
+@pytest.mark.slow
 def test_a_bucket_smaller_than_a_global_batch_is_merged_into_its_neighbours(tmp_path, capsys):
     import datasets
 
@@ -150,6 +151,7 @@ def image_rows(sizes):
     return ds.cast_column("image", datasets.Image(decode=False))
 
 
+@pytest.mark.slow
 def test_the_heldout_images_crops_are_counted_beside_the_training_images(capsys):
     """The held-out rows (validation's, and eval_fid.py's reference images) are cropped to their nearest kept bucket
     too, so the start-up prints their table: here the square bucket merged into 22x46 (3 images under a global batch

@@ -119,6 +119,7 @@ def write_run(folder, mode, seed):
                                                   for i, s in enumerate(STEPS)))
 
 
+@pytest.mark.slow
 def test_compare_writes_every_section_and_plot_with_the_right_numbers(tmp_path):
     sweep = tmp_path / "sweep"
     runs = []

@@ -46,6 +46,7 @@ def test_true_velocity_has_zero_loss_and_the_sign_flipped_one_a_large_loss():
     assert flipped.min().item() > 1.0
 
 
+@pytest.mark.slow
 def test_path_and_target_match_torchcfm_with_its_reversed_time():
     """torchcfm's ConditionalFlowMatcher(sigma=0) runs from noise (its x0, t = 0) to data (its x1, t = 1):
     x_t = t x1 + (1 - t) x0, u_t = x1 - x0. Ours at t is theirs at 1 - t, with the velocity of opposite sign."""

@@ -188,6 +188,7 @@ def test_a_named_reference_that_is_missing_or_lacks_the_method_stops_the_run(ref
         curves.load(cfg)
 
 
+@pytest.mark.slow
 def test_the_report_draws_the_run_over_the_band(reference_file, tmp_path):
     run = fake_run(tmp_path / "new", 7, [0.5, 0.4, 0.31], fd=11.5)
     cfg = json.loads((run / "config.json").read_text())

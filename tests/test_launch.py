@@ -137,6 +137,7 @@ def test_sbatch_without_a_command_prints_its_usage(tmp_path, script):
     assert done.returncode == 2 and f"usage: sbatch launch/{script} " in done.stderr
 
 
+@pytest.mark.slow
 def test_the_sharded_script_runs_the_same_tasks_with_sharding_on_and_expandable_segments(tmp_path):
     (tmp_path / "ddp").mkdir(), (tmp_path / "fsdp").mkdir()
     batch_ddp, _ = run_sbatch(tmp_path / "ddp", 0)

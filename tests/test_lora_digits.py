@@ -90,6 +90,7 @@ def test_each_row_is_the_packages_digit_byte_for_byte_with_its_class(package):
             assert pixels.shape == (28, 28) and want[pixels.tobytes()] == row["label"]
 
 
+@pytest.mark.slow
 def test_the_split_is_fixed_by_the_pixels_deterministic_disjoint_and_whole(package, tmp_path):
     """Every image in exactly one split; the same rows on a second read; the same sides when the package lists its
     images in another order (the rule reads pixels, never positions); test about 20% and validation about 5%."""

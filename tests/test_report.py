@@ -168,6 +168,7 @@ def test_command_line_has_help_and_refuses_a_folder_that_is_not_a_run(tmp_path, 
     assert report.main([str(tmp_path / "run")]) == [tmp_path / "run" / "report.md"]
 
 
+@pytest.mark.slow
 def test_quality_beyond_fid_evaluations_and_human_ratings(tmp_path):
     """precision/recall/density/coverage and FD-DINOv2 rows get a plot panel and last values; eval_fid.py's reports
     and the run's votes (tools/rate.py's ratings.jsonl) get their sections, with the tally and interval."""

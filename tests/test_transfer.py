@@ -123,6 +123,7 @@ def test_shifted_ddpm_schedule_is_monotone_keeps_zero_terminal_snr_and_matches_t
 # ---- class mapping ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_class_embeddings_are_mapped_by_wordnet_id_from_imagenet_22k_to_1k():
     from timm.data import ImageNetInfo
 

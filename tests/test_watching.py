@@ -198,6 +198,7 @@ def test_a_grid_of_one_image_is_padded_and_labelled_like_any_other(tmp_path):
     assert (np.asarray(one.convert("L"))[cell:, 2:cell] < 128).any()  # the label under the cell
 
 
+@pytest.mark.slow
 def test_validation_prompts_are_class_names_captions_or_the_prompts_file(tmp_path):
     from training.data.classes import readable_names
     from training.data.classes import validation_prompts
