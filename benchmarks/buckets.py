@@ -184,7 +184,8 @@ def layout(args):
     import train_flow_matching as fm
     from training.config import config
     from training.data.batching import iterate_batches
-    from training.data.cache import CachedDataset, build_cache
+    from training.data.cache import build_cache
+    from training.data.cache_shards import CachedDataset
 
     ds = datasets.load_dataset("parquet", data_files={"train": str(Path(args.out) / "data" / "train" / "*.parquet")},
                                split="train").select(range(args.layout_images)).cast_column(

@@ -29,7 +29,8 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from training.config import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
-from training.data.cache import CachedDataset, build_cache  # noqa: E402
+from training.data.cache import build_cache  # noqa: E402
+from training.data.cache_shards import CachedDataset  # noqa: E402
 from training.data.encoders import make_encode  # noqa: E402
 from training.data.encoding import cache_size, human_bytes  # noqa: E402
 from training.data.sources import open_splits  # noqa: E402

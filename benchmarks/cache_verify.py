@@ -1,6 +1,6 @@
 """Feeds docs/benchmarks.md, "Numbers kept in other docs": docs/tests.md.
 
-What does verifying the cache at start-up cost? Time per shard and MB/s of cache.shard_damage with
+What does verifying the cache at start-up cost? Time per shard and MB/s of cache_shards.shard_damage with
 data.verify_cache on (checksum of every tensor and a finite check) and off (headers only), on a synthetic
 shard shaped like an ImageNet 256 px latent shard (1024 rows of 4 x 32 x 32 posterior mean and std, float16,
 with the control metadata and labels). The start-up check reads the cache once, split over the processes:
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training.data.cache import shard_damage, tensors_sha256  # noqa: E402
+from training.data.cache_shards import shard_damage, tensors_sha256  # noqa: E402
 
 
 def main():

@@ -38,7 +38,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from training.config import config  # noqa: E402
 import train_flow_matching as fm  # noqa: E402
-from training.data import cache  # noqa: E402
+from training.data import cache, cache_shards  # noqa: E402
 from training.data.sources import open_splits  # noqa: E402
 
 
@@ -91,7 +91,7 @@ def former_fingerprint(root):
 def former_check(folder):
     """The cache check a start did before with data.verify_cache=true: every shard's contents verified."""
     manifest = json.loads((folder / "manifest.json").read_text())
-    return [cache.shard_damage(folder / name, True, manifest["sha256"][name]) for name in manifest["shards"]]
+    return [cache_shards.shard_damage(folder / name, True, manifest["sha256"][name]) for name in manifest["shards"]]
 
 
 def main():

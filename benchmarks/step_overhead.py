@@ -125,7 +125,7 @@ if __name__ == "__main__":
         fm.main(overrides)
         logs = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
         monitor.Monitor.optimizer_step, monitor.Monitor.log_interval = optimizer_step, log_interval  # unpatched
-        from training.data.cache import CachedDataset
+        from training.data.cache_shards import CachedDataset
         ms = parts(cfg, CachedDataset(next(Path(tmp, "cache").glob("*-train-*"))))
         trainer = [m["images_per_s"] for m in logs if "images_per_s" in m][1:]
         wait = statistics.median(m["data_wait_share"] for m in logs if "images_per_s" in m)

@@ -23,7 +23,8 @@ from conftest import ROOT, TINY_MODEL
 from training.config import config
 from training.data import buckets
 from training.data.batching import bucket_order, iterate_batches, same_bucket
-from training.data.cache import CachedDataset, build_cache
+from training.data.cache import build_cache
+from training.data.cache_shards import CachedDataset
 from training.data.sources import preprocess
 from training.evaluation import generation, reference
 from training.record import runlog

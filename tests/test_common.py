@@ -11,7 +11,8 @@ from PIL import Image
 import common
 from training.config import config
 from training.data.batching import iterate_batches
-from training.data.cache import CachedDataset, build_cache
+from training.data.cache import build_cache
+from training.data.cache_shards import CachedDataset
 from training.data.encoders import encode_text, load_encoders
 from training.data.sources import DEMO_COLORS, load_image, make_demo_dataset, open_splits, preprocess
 from training.run import checkpoints

@@ -19,7 +19,7 @@ import eval_fid  # noqa: E402
 import train_flow_matching  # noqa: E402
 from training.config import config  # noqa: E402
 from training.data import fashion_mnist  # noqa: E402
-from training.data.sources import open_dataset, open_splits  # noqa: E402
+from training.data.sources import open_dataset  # noqa: E402
 from training.evaluation import classifier  # noqa: E402
 
 installed = pytest.mark.skipif(not (fashion_mnist.FOLDER / fashion_mnist.FILES["train"][0]).is_file(),

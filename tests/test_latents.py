@@ -25,7 +25,7 @@ from test_robustness import assert_same_checkpoint
 from tools import autoencoder as autoencoder_tool
 from training.evaluation.reference import split_images
 from training.config import config
-from training.data import cache, fashion_mnist, latents
+from training.data import cache, cache_shards, fashion_mnist, latents
 from training.data.encoders import decode, make_encode
 from training.evaluation import classifier, generation
 from training.sharing import model_card
@@ -213,7 +213,8 @@ def test_planted_wrong_factors_stop_the_run_with_the_factors_that_fix_them(tmp_p
         assert (float(fix[1]), float(fix[2])) == pytest.approx((1 / std, mean), rel=0.02)
         assert line.endswith("or encoders.latent_check='warn' to train on them as they are")
         assert not (tmp_path / "planted" / "checkpoints").exists()  # stopped before any training
-    dataset = cache.CachedDataset(max((tmp_path / "cache").glob("embedded-train-*"), key=lambda p: p.stat().st_mtime))
+    newest = max((tmp_path / "cache").glob("embedded-train-*"), key=lambda p: p.stat().st_mtime)
+    dataset = cache_shards.CachedDataset(newest)
     vae = AutoencoderKL.from_pretrained(folder)
     warned = latents.check_scale(dataset, vae, config.Config(vae=str(folder), latent_check="warn"))
     assert abs(warned[0]) > 1 and "warning: encoders.vae=" in capsys.readouterr().out

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 import common
 from training.config import config
-from training.data.cache import CachedDataset, build_cache
+from training.data.cache import build_cache
+from training.data.cache_shards import CachedDataset
 from training.data.sources import open_splits
 from training.run import checkpoints
 from training.record import runlog
@@ -292,7 +293,7 @@ def test_damaged_shard_contents_are_detected_and_rebuilt(tmp_path, capsys):
         assert f"{shard} is damaged ({reason}" in out and "1 (re)built" in out and sum(calls) == 32 + 1
         assert all(torch.equal(original[k], v) for k, v in load_file(str(shard)).items())
     # NaNs written with a matching checksum, in a folder whose manifest was lost: damage too.
-    from training.data.cache import tensors_sha256
+    from training.data.cache_shards import tensors_sha256
 
     poisoned = {k: v.clone() for k, v in original.items()}
     poisoned["x"][3] = float("nan")
@@ -319,10 +320,10 @@ def test_damaged_shard_contents_are_detected_and_rebuilt(tmp_path, capsys):
 def test_a_warm_start_reads_headers_and_reverifies_only_changed_shards(tmp_path, capsys, monkeypatch):
     """Contents are verified when a shard is written (read back) and whenever its file changed since; an
     unchanged cache is checked from headers alone, so a start does not read the whole cache."""
-    from training.data import cache
+    from training.data import cache, cache_shards
 
-    hashed, real_sha = [], cache.tensors_sha256
-    monkeypatch.setattr(cache, "tensors_sha256", lambda tensors: hashed.append(1) or real_sha(tensors))
+    hashed, real_sha = [], cache_shards.tensors_sha256
+    monkeypatch.setattr(cache_shards, "tensors_sha256", lambda tensors: hashed.append(1) or real_sha(tensors))
     build, calls = small_cache(tmp_path)
     folder = build()
     assert len(hashed) == 2 * 3  # each of the 3 shards: its checksum as written, then verified from the file

@@ -18,7 +18,8 @@ from training.data import cache
 from training.data import encoders
 import train_flow_matching as fm
 from conftest import DEMO_WORDS, tiny_run_args
-from training.data.cache import CachedDataset, build_cache
+from training.data.cache import build_cache
+from training.data.cache_shards import CachedDataset
 from training.data.encoders import encode_text, make_encode
 from training.data.encoding import cache_size, samples_per_shard
 from training.data.sources import open_splits

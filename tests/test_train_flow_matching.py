@@ -10,7 +10,7 @@ import torch
 from diffusers import SD3Transformer2DModel
 from safetensors.torch import load_file
 
-from training.data.cache import CachedDataset
+from training.data.cache_shards import CachedDataset
 from training.model.mmdit import load_exported
 import train_flow_matching as fm
 from conftest import ROOT, tiny_run_args
