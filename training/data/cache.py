@@ -203,14 +203,20 @@ def write_shards(ds, todo, path_of, encode, data, names, text, rows, accelerator
 
 
 def cached_split(cfg, part, ds, encode, accelerator, signals=None):
-    """Split `part` ("train" or "val") of `ds` as a CachedDataset: its key -> folder (locate_cache), each rank
-    checks its share of the shards; hit: nothing to do; miss: the missing or damaged shards are encoded with
-    `encode` and written (write_cache). Then the memory-mapped shards, read lazily."""
+    """Split `part` ("train" or "val") of `ds` as a CachedDataset (build_cache, then the memory-mapped shards,
+    read lazily)."""
+    return CachedDataset(build_cache(ds, part, encode, accelerator, cfg, signals))
+
+
+def build_cache(ds, part, encode, accelerator, cfg, signals=None):
+    """The cache of split `part` of `ds`: its key -> folder (locate_cache), each rank checks its share of the
+    shards; hit: nothing to do; miss: the missing or damaged shards are encoded with `encode` and written
+    (write_cache). Returns its folder."""
     where = locate_cache(cfg, part, ds, accelerator)  # key -> folder: a hash of all that changes it
     todo = check_cache(where, cfg, accelerator)  # each rank checks its share of the shards
     if any(todo):  # miss: the missing or damaged shards are encoded and written (hit: nothing to do)
         write_cache(where, todo, encode, cfg, accelerator, signals)
-    return CachedDataset(where.folder)
+    return where.folder
 
 def locate_cache(cfg, part, ds, accelerator):
     """Where split `part` ("train" or "val") of `ds` is cached: a folder named by a hash of its key (everything
@@ -354,16 +360,6 @@ def write_manifest(cache, built, accelerator):
         accelerator.print(f"cache {'hit' if not built else 'ready'} ({cache.part}): {folder}, {len(shards)} shards"
                           + (f", {built} (re)built" if built else ", all sound"))
     accelerator.wait_for_everyone()
-
-
-def build_cache(ds, part, encode, accelerator, cfg, signals=None):
-    """The cache of split `part` of `ds`, as the trainers run it: locate -> check -> hit, or write what is
-    missing or damaged. Returns its folder."""
-    cache = locate_cache(cfg, part, ds, accelerator)
-    todo_by_rank = check_cache(cache, cfg, accelerator)
-    if any(todo_by_rank):
-        write_cache(cache, todo_by_rank, encode, cfg, accelerator, signals)
-    return cache.folder
 
 
 def explain_miss(folder, key, part, accelerator):
